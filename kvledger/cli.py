@@ -1,0 +1,209 @@
+"""`kvledger ...`: the command line.
+
+Bad input exits 2 with one line on stderr (`kvledger: error: ...`), never a traceback.
+With `--json`, a command prints exactly one JSON object on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+from rich.console import Console
+
+EXIT_USAGE = 2
+
+
+class CliError(Exception):
+    """Bad input: reported as one line on stderr, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        _fail(f"{self.prog}: {message}")
+
+
+def _fail(message: str, code: int = EXIT_USAGE) -> NoReturn:
+    print(f"kvledger: error: {message}", file=sys.stderr)
+    raise SystemExit(code)
+
+
+def emit_json(obj: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(obj, separators=(",", ":"), default=str) + "\n")
+
+
+def _spec(name: str):
+    from kvledger.core import ModelSpec
+
+    try:
+        return ModelSpec.preset(name)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+
+
+def _pairs(text: str, what: str) -> dict[str, float]:
+    """'agent=0.5,chatbot=0.5' → {'agent': 0.5, 'chatbot': 0.5}."""
+    out: dict[str, float] = {}
+    for part in filter(None, text.split(",")):
+        name, sep, value = part.partition("=")
+        try:
+            if not sep or not name:
+                raise ValueError
+            out[name.strip()] = float(value)
+        except ValueError:
+            raise CliError(f"{what}: expected NAME=NUMBER[,NAME=NUMBER...], got {text!r}") from None
+    return out
+
+
+# --- plan ------------------------------------------------------------------------
+
+def cmd_plan(args: argparse.Namespace) -> None:
+    from kvledger.core import Link, Traffic, plan
+    from kvledger.core.plan import DEFAULT_TTL_DAYS
+    from kvledger.render import plan_json, plan_table
+
+    spec = _spec(args.model)
+    if args.tokens < 0:
+        raise CliError("--tokens must be >= 0")
+    try:
+        traffic = Traffic(requests_per_day=args.requests_per_day, reuse=args.reuse, output_tokens=args.output_tokens,
+                          mix=_pairs(args.mix, "--mix"), ttl_days={**DEFAULT_TTL_DAYS, **_pairs(args.ttl, "--ttl")})
+        link = Link(fetch_bytes_per_s=args.fetch_gbps * 1e9, fetch_latency_s=args.fetch_latency_ms / 1e3,
+                    prefill_tokens_per_s=args.prefill_tps)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    p = plan(spec, args.tokens, traffic, link)
+    if args.json:
+        emit_json(plan_json(p))
+    else:
+        plan_table(p, Console())
+
+
+# --- diff ------------------------------------------------------------------------
+
+def _read_prompt(arg: str, encode: Callable[[str], list[int]] | None) -> tuple[list[int], bool]:
+    """A JSON list of token ids (inline or in a file) or a text file. Returns (tokens, was_text)."""
+    if arg.lstrip().startswith("["):
+        content = arg
+    else:
+        try:
+            content = Path(arg).read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise CliError(f"{arg}: no such file (give a text file, or a JSON list of token ids)") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise CliError(f"{arg}: cannot read ({e})") from None
+    stripped = content.lstrip()
+    if stripped.startswith("["):
+        try:
+            data = json.loads(content)
+        except json.JSONDecodeError as e:
+            raise CliError(f"{arg}: not a JSON list of token ids ({e.msg} at line {e.lineno})") from None
+        if not isinstance(data, list):
+            raise CliError(f"{arg}: not a JSON list of token ids")
+        for i, t in enumerate(data):
+            if type(t) is not int or not 0 <= t < 2**32:
+                raise CliError(f"{arg}: item {i} is {t!r}, not a token id (an integer in [0, 2**32))")
+        return data, False
+    if encode is None:
+        raise CliError(f"{arg}: is text; a tokenizer is needed (--tokenizer)")
+    return encode(content), True
+
+
+def cmd_diff(args: argparse.Namespace) -> None:
+    from kvledger.core import diff_prompts
+    from kvledger.render import diff_json, diff_view
+
+    spec = _spec(args.model)
+    tok = None
+
+    def encode(text: str) -> list[int]:
+        nonlocal tok
+        if tok is None:
+            from kvledger.entrypoint.tokenizer import TokenizerError, load_tokenizer
+
+            try:
+                tok = load_tokenizer(args.tokenizer)
+            except TokenizerError as e:
+                raise CliError(str(e)) from None
+        return tok.encode(text).ids
+
+    a, _ = _read_prompt(args.a, encode)
+    b, _ = _read_prompt(args.b, encode)
+    d = diff_prompts(a, b, spec, args.namespace)
+    decode = (lambda ids: tok.decode(ids, skip_special_tokens=False)) if tok is not None else None
+    if args.json:
+        emit_json(diff_json(d, a, b, spec.name, decode))
+    else:
+        diff_view(d, a, b, spec.name, Console(), decode)
+
+
+# --- demo ------------------------------------------------------------------------
+
+def cmd_demo(args: argparse.Namespace) -> None:
+    from kvledger.demo import run_demo
+
+    run_demo(Console())
+
+
+# --- parser ----------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    from kvledger.core import ModelSpec
+
+    models = ", ".join(ModelSpec.presets())
+    p = _Parser(prog="kvledger", description="kvledger: a shared, persistent KV-cache tier for LLM serving.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    pl = sub.add_parser("plan", help="capacity and bandwidth figures for a model and a prompt length")
+    pl.add_argument("--model", default="deepseek-v4.1-flash", help=f"one of: {models}")
+    pl.add_argument("--tokens", type=int, required=True, help="prompt length in tokens")
+    pl.add_argument("--requests-per-day", type=float, default=100_000)
+    pl.add_argument("--reuse", type=float, default=0.56, help="share of prompt tokens served from cache")
+    pl.add_argument("--output-tokens", type=int, default=0, help="decode tokens stored per request")
+    pl.add_argument("--mix", default="agent=0.5,chatbot=0.5", help="share of requests per TTL class")
+    pl.add_argument("--ttl", default="", help="TTL days per class, e.g. agent=3,chatbot=7 (the defaults)")
+    pl.add_argument("--fetch-gbps", type=float, default=10.0, help="storage → host GB/s of one engine (assumed)")
+    pl.add_argument("--fetch-latency-ms", type=float, default=1.0, help="fixed cost of one fetch")
+    pl.add_argument("--prefill-tps", type=float, default=131072 / 13,
+                    help="prefill tokens/s (default: DESIGN.md's 128K tokens in 13 s)")
+    pl.add_argument("--json", action="store_true", help="print one JSON object")
+    pl.set_defaults(func=cmd_plan)
+
+    df = sub.add_parser("diff", help="where two prompts diverge and how many blocks of B hit after A")
+    df.add_argument("a", help="prompt A: a text file, or a JSON list of token ids (inline or in a file)")
+    df.add_argument("b", help="prompt B, likewise")
+    df.add_argument("--model", default="deepseek-v4.1-flash", help=f"one of: {models}")
+    df.add_argument("--tokenizer", default="smollm2", help="for text prompts: smollm2, a .gguf or a tokenizer.json")
+    df.add_argument("--namespace", default="default")
+    df.add_argument("--json", action="store_true", help="print one JSON object")
+    df.set_defaults(func=cmd_diff)
+
+    dm = sub.add_parser("demo", help="the main job on built-in examples")
+    dm.set_defaults(func=cmd_demo)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except CliError as e:
+        _fail(str(e))
+    except KeyboardInterrupt:
+        _fail("interrupted", 130)
+    except BrokenPipeError:
+        os._exit(0)  # a closed pipe (kvledger ... | head) is not an error
+    except Exception as e:  # a bug: one line, unless asked for the traceback
+        if os.environ.get("KVLEDGER_DEBUG"):
+            raise
+        _fail(f"internal error: {type(e).__name__}: {e} (KVLEDGER_DEBUG=1 shows the traceback)", 1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,22 @@
+"""Pure logic of kvledger: no I/O, no network, no torch; imports nothing of the other packages."""
+
+from kvledger.core.diff import PromptDiff, diff_prompts
+from kvledger.core.hit import (
+    HitDecision,
+    HitKind,
+    decide_hit,
+    decode_replica_positions,
+    decode_store_position,
+    hit_cap,
+    prefill_store_position,
+)
+from kvledger.core.keys import FORMAT_VERSION, KEY_BYTES, chain_keys, extend_chain, root_key, token_bytes
+from kvledger.core.plan import CapacityPlan, Link, Traffic, break_even_tokens, plan
+from kvledger.core.spec import LayerKind, ModelSpec
+
+__all__ = [
+    "FORMAT_VERSION", "KEY_BYTES", "CapacityPlan", "HitDecision", "HitKind", "LayerKind", "Link", "ModelSpec",
+    "PromptDiff", "Traffic", "break_even_tokens", "chain_keys", "decide_hit", "decode_replica_positions",
+    "decode_store_position", "diff_prompts", "extend_chain", "hit_cap", "plan", "prefill_store_position",
+    "root_key", "token_bytes",
+]

@@ -1,0 +1,129 @@
+"""Capacity planner: bytes, storage per day, and whether a hit is worth its fetch.
+
+Units: bytes, seconds, tokens; bandwidth in bytes/s; throughput in tokens/s.
+The model is first order on purpose: prefill time is linear in tokens (attention's
+quadratic part makes long prompts slower, so real hits pay off more than shown),
+and a hit is charged its fetch time plus the computed suffix, with no overlap.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from kvledger.core.hit import hit_cap
+from kvledger.core.spec import ModelSpec
+
+DAY_S = 86_400
+# DESIGN.md: a 128K-token prompt takes 13 s to first token without a hit.
+PUBLISHED_PREFILL_TOKENS_PER_S = 131_072 / 13
+DEFAULT_TTL_DAYS = {"agent": 3.0, "chatbot": 7.0}
+
+
+@dataclass(frozen=True, slots=True)
+class Traffic:
+    """A day of traffic. `mix` maps TTL class → share of requests (shares sum to 1)."""
+
+    requests_per_day: float = 100_000
+    reuse: float = 0.56                  # share of prompt tokens served from cache (DESIGN.md: 56%)
+    output_tokens: int = 0               # decode tokens per request, stored at request end (rule 7)
+    mix: dict[str, float] = field(default_factory=lambda: {"agent": 0.5, "chatbot": 0.5})
+    ttl_days: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_TTL_DAYS))
+
+    def __post_init__(self) -> None:
+        if self.requests_per_day < 0 or self.output_tokens < 0:
+            raise ValueError("requests per day and output tokens must be >= 0")
+        if not 0 <= self.reuse <= 1:
+            raise ValueError("reuse must lie in [0, 1]")
+        if any(v < 0 for v in self.mix.values()) or not math.isclose(sum(self.mix.values()), 1.0, abs_tol=1e-6):
+            raise ValueError("traffic mix shares must be >= 0 and sum to 1")
+        missing = set(self.mix) - set(self.ttl_days)
+        if missing:
+            raise ValueError(f"no TTL for class(es): {', '.join(sorted(missing))}")
+        if any(v <= 0 for v in self.ttl_days.values()):
+            raise ValueError("TTLs must be > 0 days")
+
+
+@dataclass(frozen=True, slots=True)
+class Link:
+    """How fast KV moves and how fast it is recomputed."""
+
+    fetch_bytes_per_s: float = 10e9      # assumed storage → host bandwidth of one prefill engine
+    fetch_latency_s: float = 1e-3        # fixed cost of one fetch (metadata, first byte)
+    prefill_tokens_per_s: float = PUBLISHED_PREFILL_TOKENS_PER_S
+
+    def __post_init__(self) -> None:
+        if self.fetch_bytes_per_s <= 0 or self.prefill_tokens_per_s <= 0 or self.fetch_latency_s < 0:
+            raise ValueError("bandwidth and throughput must be > 0, latency >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class CapacityPlan:
+    model: str
+    prompt_tokens: int
+    block_size: int
+    block_bytes: int
+    blocks_per_prompt: int
+    prompt_kv_bytes: int               # full blocks of one prompt
+    hit_eligible_tokens: int           # the cap of rule 3
+    swa_snapshot_bytes: int
+    inference_ring: int
+    kvstore_ring: int
+    bytes_written_per_day: int         # new full blocks stored per day, all classes
+    storage_bytes_by_class: dict[str, int]
+    storage_bytes: int                 # steady state: written per day × TTL, summed over classes
+    fetch_s: float                     # fetching the eligible prefix
+    prefill_s: float                   # computing the whole prompt
+    ttft_hit_s: float                  # fetch + computing the rest
+    speedup: float                     # prefill_s / ttft_hit_s
+    break_even_tokens: int | None      # shortest cached prefix (whole blocks) worth fetching; None: never
+    traffic: Traffic
+    link: Link
+
+
+def plan(spec: ModelSpec, prompt_tokens: int, traffic: Traffic = Traffic(), link: Link = Link()) -> CapacityPlan:
+    if prompt_tokens < 0:
+        raise ValueError("prompt tokens must be >= 0")
+    b = spec.block_size
+    blocks = prompt_tokens // b
+    cap = hit_cap(prompt_tokens, spec)
+    # Each request stores the full blocks it did not hit, and its decode blocks.
+    new_tokens = prompt_tokens * (1 - traffic.reuse) + traffic.output_tokens
+    written = traffic.requests_per_day * (new_tokens // b) * spec.block_bytes()
+    by_class = {c: int(written * share * traffic.ttl_days[c]) for c, share in traffic.mix.items()}
+    fetch = link.fetch_latency_s + cap * spec.bytes_per_token() / link.fetch_bytes_per_s if cap else 0.0
+    prefill = prompt_tokens / link.prefill_tokens_per_s
+    ttft_hit = fetch + (prompt_tokens - cap) / link.prefill_tokens_per_s
+    return CapacityPlan(
+        model=spec.name,
+        prompt_tokens=prompt_tokens,
+        block_size=b,
+        block_bytes=spec.block_bytes(),
+        blocks_per_prompt=blocks,
+        prompt_kv_bytes=blocks * spec.block_bytes(),
+        hit_eligible_tokens=cap,
+        swa_snapshot_bytes=spec.state_size_to_disk(),
+        inference_ring=spec.inference_ring(),
+        kvstore_ring=spec.kvstore_ring(),
+        bytes_written_per_day=int(written),
+        storage_bytes_by_class=by_class,
+        storage_bytes=sum(by_class.values()),
+        fetch_s=fetch,
+        prefill_s=prefill,
+        ttft_hit_s=ttft_hit,
+        speedup=prefill / ttft_hit if ttft_hit > 0 else 1.0,
+        break_even_tokens=break_even_tokens(spec, link),
+        traffic=traffic,
+        link=link,
+    )
+
+
+def break_even_tokens(spec: ModelSpec, link: Link) -> int | None:
+    """Smallest whole-block prefix P with fetch(P) < prefill(P), i.e.
+    latency + P·bytes/bandwidth < P/throughput. None when fetching never pays."""
+    per_token_gain = 1 / link.prefill_tokens_per_s - spec.bytes_per_token() / link.fetch_bytes_per_s
+    if per_token_gain <= 0:
+        return None
+    p = link.fetch_latency_s / per_token_gain
+    b = spec.block_size
+    return max(math.floor(p / b) + 1, 1) * b

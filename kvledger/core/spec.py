@@ -1,0 +1,203 @@
+"""Model descriptions: what a model's KV looks like to the two ledgers.
+
+A `ModelSpec` says, per model, how big one 128-token block of block-ledger KV is,
+how big one sliding-window snapshot is, and which kinds of attention its layers
+use. Everything is in bytes and tokens. Nothing here knows about weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import asdict, dataclass
+from enum import Enum
+
+
+class LayerKind(str, Enum):
+    """The attention of one layer, as the ledgers see it.
+
+    SWA  sliding-window only: its KV is state, never history.
+    CSA  compressed sparse attention: one entry per `csa_ratio` tokens plus indexer K
+         (history), next to a sliding-window branch (state).
+    HCA  heavily compressed attention: one entry per `hca_ratio` tokens (history),
+         next to a sliding-window branch (state).
+    FULL plain full attention (Llama): every token's K and V are history.
+    """
+
+    SWA = "swa"
+    CSA = "csa"
+    HCA = "hca"
+    FULL = "full"
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """The KV geometry of one model.
+
+    Invariants (checked at construction):
+      - `block_size` is a multiple of every compression ratio (lcm(4, 128) = 128 for V4);
+      - a model has a sliding window iff it has SWA/CSA/HCA layers;
+      - `swa_stored_layers` <= number of layers; the remaining layers' windows are the
+        dropped region of a snapshot (YoCo consumer layers, rebuilt by recompute).
+    """
+
+    name: str
+    layers: tuple[LayerKind, ...]
+    block_size: int
+    window: int | None            # sliding window in tokens; None: no sliding-window layers
+    backtrack: int                # speculative rollback slack in tokens (also absorbs the decode copy overshoot)
+    kv_bytes_per_token: int       # block-ledger main KV of all layers, bytes per token
+    indexer_bytes_per_token: int  # indexer K of all layers, bytes per token (0: none, or not published)
+    swa_stored_layers: int        # layers whose window a snapshot keeps
+    swa_bytes_per_token: int      # sliding-window KV of one layer, bytes per token
+    csa_ratio: int | None = None
+    hca_ratio: int | None = None
+    prefill_store_extra: int = 0  # extra ring tokens a prefill engine keeps to store at a 128 boundary
+    yoco_keep: int = 0            # extra ring tokens kept for the YoCo truncation anchor
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        assert self.layers, "a model has layers"
+        assert self.block_size > 0
+        assert self.backtrack >= 0
+        windowed = any(k is not LayerKind.FULL for k in self.layers)
+        assert windowed == (self.window is not None), "window set iff windowed layers exist"
+        if self.window is not None:
+            assert 0 < self.window and 0 < self.swa_stored_layers <= len(self.layers)
+        for ratio in (self.csa_ratio, self.hca_ratio):
+            assert ratio is None or self.block_size % ratio == 0, "block must align every compression ratio"
+        if self.csa_ratio and self.hca_ratio:
+            assert self.block_size == math.lcm(self.csa_ratio, self.hca_ratio)
+
+    # --- presets ---------------------------------------------------------------
+
+    @classmethod
+    def preset(cls, name: str) -> ModelSpec:
+        """A built-in spec by name; `ValueError` lists the known names."""
+        try:
+            return _PRESETS[name]
+        except KeyError:
+            raise ValueError(f"unknown model {name!r}; known: {', '.join(sorted(_PRESETS))}") from None
+
+    @staticmethod
+    def presets() -> tuple[str, ...]:
+        return tuple(sorted(_PRESETS))
+
+    # --- geometry --------------------------------------------------------------
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def has_swa(self) -> bool:
+        """True when a prefix hit needs a sliding-window snapshot (or a replay) to be exact."""
+        return self.window is not None
+
+    @property
+    def reserve_tokens(self) -> int:
+        """R of rule 3: prompt tokens at the end that are always computed (W + K, or 1)."""
+        return self.window + self.backtrack if self.window is not None else 1
+
+    @property
+    def max_copy_overshoot(self) -> int:
+        """How far past a block boundary a decode replica copy may run (rule 4): backtrack − 1."""
+        return max(self.backtrack - 1, 0)
+
+    def inference_ring(self) -> int:
+        """Sliding-window ring of a decoding sequence: window + backtrack (134 for V4); 0 without SWA."""
+        return self.window + self.backtrack if self.window is not None else 0
+
+    def kvstore_ring(self, extra_state: bool = True) -> int:
+        """Ring of a prefill engine that stores snapshots at 128 boundaries (396 for V4)."""
+        extra = self.prefill_store_extra + self.yoco_keep if extra_state and self.window is not None else 0
+        return self.inference_ring() + extra
+
+    def state_size_to_disk(self) -> int:
+        """Bytes of one snapshot: stored layers × inference ring × bytes per token per layer."""
+        return self.swa_stored_layers * self.inference_ring() * self.swa_bytes_per_token
+
+    def bytes_per_token(self) -> int:
+        """Block-ledger bytes per token: main KV plus indexer K."""
+        return self.kv_bytes_per_token + self.indexer_bytes_per_token
+
+    def block_bytes(self) -> int:
+        """Bytes of one block on the block ledger (main KV + indexer K of `block_size` tokens)."""
+        return self.block_size * self.bytes_per_token()
+
+    def layer_counts(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for kind in self.layers:
+            counts[kind.value] = counts.get(kind.value, 0) + 1
+        return counts
+
+    def fingerprint(self) -> str:
+        """A stable hex digest of everything that shapes this model's KV (part of every chain key)."""
+        fields = asdict(self)
+        fields["layers"] = [k.value for k in self.layers]
+        fields.pop("description")
+        canon = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
+        return hashlib.sha256(canon).hexdigest()[:32]
+
+
+def _v4_layers(n_layers: int, n_swa_only: int) -> tuple[LayerKind, ...]:
+    """V4 layout: `n_swa_only` sliding-window layers, then CSA and HCA interleaved (CSA first)."""
+    rest = n_layers - n_swa_only
+    return (LayerKind.SWA,) * n_swa_only + tuple(LayerKind.CSA if i % 2 == 0 else LayerKind.HCA for i in range(rest))
+
+
+def _tiny_v4() -> ModelSpec:
+    """V4's structure at toy size, for the reference engine.
+
+    8 layers (2 SWA, then CSA/HCA × 3); per layer: sliding-window latent 64 × fp16 = 128 B/token;
+    compressed entry 64 × fp16 = 128 B; CSA indexer key 32 × fp16 = 64 B per entry.
+    Block-ledger bytes per token: 3 CSA × 128/4 + 3 HCA × 128/128 = 99 (main), 3 × 64/4 = 48 (indexer).
+    The first 4 layers' windows are stored; the last 4 are YoCo consumers (dropped region).
+    """
+    layers = _v4_layers(8, 2)
+    csa, hca, entry, idx_entry = 4, 128, 128, 64
+    n_csa = layers.count(LayerKind.CSA)
+    n_hca = layers.count(LayerKind.HCA)
+    main = n_csa * entry // csa + n_hca * entry // hca
+    indexer = n_csa * idx_entry // csa
+    return ModelSpec(
+        name="tiny-v4", layers=layers, block_size=math.lcm(csa, hca), window=128, backtrack=6,
+        kv_bytes_per_token=main, indexer_bytes_per_token=indexer,
+        swa_stored_layers=4, swa_bytes_per_token=128, csa_ratio=csa, hca_ratio=hca,
+        prefill_store_extra=128, yoco_keep=134,
+        description="DeepSeek-V4 structure at toy size (reference engine)",
+    )
+
+
+_PRESETS: dict[str, ModelSpec] = {
+    "deepseek-v4.1-flash": ModelSpec(
+        name="deepseek-v4.1-flash",
+        layers=_v4_layers(43, 2),
+        block_size=math.lcm(4, 128),
+        window=128,
+        backtrack=6,
+        kv_bytes_per_token=890,       # published global KV (FP4 caching, cross-layer reuse)
+        indexer_bytes_per_token=0,    # indexer K is not published: block_bytes() is a lower bound
+        swa_stored_layers=20,
+        swa_bytes_per_token=528,      # MXFP8 sliding-window KV, per layer
+        csa_ratio=4,
+        hca_ratio=128,
+        prefill_store_extra=128,
+        yoco_keep=134,
+        description="DeepSeek-V4.1-Flash (published figures; indexer K not included)",
+    ),
+    "tiny-v4": _tiny_v4(),
+    "smollm2-135m": ModelSpec(
+        name="smollm2-135m",
+        layers=(LayerKind.FULL,) * 30,
+        block_size=128,
+        window=None,
+        backtrack=0,
+        kv_bytes_per_token=30 * 2 * 3 * 64 * 2,  # layers × (K, V) × 3 KV heads × 64 dims × bf16
+        indexer_bytes_per_token=0,
+        swa_stored_layers=0,
+        swa_bytes_per_token=0,
+        description="SmolLM2-135M (Llama, full attention, GQA 3 KV heads × 64, bf16 KV)",
+    ),
+}

@@ -1,0 +1,1 @@
+"""The entrypoint: tokenization, CHECK before routing, the HTTP API."""

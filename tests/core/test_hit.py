@@ -1,0 +1,151 @@
+import pytest
+from hypothesis import assume, given
+from hypothesis import strategies as st
+
+from kvledger import HitKind, ModelSpec, decide_hit, decode_replica_positions, decode_store_position, prefill_store_position
+
+V4 = ModelSpec.preset("deepseek-v4.1-flash")
+TINY = ModelSpec.preset("tiny-v4")
+LLAMA = ModelSpec.preset("smollm2-135m")
+B = 128
+
+lengths = st.integers(min_value=0, max_value=300_000)
+blocks = st.integers(min_value=0, max_value=3_000)
+positions = st.sets(st.integers(min_value=0, max_value=2_500).map(lambda k: k * B), max_size=8)
+specs = st.sampled_from([V4, TINY, LLAMA])
+
+
+# --- DESIGN.md's worked example, exactly ------------------------------------------
+
+def test_worked_example_snapshot():
+    d = decide_hit(131072, 1024, {130816}, V4)
+    assert (d.hit_tokens, d.block_hit_tokens, d.swa_hit, d.recompute_from, d.truncate_from) == (
+        130816, 130816, True, 130816, None)
+    assert 131072 - d.recompute_from == 256
+
+
+def test_worked_example_fallback():
+    d = decide_hit(131072, 1024, set(), V4)
+    assert (d.hit_tokens, d.block_hit_tokens, d.swa_hit, d.recompute_from, d.truncate_from) == (
+        130688, 130816, False, 130688, 130688)
+    assert d.kind is HitKind.FALLBACK
+
+
+def test_worked_example_replay():
+    d = decide_hit(131072, 1024, set(), V4, replay=True)
+    assert (d.hit_tokens, d.block_hit_tokens, d.swa_hit, d.recompute_from, d.truncate_from) == (
+        130816, 130816, False, 130688, 130688)
+    assert d.replay and 130816 - d.recompute_from == 128
+
+
+def test_only_the_snapshot_at_l1_counts():
+    d = decide_hit(131072, 1024, {130688, 1024, 0}, V4)
+    assert d.kind is HitKind.FALLBACK and d.hit_tokens == 130688
+
+
+def test_short_prompts_never_hit():
+    for L in (0, 1, 133, 134, 261):
+        assert decide_hit(L, 10, {128}, V4).hit_tokens == 0
+    assert decide_hit(262, 10, {128}, V4).hit_tokens == 128  # (262 - 134) // 128 * 128 = 128
+
+
+def test_full_attention_needs_no_snapshot():
+    d = decide_hit(1000, 100, set(), LLAMA)
+    assert d.kind is HitKind.FULL and d.hit_tokens == d.recompute_from == 896 and d.truncate_from is None
+    assert decide_hit(257, 2, set(), LLAMA).hit_tokens == 256  # R = 1: only the last token is computed
+
+
+def test_fallback_to_zero_is_not_a_truncation():
+    d = decide_hit(400, 1, set(), V4)
+    assert (d.hit_tokens, d.recompute_from, d.truncate_from) == (0, 0, None)
+
+
+def test_negative_inputs_are_refused():
+    with pytest.raises(ValueError):
+        decide_hit(-1, 0, set(), V4)
+    with pytest.raises(ValueError):
+        decide_hit(100, -1, set(), V4)
+
+
+# --- invariants --------------------------------------------------------------------
+
+@given(lengths, blocks, positions, specs, st.booleans())
+def test_hit_invariants(L, cached, snaps, spec, replay):
+    d = decide_hit(L, cached, snaps, spec, replay=replay)
+    cap = max((L - spec.reserve_tokens) // B * B, 0)
+    assert d.cap == cap
+    assert d.block_hit_tokens == min(cached * B, cap)
+    assert 0 <= d.hit_tokens <= d.block_hit_tokens <= cap
+    assert d.hit_tokens % B == 0 and d.block_hit_tokens % B == 0
+    assert d.hit_tokens <= cached * B
+    assert d.recompute_from <= d.hit_tokens < L or (d.hit_tokens == 0 and d.recompute_from == 0)
+    assert d.truncate_from is None or (d.truncate_from == d.recompute_from > 0)
+    assert d.swa_hit == (spec.has_swa and d.block_hit_tokens > 0 and d.block_hit_tokens in snaps)
+    if d.swa_hit or not spec.has_swa:
+        assert d.hit_tokens == d.recompute_from == d.block_hit_tokens
+    elif d.block_hit_tokens:
+        assert d.recompute_from == d.block_hit_tokens - B  # at most one block is recomputed or replayed
+
+
+@given(lengths, blocks, positions, specs)
+def test_replay_never_recomputes_block_kv(L, cached, snaps, spec):
+    plain = decide_hit(L, cached, snaps, spec)
+    d = decide_hit(L, cached, snaps, spec, replay=True)
+    assert d.hit_tokens == d.block_hit_tokens == plain.block_hit_tokens  # block KV in [0, L1) is all reused
+    assert d.hit_tokens >= plain.hit_tokens
+    if d.replay:
+        assert d.block_hit_tokens - d.recompute_from == B and not plain.swa_hit
+
+
+@given(lengths, blocks, positions, specs, st.integers(min_value=0, max_value=2_500))
+def test_snapshots_elsewhere_do_not_change_the_decision(L, cached, snaps, spec, other):
+    d = decide_hit(L, cached, snaps, spec)
+    assume(other * B != d.block_hit_tokens)
+    assert decide_hit(L, cached, snaps | {other * B}, spec) == d
+
+
+@given(lengths, blocks, blocks, positions, specs)
+def test_more_cached_blocks_never_hit_less(L, c1, c2, snaps, spec):
+    lo, hi = sorted((c1, c2))
+    assert decide_hit(L, lo, snaps, spec).hit_tokens <= decide_hit(L, hi, snaps, spec).hit_tokens
+
+
+# --- store positions (rule 4) -------------------------------------------------------
+
+def test_prefill_store_position_examples():
+    assert [prefill_store_position(L, V4) for L in (0, 1, 128, 129, 256, 257, 131072)] == [
+        None, None, None, 128, 128, 256, 130944]
+    assert prefill_store_position(100_000, LLAMA) is None
+
+
+@given(st.integers(min_value=1, max_value=300_000))
+def test_prefill_store_position_is_the_last_boundary_before_the_last_token(L):
+    p = prefill_store_position(L, V4)
+    if p is None:
+        assert L <= B
+    else:
+        assert p % B == 0 and 0 < p <= L - 1 < p + B
+
+
+def test_a_next_turn_hits_the_previous_turns_snapshot():
+    turn1 = 1000
+    p = prefill_store_position(turn1, V4)
+    d = decide_hit(turn1 + 300, turn1 // B, {p}, V4)
+    assert p == 896 and d.kind is HitKind.SNAPSHOT and d.hit_tokens == 896
+
+
+def test_decode_replica_positions():
+    assert list(decode_replica_positions(200, 500, V4)) == [256, 384]
+    assert decode_store_position(200, 500, V4) == 384
+    assert list(decode_replica_positions(256, 383, V4)) == []  # 256 was reached by prefill, not crossed
+    assert decode_store_position(256, 384, V4) == 384
+    assert decode_store_position(10, 20, V4) is None
+    assert list(decode_replica_positions(0, 10_000, LLAMA)) == []
+    with pytest.raises(ValueError):
+        decode_replica_positions(10, 5, V4)
+
+
+@given(st.integers(min_value=0, max_value=10_000), st.integers(min_value=0, max_value=10_000))
+def test_replica_positions_are_the_crossed_boundaries(a, n):
+    crossed = list(decode_replica_positions(a, a + n, V4))
+    assert crossed == [x for x in range(a + 1, a + n + 1) if x % B == 0]

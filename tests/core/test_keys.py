@@ -1,0 +1,89 @@
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from kvledger import ModelSpec, chain_keys
+from kvledger.core import KEY_BYTES, extend_chain, root_key
+
+SPEC = ModelSpec.preset("deepseek-v4.1-flash")
+TOKENS = [(i * 7919) % 49152 for i in range(1000)]
+
+
+def test_one_key_per_full_block():
+    keys = chain_keys(TOKENS, SPEC)
+    assert len(keys) == 1000 // 128 == 7
+    assert all(isinstance(k, bytes) and len(k) == KEY_BYTES for k in keys)
+    assert len(set(keys)) == len(keys)
+    assert chain_keys(TOKENS[:127], SPEC) == []
+
+
+def test_keys_of_a_prefix_are_a_prefix():
+    assert chain_keys(TOKENS[:300], SPEC) == chain_keys(TOKENS, SPEC)[:2]
+
+
+def test_a_change_invalidates_its_block_and_every_later_one():
+    changed = list(TOKENS)
+    changed[300] += 1  # block 2
+    a, b = chain_keys(TOKENS, SPEC), chain_keys(changed, SPEC)
+    assert a[:2] == b[:2]
+    assert all(x != y for x, y in zip(a[2:], b[2:]))
+
+
+def test_namespaces_never_share_a_key():
+    a = set(chain_keys(TOKENS, SPEC, "tenant-a"))
+    b = set(chain_keys(TOKENS, SPEC, "tenant-b"))
+    assert not a & b
+    assert chain_keys(TOKENS, SPEC) == chain_keys(TOKENS, SPEC, "default")
+
+
+def test_models_never_share_a_key():
+    assert not set(chain_keys(TOKENS, SPEC)) & set(chain_keys(TOKENS, ModelSpec.preset("tiny-v4")))
+
+
+def test_root_fields_are_length_prefixed():
+    # ("ab", "c") and ("a", "bc") style ambiguities must not collide
+    assert root_key(SPEC, "ab") != root_key(SPEC, "a") and root_key(SPEC, "") != root_key(SPEC, "default")
+
+
+def test_extend_chain_continues_a_chain():
+    keys = chain_keys(TOKENS[:512], SPEC)
+    more = extend_chain(keys[-1], TOKENS[512:], SPEC.block_size)
+    assert keys + more == chain_keys(TOKENS, SPEC)
+
+
+def test_numpy_and_list_inputs_agree():
+    for dtype in (np.uint32, np.int64, np.int32):
+        assert chain_keys(np.array(TOKENS, dtype=dtype), SPEC) == chain_keys(TOKENS, SPEC)
+
+
+@pytest.mark.parametrize("bad", [[1, -1] * 64, [2**32] * 128, np.array([-1] * 128), [1.5] * 128, np.zeros((2, 128))])
+def test_bad_token_ids_are_refused(bad):
+    with pytest.raises(ValueError):
+        chain_keys(bad, SPEC)
+
+
+def test_golden_key():
+    """A change here invalidates every stored block: bump FORMAT_VERSION with it."""
+    keys = chain_keys(list(range(256)), ModelSpec.preset("smollm2-135m"), "golden")
+    assert keys[0].hex() == GOLDEN[0] and keys[1].hex() == GOLDEN[1]
+
+
+GOLDEN = (
+    "ea56ba4030d25699423817a7bb069e04",
+    "e607bfd240f37a6fe7be2224bfd0fe25",
+)
+
+
+def test_keys_are_identical_across_interpreters():
+    code = ("import sys; from kvledger import ModelSpec, chain_keys; "
+            "print(','.join(k.hex() for k in chain_keys([(i * 7919) % 49152 for i in range(1000)], "
+            "ModelSpec.preset('deepseek-v4.1-flash'), 'tenant-a')))")
+    outs = set()
+    for seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        outs.add(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                                check=True, timeout=60).stdout.strip())
+    assert outs == {",".join(k.hex() for k in chain_keys(TOKENS, SPEC, "tenant-a"))}

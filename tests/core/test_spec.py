@@ -1,0 +1,68 @@
+import pytest
+
+from kvledger import LayerKind, ModelSpec
+
+
+def test_v4_flash_published_numbers():
+    s = ModelSpec.preset("deepseek-v4.1-flash")
+    assert (s.block_size, s.window, s.backtrack) == (128, 128, 6)
+    assert s.block_bytes() == 128 * 890 == 113_920
+    assert s.state_size_to_disk() == 20 * 134 * 528 == 1_415_040
+    assert s.inference_ring() == 134
+    assert s.kvstore_ring(extra_state=True) == 134 + 128 + 134 == 396
+    assert s.kvstore_ring(extra_state=False) == 134
+    assert s.reserve_tokens == 134
+    assert s.max_copy_overshoot == 5
+
+
+def test_v4_flash_layer_layout():
+    s = ModelSpec.preset("deepseek-v4.1-flash")
+    assert s.n_layers == 43
+    assert s.layers[:2] == (LayerKind.SWA, LayerKind.SWA)
+    rest = s.layers[2:]
+    assert all(k is (LayerKind.CSA if i % 2 == 0 else LayerKind.HCA) for i, k in enumerate(rest))
+    assert s.layer_counts() == {"swa": 2, "csa": 21, "hca": 20}
+    assert (s.csa_ratio, s.hca_ratio) == (4, 128)
+
+
+def test_tiny_v4_is_v4_at_toy_size():
+    t, v = ModelSpec.preset("tiny-v4"), ModelSpec.preset("deepseek-v4.1-flash")
+    for attr in ("block_size", "window", "backtrack", "csa_ratio", "hca_ratio", "prefill_store_extra", "yoco_keep"):
+        assert getattr(t, attr) == getattr(v, attr), attr
+    assert t.layers[:2] == v.layers[:2] and set(t.layers) == set(v.layers)
+    assert t.inference_ring() == 134 and t.kvstore_ring() == 396
+    assert t.block_bytes() == 128 * (99 + 48)
+    assert t.state_size_to_disk() == 4 * 134 * 128
+    assert t.block_bytes() < v.block_bytes()
+
+
+def test_smollm2_is_full_attention():
+    s = ModelSpec.preset("smollm2-135m")
+    assert s.n_layers == 30 and set(s.layers) == {LayerKind.FULL}
+    assert not s.has_swa and s.window is None
+    assert s.reserve_tokens == 1
+    assert s.inference_ring() == 0 and s.state_size_to_disk() == 0
+    assert s.block_bytes() == 128 * 30 * 2 * 3 * 64 * 2
+
+
+def test_unknown_preset_lists_known_names():
+    with pytest.raises(ValueError, match="known: deepseek-v4.1-flash"):
+        ModelSpec.preset("gpt-5")
+
+
+def test_fingerprints_differ_and_are_stable():
+    prints = {ModelSpec.preset(n).fingerprint() for n in ModelSpec.presets()}
+    assert len(prints) == len(ModelSpec.presets())
+    assert ModelSpec.preset("tiny-v4").fingerprint() == ModelSpec.preset("tiny-v4").fingerprint()
+
+
+def test_invalid_specs_are_refused():
+    base = ModelSpec.preset("tiny-v4")
+    with pytest.raises(AssertionError):
+        ModelSpec(**{**_fields(base), "block_size": 100})  # not a multiple of the HCA ratio
+    with pytest.raises(AssertionError):
+        ModelSpec(**{**_fields(base), "window": None})  # windowed layers need a window
+
+
+def _fields(s: ModelSpec) -> dict:
+    return {f: getattr(s, f) for f in s.__dataclass_fields__}

@@ -1,0 +1,95 @@
+import json
+
+import pytest
+
+from kvledger.demo import agent_prompt
+
+
+def _one_json(out: str) -> dict:
+    obj = json.loads(out)  # the whole of stdout is exactly one JSON object
+    assert isinstance(obj, dict)
+    return obj
+
+
+def test_plan_json_published_figures(run_cli):
+    r = run_cli("plan", "--model", "deepseek-v4.1-flash", "--tokens", "131072", "--json")
+    assert r.returncode == 0, r.stderr
+    p = _one_json(r.stdout)
+    assert (p["block_bytes"], p["swa_snapshot_bytes"], p["hit_eligible_tokens"]) == (113920, 1415040, 130816)
+
+
+def test_plan_table(run_cli):
+    r = run_cli("plan", "--tokens", "8192", "--model", "tiny-v4")
+    assert r.returncode == 0 and "hit-eligible tokens" in r.stdout and "7,936" in r.stdout
+
+
+def test_diff_of_token_files(run_cli, tmp_path):
+    a = list(range(2000))
+    b = list(a)
+    b[300] = 99999
+    (tmp_path / "a.json").write_text(json.dumps(a))
+    (tmp_path / "b.json").write_text(json.dumps(b))
+    r = run_cli("diff", str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--json")
+    assert r.returncode == 0, r.stderr
+    d = _one_json(r.stdout)
+    assert d["first_divergence"] == 300 and d["hit_blocks"] == 2
+    assert d["context"]["a"][8] == 300 and d["context"]["b"][8] == 99999
+
+
+def test_diff_of_texts_points_at_the_timestamp(run_cli, tmp_path):
+    (tmp_path / "a.txt").write_text(agent_prompt("2026-11-29T10:21:04Z"))
+    (tmp_path / "b.txt").write_text(agent_prompt("2026-11-29T10:25:37Z"))
+    r = run_cli("diff", str(tmp_path / "a.txt"), str(tmp_path / "b.txt"), "--json")
+    assert r.returncode == 0, r.stderr
+    d = _one_json(r.stdout)
+    assert 1800 <= d["len_a"] <= 2600 and 250 <= d["first_divergence"] <= 350
+    assert d["hit_blocks"] == d["first_divergence"] // 128
+    # the differing span decodes to the part of the timestamp that changed
+    assert (d["context"]["a_differs"], d["context"]["b_differs"]) == ("1:04", "5:37")
+    human = run_cli("diff", str(tmp_path / "a.txt"), str(tmp_path / "b.txt"))
+    assert human.returncode == 0 and f"token {d['first_divergence']}" in human.stdout
+
+
+def test_diff_inline_lists(run_cli):
+    r = run_cli("diff", json.dumps(list(range(300))), json.dumps(list(range(300))), "--json",
+                "--model", "smollm2-135m")
+    d = _one_json(r.stdout)
+    assert d["first_divergence"] is None and d["hit_blocks"] == 2 and d["hit_tokens"] == 256
+
+
+@pytest.mark.parametrize("args", [
+    ("plan", "--tokens", "-1"),
+    ("plan", "--tokens", "abc"),
+    ("plan", "--tokens", "100", "--model", "gpt-9"),
+    ("plan", "--tokens", "100", "--mix", "agent=2"),
+    ("plan", "--tokens", "100", "--mix", "garbage"),
+    ("plan",),
+    ("diff", "/nonexistent/a.txt", "[1]"),
+    ("diff", "[1, 2, \"x\"]", "[1]"),
+    ("diff", "[1, 2.5]", "[1]"),
+    ("diff", "[1, -3]", "[1]"),
+    ("diff", "[1, 2", "[1]"),
+    ("diff", "[1]", "[1]", "--model", "nope"),
+    ("frobnicate",),
+    (),
+])
+def test_bad_input_is_one_line_and_exit_2(run_cli, args):
+    r = run_cli(*args)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvledger: error:")
+    assert r.stdout == ""
+
+
+def test_text_prompt_with_a_missing_tokenizer(run_cli, tmp_path):
+    (tmp_path / "a.txt").write_text("hello")
+    r = run_cli("diff", str(tmp_path / "a.txt"), "[1]", "--tokenizer", str(tmp_path / "nope.json"))
+    assert r.returncode == 2 and "no tokenizer" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_demo_runs(run_cli):
+    r = run_cli("demo")
+    assert r.returncode == 0, r.stderr
+    for part in ("capacity plan", "130,816", "130,688", "prompt diff", "Coming next"):
+        assert part in r.stdout
