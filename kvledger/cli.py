@@ -16,11 +16,11 @@ from typing import Any, NoReturn
 
 from rich.console import Console
 
+from kvledger.util.output import CliError, emit_json
+
 EXIT_USAGE = 2
-
-
-class CliError(Exception):
-    """Bad input: reported as one line on stderr, exit code 2."""
+# Command groups that live with their packages; each module has `register(subparsers)`.
+COMMAND_GROUPS = ("kvledger.store.cli", "kvledger.bench.cli")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -31,10 +31,6 @@ class _Parser(argparse.ArgumentParser):
 def _fail(message: str, code: int = EXIT_USAGE) -> NoReturn:
     print(f"kvledger: error: {message}", file=sys.stderr)
     raise SystemExit(code)
-
-
-def emit_json(obj: dict[str, Any]) -> None:
-    sys.stdout.write(json.dumps(obj, separators=(",", ":"), default=str) + "\n")
 
 
 def _spec(name: str):
@@ -185,7 +181,24 @@ def build_parser() -> argparse.ArgumentParser:
 
     dm = sub.add_parser("demo", help="the main job on built-in examples")
     dm.set_defaults(func=cmd_demo)
+
+    for name in COMMAND_GROUPS:
+        module = optional_module(name)
+        if module is not None:
+            module.register(sub)
     return p
+
+
+def optional_module(name: str):
+    """Import `name`, or None when that module (not one it imports) does not exist yet."""
+    import importlib
+
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        if e.name is not None and name.startswith(e.name):
+            return None
+        raise
 
 
 def main(argv: Sequence[str] | None = None) -> int:

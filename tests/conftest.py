@@ -15,3 +15,21 @@ def run_cli():
         return subprocess.run([str(KVLEDGER), *args], capture_output=True, text=True, timeout=timeout)
 
     return run
+
+
+@pytest.fixture
+def redis_server():
+    """A real redis-server of this test's own on a free loopback port (stopped after the test)."""
+    from kvledger.util.redis_server import RedisServer
+
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def shared_redis():
+    """One real redis-server for the whole session, for tests that only read and write keys."""
+    from kvledger.util.redis_server import RedisServer
+
+    with RedisServer() as server:
+        yield server

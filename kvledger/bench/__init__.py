@@ -1,0 +1,1 @@
+"""Benchmarks, workloads, trace replay and the cluster simulator (`kvledger bench ...`)."""

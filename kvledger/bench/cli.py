@@ -1,0 +1,29 @@
+"""`kvledger bench NAME`: each benchmark is a module with `HELP`, `add_arguments(parser)` and
+`run(args)`. Every bench takes `--json` (one JSON object on stdout, its figures side by side
+with its baseline) and `--out DIR` (the JSON and PNG charts written there)."""
+
+from __future__ import annotations
+
+import argparse
+
+BENCHES = {
+    "store": "kvledger.bench.store_bench",   # block ledger: read/write vs plain files, CHECK vs vLLM-style hashing
+    "state": "kvledger.bench.state_bench",   # state ledger: snapshot pulls vs a plain socket, directory lookups
+    "sim": "kvledger.bench.sim",             # cluster simulator driven by a trace
+}
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from kvledger.cli import optional_module
+
+    parser = sub.add_parser("bench", help="benchmarks, each side by side with its baseline")
+    benches = parser.add_subparsers(dest="bench", required=True, parser_class=type(parser))
+    for name, module_name in BENCHES.items():
+        module = optional_module(module_name)
+        if module is None:
+            continue
+        p = benches.add_parser(name, help=module.HELP)
+        p.add_argument("--json", action="store_true", help="print one JSON object")
+        p.add_argument("--out", metavar="DIR", help="write the JSON and PNG charts into DIR")
+        module.add_arguments(p)
+        p.set_defaults(func=module.run)

@@ -1,0 +1,1 @@
+"""Small helpers shared by several packages (process management, no kvledger logic)."""
