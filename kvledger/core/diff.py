@@ -70,7 +70,9 @@ def diff_prompts(a: Sequence[int], b: Sequence[int], spec: ModelSpec, namespace:
     )
 
 
-def _reasons(first: int | None, hit: int, blocks_a: int, blocks_b: int, d: HitDecision, spec: ModelSpec) -> tuple[str, ...]:
+def _reasons(
+    first: int | None, hit: int, blocks_a: int, blocks_b: int, d: HitDecision, spec: ModelSpec
+) -> tuple[str, ...]:
     bs = spec.block_size
     out: list[str] = []
     if first is not None and first // bs < min(blocks_a, blocks_b):

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 
 from kvledger.core.spec import ModelSpec
 
 
-class HitKind(str, Enum):
+class HitKind(StrEnum):
     MISS = "miss"          # nothing reusable (prompt too short, or no leading block cached)
     SNAPSHOT = "snapshot"  # blocks up to L1 and the snapshot at L1: exact resume at L1
     FALLBACK = "fallback"  # no snapshot: the block [L1 - B, L1) is recomputed by every layer

@@ -11,10 +11,10 @@ import hashlib
 import json
 import math
 from dataclasses import asdict, dataclass
-from enum import Enum
+from enum import StrEnum
 
 
-class LayerKind(str, Enum):
+class LayerKind(StrEnum):
     """The attention of one layer, as the ledgers see it.
 
     SWA  sliding-window only: its KV is state, never history.
@@ -64,7 +64,7 @@ class ModelSpec:
         windowed = any(k is not LayerKind.FULL for k in self.layers)
         assert windowed == (self.window is not None), "window set iff windowed layers exist"
         if self.window is not None:
-            assert 0 < self.window and 0 < self.swa_stored_layers <= len(self.layers)
+            assert self.window > 0 and 0 < self.swa_stored_layers <= len(self.layers)
         for ratio in (self.csa_ratio, self.hca_ratio):
             assert ratio is None or self.block_size % ratio == 0, "block must align every compression ratio"
         if self.csa_ratio and self.hca_ratio:

@@ -2,7 +2,14 @@ import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from kvledger import HitKind, ModelSpec, decide_hit, decode_replica_positions, decode_store_position, prefill_store_position
+from kvledger import (
+    HitKind,
+    ModelSpec,
+    decide_hit,
+    decode_replica_positions,
+    decode_store_position,
+    prefill_store_position,
+)
 
 V4 = ModelSpec.preset("deepseek-v4.1-flash")
 TINY = ModelSpec.preset("tiny-v4")
