@@ -1,0 +1,280 @@
+"""The snapshot directory: which holder keeps the snapshot of a key, at which position.
+
+A snapshot key is the chain key of the block that ends at the snapshot position. An
+entry names its holder (engine id, state server address, and the incarnation of that
+holder process), the position, the size in bytes and the time it was stored.
+
+Liveness: a holder heartbeats (`heartbeat(holder)`), which refreshes a liveness record
+with a TTL (`holder_ttl_s`). A lookup returns an entry only while its holder's liveness
+record exists *and* names the same incarnation, so the entries of a holder that stopped
+heartbeating — or restarted with an empty pool — read as absent at once, and their keys
+expire later (`entry_ttl_s`) instead of pointing at nothing forever.
+
+Two implementations with one interface: `MemoryDirectory` (embedded, inside the process)
+and `RedisDirectory` (shared by every entrypoint; entries and liveness are Redis keys with
+server-side TTLs, so no clocks of different machines are compared). Lookups are batched:
+one call for many keys, two round trips to Redis whatever their number.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvledger.core import KEY_BYTES
+
+DEFAULT_HOLDER_TTL_S = 10.0
+DEFAULT_ENTRY_TTL_S = 24 * 3600.0
+
+
+@dataclass(frozen=True, slots=True)
+class Holder:
+    """A process that keeps snapshots in its slot pool and serves them at `address` ("host:port")."""
+
+    engine_id: str
+    address: str
+    incarnation: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+    def __post_init__(self) -> None:
+        assert self.engine_id and "\x00" not in self.engine_id and "\x00" not in self.incarnation
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotEntry:
+    key: bytes        # chain key of the block that ends at `position`
+    holder: Holder
+    position: int     # tokens; a multiple of the block size
+    size: int         # bytes
+    stored_at: float  # unix seconds, the holder's clock (informational)
+
+    def __post_init__(self) -> None:
+        assert len(self.key) == KEY_BYTES and self.position >= 0 and self.size >= 0
+
+
+class Directory(Protocol):
+    """What every directory offers (embedded or shared)."""
+
+    holder_ttl_s: float
+
+    def publish(self, entries: Sequence[SnapshotEntry]) -> None: ...
+    def withdraw(self, keys: Sequence[bytes], holder: Holder) -> None: ...
+    def lookup(self, keys: Sequence[bytes]) -> list[SnapshotEntry | None]: ...
+    def heartbeat(self, holder: Holder) -> None: ...
+    def retire(self, holder: Holder) -> None: ...
+    def close(self) -> None: ...
+
+
+# --- embedded ----------------------------------------------------------------------
+
+class MemoryDirectory:
+    """The directory inside one process (embedded mode). Thread-safe. Times are monotonic seconds."""
+
+    def __init__(self, holder_ttl_s: float = DEFAULT_HOLDER_TTL_S, entry_ttl_s: float = DEFAULT_ENTRY_TTL_S) -> None:
+        assert holder_ttl_s > 0 and entry_ttl_s > 0
+        self.holder_ttl_s = holder_ttl_s
+        self.entry_ttl_s = entry_ttl_s
+        self._entries: dict[bytes, tuple[SnapshotEntry, float]] = {}  # key -> (entry, expires)
+        self._live: dict[str, tuple[str, float]] = {}                 # engine id -> (incarnation, expires)
+        self._lock = threading.Lock()
+
+    def publish(self, entries: Sequence[SnapshotEntry]) -> None:
+        expires = time.monotonic() + self.entry_ttl_s
+        with self._lock:
+            for e in entries:
+                self._entries[e.key] = (e, expires)
+
+    def withdraw(self, keys: Sequence[bytes], holder: Holder) -> None:
+        """Remove entries of `keys` that `holder` still holds (another holder's newer entry stays)."""
+        with self._lock:
+            for k in keys:
+                got = self._entries.get(k)
+                if got is not None and got[0].holder == holder:
+                    del self._entries[k]
+
+    def lookup(self, keys: Sequence[bytes]) -> list[SnapshotEntry | None]:
+        now = time.monotonic()
+        out: list[SnapshotEntry | None] = []
+        with self._lock:
+            for k in keys:
+                got = self._entries.get(k)
+                if got is None:
+                    out.append(None)
+                    continue
+                entry, expires = got
+                live = self._live.get(entry.holder.engine_id)
+                if expires <= now:
+                    del self._entries[k]
+                    out.append(None)
+                elif live is None or live[1] <= now or live[0] != entry.holder.incarnation:
+                    out.append(None)
+                else:
+                    out.append(entry)
+        return out
+
+    def heartbeat(self, holder: Holder) -> None:
+        with self._lock:
+            self._live[holder.engine_id] = (holder.incarnation, time.monotonic() + self.holder_ttl_s)
+            if len(self._entries) > 4096 and len(self._live) > 1:
+                self._sweep()
+
+    def retire(self, holder: Holder) -> None:
+        """A holder leaving cleanly: its entries read as absent from now on."""
+        with self._lock:
+            live = self._live.get(holder.engine_id)
+            if live is not None and live[0] == holder.incarnation:
+                del self._live[holder.engine_id]
+
+    def _sweep(self) -> None:
+        """Drop entries of dead holders and expired entries (under the lock)."""
+        now = time.monotonic()
+        dead = [k for k, (e, exp) in self._entries.items()
+                if exp <= now or (lv := self._live.get(e.holder.engine_id)) is None or lv[1] <= now
+                or lv[0] != e.holder.incarnation]
+        for k in dead:
+            del self._entries[k]
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    def close(self) -> None:
+        pass
+
+
+# --- shared, on Redis --------------------------------------------------------------
+
+_ENTRY_HEAD = struct.Struct("<H")       # length of the holder id ("engine\0incarnation")
+_ENTRY_BODY = struct.Struct("<QQdH")    # position, size, stored_at, length of the address
+
+# Delete each key whose value starts with ARGV[1] (the holder id of the withdrawing holder).
+_WITHDRAW_LUA = """
+local n = 0
+for i, k in ipairs(KEYS) do
+  local v = redis.call('GET', k)
+  if v and string.sub(v, 1, string.len(ARGV[1])) == ARGV[1] then
+    n = n + redis.call('DEL', k)
+  end
+end
+return n
+"""
+
+
+def _holder_id(holder: Holder) -> bytes:
+    return f"{holder.engine_id}\x00{holder.incarnation}".encode()
+
+
+def encode_entry(entry: SnapshotEntry) -> bytes:
+    """Binary entry value: holder id first (so a script can match it), then the fixed fields."""
+    hid = _holder_id(entry.holder)
+    addr = entry.holder.address.encode()
+    return b"".join((_ENTRY_HEAD.pack(len(hid)), hid,
+                     _ENTRY_BODY.pack(entry.position, entry.size, entry.stored_at, len(addr)), addr))
+
+
+def decode_entry(key: bytes, raw: bytes) -> SnapshotEntry | None:
+    """The entry, or None for a value that does not parse (a corrupt entry is a miss)."""
+    try:
+        (n,) = _ENTRY_HEAD.unpack_from(raw, 0)
+        off = _ENTRY_HEAD.size
+        engine_id, _, incarnation = raw[off:off + n].decode().partition("\x00")
+        off += n
+        position, size, stored_at, alen = _ENTRY_BODY.unpack_from(raw, off)
+        off += _ENTRY_BODY.size
+        if off + alen != len(raw):
+            return None
+        address = raw[off:off + alen].decode()
+        return SnapshotEntry(key, Holder(engine_id, address, incarnation), position, size, stored_at)
+    except (struct.error, UnicodeDecodeError, AssertionError):
+        return None
+
+
+class RedisDirectory:
+    """The directory on Redis: `{prefix}snap:{key hex}` → entry, `{prefix}live:{engine id}` → incarnation.
+
+    Both carry server-side TTLs (entries `entry_ttl_s`, liveness `holder_ttl_s`). `url` is a
+    redis:// URL; `client` may be given instead (e.g. a RedisCluster: lookups then use
+    `mget_nonatomic`, and withdrawals are one-key scripts so no command spans two hash slots).
+    Every command has `socket_timeout_s`; a Redis fault during a lookup reads as "absent".
+    """
+
+    def __init__(self, url: str | None = None, *, client: object | None = None, prefix: str = "kvl:state:",
+                 holder_ttl_s: float = DEFAULT_HOLDER_TTL_S, entry_ttl_s: float = DEFAULT_ENTRY_TTL_S,
+                 socket_timeout_s: float = 2.0) -> None:
+        import redis
+
+        assert (url is None) != (client is None), "give a url or a client"
+        assert holder_ttl_s > 0 and entry_ttl_s > 0
+        self.holder_ttl_s = holder_ttl_s
+        self.entry_ttl_s = entry_ttl_s
+        self.prefix = prefix
+        self._r = client if client is not None else redis.Redis.from_url(
+            url, socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s)
+        self._cluster = type(self._r).__name__ == "RedisCluster"
+        self._withdraw = self._r.register_script(_WITHDRAW_LUA)
+        self._errors = (redis.RedisError, OSError)
+        self.faults = 0  # lookups answered "absent" because Redis failed
+
+    def _snap(self, key: bytes) -> str:
+        return f"{self.prefix}snap:{key.hex()}"
+
+    def _live(self, engine_id: str) -> str:
+        return f"{self.prefix}live:{engine_id}"
+
+    def publish(self, entries: Sequence[SnapshotEntry]) -> None:
+        if not entries:
+            return
+        px = int(self.entry_ttl_s * 1000)
+        pipe = self._r.pipeline(transaction=False)
+        for e in entries:
+            pipe.set(self._snap(e.key), encode_entry(e), px=px)
+        pipe.execute()
+
+    def withdraw(self, keys: Sequence[bytes], holder: Holder) -> None:
+        if not keys:
+            return
+        hid = _holder_id(holder)
+        if self._cluster:
+            pipe = self._r.pipeline(transaction=False)
+            for k in keys:
+                self._withdraw(keys=[self._snap(k)], args=[hid], client=pipe)
+            pipe.execute()
+        else:
+            self._withdraw(keys=[self._snap(k) for k in keys], args=[hid])
+
+    def _mget(self, names: list[str]) -> list[bytes | None]:
+        if self._cluster:
+            return self._r.mget_nonatomic(names)
+        return self._r.mget(names)
+
+    def lookup(self, keys: Sequence[bytes]) -> list[SnapshotEntry | None]:
+        if not keys:
+            return []
+        try:
+            raws = self._mget([self._snap(k) for k in keys])
+            entries = [decode_entry(k, raw) if raw is not None else None for k, raw in zip(keys, raws)]
+            engines = sorted({e.holder.engine_id for e in entries if e is not None})
+            if not engines:
+                return entries
+            live = dict(zip(engines, self._mget([self._live(x) for x in engines])))
+        except self._errors:
+            self.faults += 1
+            return [None] * len(keys)
+        return [e if e is not None and live.get(e.holder.engine_id) == e.holder.incarnation.encode() else None
+                for e in entries]
+
+    def heartbeat(self, holder: Holder) -> None:
+        self._r.set(self._live(holder.engine_id), holder.incarnation, px=int(self.holder_ttl_s * 1000))
+
+    def retire(self, holder: Holder) -> None:
+        name = self._live(holder.engine_id)
+        # only this incarnation's record: a restarted holder with the same id stays live
+        self._r.eval("if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0",
+                     1, name, holder.incarnation)
+
+    def close(self) -> None:
+        self._r.close()

@@ -1,0 +1,204 @@
+"""`StateLedger`: what an engine and the entrypoint use of the state ledger.
+
+    ledger = StateLedger(spec, token="...", directory=RedisDirectory(url), strategy="memory").start()
+    ledger.put(key, position, window_bytes)   # engine, after prefill / at request end (rule 4)
+    ledger.positions(keys)                    # entrypoint, metadata only: swa_snapshots for decide_hit
+    ledger.fetch(key)                         # engine: local pool, else pull from the holder, else disk
+
+A ledger with `capacity_bytes=0` holds nothing and serves nothing (an entrypoint): it only
+looks up and pulls. Nothing here raises on a fault of the directory, the network or the
+disk: the snapshot reads as absent and the hit rule falls back (rule 8); `faults` counts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+
+from kvledger.core import KEY_BYTES, ModelSpec
+from kvledger.state.client import DEFAULT_TIMEOUT_S, StateClient
+from kvledger.state.directory import Directory, Holder, MemoryDirectory, SnapshotEntry
+from kvledger.state.files import SnapshotFiles
+from kvledger.state.pool import SlotPool
+from kvledger.state.server import StateServer
+from kvledger.state.strategy import Strategy
+
+DEFAULT_CAPACITY_BYTES = 1 << 30
+
+
+class StateLedger:
+    """Slot pool + directory + state server + pulls + (per strategy) snapshot files.
+
+    Invariants: a snapshot in the pool is published in the directory under this ledger's
+    holder; an evicted one is withdrawn; `positions` never reads snapshot bytes.
+    """
+
+    def __init__(self, spec: ModelSpec, *, token: str | bytes, directory: Directory | None = None,
+                 strategy: Strategy | str = "memory", capacity_bytes: int = DEFAULT_CAPACITY_BYTES,
+                 root: str | Path | None = None, engine_id: str | None = None, host: str = "127.0.0.1",
+                 port: int = 0, serve: bool = True, pull_timeout_s: float = DEFAULT_TIMEOUT_S,
+                 heartbeat: bool = True) -> None:
+        if not spec.has_swa:
+            raise ValueError(f"{spec.name} has no sliding-window layers: it has no state to keep")
+        self.spec = spec
+        self.strategy = Strategy.parse(strategy) if isinstance(strategy, str) else strategy
+        self.strategy.check(spec.block_size)
+        if self.strategy.persists_any and root is None:
+            raise ValueError(f"strategy {self.strategy} persists snapshots: give a root folder")
+        self.directory: Directory = directory if directory is not None else MemoryDirectory()
+        self.files = SnapshotFiles(root) if self.strategy.persists_any else None
+        holds = self.strategy.keeps and capacity_bytes > 0
+        self.pool = SlotPool.for_spec(spec, capacity_bytes) if holds else None
+        self.server = StateServer(self.pool, token, host, port) if holds and serve else None
+        self.client = StateClient(token, timeout_s=pull_timeout_s)
+        self.engine_id = engine_id or f"engine-{uuid.uuid4().hex[:8]}"
+        self.holder: Holder | None = None
+        self.faults: Counter[str] = Counter()
+        self._heartbeat = heartbeat and holds
+        self._stop = threading.Event()
+        self._beat: threading.Thread | None = None
+        if self.pool is not None:
+            self.pool.on_evict = self._withdraw
+
+    # --- lifetime ----------------------------------------------------------------
+
+    def start(self) -> StateLedger:
+        if self.pool is None:
+            return self
+        if self.server is not None:
+            self.server.start()
+        self.holder = Holder(self.engine_id, self.server.address if self.server is not None else "")
+        self._beat_once()
+        if self._heartbeat:
+            self._beat = threading.Thread(target=self._beat_loop, name="kvledger-state-heartbeat", daemon=True)
+            self._beat.start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._beat is not None:
+            self._beat.join(5)
+        if self.holder is not None:
+            with contextlib.suppress(Exception):
+                self.directory.retire(self.holder)
+        if self.server is not None:
+            self.server.stop()
+        self.client.close()
+        if self.pool is not None:
+            self.pool.close()
+
+    def __enter__(self) -> StateLedger:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def address(self) -> str | None:
+        return self.server.address if self.server is not None else None
+
+    # --- writes ------------------------------------------------------------------
+
+    def put(self, key: bytes, position: int, data: bytes | bytearray | memoryview) -> bool:
+        """Keep the snapshot taken at `position` (tokens) under `key`, the chain key of the block
+        ending there. True when it went somewhere (pool or disk) per the strategy."""
+        assert len(key) == KEY_BYTES and position > 0 and position % self.spec.block_size == 0
+        kept = False
+        if self.files is not None and self.strategy.persists(position):
+            try:
+                self.files.write(key, position, data)
+                kept = True
+            except OSError:
+                self.faults["disk"] += 1
+        if self.pool is not None and self.holder is not None:
+            result = self.pool.put(key, position, data)
+            if result.stored:
+                kept = True
+                entry = SnapshotEntry(key, self.holder, position, memoryview(data).nbytes, time.time())
+                try:
+                    self.directory.publish([entry])
+                except Exception:  # noqa: BLE001 - a directory fault is a later miss, never an error here
+                    self.faults["directory"] += 1
+        return kept
+
+    def _withdraw(self, keys: list[bytes]) -> None:
+        if self.holder is None:
+            return
+        try:
+            self.directory.withdraw(keys, self.holder)
+        except Exception:  # noqa: BLE001
+            self.faults["directory"] += 1
+
+    # --- reads -------------------------------------------------------------------
+
+    def positions(self, keys: Sequence[bytes]) -> set[int]:
+        """Positions holding a snapshot, metadata only: `keys[i]` is the chain key of block i,
+        so its snapshot position is (i + 1)·B. The result is `decide_hit`'s `swa_snapshots`."""
+        if not self.strategy.keeps:
+            return set()
+        b = self.spec.block_size
+        found: set[int] = set()
+        rest: list[int] = []
+        for i, k in enumerate(keys):
+            if self.pool is not None and self.pool.position(k) == (i + 1) * b:
+                found.add((i + 1) * b)
+            else:
+                rest.append(i)
+        if rest:
+            try:
+                entries = self.directory.lookup([keys[i] for i in rest])
+            except Exception:  # noqa: BLE001
+                self.faults["directory"] += 1
+                entries = [None] * len(rest)
+            for i, e in zip(rest, entries):
+                if e is not None and e.position == (i + 1) * b:
+                    found.add((i + 1) * b)
+        if self.files is not None:
+            for i in rest:
+                pos = (i + 1) * b
+                if pos not in found and self.strategy.persists(pos) and self.files.exists(keys[i]):
+                    found.add(pos)
+        return found
+
+    def fetch(self, key: bytes) -> bytes | bytearray | None:
+        """The snapshot's bytes: from this host's pool, else pulled from its holder, else from disk;
+        None when none of them has it (or every source failed)."""
+        if not self.strategy.keeps:
+            return None
+        if self.pool is not None:
+            data = self.pool.get(key)
+            if data is not None:
+                return data
+        try:
+            (entry,) = self.directory.lookup([key])
+        except Exception:  # noqa: BLE001
+            self.faults["directory"] += 1
+            entry = None
+        if entry is not None and entry.holder != self.holder and entry.holder.address:
+            data = self.client.pull(entry.holder.address, key)
+            if data is not None and len(data) == entry.size:
+                return data
+        if self.files is not None:
+            got = self.files.read(key)
+            if got is not None:
+                return got[1]
+        return None
+
+    # --- heartbeat ---------------------------------------------------------------
+
+    def _beat_once(self) -> None:
+        assert self.holder is not None
+        try:
+            self.directory.heartbeat(self.holder)
+        except Exception:  # noqa: BLE001 - the next beat retries; until then lookups read absent
+            self.faults["heartbeat"] += 1
+
+    def _beat_loop(self) -> None:
+        interval = self.directory.holder_ttl_s / 3
+        while not self._stop.wait(interval):
+            self._beat_once()
