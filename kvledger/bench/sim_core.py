@@ -1,0 +1,368 @@
+"""A discrete-event model of a kvledger cluster, driven by requests (a trace or a workload).
+
+Model (units: seconds, tokens, bytes):
+- N prefill engines, each a FIFO server doing one request at a time: service = fetch + compute,
+  no overlap (the first-order model of `kvledger plan`). fetch = latency + bytes / bandwidth for
+  the reused blocks (and the snapshot when it comes from storage or another machine);
+  compute = (prompt − recompute_from) / prefill throughput. TTFT = queueing + service.
+- M decode engines: each request decodes at `decode_tps` tokens/s on the engine with the fewest
+  active requests (unbounded batch). At its end the output's full blocks and the decode snapshot
+  are stored (rules 4 and 7) — when the request names them (workloads do; Mooncake traces do not).
+- The cache is kept at the request's id granularity (512 tokens in Mooncake traces): an id holds
+  as many 128-token blocks as the writer had whole (a partial last 512-token block holds fewer).
+  Every hit decision goes through `kvledger.core.decide_hit`; snapshot positions come from
+  `prefill_store_position` / `decode_store_position` (or every N blocks for `periodic:N`).
+- Blocks are written at the end of prefill (in-flight prompts are not yet hits), tail first, so
+  LRU eviction takes chain tails before heads; a hit renews the TTL of the blocks it reuses.
+- `ideal`: one unbounded set of ids, no TTL, no cap, written at the writer's arrival: the hit of
+  a request is its leading ids seen before (the reuse ceiling, when repeats are prefixes).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvledger.bench.sim_store import BlockStore, StatePool
+from kvledger.bench.trace import Request
+from kvledger.core import HitKind, ModelSpec, decide_hit, decode_replica_positions, decode_store_position
+from kvledger.core import prefill_store_position
+from kvledger.core.plan import PUBLISHED_PREFILL_TOKENS_PER_S
+
+ROUTINGS = ("match", "affinity", "random")
+SWA_STRATEGIES = ("memory", "full", "periodic", "zero")
+_PREFILL_DONE, _DECODE_DONE, _ARRIVAL = 0, 1, 2  # at equal times, writes land before arrivals
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    """A cluster and its cache policy. `ttl_s` per TTL class (None: nothing expires);
+    `capacity_bytes` is the whole store (split evenly across engines for local caches)."""
+
+    spec: ModelSpec
+    prefill_engines: int = 8
+    decode_engines: int = 4
+    prefill_tps: float = PUBLISHED_PREFILL_TOKENS_PER_S
+    fetch_bytes_per_s: float = 10e9
+    fetch_latency_s: float = 1e-3
+    decode_tps: float = 30.0
+    capacity_bytes: float = math.inf
+    ttl_s: Mapping[str, float] | None = None
+    routing: str = "match"
+    swa: str = "memory"
+    swa_period: int = 4            # periodic:N — blocks between stored snapshots
+    state_slots: int = 4096        # memory — snapshots one engine's host pool holds
+    replay: bool = False           # a missing snapshot: bounded replay instead of fallback
+    affinity_balance_s: float = 5.0
+    ideal: bool = False
+    seed: int = 0
+    time_scale: float = 1.0        # arrival times are multiplied by this
+
+    def __post_init__(self) -> None:
+        assert self.prefill_engines > 0 and self.decode_engines > 0
+        assert self.prefill_tps > 0 and self.fetch_bytes_per_s > 0 and self.decode_tps > 0
+        assert self.routing in ROUTINGS and self.swa in SWA_STRATEGIES and self.swa_period > 0
+        assert self.capacity_bytes >= 0 and self.time_scale > 0
+
+    @property
+    def local(self) -> bool:
+        """Per-engine local caches (affinity, random) instead of one shared store (match)."""
+        return self.routing != "match"
+
+
+@dataclass(slots=True)
+class SimResult:
+    """Per-request outcomes and totals of one run. Rates are in [0, 1]."""
+
+    requests: int = 0
+    block_refs: int = 0
+    block_hits: float = 0.0          # hash ids reused; fractional where the cap cuts an id's block
+    prompt_tokens: int = 0
+    hit_tokens: int = 0
+    computed_tokens: int = 0
+    fetch_bytes: float = 0.0
+    kinds: dict[str, int] = field(default_factory=dict)
+    ttft_s: list[float] = field(default_factory=list)
+    store_series: list[tuple[float, int]] = field(default_factory=list)
+    evicted_bytes: int = 0
+    expired_bytes: int = 0
+    decode_blocks_written: int = 0
+    busy_s: float = 0.0
+    makespan_s: float = 0.0
+
+    @property
+    def block_hit_rate(self) -> float:
+        return self.block_hits / self.block_refs if self.block_refs else 0.0
+
+    @property
+    def token_hit_rate(self) -> float:
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+def reuse_ceiling(requests: Sequence[Request]) -> float:
+    """Share of prompt block references whose id appeared earlier (in a prompt or a decode write)."""
+    seen: set[int] = set()
+    refs = repeats = 0
+    for r in requests:
+        for h in r.hash_ids:
+            refs += 1
+            repeats += h in seen
+            seen.add(h)
+        seen.update(r.output_hash_ids)
+    return repeats / refs if refs else 0.0
+
+
+def _ids_hit(r: Request, hit_tokens: int) -> float:
+    """How many of r's ids lie in [0, hit_tokens), counting a cut id by its covered share."""
+    bt = r.block_tokens
+    whole = min(hit_tokens // bt, len(r.hash_ids))
+    if whole == len(r.hash_ids):
+        return float(whole)
+    rest = hit_tokens - whole * bt
+    return whole + (rest / r.block_len(whole) if rest > 0 else 0.0)
+
+
+class _Decision:
+    __slots__ = ("hit_tokens", "recompute_from", "kind", "l1", "swa_bytes", "holder")
+
+    def __init__(self, hit_tokens: int, recompute_from: int, kind: str, l1: int, swa_bytes: int,
+                 holder: int | None) -> None:
+        self.hit_tokens, self.recompute_from, self.kind, self.l1 = hit_tokens, recompute_from, kind, l1
+        self.swa_bytes, self.holder = swa_bytes, holder
+
+
+class Simulator:
+    """One run over `requests` (sorted by arrival) under `cfg`; `run()` returns the SimResult."""
+
+    def __init__(self, requests: Sequence[Request], cfg: SimConfig) -> None:
+        spec = cfg.spec
+        self.reqs, self.cfg, self.spec, self.B = requests, cfg, spec, spec.block_size
+        for r in requests:
+            if r.block_tokens % self.B:
+                raise ValueError(f"request blocks of {r.block_tokens} tokens are not whole {self.B}-token blocks")
+        n, m = cfg.prefill_engines, cfg.decode_engines
+        per_store = cfg.capacity_bytes / n if cfg.local else cfg.capacity_bytes
+        self.stores = [BlockStore(per_store) for _ in range(n if cfg.local else 1)]
+        self.pools = [StatePool(cfg.state_slots) for _ in range(n + m)]
+        self.busy = [0.0] * n
+        self.decoding = [0] * m
+        self.rng = random.Random(cfg.seed)
+        self.swa_block_bytes = spec.swa_stored_layers * self.B * spec.swa_bytes_per_token if spec.has_swa else 0
+        self.unit_bytes = spec.block_bytes() + (self.swa_block_bytes if cfg.swa == "full" else 0)
+        self.snapshot_bytes = spec.state_size_to_disk() if spec.has_swa else 0
+        window_blocks = -(-spec.inference_ring() // self.B)
+        self.full_window_bytes = window_blocks * self.swa_block_bytes
+        self.ideal_seen: set[int] = set()
+        self.res = SimResult(kinds={k.value: 0 for k in HitKind})
+
+    # --- helpers ------------------------------------------------------------------
+
+    def _ttl(self, r: Request) -> float:
+        return math.inf if self.cfg.ttl_s is None else self.cfg.ttl_s[r.ttl_class]
+
+    def _id_at(self, r: Request, pos: int) -> int | None:
+        """Id of the block holding token pos − 1 of prompt + output (None: unknown)."""
+        i = (pos - 1) // r.block_tokens
+        first_out = r.input_length // r.block_tokens
+        if pos <= r.input_length and i < len(r.hash_ids):
+            return r.hash_ids[i]
+        j = i - first_out
+        return r.output_hash_ids[j] if 0 <= j < len(r.output_hash_ids) else None
+
+    def _cached_blocks(self, r: Request, store: BlockStore, now: float) -> int:
+        """Leading 128-token blocks of r's prompt the store holds (stops inside a short entry)."""
+        per, blocks = r.block_tokens // self.B, 0
+        for i, h in enumerate(r.hash_ids):
+            units = store.units(h, now)
+            if units == 0:
+                break
+            blocks += min(units, r.block_len(i) // self.B)
+            if units < per:
+                break
+        return blocks
+
+    def _decide(self, r: Request, engine: int, now: float) -> _Decision:
+        cfg, spec = self.cfg, self.spec
+        store = self.stores[engine if cfg.local else 0]
+        cached = self._cached_blocks(r, store, now)
+        replay = cfg.replay or cfg.swa == "zero"
+        d = decide_hit(r.input_length, cached, (), spec, replay=replay)
+        l1, swa_bytes, holder = d.block_hit_tokens, 0, None
+        if d.kind in (HitKind.FALLBACK, HitKind.REPLAY):
+            found, swa_bytes, holder = self._snapshot(r, l1, engine, store, now)
+            if found:
+                d = decide_hit(r.input_length, cached, (l1,), spec)
+                assert d.swa_hit
+        return _Decision(d.hit_tokens, d.recompute_from, d.kind.value, l1, swa_bytes if d.swa_hit else 0, holder)
+
+    def _snapshot(self, r: Request, pos: int, engine: int, store: BlockStore, now: float
+                  ) -> tuple[bool, int, int | None]:
+        """(found, bytes moved to use it, holding engine) for the snapshot at `pos` of r's prefix."""
+        swa = self.cfg.swa
+        if swa == "full":  # the window's SWA KV is stored with the blocks below pos, all cached
+            return True, self.full_window_bytes, None
+        if swa == "zero":
+            return False, 0, None
+        key = (self._id_at(r, pos), pos)
+        if swa == "periodic":
+            if pos % (self.cfg.swa_period * self.B) or not store.units(("s", *key), now):
+                return False, 0, None
+            store.touch(("s", *key), now, self._ttl(r))
+            return True, self.snapshot_bytes, None
+        candidates = [engine] if self.cfg.local else [engine, *(e for e in range(len(self.pools)) if e != engine)]
+        for e in candidates:
+            if key in self.pools[e]:
+                self.pools[e].touch(key)
+                return True, self.snapshot_bytes, e
+        return False, 0, None
+
+    def _service(self, r: Request, d: _Decision, engine: int) -> tuple[float, float, int]:
+        """(fetch seconds, compute seconds, bytes fetched) of r on `engine` under decision d.
+        A snapshot in the serving engine's own pool costs nothing to use; elsewhere it is pulled."""
+        cfg = self.cfg
+        nbytes = d.hit_tokens // self.B * self.spec.block_bytes()
+        if d.holder is None or d.holder != engine:
+            nbytes += d.swa_bytes
+        fetch = cfg.fetch_latency_s + nbytes / cfg.fetch_bytes_per_s if nbytes else 0.0
+        return fetch, (r.input_length - d.recompute_from) / cfg.prefill_tps, nbytes
+
+    # --- events ---------------------------------------------------------------------
+
+    def _route(self, r: Request, now: float) -> tuple[int, _Decision]:
+        cfg, n = self.cfg, self.cfg.prefill_engines
+        wait = [max(b - now, 0.0) for b in self.busy]
+        if cfg.routing == "random":
+            e = self.rng.randrange(n)
+            return e, self._decide(r, e, now)
+        if cfg.routing == "match":
+            d = self._decide(r, 0, now)
+            e = min(range(n), key=lambda i: (wait[i] + sum(self._service(r, d, i)[:2]), i))
+            return e, d
+        decisions = [self._decide(r, e, now) for e in range(n)]
+        best = max(range(n), key=lambda i: (decisions[i].hit_tokens, -wait[i], -i))
+        idle = min(range(n), key=lambda i: (wait[i], i))
+        if decisions[best].hit_tokens == 0 or wait[best] - wait[idle] > cfg.affinity_balance_s:
+            best = idle
+        return best, decisions[best]
+
+    def _touch_reused(self, r: Request, store: BlockStore, hit_tokens: int, now: float) -> None:
+        ttl = self._ttl(r)
+        for h in reversed(r.hash_ids[: -(-hit_tokens // r.block_tokens)]):
+            store.touch(h, now, ttl)
+
+    def _write_prompt(self, r: Request, engine: int, now: float) -> None:
+        store, ttl, B = self.stores[engine if self.cfg.local else 0], self._ttl(r), self.B
+        for i in range(len(r.hash_ids) - 1, -1, -1):  # tail first: heads end most recently used
+            units = r.block_len(i) // B
+            if units:
+                store.put(r.hash_ids[i], units, units * self.unit_bytes, now, ttl)
+        self._store_snapshots(r, engine, now, self._prefill_positions(r), store)
+
+    def _prefill_positions(self, r: Request) -> list[int]:
+        p = prefill_store_position(r.input_length, self.spec)
+        if p is None:
+            return []
+        if self.cfg.swa == "periodic":
+            step = self.cfg.swa_period * self.B
+            return list(range(step, p + 1, step))
+        return [p] if self.cfg.swa == "memory" else []
+
+    def _store_snapshots(self, r: Request, engine: int, now: float, positions: list[int], store: BlockStore) -> None:
+        for p in positions:
+            h = self._id_at(r, p)
+            if h is None:
+                continue
+            if self.cfg.swa == "periodic":
+                store.put(("s", h, p), 1, self.snapshot_bytes, now, self._ttl(r))
+            else:
+                self.pools[engine].put((h, p))
+
+    def _write_decode(self, r: Request, prefill_engine: int, decode_engine: int, now: float) -> None:
+        cfg = self.cfg
+        store, ttl, per = self.stores[prefill_engine if cfg.local else 0], self._ttl(r), r.block_tokens // self.B
+        for h in reversed(r.output_hash_ids):
+            store.put(h, per, per * self.unit_bytes, now, ttl)
+        self.res.decode_blocks_written += len(r.output_hash_ids) * per
+        total = r.input_length + r.output_length
+        if cfg.swa == "memory":
+            q = decode_store_position(r.input_length, total, self.spec)
+            holder = prefill_engine if cfg.local else cfg.prefill_engines + decode_engine
+            self._store_snapshots(r, holder, now, [q] if q else [], store)
+        elif cfg.swa == "periodic":
+            step = cfg.swa_period * self.B
+            qs = [q for q in decode_replica_positions(r.input_length, total, self.spec) if q % step == 0]
+            self._store_snapshots(r, prefill_engine, now, qs, store)
+
+    def _arrive_ideal(self, r: Request) -> _Decision:
+        found = 0
+        for h in r.hash_ids:
+            if h not in self.ideal_seen:
+                break
+            found += 1
+        self.ideal_seen.update(r.hash_ids)
+        self.ideal_seen.update(r.output_hash_ids)
+        hit = min(found * r.block_tokens, r.input_length)
+        return _Decision(hit, hit, HitKind.FULL.value if hit else HitKind.MISS.value, hit, 0, None)
+
+    def run(self) -> SimResult:
+        cfg, res = self.cfg, self.res
+        events: list[tuple[float, int, int, int, int]] = []
+        for i, r in enumerate(self.reqs):
+            events.append((r.arrival_s * cfg.time_scale, _ARRIVAL, i, 0, 0))
+        heapq.heapify(events)
+        engine_of = [0] * len(self.reqs)
+        while events:
+            now, kind, i, a, b = heapq.heappop(events)
+            r = self.reqs[i]
+            if kind == _ARRIVAL:
+                for s in self.stores:
+                    s.expire(now)
+                if cfg.ideal:
+                    d = self._arrive_ideal(r)
+                    e = min(range(cfg.prefill_engines), key=lambda k: (self.busy[k], k))
+                else:
+                    e, d = self._route(r, now)
+                    self._touch_reused(r, self.stores[e if cfg.local else 0], d.l1, now)
+                fetch, compute, nbytes = self._service(r, d, e)
+                start = max(now, self.busy[e])
+                self.busy[e] = done = start + fetch + compute
+                engine_of[i] = e
+                res.busy_s += fetch + compute
+                res.requests += 1
+                res.block_refs += len(r.hash_ids)
+                res.block_hits += _ids_hit(r, d.hit_tokens)
+                res.prompt_tokens += r.input_length
+                res.hit_tokens += d.hit_tokens
+                res.computed_tokens += r.input_length - d.recompute_from
+                res.fetch_bytes += nbytes
+                res.kinds[d.kind] += 1
+                res.ttft_s.append(done - now)
+                res.store_series.append((now, sum(s.bytes for s in self.stores)))
+                heapq.heappush(events, (done, _PREFILL_DONE, i, e, 0))
+            elif kind == _PREFILL_DONE:
+                if not cfg.ideal:
+                    self._write_prompt(r, a, now)
+                m = min(range(cfg.decode_engines), key=lambda k: (self.decoding[k], k))
+                self.decoding[m] += 1
+                heapq.heappush(events, (now + r.output_length / cfg.decode_tps, _DECODE_DONE, i, a, m))
+            else:
+                self.decoding[b] -= 1
+                if not cfg.ideal:
+                    self._write_decode(r, engine_of[i], b, now)
+            res.makespan_s = now
+        res.evicted_bytes = sum(s.evicted_bytes for s in self.stores)
+        res.expired_bytes = sum(s.expired_bytes for s in self.stores)
+        return res
+
+
+def simulate(requests: Sequence[Request], cfg: SimConfig) -> SimResult:
+    return Simulator(requests, cfg).run()
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values, dtype=float), q)) if len(values) else 0.0

@@ -1,0 +1,124 @@
+"""The simulator's caches: a byte-bounded block store with TTL and LRU, and a slot-bounded state pool.
+
+Times are simulated seconds; sizes are bytes. Both are plain in-memory models of what the
+block ledger (storage tier) and the state ledger (host-memory slot pool) keep.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import OrderedDict
+from collections.abc import Hashable
+
+
+class BlockStore:
+    """Entries (a block, or a snapshot kept on storage) with a size, a unit count and an expiry.
+
+    Invariants: `bytes` == the sum of live entries' sizes <= `capacity` after every `put`;
+    an entry is gone once `now >= expiry`; a touch (hit or rewrite) renews the expiry
+    (TTL refreshed on a hit) and makes the entry most recently used; eviction takes the least
+    recently used first. Units: how many 128-token blocks an entry holds (its usable prefix).
+    """
+
+    def __init__(self, capacity: float = math.inf) -> None:
+        assert capacity >= 0
+        self.capacity = capacity
+        self.bytes = 0
+        self.evicted_bytes = 0
+        self.expired_bytes = 0
+        self._entries: OrderedDict[Hashable, list] = OrderedDict()  # key -> [units, size, expiry]
+        self._expiries: list[tuple[float, int, Hashable]] = []
+        self._seq = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def units(self, key: Hashable, now: float) -> int:
+        """Units held under `key` (0: absent or expired). Does not touch."""
+        entry = self._entries.get(key)
+        if entry is None:
+            return 0
+        if entry[2] <= now:
+            self._drop(key, expired=True)
+            return 0
+        return entry[0]
+
+    def touch(self, key: Hashable, now: float, ttl: float) -> None:
+        entry = self._entries.get(key)
+        if entry is None:
+            return
+        self._entries.move_to_end(key)
+        self._set_expiry(key, entry, now + ttl)
+
+    def put(self, key: Hashable, units: int, size: int, now: float, ttl: float) -> bool:
+        """Store or refresh `key`; evict LRU entries to fit. False when it cannot fit at all."""
+        assert units > 0 and size > 0
+        if size > self.capacity:
+            return False
+        entry = self._entries.get(key)
+        if entry is not None and entry[2] > now:
+            if units > entry[0]:
+                self.bytes += size - entry[1]
+                entry[0], entry[1] = units, size
+            self._entries.move_to_end(key)
+        else:
+            if entry is not None:
+                self._drop(key, expired=True)
+            entry = [units, size, math.inf]
+            self._entries[key] = entry
+            self.bytes += size
+        self._set_expiry(key, entry, now + ttl)
+        while self.bytes > self.capacity:
+            oldest = next(iter(self._entries))
+            self.evicted_bytes += self._entries[oldest][1]
+            self._drop(oldest)
+        return key in self._entries
+
+    def expire(self, now: float) -> None:
+        """Drop every entry whose expiry has passed (keeps `bytes` exact for the size-over-time series)."""
+        heap = self._expiries
+        while heap and heap[0][0] <= now:
+            expiry, _, key = heapq.heappop(heap)
+            entry = self._entries.get(key)
+            if entry is not None and entry[2] == expiry:
+                self._drop(key, expired=True)
+
+    def _set_expiry(self, key: Hashable, entry: list, expiry: float) -> None:
+        entry[2] = expiry
+        if expiry != math.inf:
+            self._seq += 1
+            heapq.heappush(self._expiries, (expiry, self._seq, key))
+
+    def _drop(self, key: Hashable, expired: bool = False) -> None:
+        size = self._entries.pop(key)[1]
+        self.bytes -= size
+        if expired:
+            self.expired_bytes += size
+
+
+class StatePool:
+    """A host-memory snapshot pool of `slots` snapshots, LRU (the state ledger of one engine)."""
+
+    def __init__(self, slots: int) -> None:
+        assert slots >= 0
+        self.slots = slots
+        self._keys: OrderedDict[Hashable, None] = OrderedDict()
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._keys
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def touch(self, key: Hashable) -> None:
+        if key in self._keys:
+            self._keys.move_to_end(key)
+
+    def put(self, key: Hashable) -> None:
+        if self.slots == 0:
+            return
+        self._keys[key] = None
+        self._keys.move_to_end(key)
+        while len(self._keys) > self.slots:
+            self._keys.popitem(last=False)
