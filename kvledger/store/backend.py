@@ -1,0 +1,132 @@
+"""The block-store protocol and its records.
+
+A block store holds whole blocks of KV bytes by chain key (16 bytes, `kvledger.core.chain_keys`)
+together with the metadata CHECK and GC need: size, xxh3-64 checksum, namespace, TTL class,
+expiry, last hit, chain position and parent key. Two stores implement the protocol:
+`FileStore` (a directory; the embedded default, metadata indexed in the process) and
+`RedisStore` (a Redis server: the shared index, optionally the bytes too).
+
+Fault rule (DESIGN.md rule 8): no method raises into the caller for a storage fault. A
+missing, expired, corrupt or truncated block is a miss (counted in `counters`); a full disk
+or an unreachable server makes `put` return `failed` and `match` answer 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, NamedTuple, Protocol
+
+from kvledger.core import KEY_BYTES
+
+Buffer = Any  # anything with the writable/readable buffer protocol: bytearray, memoryview, numpy array
+
+
+@dataclass(slots=True)
+class Counters:
+    """Events since the store was opened (this process only)."""
+
+    blocks_written: int = 0
+    blocks_skipped: int = 0       # already present (idempotent puts)
+    bytes_written: int = 0
+    put_failures: int = 0         # put calls that failed soft (disk full, server unreachable, ...)
+    blocks_read: int = 0
+    bytes_read: int = 0
+    misses_absent: int = 0        # get of a key the store does not hold (expired, collected, never written)
+    misses_corrupt: int = 0       # checksum mismatch on read
+    misses_truncated: int = 0     # short read: file truncated or removed under us
+    match_failures: int = 0       # CHECKs that answered 0 because the store was unreachable
+    gc_expired: int = 0
+    gc_evicted: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+class PutResult(NamedTuple):
+    written: int   # blocks newly stored by this call
+    skipped: int   # blocks that were already present
+    failed: int    # blocks not stored because of a fault (logged and counted)
+
+
+class GcResult(NamedTuple):
+    expired: int       # blocks removed because their TTL ran out
+    evicted: int       # blocks removed to get under the capacity limit
+    freed_bytes: int
+    batches: int
+
+
+class VerifyResult(NamedTuple):
+    checked: int
+    bad: int           # checksum mismatch, truncated, or unreadable
+    removed: int
+    bytes_checked: int
+
+
+@dataclass(slots=True)
+class StoreStats:
+    backend: str
+    location: str
+    blocks: int = 0
+    chains: int = 0                  # chain tails: live blocks that are no live block's parent
+    live_bytes: int = 0              # bytes of live blocks
+    disk_bytes: int = 0              # bytes the store occupies (file backend: segment files)
+    capacity_bytes: int | None = None
+    per_class: dict[str, int] = field(default_factory=dict)
+    per_namespace: dict[str, int] = field(default_factory=dict)
+    oldest_created: float | None = None   # epoch seconds of the oldest live block
+    next_expiry: float | None = None      # epoch seconds of the next block to expire
+    segments: int = 0
+    counters: dict[str, int] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
+class ChainWrite:
+    """Blocks of one chain written by one put call.
+
+    `keys[i]` is the block at chain position `start_pos + i`; its parent is `keys[i-1]`
+    (or `parent` for i = 0: the previous block's key, or the root key at position 0).
+    """
+
+    keys: Sequence[bytes]
+    blocks: Sequence[Buffer]
+    start_pos: int
+    parent: bytes
+    namespace: str
+    ttl_class: str
+    ttl_s: float
+
+    def __post_init__(self) -> None:
+        assert len(self.keys) == len(self.blocks), "one buffer per key"
+        assert self.start_pos >= 0 and self.ttl_s > 0
+        assert len(self.parent) == KEY_BYTES and all(len(k) == KEY_BYTES for k in self.keys)
+
+
+class BlockStore(Protocol):
+    """What the ledger needs of a backend. Times are epoch seconds, sizes bytes."""
+
+    counters: Counters
+
+    def put(self, write: ChainWrite) -> PutResult: ...
+
+    def match(self, keys: Sequence[bytes], ttl_s: float) -> int:
+        """Leading blocks of `keys` present and unexpired, from metadata only; refreshes their expiry
+        to at least now + `ttl_s`."""
+
+    def get_into(self, keys: Sequence[bytes], bufs: Sequence[Buffer]) -> list[int]:
+        """Read each block into its buffer (at least the block's size); its size, or -1 for a miss."""
+
+    def exists(self, keys: Sequence[bytes]) -> list[bool]: ...
+
+    def delete(self, keys: Sequence[bytes]) -> int: ...
+
+    def gc(self, batch: int = 4096) -> GcResult: ...
+
+    def stats(self) -> StoreStats: ...
+
+    def verify(self, remove: bool = True) -> VerifyResult: ...
+
+    def close(self) -> None: ...

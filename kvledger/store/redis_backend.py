@@ -1,0 +1,316 @@
+"""The block store on a Redis server: the shared index of the cluster mode, and the block
+bytes too for small deployments.
+
+One Redis hash per block, `{prefix}b:<16-byte key>` with fields `m` (metadata, a packed
+struct — never pickle) and `d` (the bytes). Expiry is Redis's own: a block written at chain
+position p gets `ttl_ms − p` milliseconds, so along a chain every tail expires before its
+head and a reader never sees a block whose parent has expired (tails first, by construction).
+
+CHECK is one Lua call: the keys travel as one concatenated argument; the script walks them,
+refreshes each present block's expiry (`PEXPIRE … GT`, never shortening it) and stops at the
+first absent one. One round trip, one integer back, no block byte touched.
+
+Every call has a socket timeout; any Redis or socket error is logged and counted and turns
+into a miss (`match` → 0, `get_into` → -1, `put` → failed), never an exception.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import redis
+import xxhash
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from kvledger.store.backend import (
+    Buffer,
+    ChainWrite,
+    Counters,
+    GcResult,
+    PutResult,
+    StoreStats,
+    VerifyResult,
+)
+
+log = logging.getLogger("kvledger.store")
+
+META = struct.Struct("<16sIIQddHH")  # parent, pos, size, xxh3_64, created, ttl_s, ns_len, cls_len (+ ns, cls)
+PUT_CHUNK_BYTES = 16 << 20           # bytes of one pipelined put/get round trip
+FAULTS = (redis.RedisError, OSError)
+
+_MATCH = """
+local blob, ttl, prefix = ARGV[1], tonumber(ARGV[2]), ARGV[3]
+local n = #blob / 16
+for i = 0, n - 1 do
+  local k = prefix .. string.sub(blob, i * 16 + 1, i * 16 + 16)
+  if redis.call('PEXPIRE', k, ttl - i, 'GT') == 0 and redis.call('EXISTS', k) == 0 then
+    return i
+  end
+end
+return n
+"""
+
+_EXISTS = """
+local blob, prefix = ARGV[1], ARGV[2]
+local out = {}
+for i = 0, #blob / 16 - 1 do
+  out[i + 1] = tostring(redis.call('EXISTS', prefix .. string.sub(blob, i * 16 + 1, i * 16 + 16)))
+end
+return table.concat(out)
+"""
+
+_PUT = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+redis.call('HSET', KEYS[1], 'm', ARGV[1], 'd', ARGV[2])
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return 1
+"""
+
+
+def encode_meta(parent: bytes, pos: int, size: int, xxh: int, created: float, ttl_s: float,
+                namespace: str, ttl_class: str) -> bytes:
+    ns, cl = namespace.encode(), ttl_class.encode()
+    return META.pack(parent, pos, size, xxh, created, ttl_s, len(ns), len(cl)) + ns + cl
+
+
+def decode_meta(raw: bytes) -> tuple[bytes, int, int, int, float, float, str, str] | None:
+    """The fields of a metadata value, or None when it does not parse."""
+    try:
+        parent, pos, size, xxh, created, ttl_s, ns_len, cls_len = META.unpack_from(raw)
+        rest = raw[META.size:]
+        if len(rest) != ns_len + cls_len:
+            return None
+        return parent, pos, size, xxh, created, ttl_s, rest[:ns_len].decode(), rest[ns_len:].decode()
+    except (struct.error, UnicodeDecodeError, TypeError):
+        return None
+
+
+class RedisStore:
+    """Blocks and their metadata on the Redis server at `url` (see the module docstring)."""
+
+    backend = "redis"
+
+    def __init__(self, url: str, *, prefix: str = "kvl:", timeout_s: float = 2.0, check: bool = False) -> None:
+        self.url = url
+        self.prefix = prefix.encode()
+        self.bprefix = self.prefix + b"b:"
+        self.counters = Counters()
+        self.r = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                                      retry=Retry(NoBackoff(), 0), health_check_interval=0)
+        self._match = self.r.register_script(_MATCH)
+        self._exists = self.r.register_script(_EXISTS)
+        self._put = self.r.register_script(_PUT)
+        if check:
+            self.r.ping()  # raises: for the CLI, which reports an unreachable server as bad input
+
+    def _k(self, key: bytes) -> bytes:
+        return self.bprefix + key
+
+    # --- CHECK -----------------------------------------------------------------
+
+    def match(self, keys: Sequence[bytes], ttl_s: float) -> int:
+        if not keys:
+            return 0
+        try:
+            return int(self._match(args=[b"".join(keys), int(ttl_s * 1000), self.bprefix]))
+        except FAULTS as e:
+            log.warning("CHECK on %s failed (answering 0): %s", self.url, e)
+            self.counters.match_failures += 1
+            return 0
+
+    def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        if not keys:
+            return []
+        try:
+            bits = self._exists(args=[b"".join(keys), self.bprefix])
+        except FAULTS as e:
+            log.warning("exists on %s failed: %s", self.url, e)
+            return [False] * len(keys)
+        return [c == ord("1") for c in bits]
+
+    # --- write -----------------------------------------------------------------
+
+    def put(self, write: ChainWrite) -> PutResult:
+        n = len(write.keys)
+        present = self.exists(write.keys)
+        sel = [i for i in range(n) if not present[i]]
+        skipped = n - len(sel)
+        written = 0
+        now = time.time()
+        ttl_ms = int(write.ttl_s * 1000)
+        try:
+            pipe = self.r.pipeline(transaction=False)
+            pending = 0
+            for i in sel:
+                v = memoryview(write.blocks[i]).cast("B")
+                parent = write.keys[i - 1] if i > 0 else write.parent
+                pos = write.start_pos + i
+                meta = encode_meta(parent, pos, v.nbytes, xxhash.xxh3_64_intdigest(v), now, write.ttl_s,
+                                   write.namespace, write.ttl_class)
+                self._put(keys=[self._k(write.keys[i])], args=[meta, v, max(ttl_ms - pos, 1)], client=pipe)
+                pending += v.nbytes
+                if pending >= PUT_CHUNK_BYTES:
+                    written += sum(int(x) for x in pipe.execute())
+                    pending = 0
+            written += sum(int(x) for x in pipe.execute())
+        except FAULTS as e:
+            log.warning("put of %d blocks to %s failed: %s", len(sel), self.url, e)
+            self.counters.put_failures += 1
+            self.counters.blocks_written += written
+            return PutResult(written, skipped, len(sel) - written)
+        self.counters.blocks_written += written
+        self.counters.blocks_skipped += skipped + len(sel) - written
+        self.counters.bytes_written += sum(memoryview(write.blocks[i]).nbytes for i in sel)
+        return PutResult(written, skipped + len(sel) - written, 0)
+
+    # --- read ------------------------------------------------------------------
+
+    def get_into(self, keys: Sequence[bytes], bufs: Sequence[Buffer]) -> list[int]:
+        assert len(keys) == len(bufs)
+        out = [-1] * len(keys)
+        i = 0
+        while i < len(keys):
+            j = i
+            budget = 0
+            try:
+                pipe = self.r.pipeline(transaction=False)
+                while j < len(keys) and budget < PUT_CHUNK_BYTES:
+                    pipe.hmget(self._k(keys[j]), "m", "d")
+                    budget += memoryview(bufs[j]).nbytes
+                    j += 1
+                replies = pipe.execute()
+            except FAULTS as e:
+                log.warning("get from %s failed: %s", self.url, e)
+                self.counters.misses_absent += len(keys) - i
+                return out
+            for k, (m, d) in zip(range(i, j), replies):
+                out[k] = self._check_copy(keys[k], m, d, bufs[k])
+            i = j
+        return out
+
+    def _check_copy(self, key: bytes, m: bytes | None, d: bytes | None, buf: Buffer) -> int:
+        if m is None or d is None:
+            self.counters.misses_absent += 1
+            return -1
+        meta = decode_meta(m)
+        if meta is None or len(d) != meta[2] or xxhash.xxh3_64_intdigest(d) != meta[3]:
+            self.counters.misses_corrupt += 1
+            log.warning("block %s on %s fails its checksum: deleted", key.hex(), self.url)
+            try:
+                self.r.delete(self._k(key))
+            except FAULTS:
+                pass
+            return -1
+        v = memoryview(buf).cast("B")
+        assert v.nbytes >= len(d), "buffer smaller than the block"
+        v[:len(d)] = d
+        self.counters.blocks_read += 1
+        self.counters.bytes_read += len(d)
+        return len(d)
+
+    # --- removal and operator views ----------------------------------------------
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        if not keys:
+            return 0
+        try:
+            return int(self.r.delete(*[self._k(k) for k in keys]))
+        except FAULTS as e:
+            log.warning("delete on %s failed: %s", self.url, e)
+            return 0
+
+    def _scan(self, batch: int = 1000):
+        """(redis key, meta fields or None, ms to live) of every block, `batch` keys per round trip."""
+        cursor = 0
+        while True:
+            cursor, names = self.r.scan(cursor, match=self.bprefix + b"*", count=batch)
+            if names:
+                pipe = self.r.pipeline(transaction=False)
+                for name in names:
+                    pipe.hget(name, "m")
+                    pipe.pttl(name)
+                res = pipe.execute()
+                for name, m, ttl in zip(names, res[0::2], res[1::2]):
+                    yield name, (decode_meta(m) if m is not None else None), ttl
+            if cursor == 0:
+                return
+
+    def gc(self, batch: int = 1000) -> GcResult:
+        """Expiry is Redis's own (tails first by construction); this removes blocks whose metadata is unreadable."""
+        removed = batches = 0
+        try:
+            bad = [name for name, meta, ttl in self._scan(batch) if meta is None and ttl != -2]
+            for i in range(0, len(bad), batch):
+                removed += int(self.r.delete(*bad[i:i + batch]))
+                batches += 1
+        except FAULTS as e:
+            log.warning("gc on %s stopped: %s", self.url, e)
+        return GcResult(removed, 0, 0, batches)
+
+    def stats(self) -> StoreStats:
+        st = StoreStats(self.backend, self.url)
+        parents: set[bytes] = set()
+        keys: list[bytes] = []
+        now = time.time()
+        for name, meta, ttl in self._scan():
+            if meta is None:
+                continue
+            parent, pos, size, xxh, created, ttl_s, ns, cls = meta
+            keys.append(name[len(self.bprefix):])
+            parents.add(parent)
+            st.blocks += 1
+            st.live_bytes += size
+            st.per_class[cls] = st.per_class.get(cls, 0) + 1
+            st.per_namespace[ns] = st.per_namespace.get(ns, 0) + 1
+            st.oldest_created = created if st.oldest_created is None else min(st.oldest_created, created)
+            if ttl >= 0:
+                exp = now + ttl / 1000
+                st.next_expiry = exp if st.next_expiry is None else min(st.next_expiry, exp)
+        st.chains = sum(1 for k in keys if k not in parents)
+        try:
+            st.disk_bytes = int(self.r.info("memory").get("used_memory", 0))
+        except FAULTS:
+            pass
+        st.counters = self.counters.as_dict()
+        return st
+
+    def verify(self, remove: bool = True) -> VerifyResult:
+        checked = bad = removed = nbytes = 0
+        cursor = 0
+        while True:
+            cursor, names = self.r.scan(cursor, match=self.bprefix + b"*", count=64)
+            if names:
+                pipe = self.r.pipeline(transaction=False)
+                for name in names:
+                    pipe.hmget(name, "m", "d")
+                for name, (m, d) in zip(names, pipe.execute()):
+                    if m is None and d is None:
+                        continue  # expired between SCAN and HMGET
+                    checked += 1
+                    meta = decode_meta(m) if m is not None else None
+                    if meta is None or d is None or len(d) != meta[2] or xxhash.xxh3_64_intdigest(d) != meta[3]:
+                        bad += 1
+                        if remove:
+                            removed += int(self.r.delete(name))
+                    else:
+                        nbytes += len(d)
+            if cursor == 0:
+                break
+        return VerifyResult(checked, bad, removed, nbytes)
+
+    def close(self) -> None:
+        try:
+            self.r.close()
+        except FAULTS:
+            pass
+
+    def __enter__(self) -> RedisStore:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
