@@ -1,0 +1,117 @@
+"""`BlockLedger`: what engines and the entrypoint use of the block ledger.
+
+    ledger = BlockLedger.open(path="/var/lib/kvledger")            # embedded (file backend)
+    ledger = BlockLedger.open(redis_url="redis://127.0.0.1:6379/0")  # shared (Redis)
+    keys, n = ledger.match_tokens(tokens, spec, namespace="tenant")  # CHECK, hashing included
+    ledger.put_chain(keys[n:], blocks, namespace="tenant", start_pos=n, parent=keys[n - 1])
+    ledger.get_into(keys[:n], bufs)                                  # blocks into caller buffers
+
+TTL: a request's class (or its namespace's, or the default) sets the TTL of what it writes
+and refreshes what it hits. Faults never raise here (DESIGN.md rule 8): see backend.py.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from kvledger.core import KEY_BYTES, ModelSpec, chain_keys
+from kvledger.store.backend import Buffer, BlockStore, ChainWrite, GcResult, PutResult, StoreStats, VerifyResult
+from kvledger.store.ttl import Clock, TtlPolicy, wall_clock
+
+NO_PARENT = bytes(KEY_BYTES)  # parent recorded for a block at chain position 0 when the root key is not given
+
+
+class BlockLedger:
+    """A block store plus the TTL policy that decides each request's class."""
+
+    def __init__(self, store: BlockStore, policy: TtlPolicy | None = None) -> None:
+        self.store = store
+        self.policy = policy or TtlPolicy()
+
+    @classmethod
+    def open(cls, path: str | os.PathLike | None = None, redis_url: str | None = None, *,
+             policy: TtlPolicy | None = None, capacity_bytes: int | None = None, fsync: bool = True,
+             clock: Clock = wall_clock, timeout_s: float = 2.0) -> BlockLedger:
+        """Exactly one of `path` (file backend) or `redis_url` (Redis backend)."""
+        if (path is None) == (redis_url is None):
+            raise ValueError("give exactly one of path or redis_url")
+        if path is not None:
+            from kvledger.store.file_backend import FileStore
+
+            return cls(FileStore(path, capacity_bytes=capacity_bytes, fsync=fsync, clock=clock), policy)
+        from kvledger.store.redis_backend import RedisStore
+
+        return cls(RedisStore(redis_url, timeout_s=timeout_s), policy)
+
+    # --- CHECK -----------------------------------------------------------------
+
+    def match(self, keys: Sequence[bytes], *, namespace: str = "default", ttl_class: str | None = None) -> int:
+        """Leading blocks of `keys` (from chain position 0) present, from metadata only; refreshes them."""
+        _, ttl_s = self.policy.resolve(namespace, ttl_class)
+        return self.store.match(keys, ttl_s)
+
+    def match_tokens(self, tokens: Any, spec: ModelSpec, *, namespace: str = "default",
+                     ttl_class: str | None = None) -> tuple[list[bytes], int]:
+        """CHECK of a prompt: its chain keys and how many leading blocks are present.
+
+        `tokens` is best a numpy uint32 array (a Python list is accepted; converting a long
+        one costs more than the CHECK itself)."""
+        keys = chain_keys(tokens, spec, namespace)
+        return keys, self.match(keys, namespace=namespace, ttl_class=ttl_class)
+
+    # --- blocks ----------------------------------------------------------------
+
+    def put_chain(self, keys: Sequence[bytes], blocks: Sequence[Buffer], *, namespace: str = "default",
+                  start_pos: int = 0, parent: bytes | None = None, ttl_class: str | None = None) -> PutResult:
+        """Store the blocks of one chain at positions start_pos.. (idempotent: present blocks are skipped).
+
+        `parent`: the key before keys[0] (required when start_pos > 0)."""
+        if parent is None:
+            if start_pos:
+                raise ValueError("parent is required when start_pos > 0")
+            parent = NO_PARENT
+        cls, ttl_s = self.policy.resolve(namespace, ttl_class)
+        if not keys:
+            return PutResult(0, 0, 0)
+        return self.store.put(ChainWrite(keys, blocks, start_pos, parent, namespace, cls, ttl_s))
+
+    def get_into(self, keys: Sequence[bytes], bufs: Sequence[Buffer]) -> list[int]:
+        """Each block into its buffer; per key its size in bytes, or -1 for a miss."""
+        return self.store.get_into(keys, bufs)
+
+    def read_prefix(self, keys: Sequence[bytes], bufs: Sequence[Buffer]) -> int:
+        """Read blocks into buffers; the number of leading blocks that arrived intact."""
+        n = 0
+        for size in self.get_into(keys, bufs):
+            if size < 0:
+                break
+            n += 1
+        return n
+
+    def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        return self.store.exists(keys)
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        return self.store.delete(keys)
+
+    # --- upkeep ----------------------------------------------------------------
+
+    def gc(self, batch: int = 4096) -> GcResult:
+        return self.store.gc(batch)
+
+    def stats(self) -> StoreStats:
+        return self.store.stats()
+
+    def verify(self, remove: bool = True) -> VerifyResult:
+        return self.store.verify(remove)
+
+    def close(self) -> None:
+        self.store.close()
+
+    def __enter__(self) -> BlockLedger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
