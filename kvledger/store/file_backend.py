@@ -1,7 +1,8 @@
 """The embedded block store: segment files in a directory, metadata indexed in the process.
 
 Write path: the blocks of one put call go into one new segment (segment.py), written with
-`writev` under a temporary name, fsynced once, renamed into place (all or nothing). Writers
+`writev` under a temporary name, fsynced once, renamed into place (all or nothing). Any byte
+that does reach the disk wrong (power cut, bit rot) fails its checksum on read: a miss. Writers
 of one directory serialize on an flock of `DIR/.lock` and re-read the directory first, so
 two processes storing the same chain write each block once.
 
@@ -48,6 +49,7 @@ log = logging.getLogger("kvledger.store")
 
 IOV_MAX = 1024
 MAX_OPEN_FDS = 128
+FLUSH_EVERY_S = 60.0  # put writes refreshed expiries back at most this long after the last flush
 _HOST = socket.gethostname().replace("-", "_")
 _MTIME_SLACK_NS = 50_000_000  # a directory mtime younger than this may still change within its tick
 
@@ -83,6 +85,7 @@ class FileStore:
         self._fds: OrderedDict[str, int] = OrderedDict()
         self._lock = threading.RLock()
         self._dir_mtime: int | None = None
+        self._last_flush = clock()
         self._lock_path = self.root / ".lock"
         self._remove_stale_tmp()
         self.refresh()
@@ -242,10 +245,8 @@ class FileStore:
                         os.fsync(fd)
                 finally:
                     os.close(fd)
-                os.rename(tmp, self.seg_dir / name)
-                tmp = None
-                if self.fsync:
-                    _fsync_dir(self.seg_dir)
+                os.rename(tmp, self.seg_dir / name)  # the directory is not fsynced: losing the rename to a
+                tmp = None                            # power cut loses the segment (a miss), never corrupts it
                 seg = Segment(name, write.namespace, write.ttl_class, write.ttl_s, now,
                               sg.Layout.of(len(rows), ns_len, cls_len).mutable_off, offset, [None] * len(rows))
                 for j, (key, parent, pos, size, xxh, off) in enumerate(rows):
@@ -255,6 +256,8 @@ class FileStore:
                 self.segments[name] = seg
                 self.counters.blocks_written += len(rows)
                 self.counters.bytes_written += incoming
+                if now - self._last_flush > FLUSH_EVERY_S:
+                    self._flush()
                 return PutResult(len(rows), skipped, 0)
         except OSError as e:
             log.warning("put of %d blocks to %s failed: %s", n, self.root, e)
@@ -427,7 +430,7 @@ class FileStore:
 
     def _flush(self) -> None:
         """Write refreshed expiries and last hits back to their segments."""
-        self.index.mark_touched()
+        self._last_flush = self.clock()
         for seg in list(self.segments.values()):
             if seg.dirty:
                 try:
@@ -577,11 +580,3 @@ def _preadv_all(fd: int, views: list[memoryview], offset: int) -> int:
         if n:
             views[i] = views[i][n:]
     return total
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -49,11 +49,10 @@ class Entry:
 class MemoryIndex:
     """key → Entry. Invariant: every entry in `entries` is `seg.entries[idx]` of its segment."""
 
-    __slots__ = ("entries", "touched")
+    __slots__ = ("entries",)
 
     def __init__(self) -> None:
         self.entries: dict[bytes, Entry] = {}
-        self.touched: list[list[Entry]] = []   # entries refreshed by CHECK since the last flush
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -70,11 +69,14 @@ class MemoryIndex:
             add(e)
         if hits:
             new_expiry = now + ttl_s
+            seg = None
             for e in hits:
                 e.last_hit = now
                 if e.expiry < new_expiry:
                     e.expiry = new_expiry
-            self.touched.append(hits)
+                if e.seg is not seg:  # a prefix lies in few segments: mark each dirty once per run
+                    seg = e.seg
+                    seg.dirty = True
         return len(hits)
 
     def add(self, e: Entry) -> None:
@@ -90,10 +92,3 @@ class MemoryIndex:
         if e.seg.entries[e.idx] is e:
             e.seg.entries[e.idx] = None
             e.seg.dirty = e.seg.trim = True
-
-    def mark_touched(self) -> None:
-        """Mark the segments of refreshed entries dirty (called before a flush)."""
-        for hits in self.touched:
-            for e in hits:
-                e.seg.dirty = True
-        self.touched.clear()

@@ -1,0 +1,327 @@
+"""`kvledger bench store`: the block ledger against its floors, side by side in one run.
+
+Throughput. Batches of whole blocks (sizes from a ModelSpec) go through `FileStore.put`
+and `get_into`, and the same bytes go through a plain sequential write (one file per
+batch: `write` + `fsync`) and read (`preadv` of the file into the same buffer), on the same
+filesystem, interleaved batch by batch, alternating which side goes first. Page cache, both sides
+alike: every write is fsynced, and before the reads every file of both sides gets
+`posix_fadvise(DONTNEED)`. kvledger does more per byte than the plain side (xxh3-64 of every
+block on write and read, segment metadata, a rename and a directory fsync per batch).
+
+CHECK. The latency of answering "how many leading blocks of this prompt are stored"
+(all present), hashing included, from a numpy uint32 token array: embedded (in-process index)
+and Redis (one Lua call). Baseline: vLLM's default prefix-cache hashing — per block
+sha256(pickle.dumps((parent_hash, tuple(block_tokens)))) over the tokens as a Python list,
+plus one dict lookup per block. Converting a Python list to the array is reported apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import pickle
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvledger.core import ModelSpec, chain_keys
+from kvledger.util.output import CliError, emit_json
+
+HELP = "block ledger: read/write vs plain files, CHECK vs vLLM-style hashing"
+CHECK_TOKENS = (8192, 131072, 1048576)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="deepseek-v4.1-flash", help="block size from this ModelSpec preset")
+    p.add_argument("--dir", default=None, help="filesystem to measure (a temp dir is made inside; default /tmp)")
+    p.add_argument("--total-mb", type=float, default=512, help="bytes per side per rep (MB)")
+    p.add_argument("--blocks-per-put", type=int, default=256, help="blocks of one put / one plain file")
+    p.add_argument("--reps", type=int, default=5, help="interleaved throughput reps")
+    p.add_argument("--check-reps", type=int, default=31, help="interleaved CHECK reps per prompt length")
+    p.add_argument("--check-tokens", default=",".join(map(str, CHECK_TOKENS)), help="prompt lengths for CHECK")
+    p.add_argument("--no-redis", action="store_true", help="skip the Redis CHECK (no redis-server started)")
+
+
+# --- throughput --------------------------------------------------------------------------
+
+def _drop_cache(paths: list[Path]) -> None:
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _plain_write(path: Path, batch: np.ndarray) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        mv = memoryview(batch).cast("B")
+        while mv:
+            mv = mv[os.write(fd, mv):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _plain_read(path: Path, batch: np.ndarray) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        mv = memoryview(batch).cast("B")
+        off = 0
+        while off < mv.nbytes:
+            n = os.preadv(fd, [mv[off:]], off)
+            assert n > 0, "plain file shorter than written"
+            off += n
+    finally:
+        os.close(fd)
+
+
+def throughput(spec: ModelSpec, base: Path, total_bytes: int, per_put: int, reps: int) -> dict[str, Any]:
+    from kvledger.store.ledger import BlockLedger
+
+    bb = spec.block_bytes()
+    n_batches = max(1, total_bytes // (bb * per_put))
+    rng = np.random.default_rng(7)
+    data = [rng.integers(0, 256, (per_put, bb), dtype=np.uint8) for _ in range(n_batches)]
+    out = [np.zeros_like(d) for d in data]  # touched once, so neither side pays first-touch page faults
+    nbytes = n_batches * per_put * bb
+    w_kvl, w_plain, r_kvl, r_plain, w_ratio, r_ratio = [], [], [], [], [], []
+    for rep in range(reps):
+        d = Path(tempfile.mkdtemp(prefix=f"rep{rep}-", dir=base))
+        toks = rng.integers(0, 2**31, n_batches * per_put * spec.block_size, dtype=np.uint32)
+        keys = chain_keys(toks, spec, namespace=f"bench-{rep}")
+        kb = [keys[i * per_put:(i + 1) * per_put] for i in range(n_batches)]
+        ledger = BlockLedger.open(path=d / "store")
+        plain = [d / f"plain-{i}.bin" for i in range(n_batches)]
+
+        def kvl_write(i: int) -> None:
+            r = ledger.put_chain(kb[i], list(data[i]), start_pos=i * per_put, parent=kb[i - 1][-1] if i else None)
+            assert r.written == per_put, r
+
+        def plain_write(i: int) -> None:
+            _plain_write(plain[i], data[i])
+
+        def kvl_read(i: int) -> None:
+            assert ledger.read_prefix(kb[i], list(out[i])) == per_put
+
+        def plain_read(i: int) -> None:
+            _plain_read(plain[i], out[i])
+
+        t = dict.fromkeys(("kvl_write", "plain_write", "kvl_read", "plain_read"), 0.0)
+        # interleaved batch by batch, alternating which side goes first, so both see the same disk
+        for pair in ((kvl_write, plain_write), (kvl_read, plain_read)):
+            if pair[0] is kvl_read:
+                _drop_cache(sorted((d / "store" / "segments").glob("*.kvs")) + plain)
+            for i in range(n_batches):
+                for f in (pair if (i + rep) % 2 == 0 else pair[::-1]):
+                    t0 = time.perf_counter()
+                    f(i)
+                    t[f.__name__] += time.perf_counter() - t0
+        assert all(np.array_equal(a, b) for a, b in zip(data, out)), "read back differs"
+        ledger.close()
+        shutil.rmtree(d, ignore_errors=True)
+        w_kvl.append(nbytes / t["kvl_write"])
+        w_plain.append(nbytes / t["plain_write"])
+        r_kvl.append(nbytes / t["kvl_read"])
+        r_plain.append(nbytes / t["plain_read"])
+        w_ratio.append(t["plain_write"] / t["kvl_write"])
+        r_ratio.append(t["plain_read"] / t["kvl_read"])
+    med = statistics.median
+    return {
+        "write_bytes_per_s": med(w_kvl), "read_bytes_per_s": med(r_kvl),
+        "plain_write_bytes_per_s": med(w_plain), "plain_read_bytes_per_s": med(r_plain),
+        "write_ratio": med(w_ratio), "read_ratio": med(r_ratio),
+        "write_ratios": w_ratio, "read_ratios": r_ratio,
+        "bytes_per_rep": nbytes, "batches_per_rep": n_batches,
+    }
+
+
+# --- CHECK ---------------------------------------------------------------------------------
+
+def vllm_style_check(token_list: list[int], block_size: int, cached: dict[bytes, int], root: bytes) -> int:
+    """The baseline: vLLM's default block hashing (sha256 of the pickled (parent, token tuple)) + lookups."""
+    parent = root
+    n = 0
+    dumps, sha = pickle.dumps, hashlib.sha256
+    hit = True
+    for i in range(0, len(token_list) - block_size + 1, block_size):
+        parent = sha(dumps((parent, tuple(token_list[i:i + block_size])), protocol=pickle.HIGHEST_PROTOCOL)).digest()
+        if hit and parent in cached:
+            n += 1
+        else:
+            hit = False
+    return n
+
+
+def check_latency(spec: ModelSpec, base: Path, sizes: list[int], reps: int, redis_url: str | None) -> dict[str, Any]:
+    from kvledger.store.ledger import BlockLedger
+
+    rng = np.random.default_rng(11)
+    B = spec.block_size
+    emb = BlockLedger.open(path=base / "check-store", fsync=False)
+    red = BlockLedger.open(redis_url=redis_url, timeout_s=10.0) if redis_url else None
+    res: dict[str, Any] = {}
+    rows = []
+    for L in sizes:
+        arr = rng.integers(0, 2**17, L, dtype=np.uint32)
+        lst = arr.tolist()
+        keys = chain_keys(arr, spec)
+        tiny = [b"\0"] * len(keys)  # CHECK reads metadata only: block bytes do not matter here
+        emb.put_chain(keys, tiny)
+        if red is not None:
+            red.put_chain(keys, tiny)
+        root = hashlib.sha256(b"vllm-root").digest()
+        cached: dict[bytes, int] = {}
+        parent = root
+        for i in range(0, L - B + 1, B):
+            parent = hashlib.sha256(pickle.dumps((parent, tuple(lst[i:i + B])),
+                                                 protocol=pickle.HIGHEST_PROTOCOL)).digest()
+            cached[parent] = i // B
+        want = L // B
+        variants = {
+            "embedded": lambda: emb.match_tokens(arr, spec)[1],
+            "baseline": lambda: vllm_style_check(lst, B, cached, root),
+            "embedded_from_list": lambda: emb.match_tokens(lst, spec)[1],
+            "list_to_array": lambda: want if np.asarray(lst, dtype=np.uint32).size == L else -1,
+            "hash_only": lambda: want if len(chain_keys(arr, spec)) == want else -1,
+        }
+        if red is not None:
+            variants["redis"] = lambda: red.match_tokens(arr, spec)[1]
+        times: dict[str, list[float]] = {k: [] for k in variants}
+        names = list(variants)
+        for rep in range(reps):
+            for k in names[rep % len(names):] + names[:rep % len(names)]:
+                t0 = time.perf_counter()
+                got = variants[k]()
+                times[k].append((time.perf_counter() - t0) * 1e3)
+                assert got == want, f"{k}: CHECK answered {got}, expected {want}"
+        tag = {8192: "8k", 131072: "128k", 1048576: "1m"}.get(L, str(L))
+        for k, ts in times.items():
+            res[f"check_ms_{tag}_{k}"] = statistics.median(ts)
+            res[f"check_ms_{tag}_{k}_min"] = min(ts)
+        ratios = [a / b for a, b in zip(times["embedded"], times["baseline"])]
+        res[f"check_ratio_{tag}"] = statistics.median(ratios)
+        if red is not None:
+            res[f"check_ratio_{tag}_redis"] = statistics.median(
+                [a / b for a, b in zip(times["redis"], times["baseline"])])
+        rows.append(L)
+    emb.close()
+    if red is not None:
+        red.close()
+    res["check_tokens"] = rows
+    return res
+
+
+# --- entry -------------------------------------------------------------------------------
+
+def run(args: argparse.Namespace) -> None:
+    try:
+        spec = ModelSpec.preset(args.model)
+        sizes = [int(x) for x in args.check_tokens.split(",") if x.strip()]
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    if args.reps < 1 or args.check_reps < 1 or args.blocks_per_put < 1 or args.total_mb <= 0:
+        raise CliError("--reps, --check-reps, --blocks-per-put and --total-mb must be positive")
+    if any(L < spec.block_size for L in sizes):
+        raise CliError(f"--check-tokens: each length must be at least one block ({spec.block_size})")
+    if args.dir is not None and not Path(args.dir).is_dir():
+        raise CliError(f"--dir {args.dir}: no such directory")
+    base = Path(tempfile.mkdtemp(prefix="kvledger-bench-store-", dir=args.dir))
+    server = None
+    try:
+        redis_url = None
+        if not args.no_redis:
+            from kvledger.util.redis_server import RedisServer
+
+            server = RedisServer().start()
+            redis_url = server.url
+        tp = throughput(spec, base, int(args.total_mb * 1e6), args.blocks_per_put, args.reps)
+        ck = check_latency(spec, base, sizes, args.check_reps, redis_url)
+    finally:
+        if server is not None:
+            server.close()
+        shutil.rmtree(base, ignore_errors=True)
+    result = {
+        "bench": "store", "model": spec.name, "block_bytes": spec.block_bytes(),
+        "blocks_per_put": args.blocks_per_put, "reps": args.reps, "check_reps": args.check_reps,
+        "filesystem": str(Path(args.dir or tempfile.gettempdir()).resolve()),
+        "page_cache": "fsync after every batch (both); posix_fadvise DONTNEED on every file (both) before reads",
+        "baseline_io": "one file per batch: write + fsync; read: preadv of the whole file into the same buffer",
+        "baseline_check": "per block sha256(pickle.dumps((parent, tuple(tokens)))) over a Python list + dict lookup",
+        **tp, **ck,
+    }
+    result["check_ms_1m_embedded"] = ck.get("check_ms_1m_embedded")
+    result["check_ratio_1m"] = ck.get("check_ratio_1m")
+    if args.out:
+        _write_out(Path(args.out), result)
+    if args.json:
+        emit_json(result)
+    else:
+        _print(result)
+
+
+def _print(r: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    c = Console()
+    t = Table(title=f"block ledger I/O ({r['model']}, {r['block_bytes']:,} B blocks, {r['blocks_per_put']} per put)")
+    for col in ("", "kvledger GB/s", "plain GB/s", "ratio"):
+        t.add_column(col, justify="right")
+    for what in ("write", "read"):
+        t.add_row(what, f"{r[f'{what}_bytes_per_s'] / 1e9:.2f}", f"{r[f'plain_{what}_bytes_per_s'] / 1e9:.2f}",
+                  f"{r[f'{what}_ratio']:.2f}")
+    c.print(t)
+    t = Table(title="CHECK, all blocks present, hashing included (median ms)")
+    for col in ("tokens", "embedded", "redis", "vLLM-style", "ratio", "list→array"):
+        t.add_column(col, justify="right")
+    for L in r["check_tokens"]:
+        tag = {8192: "8k", 131072: "128k", 1048576: "1m"}.get(L, str(L))
+        redis_ms = r.get(f"check_ms_{tag}_redis")
+        t.add_row(f"{L:,}", f"{r[f'check_ms_{tag}_embedded']:.2f}", "-" if redis_ms is None else f"{redis_ms:.2f}",
+                  f"{r[f'check_ms_{tag}_baseline']:.2f}", f"{r[f'check_ratio_{tag}']:.3f}",
+                  f"{r[f'check_ms_{tag}_list_to_array']:.2f}")
+    c.print(t)
+
+
+def _write_out(out: Path, r: dict[str, Any]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "store.json").write_text(json.dumps(r, indent=1) + "\n")
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    x = np.arange(2)
+    ax.bar(x - 0.2, [r["write_bytes_per_s"] / 1e9, r["read_bytes_per_s"] / 1e9], 0.4, label="kvledger")
+    ax.bar(x + 0.2, [r["plain_write_bytes_per_s"] / 1e9, r["plain_read_bytes_per_s"] / 1e9], 0.4, label="plain")
+    ax.set_xticks(x, ["write", "read"])
+    ax.set_ylabel("GB/s")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "store_io.png", dpi=120)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    Ls = r["check_tokens"]
+    tags = [{8192: "8k", 131072: "128k", 1048576: "1m"}.get(L, str(L)) for L in Ls]
+    for k, label in (("embedded", "kvledger embedded"), ("redis", "kvledger redis"), ("baseline", "vLLM-style")):
+        ys = [r.get(f"check_ms_{t}_{k}") for t in tags]
+        if all(y is not None for y in ys):
+            ax.plot(Ls, ys, marker="o", label=label)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("CHECK ms (median)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "store_check.png", dpi=120)
+    plt.close(fig)
