@@ -1,0 +1,160 @@
+"""Faults across processes: kill -9 mid-write, concurrent writers of one chain, GC racing reads."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import redis
+
+from kvledger.store import segment as sg
+from kvledger.store.backend import ChainWrite
+from kvledger.store.file_backend import FileStore
+
+from .conftest import BLOCK, block_of, chain
+
+REPO = Path(__file__).parents[2]
+
+WRITER = """
+import sys
+from kvledger.store.ledger import BlockLedger
+from tests.store.conftest import chain, block_of
+led = BlockLedger.open(path=sys.argv[1], fsync=True)
+print("up", flush=True)
+seed = int(sys.argv[2]) * 1000
+while True:  # killed from outside
+    keys, _ = chain(48, namespace="kill", seed=seed)
+    led.put_chain(keys, [block_of(k, 65536) for k in keys], namespace="kill")
+    seed += 1
+"""
+
+SAME_CHAIN = """
+import json, os, sys, time
+from kvledger.store.ledger import BlockLedger
+from tests.store.conftest import chain
+where, go = sys.argv[1], sys.argv[2]
+led = BlockLedger.open(redis_url=where) if where.startswith("redis://") else BlockLedger.open(path=where, fsync=False)
+keys, blocks = chain(200, seed=42)
+while not os.path.exists(go):
+    time.sleep(0.001)
+print(json.dumps(tuple(led.put_chain(keys, blocks))))
+"""
+
+READER = """
+import json, os, sys, time
+from kvledger.store.ledger import BlockLedger
+from tests.store.conftest import chain, block_of, BLOCK
+where, n_chains, until = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+led = BlockLedger.open(redis_url=where) if where.startswith("redis://") else BlockLedger.open(path=where, fsync=False)
+keys = [k for s in range(n_chains) for k in chain(20 if n_chains > 1 else 200, seed=s if n_chains > 1 else 42)[0]]
+hits = misses = wrong = rounds = 0
+while time.time() < until:
+    bufs = [bytearray(BLOCK) for _ in keys]
+    for k, b, size in zip(keys, bufs, led.get_into(keys, bufs)):
+        if size < 0:
+            misses += 1
+        elif bytes(b) != block_of(k):
+            wrong += 1
+        else:
+            hits += 1
+    rounds += 1
+    if rounds == 1:
+        print("ready", flush=True)
+print(json.dumps({"hits": hits, "misses": misses, "wrong": wrong, "rounds": rounds}), flush=True)
+"""
+
+
+def py(code: str, *args: str, **kw) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", code, *args], cwd=REPO, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
+
+
+def test_kill_9_during_writes_repeated_leaves_nothing_wrong(tmp_path):
+    rng = random.Random(3)
+    segdir = tmp_path / "segments"
+    torn = 0
+    rounds = 0
+    while rounds < 6 or (torn < 2 and rounds < 20):  # repeat until some kills landed inside a segment write
+        p = py(WRITER, str(tmp_path), str(rounds))
+        assert p.stdout.readline().strip() == "up"
+        time.sleep(0.1 + rng.random() * 0.5)
+        p.kill()
+        p.wait(timeout=10)
+        torn += sum(1 for n in os.listdir(segdir) if n.startswith(".tmp-"))
+        rounds += 1
+    assert torn >= 2, "no kill landed inside a write"
+    with FileStore(tmp_path, fsync=False) as store:
+        assert not [n for n in os.listdir(segdir) if n.startswith(".tmp-")], "stale temp files were removed"
+        keys = list(store.index.entries)
+        assert len(keys) >= 48 and store.bad_segments == []
+        bufs = [bytearray(65536) for _ in keys]
+        got = store.get_into(keys, bufs)
+        assert got == [65536] * len(keys)  # whole segments or nothing: every indexed block reads back
+        assert all(bytes(b) == block_of(k, 65536) for k, b in zip(keys, bufs))
+        assert store.verify().bad == 0
+        # each writer's chains were written whole: a chain present at all is present from its head
+        assert all(e.pos == 0 or e.parent in store.index.entries for e in store.index.entries.values())
+
+
+def _same_chain(where: str, tmp_path: Path, n_writers: int = 3) -> list[tuple[int, int, int]]:
+    go = tmp_path / "go"
+    reader = py(READER, where, "1", str(time.time() + 3))
+    writers = [py(SAME_CHAIN, where, str(go)) for _ in range(n_writers)]
+    assert reader.stdout.readline().strip() == "ready"
+    go.touch()
+    results = []
+    for w in writers:
+        out, err = w.communicate(timeout=60)
+        assert w.returncode == 0, err
+        results.append(tuple(json.loads(out)))
+    out, err = reader.communicate(timeout=60)
+    assert reader.returncode == 0, err
+    seen = json.loads(out.strip().splitlines()[-1])
+    assert seen["wrong"] == 0 and seen["hits"] > 0  # no torn read, ever
+    return results
+
+
+def test_concurrent_writers_of_one_chain_file(tmp_path):
+    store_dir = tmp_path / "store"
+    FileStore(store_dir).close()
+    results = _same_chain(str(store_dir), tmp_path)
+    assert sum(r[0] for r in results) == 200 and all(r[2] == 0 for r in results)  # each block written once
+    entries = []
+    for p in (store_dir / "segments").glob("*" + sg.SUFFIX):
+        fd = os.open(p, os.O_RDONLY)
+        entries += [e[0] for e in sg.read_meta(fd).entries]
+        os.close(fd)
+    assert len(entries) == len(set(entries)) == 200  # no duplicates on disk
+    with FileStore(store_dir) as store:
+        assert store.duplicates == 0 and store.match(chain(200, seed=42)[0], 1.0) == 200
+
+
+def test_concurrent_writers_of_one_chain_redis(tmp_path, redis_server):
+    results = _same_chain(redis_server.url, tmp_path)
+    assert sum(r[0] for r in results) == 200 and all(r[2] == 0 for r in results)
+    assert redis.Redis.from_url(redis_server.url).dbsize() == 200
+
+
+def test_gc_racing_reads_in_another_process_is_a_miss_never_an_error(tmp_path, clock):
+    store = FileStore(tmp_path, fsync=False, clock=clock)
+    n_chains = 30
+    for s in range(n_chains):
+        keys, blocks = chain(20, seed=s)
+        store.put(ChainWrite(keys, blocks, 0, bytes(16), "default", "agent", 100.0))
+    reader = py(READER, str(tmp_path), str(n_chains), str(time.time() + 2.5))
+    assert reader.stdout.readline().strip() == "ready"
+    clock.advance(101)
+    removed = 0
+    for _ in range(20):  # small batches, spread over time, while the reader reads
+        removed += store.gc(batch=31).expired
+        time.sleep(0.02)
+    assert removed == 20 * n_chains and list((tmp_path / "segments").glob("*" + sg.SUFFIX)) == []
+    out, err = reader.communicate(timeout=60)
+    assert reader.returncode == 0, err
+    seen = json.loads(out.strip().splitlines()[-1])
+    assert seen["wrong"] == 0 and seen["hits"] >= 600 and seen["misses"] > 0
