@@ -146,10 +146,17 @@ class StateClient:
 
     def _exchange(self, sock: socket.socket, key: bytes, out: memoryview | None, deadline: float,
                   reused: bool) -> tuple[bytearray | None, Pulled] | None:
+        head = bytearray(RESPONSE_BYTES)
         try:
             _settimeout(sock, deadline)
             sock.sendall(pack_request(Op.GET, self._digest, key))
-            head = _recv_exact(sock, RESPONSE_BYTES, deadline, retry_on_eof=reused)
+            # one scatter read takes the header and, usually, the first part of the payload
+            got = sock.recvmsg_into([head, out] if out is not None else [head])[0]
+            if got == 0:
+                raise _Fault("eof", retry=reused)
+            if got < RESPONSE_BYTES:
+                _recv_into(sock, memoryview(head)[got:], deadline)
+                got = RESPONSE_BYTES
         except TimeoutError:
             raise _Fault("timeout") from None
         except (ConnectionResetError, BrokenPipeError):
@@ -161,18 +168,21 @@ class StateClient:
         except ProtocolError:
             raise _Fault("protocol") from None
         if resp.status is Status.MISS:
+            if got > RESPONSE_BYTES:
+                raise _Fault("protocol")  # bytes after a miss: the stream is out of step
             return None
         if resp.status is not Status.OK:
             raise _Fault("denied" if resp.status is Status.DENIED else "bad")
+        early = got - RESPONSE_BYTES  # payload bytes the scatter read already put into `out`
         if out is None:
             buf = bytearray(resp.length)
             dest = memoryview(buf)
         else:
-            if resp.length > out.nbytes:
-                raise _Fault("too_big")  # the connection is mid-payload: it is closed
+            if resp.length > out.nbytes or early > resp.length:
+                raise _Fault("too_big" if resp.length > out.nbytes else "protocol")
             buf, dest = None, out[:resp.length]
         try:
-            _recv_into(sock, dest, deadline)
+            _recv_into(sock, dest[early:], deadline)
         except TimeoutError:
             raise _Fault("timeout") from None
         except OSError:

@@ -1,29 +1,33 @@
 """The state server: serves the slot pool's snapshots to other hosts over TCP.
 
-asyncio streams on a background thread of the holder process. Chosen by measurement
-(`kvledger bench state` reports it; a prototype on this machine pulled 1.35 MiB at ~0.9× a
-plain blocking socket with asyncio streams and ~0.5× with a ZeroMQ ROUTER/DEALER pair) and
-because a dead TCP peer shows up as EOF at once, where ZeroMQ reconnects silently and the
+Blocking sockets, one thread per connection (at most `max_connections`), in the holder
+process. Chosen by measurement against the two the issue named: `kvledger bench state`
+runs an asyncio-streams server and a ZeroMQ ROUTER/DEALER pair next to it on the same
+bytes (`candidates` in its JSON, throughput and server CPU per pull). A pull spends its
+time in the kernel copy; what the server adds in user space is what the ratio to a plain
+socket loses on a busy 2-core machine, and an event loop adds tens of microseconds of
+Python per request where a blocked thread adds a few (it holds no GIL while it waits or
+sends). A dead TCP peer shows up as EOF at once, where ZeroMQ reconnects silently and the
 caller waits out its timeout.
 
-One pull is one round trip on a kept-alive connection: a 64-byte request, a 40-byte
-response header, the snapshot bytes sent straight out of the pinned slot (no copy into a
-Python object). The slot stays pinned until the kernel has taken every byte (the write
-buffer's high-water mark is 0, so `drain` returns only when it is empty).
+One pull is one round trip on a kept-alive connection: a 64-byte request, then one
+`sendmsg` of the 40-byte response header and the snapshot straight out of its pinned slot
+(no copy into a Python object). The slot stays pinned until the kernel has taken every byte.
 
 Refusals: a wrong token → DENIED, then close; a malformed header or an absurd length
-→ BAD, then close (the body is never read). Timeouts: `idle_timeout_s` between requests,
-`io_timeout_s` for the rest of a header once its first byte came and for sending a response.
-A misbehaving connection is closed; the others are not affected.
+→ BAD, then close (no body is ever read). Timeouts: `idle_timeout_s` between requests,
+`io_timeout_s` for the rest of a header once its first bytes came (one deadline for the
+whole header) and for sending a response. A misbehaving connection is closed; the others
+are not affected.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import hmac
 import socket
 import threading
+import time
 from dataclasses import dataclass
 
 from kvledger.state.pool import SlotPool
@@ -41,6 +45,7 @@ _OK_EMPTY = pack_response(Status.OK)
 _MISS = pack_response(Status.MISS)
 _DENIED = pack_response(Status.DENIED)
 _BAD = pack_response(Status.BAD)
+ACCEPT_POLL_S = 0.1
 
 
 @dataclass(slots=True)
@@ -61,7 +66,7 @@ class StateServer:
     """`StateServer(pool, token).start()`; `address` is "host:port"; `stop()` ends it."""
 
     def __init__(self, pool: SlotPool, token: str | bytes, host: str = "127.0.0.1", port: int = 0, *,
-                 io_timeout_s: float = 5.0, idle_timeout_s: float = 60.0, max_connections: int = 256) -> None:
+                 io_timeout_s: float = 5.0, idle_timeout_s: float = 60.0, max_connections: int = 64) -> None:
         assert io_timeout_s > 0 and idle_timeout_s > 0 and max_connections > 0
         self.pool = pool
         self.host = host
@@ -71,37 +76,46 @@ class StateServer:
         self.max_connections = max_connections
         self.stats = ServerStats()
         self._digest = token_digest(token)
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._server: asyncio.AbstractServer | None = None
-        self._ready = threading.Event()
-        self._error: BaseException | None = None
-        self._open = 0
+        self._listener: socket.socket | None = None
+        self._acceptor: threading.Thread | None = None
+        self._conns: dict[socket.socket, threading.Thread] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
 
     @property
     def address(self) -> str:
-        return f"{self.host}:{self.port}"
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
 
     # --- lifetime ----------------------------------------------------------------
 
-    def start(self, timeout_s: float = 10.0) -> StateServer:
-        assert self._thread is None, "already started"
-        self._thread = threading.Thread(target=self._run, name=f"kvledger-state-server-{self.host}", daemon=True)
-        self._thread.start()
-        if not self._ready.wait(timeout_s):
-            raise RuntimeError("state server did not start in time")
-        if self._error is not None:
-            raise RuntimeError(f"state server failed to start: {self._error}") from self._error
+    def start(self) -> StateServer:
+        assert self._acceptor is None, "already started"
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        lsock = socket.create_server((self.host, self.port), family=family, backlog=512)
+        lsock.settimeout(ACCEPT_POLL_S)  # the acceptor notices stop() within this
+        self.port = lsock.getsockname()[1]
+        self._listener = lsock
+        self._acceptor = threading.Thread(target=self._accept_loop, name=f"kvledger-state-accept-{self.port}",
+                                          daemon=True)
+        self._acceptor.start()
         return self
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        loop, thread = self._loop, self._thread
-        if loop is None or thread is None:
+        """Stop accepting, cut every connection (a pull in flight becomes the puller's miss), join."""
+        if self._acceptor is None:
             return
-        with contextlib.suppress(RuntimeError):  # loop already closed
-            loop.call_soon_threadsafe(self._shutdown)
-        thread.join(timeout_s)
-        self._thread = None
+        self._stop.set()
+        self._acceptor.join(timeout_s)
+        with self._lock:
+            conns = dict(self._conns)
+        for sock in conns:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in recv or send
+        for thread in conns.values():
+            thread.join(timeout_s)
+        assert self._listener is not None
+        self._listener.close()
+        self._acceptor = None
 
     def __enter__(self) -> StateServer:
         return self.start()
@@ -109,103 +123,100 @@ class StateServer:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def _run(self) -> None:
-        loop = asyncio.new_event_loop()
-        self._loop = loop
-        try:
-            self._server = loop.run_until_complete(
-                asyncio.start_server(self._handle, self.host, self.port, reuse_address=True, backlog=512))
-            self.port = self._server.sockets[0].getsockname()[1]
-        except BaseException as e:  # noqa: BLE001 - reported to start()
-            self._error = e
-            self._ready.set()
-            loop.close()
-            return
-        self._ready.set()
-        try:
-            loop.run_forever()
-        finally:
-            loop.run_until_complete(loop.shutdown_asyncgens())
-            loop.close()
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            setattr(self.stats, name, getattr(self.stats, name) + n)
 
-    def _shutdown(self) -> None:
-        assert self._loop is not None
-        if self._server is not None:
-            self._server.close()
-        for task in asyncio.all_tasks(self._loop):
-            task.cancel()
-        self._loop.call_soon(self._loop.stop)
+    def _accept_loop(self) -> None:
+        assert self._listener is not None
+        while not self._stop.is_set():
+            try:
+                sock, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:  # e.g. EMFILE: back off instead of spinning
+                self._stop.wait(ACCEPT_POLL_S)
+                continue
+            with self._lock:
+                self.stats.connections += 1
+                if len(self._conns) >= self.max_connections:
+                    self.stats.refused += 1
+                    sock.close()
+                    continue
+                thread = threading.Thread(target=self._serve, args=(sock,), daemon=True,
+                                          name=f"kvledger-state-conn-{self.port}")
+                self._conns[sock] = thread
+            thread.start()
 
     # --- one connection ----------------------------------------------------------
 
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.stats.connections += 1
-        if self._open >= self.max_connections:
-            self.stats.refused += 1
-            writer.transport.abort()
-            return
-        self._open += 1
-        sock = writer.get_extra_info("socket")
-        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        writer.transport.set_write_buffer_limits(high=0)  # drain() == every byte handed to the kernel
+    def _serve(self, sock: socket.socket) -> None:
+        head = bytearray(REQUEST_BYTES)
         try:
-            while await self._one_request(reader, writer):
+            if sock.family in (socket.AF_INET, socket.AF_INET6):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            while not self._stop.is_set() and self._one_request(sock, head):
                 pass
-        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError, OSError) as e:
-            if isinstance(e, TimeoutError):
-                self.stats.timeouts += 1
-        except asyncio.CancelledError:
+        except TimeoutError:
+            self._count("timeouts")
+        except OSError:
             pass
         finally:
-            self._open -= 1
-            writer.transport.abort()
+            with self._lock:
+                self._conns.pop(sock, None)
+            sock.close()
 
-    async def _one_request(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
-        """Answer one request; False when the connection should close."""
+    def _one_request(self, sock: socket.socket, head: bytearray) -> bool:
+        """Answer one request; False when the connection should close. Socket errors propagate."""
+        view = memoryview(head)
+        sock.settimeout(self.idle_timeout_s)
         try:
-            async with asyncio.timeout(self.idle_timeout_s):
-                first = await reader.read(REQUEST_BYTES)
-            if not first:
-                return False
-            if len(first) < REQUEST_BYTES:
-                async with asyncio.timeout(self.io_timeout_s):
-                    first += await reader.readexactly(REQUEST_BYTES - len(first))
+            got = sock.recv_into(view)
         except TimeoutError:
-            return False  # idle keep-alive connection or a stalled header: just close
+            return False  # an idle kept-alive connection: close it quietly
+        if got == 0:
+            return False
+        deadline = time.monotonic() + self.io_timeout_s  # a stalled header counts as a timeout
+        while got < REQUEST_BYTES:
+            sock.settimeout(max(deadline - time.monotonic(), 1e-3))
+            n = sock.recv_into(view[got:])
+            if n == 0:
+                return False
+            got += n
+        sock.settimeout(self.io_timeout_s)  # sendall: the total time to send one response
         try:
-            req = unpack_request(first)
+            req = unpack_request(head)
         except ProtocolError:
-            self.stats.bad += 1
-            await self._send(writer, _BAD)
+            self._count("bad")
+            sock.sendall(_BAD)
             return False
         if not hmac.compare_digest(req.token_digest, self._digest):
-            self.stats.denied += 1
-            await self._send(writer, _DENIED)
+            self._count("denied")
+            sock.sendall(_DENIED)
             return False
         if req.op is Op.PING:
-            await self._send(writer, _OK_EMPTY)
+            sock.sendall(_OK_EMPTY)
             return True
         assert req.op is Op.GET
         pinned = self.pool.pin(req.key)
         if pinned is None:
-            self.stats.misses += 1
-            await self._send(writer, _MISS)
+            self._count("misses")
+            sock.sendall(_MISS)
             return True
         try:
-            writer.write(pack_response(Status.OK, pinned.size, pinned.position, pinned.checksum))
-            writer.write(pinned.view)
-            async with asyncio.timeout(self.io_timeout_s):
-                await writer.drain()
+            frame = pack_response(Status.OK, pinned.size, pinned.position, pinned.checksum)
+            # one syscall for header + snapshot in the common case; the rest from where it stopped
+            sent = sock.sendmsg([frame, pinned.view])
+            if sent < len(frame):
+                sock.sendall(frame[sent:])
+                sent = len(frame)
+            if sent < len(frame) + pinned.size:
+                sock.sendall(pinned.view[sent - len(frame):])
         finally:
-            with contextlib.suppress(BufferError):  # a transport that kept a slice of it on a failed send
+            with contextlib.suppress(BufferError):  # a slice of it still referenced after a failed send
                 pinned.view.release()
             self.pool.unpin(req.key)
-        self.stats.served += 1
-        self.stats.served_bytes += pinned.size
+        with self._lock:
+            self.stats.served += 1
+            self.stats.served_bytes += pinned.size
         return True
-
-    async def _send(self, writer: asyncio.StreamWriter, frame: bytes) -> None:
-        writer.write(frame)
-        async with asyncio.timeout(self.io_timeout_s):
-            await writer.drain()
