@@ -302,7 +302,8 @@ class FileStore:
             self._read_run(run, bufs, out)
         return out
 
-    def _read_run(self, run: list[tuple[int, Entry]], bufs: Sequence[Buffer], out: list[int]) -> None:
+    def _read_run(self, run: list[tuple[int, Entry]], bufs: Sequence[Buffer], out: list[int],
+                  drop: bool = True) -> None:
         if not run:
             return
         seg = run[0][1].seg
@@ -321,11 +322,13 @@ class FileStore:
         for (i, e), v in zip(run, views):
             if e.offset + e.size - start > got:
                 self.counters.misses_truncated += 1
-                self._drop(e)
+                if drop:
+                    self._drop(e)
             elif xxhash.xxh3_64_intdigest(v) != e.xxh:
                 self.counters.misses_corrupt += 1
-                log.warning("block %s of segment %s fails its checksum: dropped", e.key.hex(), seg.name)
-                self._drop(e)
+                log.warning("block %s of segment %s fails its checksum", e.key.hex(), seg.name)
+                if drop:
+                    self._drop(e)
             else:
                 out[i] = e.size
                 self.counters.blocks_read += 1
@@ -481,12 +484,17 @@ class FileStore:
                 live = sorted(seg.live(), key=lambda e: e.idx)
                 for chunk in gcplan.batches(live, 256):
                     bufs = [bytearray(e.size) for e in chunk]
-                    before = self.counters.misses_corrupt + self.counters.misses_truncated
-                    res = self.get_into([e.key for e in chunk], bufs)
+                    res = [-1] * len(chunk)
+                    run: list[tuple[int, Entry]] = []
+                    for i, e in enumerate(chunk):
+                        if run and run[-1][1].offset + run[-1][1].size != e.offset:
+                            self._read_run(run, bufs, res, drop=remove)
+                            run = []
+                        run.append((i, e))
+                    self._read_run(run, bufs, res, drop=remove)
                     checked += len(chunk)
-                    nbytes += sum(max(r, 0) for r in res)
-                    now_bad = self.counters.misses_corrupt + self.counters.misses_truncated - before
-                    bad += now_bad
+                    nbytes += sum(r for r in res if r > 0)
+                    bad += res.count(-1)
                 if remove and seg.trim:
                     self._reclaim({seg})
             removed = bad if remove else 0

@@ -2,9 +2,11 @@
 bytes too for small deployments.
 
 One Redis hash per block, `{prefix}b:<16-byte key>` with fields `m` (metadata, a packed
-struct — never pickle) and `d` (the bytes). Expiry is Redis's own: a block written at chain
-position p gets `ttl_ms − p` milliseconds, so along a chain every tail expires before its
-head and a reader never sees a block whose parent has expired (tails first, by construction).
+struct — never pickle) and `d` (the bytes). Expiry is Redis's own: the blocks of one put (or
+one hit) at chain positions p expire at the same instant minus p milliseconds, so along a chain
+every tail expires before its head and a reader never sees a block whose parent has expired
+(tails first, by construction). A chain extended by a later put can leave a tail that outlives
+its head; it cannot be matched (CHECK walks from the head) and expires on its own.
 
 CHECK is one Lua call: the keys travel as one concatenated argument; the script walks them,
 refreshes each present block's expiry (`PEXPIRE … GT`, never shortening it) and stops at the
@@ -67,7 +69,7 @@ return table.concat(out)
 _PUT = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
 redis.call('HSET', KEYS[1], 'm', ARGV[1], 'd', ARGV[2])
-redis.call('PEXPIRE', KEYS[1], ARGV[3])
+redis.call('PEXPIREAT', KEYS[1], ARGV[3])
 return 1
 """
 
@@ -142,7 +144,7 @@ class RedisStore:
         skipped = n - len(sel)
         written = 0
         now = time.time()
-        ttl_ms = int(write.ttl_s * 1000)
+        expire_at_ms = int((now + write.ttl_s) * 1000)  # one clock for the whole put: the skew orders it exactly
         try:
             pipe = self.r.pipeline(transaction=False)
             pending = 0
@@ -152,7 +154,7 @@ class RedisStore:
                 pos = write.start_pos + i
                 meta = encode_meta(parent, pos, v.nbytes, xxhash.xxh3_64_intdigest(v), now, write.ttl_s,
                                    write.namespace, write.ttl_class)
-                self._put(keys=[self._k(write.keys[i])], args=[meta, v, max(ttl_ms - pos, 1)], client=pipe)
+                self._put(keys=[self._k(write.keys[i])], args=[meta, v, expire_at_ms - pos], client=pipe)
                 pending += v.nbytes
                 if pending >= PUT_CHUNK_BYTES:
                     written += sum(int(x) for x in pipe.execute())

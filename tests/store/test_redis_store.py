@@ -42,7 +42,11 @@ def test_ttl_tails_expire_first_and_hits_refresh(redis_server):
     led.put_chain(keys, blocks, ttl_class="agent")
     ttl = [r.pttl(store._k(k)) for k in keys]
     assert all(3 * DAY_S * 1000 - 5000 < t <= 3 * DAY_S * 1000 for t in ttl)
-    assert ttl == sorted(ttl, reverse=True) and len(set(ttl)) == 5  # every tail expires before its head
+    at = [r.pexpiretime(store._k(k)) for k in keys]
+    assert at == [at[0] - p for p in range(5)]  # every tail expires before its head
+    assert led.match(keys, ttl_class="agent") == 5
+    at = [r.pexpiretime(store._k(k)) for k in keys]
+    assert at == [at[0] - p for p in range(5)]  # ...and still after a refresh
     assert led.match(keys[:3], ttl_class="chatbot") == 3  # a chatbot hit extends to 7 days
     assert r.pttl(store._k(keys[0])) > 6 * DAY_S * 1000 and r.pttl(store._k(keys[4])) < 3 * DAY_S * 1000
     assert led.match(keys[:3], ttl_class="agent") == 3

@@ -1,0 +1,41 @@
+"""`kvledger bench store`: a small run through the CLI gives every figure with its baseline."""
+
+import json
+
+import pytest
+
+KEYS = ("read_ratio", "write_ratio", "check_ms_1m_embedded", "check_ratio_1m", "read_bytes_per_s",
+        "write_bytes_per_s", "plain_read_bytes_per_s", "plain_write_bytes_per_s")
+
+
+def test_small_run_json_has_the_contract_keys(run_cli, tmp_path):
+    out = tmp_path / "out"
+    r = run_cli("bench", "store", "--json", "--out", str(out), "--total-mb", "8", "--blocks-per-put", "16",
+                "--reps", "2", "--check-reps", "3", "--check-tokens", "8192,1048576", "--dir", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+    for k in KEYS:
+        assert isinstance(res[k], float) and res[k] > 0, k
+    assert res["block_bytes"] == 113920 and res["check_tokens"] == [8192, 1048576]
+    # the redis figure is measured in the same run, and the list → array conversion is reported apart
+    assert res["check_ms_1m_redis"] > 0 and res["check_ms_1m_list_to_array"] > 0
+    assert res["check_ms_1m_baseline"] > res["check_ms_1m_embedded"]
+    assert json.loads((out / "store.json").read_text())["read_ratio"] == res["read_ratio"]
+    assert (out / "store_io.png").stat().st_size > 0 and (out / "store_check.png").stat().st_size > 0
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]  # the bench removed its files
+
+
+def test_bad_input_exits_2(run_cli, tmp_path):
+    for args in (["--check-tokens", "12"], ["--reps", "0"], ["--dir", str(tmp_path / "nope")],
+                 ["--model", "nope"]):
+        r = run_cli("bench", "store", "--json", "--no-redis", *args)
+        assert r.returncode == 2 and r.stdout == "" and len(r.stderr.strip().splitlines()) == 1, args
+
+
+@pytest.mark.slow
+def test_full_run_meets_the_targets(run_cli):
+    r = run_cli("bench", "store", "--json", timeout=900)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+    assert res["read_ratio"] >= 0.8 and res["write_ratio"] >= 0.7
+    assert res["check_ms_1m_embedded"] < 15 and res["check_ratio_1m"] <= 0.25
