@@ -1,0 +1,153 @@
+"""Faults between processes: real state servers in separate processes (in separate network
+namespaces where the machine allows), a real redis-server, SIGKILL and SIGSTOP."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+import time
+import uuid
+
+from kvledger.core import ModelSpec
+from kvledger.state import RedisDirectory, StateClient, StateLedger
+from kvledger.state.protocol import Op, pack_request, token_digest
+from tests.state.helpers import digest, snap_bytes, snap_key
+
+SIZE = ModelSpec.preset("deepseek-v4.1-flash").state_size_to_disk()
+
+
+def test_two_servers_exchange_snapshots_byte_exactly(spawn_holder, netns_pair):
+    token = uuid.uuid4().hex
+    a_net, b_net = netns_pair
+    if a_net is None:
+        print(f"state exchange over two loopback ports ({b_net})")
+        a = spawn_holder(token=token, seed=1, count=3)
+        b = spawn_holder(token=token, seed=2, count=3)
+    else:
+        print(f"state exchange across network namespaces {a_net[0]} ({a_net[1]}) and {b_net[0]} ({b_net[1]})")
+        a = spawn_holder(token=token, seed=1, count=3, netns=a_net[0], host=a_net[1])
+        b = spawn_holder(token=token, seed=2, count=3, netns=b_net[0], host=b_net[1])
+        assert a.address.startswith(a_net[1]) and b.address.startswith(b_net[1])
+    for i in range(3):
+        got_by_a = a.ask(f"pull {b.address} 2 {i} {SIZE}")
+        got_by_b = b.ask(f"pull {a.address} 1 {i} {SIZE}")
+        assert got_by_a["ok"] and got_by_a["digest"] == digest(snap_bytes(2, i, SIZE))
+        assert got_by_b["ok"] and got_by_b["digest"] == digest(snap_bytes(1, i, SIZE))
+    # a key the other side never had is an orderly miss, not a fault
+    miss = a.ask(f"pull {b.address} 1 0 {SIZE}")
+    assert not miss["ok"] and miss["cause"] == ["miss"]
+
+
+def test_holder_killed_in_the_middle_of_pulls_is_a_miss_within_the_timeout(spawn_holder):
+    token = uuid.uuid4().hex
+    size = 48 << 20  # a big snapshot: a pull takes tens of ms, so the kill lands inside one
+    h = spawn_holder(token=token, seed=3, count=1, size=size)
+    expected = digest(snap_bytes(3, 0, size))
+    client = StateClient(token)
+    timeout = 3.0
+    results: list[tuple[float, float, str | None]] = []  # (start, end, digest or None)
+
+    def puller() -> None:
+        out = bytearray(size)
+        while True:
+            t0 = time.monotonic()
+            got = client.pull_into(h.address, snap_key(3, 0), out, timeout)
+            results.append((t0, time.monotonic(), digest(out) if got is not None else None))
+            if got is None:
+                return
+
+    thread = threading.Thread(target=puller, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while len(results) < 3 and time.monotonic() < deadline:  # a few whole pulls first
+        time.sleep(0.005)
+    assert len(results) >= 3, "no pull completed"
+    time.sleep(0.013)  # somewhere inside the next pull
+    killed_at = time.monotonic()
+    os.kill(h.proc.pid, signal.SIGKILL)
+    thread.join(timeout + 2)
+    assert not thread.is_alive(), "a pull hung past its timeout"
+    last_start, last_end, last = results[-1]
+    assert last is None  # the pull that met the kill is a miss ...
+    assert last_end - killed_at < timeout  # ... within the timeout (EOF/RST comes at once)
+    assert all(d == expected for _, _, d in results[:-1])  # every pull before it was byte-exact
+    assert last_start <= killed_at  # it started before the kill: the kill hit a pull in flight
+    causes = {k for k in client.stats if k != "hit"}
+    assert causes <= {"eof", "reset", "unreachable"} and causes, client.stats
+    # and the dead holder stays a miss, quickly: connection refused
+    t0 = time.monotonic()
+    assert client.pull(h.address, snap_key(3, 0), timeout) is None
+    assert time.monotonic() - t0 < timeout
+
+
+def test_hung_holder_is_a_miss_after_the_timeout_not_a_hang(spawn_holder):
+    token = uuid.uuid4().hex
+    h = spawn_holder(token=token, seed=4, count=1)
+    client = StateClient(token)
+    assert client.pull(h.address, snap_key(4, 0), 2.0) == snap_bytes(4, 0, SIZE)
+    os.kill(h.proc.pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        assert client.pull(h.address, snap_key(4, 0), 0.5) is None
+        elapsed = time.monotonic() - t0
+        assert 0.4 < elapsed < 1.5, elapsed
+        assert client.stats["timeout"] == 1
+    finally:
+        os.kill(h.proc.pid, signal.SIGCONT)
+    # it woke up: the next pull (on a fresh connection) is a hit again
+    assert client.pull(h.address, snap_key(4, 0), 5.0) == snap_bytes(4, 0, SIZE)
+
+
+def test_dead_holders_directory_entries_expire(spawn_holder, redis_server):
+    token = uuid.uuid4().hex
+    ttl = 0.6
+    h = spawn_holder(token=token, seed=5, count=2, redis_url=redis_server.url, holder_ttl=ttl, engine_id="e1")
+    directory = RedisDirectory(redis_server.url, holder_ttl_s=ttl)
+    keys = [snap_key(5, 0), snap_key(5, 1)]
+    spec = ModelSpec.preset("deepseek-v4.1-flash")
+    with StateLedger(spec, token=token, directory=directory, capacity_bytes=0) as entry:
+        assert entry.positions(keys) == {128, 256}
+        assert entry.fetch(keys[1]) == snap_bytes(5, 1, SIZE)  # pulled from the holder process
+        time.sleep(2 * ttl)  # heartbeats keep it alive past its TTL
+        assert entry.positions(keys) == {128, 256}
+        os.kill(h.proc.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        while entry.positions(keys) and time.monotonic() - killed < 10 * ttl:
+            time.sleep(0.05)
+        assert entry.positions(keys) == set()
+        assert time.monotonic() - killed <= ttl + 0.5  # gone within one TTL (+ scheduling slack)
+        assert directory.lookup(keys) == [None, None]
+        assert entry.fetch(keys[0]) is None  # and a fetch is a miss, not an error
+    # the entries themselves carry a server-side TTL, so they do not point at nothing forever
+    raw = directory._r
+    assert all(raw.pttl(directory._snap(k)) > 0 for k in keys)
+
+
+def test_bad_requests_are_refused_and_the_server_keeps_serving(spawn_holder):
+    token = uuid.uuid4().hex
+    h = spawn_holder(token=token, seed=6, count=1)
+    host, port = h.address.rsplit(":", 1)
+    good = StateClient(token)
+    assert good.pull(h.address, snap_key(6, 0)) == snap_bytes(6, 0, SIZE)
+
+    def raw(frame: bytes) -> bytes:
+        with socket.create_connection((host, int(port)), timeout=5) as s:
+            s.sendall(frame)
+            s.shutdown(socket.SHUT_WR)
+            out = b""
+            while chunk := s.recv(65536):
+                out += chunk
+            return out
+
+    ok_frame = pack_request(Op.GET, token_digest(token), snap_key(6, 0))
+    absurd = bytearray(ok_frame)
+    absurd[56:60] = (0xFFFFFFFF).to_bytes(4, "little")  # length field: 4 GiB of body announced
+    bad_magic = b"GET / HTTP/1.1\r\nHost: x\r\n\r\n".ljust(64, b"\0")
+    for frame, status in ((pack_request(Op.GET, token_digest("not-the-token"), snap_key(6, 0)), 2),
+                          (bytes(absurd), 3), (bad_magic, 3)):
+        answer = raw(frame)
+        assert len(answer) == 40 and answer[:4] == b"KVLR" and answer[5] == status  # refused, nothing leaked
+    assert good.pull(h.address, snap_key(6, 0)) == snap_bytes(6, 0, SIZE)  # still serving
+    assert StateClient("not-the-token").pull(h.address, snap_key(6, 0)) is None
