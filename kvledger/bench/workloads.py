@@ -95,7 +95,7 @@ class ChatConfig:
     (nominal `decode_tps`) plus a think time. Lengths in tokens, times in seconds."""
 
     seed: int = 0
-    sessions: int = 400
+    sessions: int = 1000
     duration_s: float = 1200.0
     system_prompts: int = 6
     system_tokens: tuple[int, int] = (300, 3000)
@@ -114,7 +114,7 @@ class AgentConfig:
     that grow the history; a step waits for the call (nominal `decode_tps`) plus the tool."""
 
     seed: int = 0
-    sessions: int = 120
+    sessions: int = 200
     duration_s: float = 1200.0
     apps: int = 4
     system_tokens: tuple[int, int] = (6000, 16000)

@@ -1,0 +1,100 @@
+"""PNG charts for the benches (matplotlib, Agg backend: no display needed). Small on purpose."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+_DPI = 80
+_SIZE = (6.0, 3.4)
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=_DPI)
+    _plt().close(fig)
+
+
+def ttft_cdf(path: Path, series: Mapping[str, Sequence[float]]) -> None:
+    """Empirical CDFs of TTFT (s), log x."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=_SIZE)
+    for label, values in series.items():
+        v = np.sort(np.asarray(values, dtype=float))
+        if len(v):
+            ax.plot(np.maximum(v, 1e-4), np.arange(1, len(v) + 1) / len(v), label=label)
+    ax.set_xscale("log")
+    ax.set_xlabel("TTFT (s)")
+    ax.set_ylabel("share of requests")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    _save(fig, path)
+
+
+def store_size(path: Path, series: Sequence[tuple[float, int]], capacity: float = math.inf) -> None:
+    """Store bytes over simulated time, with the capacity line when finite."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=_SIZE)
+    if series:
+        t, b = zip(*series)
+        ax.plot(np.asarray(t) / 60, np.asarray(b) / 1e9, label="stored")
+    if math.isfinite(capacity):
+        ax.axhline(capacity / 1e9, color="gray", ls="--", label="capacity")
+    ax.set_xlabel("simulated time (min)")
+    ax.set_ylabel("store size (GB)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    _save(fig, path)
+
+
+def _label(row: Mapping[str, Any], cols: Sequence[str]) -> str:
+    parts = []
+    for c in cols:
+        v = row[c]
+        if c == "capacity_gb":
+            parts.append("∞" if v is None else f"{v:g} GB")
+        elif c == "ttl_days":
+            parts.append("no TTL" if v is None else f"{v:g} d")
+        elif c != "ttl_s":
+            parts.append(str(v))
+    return "\n".join(parts)
+
+
+def sweep_chart(path: Path, report: Mapping[str, Any]) -> None:
+    """Block hit rate per row (bars) against the reuse ceiling; capacity sweeps as a line."""
+    plt = _plt()
+    rows, cols = report["rows"], report["columns"]
+    fig, ax = plt.subplots(figsize=_SIZE)
+    if report["sweep"] == "capacity":
+        finite = [r for r in rows if r["capacity_gb"] is not None]
+        ax.plot([r["capacity_gb"] for r in finite], [r["block_hit_rate"] for r in finite], marker="o",
+                label="block hit rate")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("store capacity (GB)")
+        unlimited = [r for r in rows if r["capacity_gb"] is None]
+        if unlimited:
+            ax.axhline(unlimited[0]["block_hit_rate"], color="C1", ls=":", label="unlimited")
+    else:
+        x = np.arange(len(rows))
+        ax.bar(x, [r["block_hit_rate"] for r in rows], color="C0", label="block hit rate")
+        ax.set_xticks(x, [_label(r, cols) for r in rows], fontsize=7)
+    ax.axhline(report["reuse_ceiling"], color="gray", ls="--", label="reuse ceiling")
+    ax.set_ylim(0, 1)
+    ax.set_ylabel("block hit rate")
+    ax.set_title(f"{report['source']}: {report['sweep']}", fontsize=9)
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=7, loc="lower right")
+    _save(fig, path)

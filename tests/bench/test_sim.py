@@ -1,0 +1,135 @@
+import json
+import math
+import time
+from dataclasses import replace
+
+import pytest
+
+from kvledger.bench.sim_core import SimConfig, simulate
+from kvledger.bench.trace import DEFAULT_TRACE, Request, read_trace
+from kvledger.bench.workloads import generate
+from kvledger.core import ModelSpec, decide_hit, prefill_store_position
+
+V4 = ModelSpec.preset("deepseek-v4.1-flash")
+SMOL = ModelSpec.preset("smollm2-135m")
+
+
+def test_ideal_equals_reuse_ceiling_on_the_whole_trace(run_cli):
+    seen: set[int] = set()
+    refs = repeats = 0
+    for line in DEFAULT_TRACE.read_text().splitlines():
+        for h in json.loads(line)["hash_ids"]:
+            refs, repeats = refs + 1, repeats + (h in seen)
+            seen.add(h)
+    t0 = time.monotonic()
+    p = run_cli("bench", "sim", "--trace", str(DEFAULT_TRACE), "--ideal", "--json")
+    elapsed = time.monotonic() - t0
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert out["requests"] == len(DEFAULT_TRACE.read_text().splitlines())
+    assert out["reuse_ceiling"] == pytest.approx(repeats / refs, abs=1e-12)
+    assert out["block_hit_rate"] == pytest.approx(repeats / refs, abs=1e-12)
+    assert 0 < out["ttft_p50_s"] <= out["ttft_p99_s"]
+    assert elapsed < 30
+
+
+# --- the rules: the simulator decides hits the way kvledger.core does -----------------------
+
+def _pair(gap_s: float = 100.0) -> list[Request]:
+    """A writes 4 ids of 512 tokens (2048 tokens); B extends A's prompt to 4096 tokens."""
+    return [Request(0.0, 2048, 0, (1, 2, 3, 4)), Request(gap_s, 4096, 0, (1, 2, 3, 4, 5, 6, 7, 8))]
+
+
+@pytest.mark.parametrize("swa, replay, snapshots", [
+    ("memory", False, {prefill_store_position(2048, V4)}),  # A's snapshot sits at 1920, not at L1 = 2048
+    ("memory", True, set()),
+    ("zero", True, set()),
+    ("full", False, {2048}),
+    ("periodic", False, set()),                              # periodic:4 stores 512, 1024, 1536 (≤ 1920)
+])
+def test_hit_matches_decide_hit(swa, replay, snapshots):
+    res = simulate(_pair(), SimConfig(spec=V4, swa=swa, replay=replay))
+    expect = decide_hit(4096, 16, snapshots, V4, replay=replay or swa == "zero")
+    assert res.hit_tokens == expect.hit_tokens
+    assert res.computed_tokens == 2048 + 4096 - expect.recompute_from
+    assert res.kinds[expect.kind.value] == 1
+
+
+def test_snapshot_at_l1_is_used_when_stored_there():
+    # A's prompt of 2049 tokens stores its snapshot at ⌊2048/128⌋·128 = 2048 = L1 of B.
+    reqs = [Request(0.0, 2049, 0, (1, 2, 3, 4, 9)), Request(100.0, 4096, 0, (1, 2, 3, 4, 5, 6, 7, 8))]
+    res = simulate(reqs, SimConfig(spec=V4))
+    assert res.kinds["snapshot"] == 1 and res.hit_tokens == 2048
+    assert simulate(reqs, SimConfig(spec=V4, state_slots=0)).kinds["fallback"] == 1
+
+
+def test_cap_and_full_attention_model():
+    same = [Request(0.0, 2048, 0, (1, 2, 3, 4)), Request(100.0, 2048, 0, (1, 2, 3, 4))]
+    cap = decide_hit(2048, 16, set(), V4).cap  # 1792: the last 134 tokens (and the block around them) are computed
+    assert simulate(same, SimConfig(spec=V4, swa="full")).hit_tokens == decide_hit(2048, 16, {cap}, V4).hit_tokens == cap
+    assert simulate(same, SimConfig(spec=SMOL)).hit_tokens == 1920  # ⌊(L − 1)/128⌋·128
+    assert simulate(same, SimConfig(spec=V4, ideal=True)).hit_tokens == 2048  # no cap
+
+
+def test_in_flight_prompt_is_not_a_hit_but_ideal_ignores_it():
+    reqs = _pair(gap_s=0.01)  # B arrives while A's 2048 tokens are still being computed
+    assert simulate(reqs, SimConfig(spec=V4)).hit_tokens == 0
+    assert simulate(reqs, SimConfig(spec=V4, ideal=True)).block_hits == 4
+
+
+def test_ttl_expires_and_is_renewed_by_a_hit():
+    reqs = _pair(gap_s=100.0)
+    assert simulate(reqs, SimConfig(spec=V4, swa="full", ttl_s={"agent": 50, "chatbot": 50})).hit_tokens == 0
+    assert simulate(reqs, SimConfig(spec=V4, swa="full", ttl_s={"agent": 50, "chatbot": 150})).hit_tokens > 0
+    # a hit at t=40 renews A's blocks: a third request at t=80 still hits with a 50 s TTL
+    three = [Request(0.0, 2048, 0, (1, 2, 3, 4)), Request(40.0, 2048, 0, (1, 2, 3, 4)),
+             Request(80.0, 2048, 0, (1, 2, 3, 4))]
+    res = simulate(three, SimConfig(spec=V4, swa="full", ttl_s={"agent": 50, "chatbot": 50}))
+    assert res.kinds["snapshot"] == 2
+
+
+def test_capacity_evicts_least_recently_used_tails_first():
+    block = V4.block_bytes() * 4  # one 512-token id
+    reqs = _pair()
+    # room for 3 of A's 4 ids: its tail id goes, B reuses the 3 leading ids
+    res = simulate(reqs, SimConfig(spec=V4, swa="zero", capacity_bytes=3 * block))
+    assert res.hit_tokens == decide_hit(4096, 12, set(), V4, replay=True).hit_tokens == 1536
+    assert simulate(reqs, SimConfig(spec=V4, swa="zero", capacity_bytes=3 * block - 1)).hit_tokens == 1024
+
+
+def test_local_caches_do_not_share():
+    reqs = _pair()
+    shared = simulate(reqs, SimConfig(spec=V4, swa="full", routing="match"))
+    assert simulate(reqs, SimConfig(spec=V4, swa="full", routing="affinity")).hit_tokens == shared.hit_tokens > 0
+    randoms = {simulate(reqs, SimConfig(spec=V4, swa="full", routing="random", seed=s)).hit_tokens for s in range(12)}
+    assert randoms == {0, shared.hit_tokens}  # a hit only when both land on the same engine
+
+
+def test_decode_writes_make_the_next_turn_hit():
+    reqs = generate("chat", seed=1, sessions=30).requests
+    res = simulate(reqs, SimConfig(spec=V4))
+    assert res.decode_blocks_written > 0 and res.kinds["snapshot"] > 0
+
+
+# --- sanity over a real trace: monotone in capacity and TTL --------------------------------
+
+@pytest.fixture(scope="module")
+def head():
+    return read_trace(DEFAULT_TRACE).requests[:1500]
+
+
+@pytest.mark.parametrize("routing, swa", [("match", "memory"), ("match", "full"), ("match", "periodic"),
+                                          ("random", "memory")])
+def test_more_capacity_never_lowers_the_hit_rate(head, routing, swa):
+    rates = [simulate(head, SimConfig(spec=V4, routing=routing, swa=swa, capacity_bytes=gb * 1e9)).block_hit_rate
+             for gb in (0.5, 1, 2, 4, 8, 16, math.inf)]
+    assert rates == sorted(rates) and rates[0] < rates[-1]
+
+
+def test_longer_ttl_never_lowers_the_hit_rate(head):
+    span = head[-1].arrival_s
+    cfg = SimConfig(spec=V4)
+    rates = [simulate(head, replace(cfg, ttl_s=dict.fromkeys(("agent", "chatbot"), d / 7 * span))).block_hit_rate
+             for d in (0.25, 1, 3, 7)]
+    assert rates == sorted(rates) and rates[0] < rates[-1]
+    assert rates[-1] <= simulate(head, cfg).block_hit_rate
