@@ -70,8 +70,8 @@ class BlockChain:
         h.update(struct.pack("<q", self._full[k - 1] if k else self.root))
         i = bisect.bisect_right(self.starts, lo) - 1
         while i < len(self.segments) and self.starts[i] < end:
-            s0 = self.starts[i]
-            h.update(struct.pack("<qqq", self.segments[i].seed, max(lo, s0) - s0, min(end, s0 + self.segments[i].length) - s0))
+            s0, seg = self.starts[i], self.segments[i]
+            h.update(struct.pack("<qqq", seg.seed, max(lo, s0) - s0, min(end, s0 + seg.length) - s0))
             i += 1
         return int.from_bytes(h.digest(), "little") & (2**63 - 1)
 

@@ -66,7 +66,8 @@ def test_snapshot_at_l1_is_used_when_stored_there():
 def test_cap_and_full_attention_model():
     same = [Request(0.0, 2048, 0, (1, 2, 3, 4)), Request(100.0, 2048, 0, (1, 2, 3, 4))]
     cap = decide_hit(2048, 16, set(), V4).cap  # 1792: the last 134 tokens (and the block around them) are computed
-    assert simulate(same, SimConfig(spec=V4, swa="full")).hit_tokens == decide_hit(2048, 16, {cap}, V4).hit_tokens == cap
+    full = simulate(same, SimConfig(spec=V4, swa="full"))
+    assert full.hit_tokens == decide_hit(2048, 16, {cap}, V4).hit_tokens == cap
     assert simulate(same, SimConfig(spec=SMOL)).hit_tokens == 1920  # ⌊(L − 1)/128⌋·128
     assert simulate(same, SimConfig(spec=V4, ideal=True)).hit_tokens == 2048  # no cap
 
