@@ -84,6 +84,26 @@ def _plain_read(path: Path, batch: np.ndarray) -> None:
         os.close(fd)
 
 
+def _io_sides(ledger: Any, kb: list[list[bytes]], plain: list[Path], data: list[np.ndarray],
+              out: list[np.ndarray], per_put: int) -> dict[str, Any]:
+    """The four timed operations of one rep, each on batch i."""
+
+    def kvl_write(i: int) -> None:
+        r = ledger.put_chain(kb[i], list(data[i]), start_pos=i * per_put, parent=kb[i - 1][-1] if i else None)
+        assert r.written == per_put, r
+
+    def plain_write(i: int) -> None:
+        _plain_write(plain[i], data[i])
+
+    def kvl_read(i: int) -> None:
+        assert ledger.read_prefix(kb[i], list(out[i])) == per_put
+
+    def plain_read(i: int) -> None:
+        _plain_read(plain[i], out[i])
+
+    return {"kvl_write": kvl_write, "plain_write": plain_write, "kvl_read": kvl_read, "plain_read": plain_read}
+
+
 def throughput(spec: ModelSpec, base: Path, total_bytes: int, per_put: int, reps: int) -> dict[str, Any]:
     from kvledger.store.ledger import BlockLedger
 
@@ -102,29 +122,17 @@ def throughput(spec: ModelSpec, base: Path, total_bytes: int, per_put: int, reps
         ledger = BlockLedger.open(path=d / "store")
         plain = [d / f"plain-{i}.bin" for i in range(n_batches)]
 
-        def kvl_write(i: int) -> None:
-            r = ledger.put_chain(kb[i], list(data[i]), start_pos=i * per_put, parent=kb[i - 1][-1] if i else None)
-            assert r.written == per_put, r
-
-        def plain_write(i: int) -> None:
-            _plain_write(plain[i], data[i])
-
-        def kvl_read(i: int) -> None:
-            assert ledger.read_prefix(kb[i], list(out[i])) == per_put
-
-        def plain_read(i: int) -> None:
-            _plain_read(plain[i], out[i])
-
+        sides = _io_sides(ledger, kb, plain, data, out, per_put)
         t = dict.fromkeys(("kvl_write", "plain_write", "kvl_read", "plain_read"), 0.0)
         # interleaved batch by batch, alternating which side goes first, so both see the same disk
-        for pair in ((kvl_write, plain_write), (kvl_read, plain_read)):
-            if pair[0] is kvl_read:
+        for pair in (("kvl_write", "plain_write"), ("kvl_read", "plain_read")):
+            if pair[0] == "kvl_read":
                 _drop_cache(sorted((d / "store" / "segments").glob("*.kvs")) + plain)
             for i in range(n_batches):
-                for f in (pair if (i + rep) % 2 == 0 else pair[::-1]):
+                for name in (pair if (i + rep) % 2 == 0 else pair[::-1]):
                     t0 = time.perf_counter()
-                    f(i)
-                    t[f.__name__] += time.perf_counter() - t0
+                    sides[name](i)
+                    t[name] += time.perf_counter() - t0
         assert all(np.array_equal(a, b) for a, b in zip(data, out)), "read back differs"
         ledger.close()
         shutil.rmtree(d, ignore_errors=True)
@@ -161,6 +169,22 @@ def vllm_style_check(token_list: list[int], block_size: int, cached: dict[bytes,
     return n
 
 
+def _check_variants(spec: ModelSpec, emb: Any, red: Any, arr: np.ndarray, lst: list[int],
+                    cached: dict[bytes, int], root: bytes) -> dict[str, Any]:
+    """Each timed CHECK variant of one prompt; each returns the number of leading blocks found."""
+    n = len(lst) // spec.block_size
+    variants = {
+        "embedded": lambda: emb.match_tokens(arr, spec)[1],
+        "baseline": lambda: vllm_style_check(lst, spec.block_size, cached, root),
+        "embedded_from_list": lambda: emb.match_tokens(lst, spec)[1],
+        "list_to_array": lambda: n if np.asarray(lst, dtype=np.uint32).size == len(lst) else -1,
+        "hash_only": lambda: len(chain_keys(arr, spec)),
+    }
+    if red is not None:
+        variants["redis"] = lambda: red.match_tokens(arr, spec)[1]
+    return variants
+
+
 def check_latency(spec: ModelSpec, base: Path, sizes: list[int], reps: int, redis_url: str | None) -> dict[str, Any]:
     from kvledger.store.ledger import BlockLedger
 
@@ -186,15 +210,7 @@ def check_latency(spec: ModelSpec, base: Path, sizes: list[int], reps: int, redi
                                                  protocol=pickle.HIGHEST_PROTOCOL)).digest()
             cached[parent] = i // B
         want = L // B
-        variants = {
-            "embedded": lambda: emb.match_tokens(arr, spec)[1],
-            "baseline": lambda: vllm_style_check(lst, B, cached, root),
-            "embedded_from_list": lambda: emb.match_tokens(lst, spec)[1],
-            "list_to_array": lambda: want if np.asarray(lst, dtype=np.uint32).size == L else -1,
-            "hash_only": lambda: want if len(chain_keys(arr, spec)) == want else -1,
-        }
-        if red is not None:
-            variants["redis"] = lambda: red.match_tokens(arr, spec)[1]
+        variants = _check_variants(spec, emb, red, arr, lst, cached, root)
         times: dict[str, list[float]] = {k: [] for k in variants}
         names = list(variants)
         for rep in range(reps):
@@ -230,7 +246,7 @@ def run(args: argparse.Namespace) -> None:
         raise CliError(str(e)) from None
     if args.reps < 1 or args.check_reps < 1 or args.blocks_per_put < 1 or args.total_mb <= 0:
         raise CliError("--reps, --check-reps, --blocks-per-put and --total-mb must be positive")
-    if any(L < spec.block_size for L in sizes):
+    if any(spec.block_size > L for L in sizes):
         raise CliError(f"--check-tokens: each length must be at least one block ({spec.block_size})")
     if args.dir is not None and not Path(args.dir).is_dir():
         raise CliError(f"--dir {args.dir}: no such directory")

@@ -65,7 +65,7 @@ def open_store(args: argparse.Namespace, capacity_bytes: int | None = None):
 
 
 def _when(ts: float | None) -> str:
-    return "-" if ts is None else dt.datetime.fromtimestamp(ts, dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    return "-" if ts is None else dt.datetime.fromtimestamp(ts, dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
 def _table(title: str, rows: list[tuple[str, Any]]) -> None:

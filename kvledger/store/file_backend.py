@@ -25,9 +25,9 @@ import socket
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import Iterator
+from collections.abc import Iterator
 
 import xxhash
 
@@ -174,10 +174,8 @@ class FileStore:
                 continue
             parts = name.split("-")
             if len(parts) >= 4 and parts[1] == _HOST and parts[2].isdigit() and not _pid_alive(int(parts[2])):
-                try:
+                with suppress(OSError):
                     os.unlink(self.seg_dir / name)
-                except OSError:
-                    pass
 
     # --- CHECK -----------------------------------------------------------------
 
@@ -263,10 +261,8 @@ class FileStore:
             log.warning("put of %d blocks to %s failed: %s", n, self.root, e)
             self.counters.put_failures += 1
             if tmp is not None:
-                try:
+                with suppress(OSError):
                     os.unlink(tmp)
-                except OSError:
-                    pass
             return PutResult(0, 0, n)
 
     def _add(self, e: Entry) -> None:
@@ -399,10 +395,8 @@ class FileStore:
                 fd = self._fds.pop(seg.name, None)
                 if fd is not None:
                     os.close(fd)
-                try:
+                with suppress(FileNotFoundError):
                     os.unlink(path)
-                except FileNotFoundError:
-                    pass
                 del self.segments[seg.name]
                 continue
             self._write_mutable(seg)

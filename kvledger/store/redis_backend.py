@@ -38,6 +38,7 @@ from kvledger.store.backend import (
     StoreStats,
     VerifyResult,
 )
+import contextlib
 
 log = logging.getLogger("kvledger.store")
 
@@ -203,10 +204,8 @@ class RedisStore:
         if meta is None or len(d) != meta[2] or xxhash.xxh3_64_intdigest(d) != meta[3]:
             self.counters.misses_corrupt += 1
             log.warning("block %s on %s fails its checksum: deleted", key.hex(), self.url)
-            try:
+            with contextlib.suppress(FAULTS):
                 self.r.delete(self._k(key))
-            except FAULTS:
-                pass
             return -1
         v = memoryview(buf).cast("B")
         assert v.nbytes >= len(d), "buffer smaller than the block"
@@ -274,10 +273,8 @@ class RedisStore:
                 exp = now + ttl / 1000
                 st.next_expiry = exp if st.next_expiry is None else min(st.next_expiry, exp)
         st.chains = sum(1 for k in keys if k not in parents)
-        try:
+        with contextlib.suppress(FAULTS):
             st.disk_bytes = int(self.r.info("memory").get("used_memory", 0))
-        except FAULTS:
-            pass
         st.counters = self.counters.as_dict()
         return st
 
@@ -306,10 +303,8 @@ class RedisStore:
         return VerifyResult(checked, bad, removed, nbytes)
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(FAULTS):
             self.r.close()
-        except FAULTS:
-            pass
 
     def __enter__(self) -> RedisStore:
         return self

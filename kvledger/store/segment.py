@@ -21,7 +21,8 @@ import xxhash
 
 MAGIC = b"KVLSEG01"
 VERSION = 1
-HEADER = struct.Struct("<8sIIHHIddQQ")   # magic, version, n, ns_len, cls_len, reserved, ttl_s, created, data_off, meta_xxh
+# magic, version, n, ns_len, cls_len, reserved, ttl_s, created, data_off, meta_xxh
+HEADER = struct.Struct("<8sIIHHIddQQ")
 ENTRY = struct.Struct("<16s16sIIQQ")      # key, parent, pos, size, xxh3_64, offset
 HEADER_BYTES = 64
 ALIGN = 4096

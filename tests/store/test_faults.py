@@ -16,7 +16,7 @@ from kvledger.store import segment as sg
 from kvledger.store.backend import ChainWrite
 from kvledger.store.file_backend import FileStore
 
-from .conftest import BLOCK, block_of, chain
+from .conftest import block_of, chain
 
 REPO = Path(__file__).parents[2]
 

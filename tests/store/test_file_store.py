@@ -5,14 +5,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import pytest
 
 from kvledger.store import segment as sg
 from kvledger.store.file_backend import FileStore
 from kvledger.store.ledger import BlockLedger
 from kvledger.store.ttl import DAY_S, TtlPolicy
 
-from .conftest import BLOCK, block_of, chain, root
+from .conftest import BLOCK, chain, root
 
 
 def open_ledger(path: Path, clock, policy: TtlPolicy | None = None, **kw) -> BlockLedger:
