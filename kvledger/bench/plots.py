@@ -77,12 +77,24 @@ def sweep_chart(path: Path, report: Mapping[str, Any]) -> None:
     """Block hit rate per row (bars) against the reuse ceiling; capacity sweeps as a line."""
     plt = _plt()
     rows, cols = report["rows"], report["columns"]
-    fig, ax = plt.subplots(figsize=_SIZE)
+    with_series = report["sweep"] == "ttl" and all("store_size_over_time" in r for r in rows)
+    if with_series:
+        fig, (ax, right) = plt.subplots(1, 2, figsize=(9.0, 3.4))
+        for r in rows:
+            t, b = zip(*r["store_size_over_time"]) if r["store_size_over_time"] else ((), ())
+            right.plot(np.asarray(t) / 60, np.asarray(b) / 1e9, label=_label(r, cols))
+        right.set_xlabel("simulated time (min)")
+        right.set_ylabel("store size (GB)")
+        right.grid(alpha=0.3)
+        right.legend(fontsize=7)
+    else:
+        fig, ax = plt.subplots(figsize=_SIZE)
     if report["sweep"] == "capacity":
         finite = [r for r in rows if r["capacity_gb"] is not None]
         ax.plot([r["capacity_gb"] for r in finite], [r["block_hit_rate"] for r in finite], marker="o",
                 label="block hit rate")
         ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(_plt().FuncFormatter(lambda v, _: f"{v:g}"))
         ax.set_xlabel("store capacity (GB)")
         unlimited = [r for r in rows if r["capacity_gb"] is None]
         if unlimited:
@@ -94,7 +106,7 @@ def sweep_chart(path: Path, report: Mapping[str, Any]) -> None:
     ax.axhline(report["reuse_ceiling"], color="gray", ls="--", label="reuse ceiling")
     ax.set_ylim(0, 1)
     ax.set_ylabel("block hit rate")
-    ax.set_title(f"{report['source']}: {report['sweep']}", fontsize=9)
+    ax.set_title(f"{Path(report['source']).name}: {report['sweep']}", fontsize=9)
     ax.grid(alpha=0.3, axis="y")
     ax.legend(fontsize=7, loc="lower right")
     _save(fig, path)

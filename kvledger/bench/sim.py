@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from kvledger.bench import sim_sweep
-from kvledger.bench.sim_core import ROUTINGS, SimConfig, SimResult, percentile, reuse_ceiling, simulate
+from kvledger.bench.sim_core import ROUTINGS, SimConfig, SimResult, downsample, percentile, reuse_ceiling, simulate
 from kvledger.bench.trace import DEFAULT_TRACE, TTL_CLASSES, Trace, TraceError, read_trace, write_trace
 from kvledger.bench.workloads import WORKLOADS, generate
 from kvledger.core import ModelSpec
@@ -196,13 +196,9 @@ def summary(res: SimResult, cfg: SimConfig) -> dict[str, Any]:
         "store_bytes_final": None if cfg.ideal else (res.store_series[-1][1] if res.store_series else 0),
         "evicted_bytes": res.evicted_bytes, "expired_bytes": res.expired_bytes, "fetch_bytes": res.fetch_bytes,
         "computed_tokens": res.computed_tokens, "decode_blocks_written": res.decode_blocks_written,
+        "state_pool_bytes": res.state_pool_bytes,
         "prefill_utilization": res.busy_s / (cfg.prefill_engines * res.makespan_s) if res.makespan_s else 0.0,
     }
-
-
-def downsample(series: list[tuple[float, int]], n: int = 200) -> list[list[float]]:
-    step = max(len(series) // n, 1)
-    return [[round(t, 3), b] for t, b in series[::step]]
 
 
 def run(args: argparse.Namespace) -> None:

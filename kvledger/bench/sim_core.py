@@ -92,6 +92,7 @@ class SimResult:
     evicted_bytes: int = 0
     expired_bytes: int = 0
     decode_blocks_written: int = 0
+    state_pool_bytes: int = 0        # snapshots held in host memory at the end (pools only grow: the peak)
     busy_s: float = 0.0
     makespan_s: float = 0.0
 
@@ -128,12 +129,14 @@ def _ids_hit(r: Request, hit_tokens: int) -> float:
 
 
 class _Decision:
-    __slots__ = ("hit_tokens", "recompute_from", "kind", "l1", "swa_bytes", "holder")
+    """A hit decision plus where its snapshot is (`snap_key` in the pool of `holder`, or on storage)."""
 
-    def __init__(self, hit_tokens: int, recompute_from: int, kind: str, l1: int, swa_bytes: int,
-                 holder: int | None) -> None:
+    __slots__ = ("hit_tokens", "recompute_from", "kind", "l1", "swa_bytes", "holder", "snap_key")
+
+    def __init__(self, hit_tokens: int, recompute_from: int, kind: str, l1: int, swa_bytes: int = 0,
+                 holder: int | None = None, snap_key: tuple | None = None) -> None:
         self.hit_tokens, self.recompute_from, self.kind, self.l1 = hit_tokens, recompute_from, kind, l1
-        self.swa_bytes, self.holder = swa_bytes, holder
+        self.swa_bytes, self.holder, self.snap_key = swa_bytes, holder, snap_key
 
 
 class Simulator:
@@ -192,34 +195,34 @@ class Simulator:
         cached = self._cached_blocks(r, store, now)
         replay = cfg.replay or cfg.swa == "zero"
         d = decide_hit(r.input_length, cached, (), spec, replay=replay)
-        l1, swa_bytes, holder = d.block_hit_tokens, 0, None
+        l1 = d.block_hit_tokens
         if d.kind in (HitKind.FALLBACK, HitKind.REPLAY):
-            found, swa_bytes, holder = self._snapshot(r, l1, engine, store, now)
-            if found:
+            found = self._snapshot(r, l1, engine, store, now)
+            if found is not None:
                 d = decide_hit(r.input_length, cached, (l1,), spec)
                 assert d.swa_hit
-        return _Decision(d.hit_tokens, d.recompute_from, d.kind.value, l1, swa_bytes if d.swa_hit else 0, holder)
+                return _Decision(d.hit_tokens, d.recompute_from, d.kind.value, l1, *found)
+        return _Decision(d.hit_tokens, d.recompute_from, d.kind.value, l1)
 
     def _snapshot(self, r: Request, pos: int, engine: int, store: BlockStore, now: float
-                  ) -> tuple[bool, int, int | None]:
-        """(found, bytes moved to use it, holding engine) for the snapshot at `pos` of r's prefix."""
+                  ) -> tuple[int, int | None, tuple | None] | None:
+        """None when no snapshot at `pos` of r's prefix is reachable from `engine`; else
+        (bytes moved to use it, holding engine or None for storage, its key). Touches nothing."""
         swa = self.cfg.swa
         if swa == "full":  # the window's SWA KV is stored with the blocks below pos, all cached
-            return True, self.full_window_bytes, None
+            return self.full_window_bytes, None, None
         if swa == "zero":
-            return False, 0, None
+            return None
         key = (self._id_at(r, pos), pos)
         if swa == "periodic":
             if pos % (self.cfg.swa_period * self.B) or not store.units(("s", *key), now):
-                return False, 0, None
-            store.touch(("s", *key), now, self._ttl(r))
-            return True, self.snapshot_bytes, None
+                return None
+            return self.snapshot_bytes, None, ("s", *key)
         candidates = [engine] if self.cfg.local else [engine, *(e for e in range(len(self.pools)) if e != engine)]
         for e in candidates:
             if key in self.pools[e]:
-                self.pools[e].touch(key)
-                return True, self.snapshot_bytes, e
-        return False, 0, None
+                return self.snapshot_bytes, e, key
+        return None
 
     def _service(self, r: Request, d: _Decision, engine: int) -> tuple[float, float, int]:
         """(fetch seconds, compute seconds, bytes fetched) of r on `engine` under decision d.
@@ -250,10 +253,16 @@ class Simulator:
             best = idle
         return best, decisions[best]
 
-    def _touch_reused(self, r: Request, store: BlockStore, hit_tokens: int, now: float) -> None:
+    def _touch_reused(self, r: Request, store: BlockStore, d: _Decision, now: float) -> None:
+        """A hit renews what it reuses: its blocks (tail first) and its snapshot."""
         ttl = self._ttl(r)
-        for h in reversed(r.hash_ids[: -(-hit_tokens // r.block_tokens)]):
+        for h in reversed(r.hash_ids[: -(-d.l1 // r.block_tokens)]):
             store.touch(h, now, ttl)
+        if d.snap_key is not None:
+            if d.holder is not None:
+                self.pools[d.holder].touch(d.snap_key)
+            else:
+                store.touch(d.snap_key, now, ttl)
 
     def _write_prompt(self, r: Request, engine: int, now: float) -> None:
         store, ttl, B = self.stores[engine if self.cfg.local else 0], self._ttl(r), self.B
@@ -307,7 +316,7 @@ class Simulator:
         self.ideal_seen.update(r.hash_ids)
         self.ideal_seen.update(r.output_hash_ids)
         hit = min(found * r.block_tokens, r.input_length)
-        return _Decision(hit, hit, HitKind.FULL.value if hit else HitKind.MISS.value, hit, 0, None)
+        return _Decision(hit, hit, HitKind.FULL.value if hit else HitKind.MISS.value, hit)
 
     def run(self) -> SimResult:
         cfg, res = self.cfg, self.res
@@ -327,7 +336,7 @@ class Simulator:
                     e = min(range(cfg.prefill_engines), key=lambda k: (self.busy[k], k))
                 else:
                     e, d = self._route(r, now)
-                    self._touch_reused(r, self.stores[e if cfg.local else 0], d.l1, now)
+                    self._touch_reused(r, self.stores[e if cfg.local else 0], d, now)
                 fetch, compute, nbytes = self._service(r, d, e)
                 start = max(now, self.busy[e])
                 self.busy[e] = done = start + fetch + compute
@@ -357,11 +366,18 @@ class Simulator:
             res.makespan_s = now
         res.evicted_bytes = sum(s.evicted_bytes for s in self.stores)
         res.expired_bytes = sum(s.expired_bytes for s in self.stores)
+        res.state_pool_bytes = sum(len(p) for p in self.pools) * self.snapshot_bytes
         return res
 
 
 def simulate(requests: Sequence[Request], cfg: SimConfig) -> SimResult:
     return Simulator(requests, cfg).run()
+
+
+def downsample(series: Sequence[tuple[float, int]], n: int = 200) -> list[list[float]]:
+    """At most about n points of a (time, bytes) series, first point kept."""
+    step = max(len(series) // n, 1)
+    return [[round(t, 3), b] for t, b in series[::step]]
 
 
 def percentile(values: Sequence[float], q: float) -> float:

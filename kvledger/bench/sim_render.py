@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 _METRICS = ("block_hit_rate", "token_hit_rate", "ttft_p50_s", "ttft_p99_s", "snapshot_share_of_hits",
-            "store_gb_max", "evicted_gb")
+            "store_gb_max", "evicted_gb", "state_pool_gb")
 
 
 def _fmt(value: Any) -> str:
@@ -23,7 +23,7 @@ _HEADERS = {"ttl_days": "TTL (days)", "ttl_s": "TTL (simulated s)", "capacity_gb
             "routing": "routing", "swa": "SWA strategy", "block_hit_rate": "block hit rate",
             "token_hit_rate": "token hit rate", "ttft_p50_s": "TTFT p50 (s)", "ttft_p99_s": "TTFT p99 (s)",
             "snapshot_share_of_hits": "snapshot share of hits", "store_gb_max": "store peak (GB)",
-            "evicted_gb": "evicted (GB)"}
+            "evicted_gb": "evicted (GB)", "state_pool_gb": "host snapshots (GB)"}
 
 
 def _cell(col: str, value: Any) -> str:
@@ -71,5 +71,6 @@ def print_report(report: dict[str, Any], console: Console | None = None) -> None
     table.add_row("hit kinds", ", ".join(f"{k} {v}" for k, v in report["hit_kinds"].items() if v), "")
     peak = report["store_bytes_max"]
     table.add_row("store size max (GB)", _fmt(None if peak is None else peak / 1e9), "")
+    table.add_row("host snapshots (GB)", _fmt(report["state_pool_bytes"] / 1e9), "")
     table.add_row("prefill utilization", _fmt(report["prefill_utilization"]), "")
     console.print(table)

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from kvledger.bench.sim_core import ROUTINGS, SimConfig, percentile, simulate
+from kvledger.bench.sim_core import ROUTINGS, SimConfig, downsample, percentile, simulate
 from kvledger.bench.trace import TTL_CLASSES, Request
 
 SWEEPS = ("ttl", "capacity", "routing", "swa")
@@ -27,7 +27,8 @@ def _row(requests: Sequence[Request], cfg: SimConfig, **labels: Any) -> dict[str
     return {**labels, "block_hit_rate": res.block_hit_rate, "token_hit_rate": res.token_hit_rate,
             "ttft_p50_s": percentile(res.ttft_s, 50), "ttft_p99_s": percentile(res.ttft_s, 99),
             "snapshot_share_of_hits": res.kinds.get("snapshot", 0) / hits if hits else 0.0,
-            "store_gb_max": peak / 1e9, "evicted_gb": res.evicted_bytes / 1e9}
+            "store_gb_max": peak / 1e9, "evicted_gb": res.evicted_bytes / 1e9,
+            "state_pool_gb": res.state_pool_bytes / 1e9, "store_size_over_time": downsample(res.store_series, 100)}
 
 
 def _gb(capacity: float) -> float | None:
