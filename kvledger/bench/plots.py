@@ -99,14 +99,25 @@ def sweep_chart(path: Path, report: Mapping[str, Any]) -> None:
         unlimited = [r for r in rows if r["capacity_gb"] is None]
         if unlimited:
             ax.axhline(unlimited[0]["block_hit_rate"], color="C1", ls=":", label="unlimited")
+    elif len(cols) > 1 and cols[1] == "capacity_gb":  # grouped: one bar per capacity within each group
+        groups = list(dict.fromkeys(r[cols[0]] for r in rows))
+        caps = list(dict.fromkeys(r["capacity_gb"] for r in rows))
+        width = 0.8 / len(caps)
+        x = np.arange(len(groups))
+        for k, cap in enumerate(caps):
+            by = {r[cols[0]]: r["block_hit_rate"] for r in rows if r["capacity_gb"] == cap}
+            ax.bar(x + (k - (len(caps) - 1) / 2) * width, [by.get(g, 0.0) for g in groups], width,
+                   label="unlimited" if cap is None else f"{cap:g} GB", color=f"C{k}")
+        ax.set_xticks(x, [str(g) for g in groups], fontsize=8)
     else:
         x = np.arange(len(rows))
         ax.bar(x, [r["block_hit_rate"] for r in rows], color="C0", label="block hit rate")
         ax.set_xticks(x, [_label(r, cols) for r in rows], fontsize=7)
     ax.axhline(report["reuse_ceiling"], color="gray", ls="--", label="reuse ceiling")
-    ax.set_ylim(0, 1)
+    ax.set_ylim(0, 1.15 if report["sweep"] != "capacity" else 1)
     ax.set_ylabel("block hit rate")
     ax.set_title(f"{Path(report['source']).name}: {report['sweep']}", fontsize=9)
     ax.grid(alpha=0.3, axis="y")
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=7, loc="upper right" if report["sweep"] != "capacity" else "lower right",
+              ncol=3 if report["sweep"] != "capacity" else 1)
     _save(fig, path)
