@@ -19,9 +19,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     cmds = parser.add_subparsers(dest="store_command", required=True, parser_class=type(parser))
 
     def common(p: argparse.ArgumentParser) -> None:
-        where = p.add_mutually_exclusive_group(required=True)
-        where.add_argument("--path", metavar="DIR", help="a file block store (directory)")
-        where.add_argument("--redis-url", metavar="URL", help="a Redis block store, e.g. redis://127.0.0.1:6379/0")
+        p.add_argument("--path", metavar="DIR", help="a file block store (directory); with --redis-url: its bytes")
+        p.add_argument("--redis-url", metavar="URL", help="a Redis block store, e.g. redis://127.0.0.1:6379/0")
         p.add_argument("--json", action="store_true", help="print one JSON object")
 
     st = cmds.add_parser("stats", help="size, blocks, chains, per-class counts, oldest entry")
@@ -40,6 +39,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def open_store(args: argparse.Namespace, capacity_bytes: int | None = None):
     """The store named on the command line; `CliError` when it is missing or unreachable."""
+    if args.path is None and args.redis_url is None:
+        raise CliError("give --path DIR, --redis-url URL, or both (the cluster mode)")
+    files = None
     if args.path is not None:
         from kvledger.store.file_backend import FileStore
 
@@ -49,15 +51,17 @@ def open_store(args: argparse.Namespace, capacity_bytes: int | None = None):
         if not (root / "segments").is_dir():
             raise CliError(f"{root}: not a kvledger block store (no segments/ inside)")
         try:
-            return FileStore(root, capacity_bytes=capacity_bytes, create=False)
+            files = FileStore(root, capacity_bytes=capacity_bytes, create=False)
         except OSError as e:
             raise CliError(f"{root}: cannot open ({e.strerror or e})") from None
+        if args.redis_url is None:
+            return files
     import redis
 
     from kvledger.store.redis_backend import RedisStore
 
     try:
-        return RedisStore(args.redis_url, check=True, timeout_s=2.0)
+        return RedisStore(args.redis_url, check=True, timeout_s=2.0, files=files)
     except ValueError as e:
         raise CliError(f"bad --redis-url {args.redis_url!r}: {e}") from None
     except (redis.RedisError, OSError) as e:

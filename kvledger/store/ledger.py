@@ -1,7 +1,8 @@
 """`BlockLedger`: what engines and the entrypoint use of the block ledger.
 
     ledger = BlockLedger.open(path="/var/lib/kvledger")            # embedded (file backend)
-    ledger = BlockLedger.open(redis_url="redis://127.0.0.1:6379/0")  # shared (Redis)
+    ledger = BlockLedger.open(redis_url="redis://127.0.0.1:6379/0")  # shared (Redis: index and bytes)
+    ledger = BlockLedger.open(path="/mnt/3fs/kvl", redis_url=url)    # cluster (Redis index, shared files)
     keys, n = ledger.match_tokens(tokens, spec, namespace="tenant")  # CHECK, hashing included
     ledger.put_chain(keys[n:], blocks, namespace="tenant", start_pos=n, parent=keys[n - 1])
     ledger.get_into(keys[:n], bufs)                                  # blocks into caller buffers
@@ -41,16 +42,18 @@ class BlockLedger:
     def open(cls, path: str | os.PathLike | None = None, redis_url: str | None = None, *,
              policy: TtlPolicy | None = None, capacity_bytes: int | None = None, fsync: bool = True,
              clock: Clock = wall_clock, timeout_s: float = 2.0) -> BlockLedger:
-        """Exactly one of `path` (file backend) or `redis_url` (Redis backend)."""
-        if (path is None) == (redis_url is None):
-            raise ValueError("give exactly one of path or redis_url")
-        if path is not None:
-            from kvledger.store.file_backend import FileStore
+        """`path` alone: embedded (file backend); `redis_url` alone: Redis holds metadata and bytes;
+        both: the cluster mode (Redis index, bytes in segment files under `path`, a shared mount)."""
+        from kvledger.store.file_backend import FileStore
 
+        if path is None and redis_url is None:
+            raise ValueError("give path, redis_url, or both")
+        if redis_url is None:
             return cls(FileStore(path, capacity_bytes=capacity_bytes, fsync=fsync, clock=clock), policy)
         from kvledger.store.redis_backend import RedisStore
 
-        return cls(RedisStore(redis_url, timeout_s=timeout_s), policy)
+        files = FileStore(path, fsync=fsync) if path is not None else None
+        return cls(RedisStore(redis_url, timeout_s=timeout_s, files=files), policy)
 
     # --- CHECK -----------------------------------------------------------------
 

@@ -12,6 +12,11 @@ CHECK is one Lua call: the keys travel as one concatenated argument; the script 
 refreshes each present block's expiry (`PEXPIRE … GT`, never shortening it) and stops at the
 first absent one. One round trip, one integer back, no block byte touched.
 
+Cluster mode (`files=` a FileStore on a shared mount: 3FS, CephFS, NFS): Redis holds only the
+metadata and answers CHECK for every entrypoint; the bytes go to segment files that every
+engine reads. Bytes are written before their metadata is published, and a file block lives
+until GC finds that Redis no longer knows its key (expired or deleted).
+
 Every call has a socket timeout; any Redis or socket error is logged and counted and turns
 into a miss (`match` → 0, `get_into` → -1, `put` → failed), never an exception.
 """
@@ -29,6 +34,7 @@ import xxhash
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from kvledger.store.file_backend import FileStore
 from kvledger.store.backend import (
     Buffer,
     ChainWrite,
@@ -69,10 +75,16 @@ return table.concat(out)
 
 _PUT = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
-redis.call('HSET', KEYS[1], 'm', ARGV[1], 'd', ARGV[2])
+if ARGV[2] == '' then
+  redis.call('HSET', KEYS[1], 'm', ARGV[1])
+else
+  redis.call('HSET', KEYS[1], 'm', ARGV[1], 'd', ARGV[2])
+end
 redis.call('PEXPIREAT', KEYS[1], ARGV[3])
 return 1
 """
+FILE_TTL_S = 100 * 365 * 86_400.0  # bytes on files in the cluster mode live until Redis forgets their block
+GC_GRACE_S = 60.0                  # cluster-mode GC spares file blocks younger than this (published any moment)
 
 
 def encode_meta(parent: bytes, pos: int, size: int, xxh: int, created: float, ttl_s: float,
@@ -98,8 +110,10 @@ class RedisStore:
 
     backend = "redis"
 
-    def __init__(self, url: str, *, prefix: str = "kvl:", timeout_s: float = 2.0, check: bool = False) -> None:
+    def __init__(self, url: str, *, prefix: str = "kvl:", timeout_s: float = 2.0, check: bool = False,
+                 files: FileStore | None = None) -> None:
         self.url = url
+        self.files = files
         self.prefix = prefix.encode()
         self.bprefix = self.prefix + b"b:"
         self.counters = Counters()
@@ -145,6 +159,12 @@ class RedisStore:
         skipped = n - len(sel)
         written = 0
         now = time.time()
+        if self.files is not None and sel:
+            on_files = self.files.put(ChainWrite(write.keys, write.blocks, write.start_pos, write.parent,
+                                                 write.namespace, write.ttl_class, FILE_TTL_S))
+            if on_files.failed:
+                self.counters.put_failures += 1
+                return PutResult(0, skipped, len(sel))
         expire_at_ms = int((now + write.ttl_s) * 1000)  # one clock for the whole put: the skew orders it exactly
         try:
             pipe = self.r.pipeline(transaction=False)
@@ -155,7 +175,8 @@ class RedisStore:
                 pos = write.start_pos + i
                 meta = encode_meta(parent, pos, v.nbytes, xxhash.xxh3_64_intdigest(v), now, write.ttl_s,
                                    write.namespace, write.ttl_class)
-                self._put(keys=[self._k(write.keys[i])], args=[meta, v, expire_at_ms - pos], client=pipe)
+                data = b"" if self.files is not None else v
+                self._put(keys=[self._k(write.keys[i])], args=[meta, data, expire_at_ms - pos], client=pipe)
                 pending += v.nbytes
                 if pending >= PUT_CHUNK_BYTES:
                     written += sum(int(x) for x in pipe.execute())
@@ -175,6 +196,13 @@ class RedisStore:
 
     def get_into(self, keys: Sequence[bytes], bufs: Sequence[Buffer]) -> list[int]:
         assert len(keys) == len(bufs)
+        if self.files is not None:
+            out = self.files.get_into(keys, bufs)
+            lost = [self._k(k) for k, size in zip(keys, out) if size < 0]
+            if lost:  # published but unreadable here: unpublish, so the next put writes them again
+                with contextlib.suppress(*FAULTS):
+                    self.r.delete(*lost)
+            return out
         out = [-1] * len(keys)
         i = 0
         while i < len(keys):
@@ -204,7 +232,7 @@ class RedisStore:
         if meta is None or len(d) != meta[2] or xxhash.xxh3_64_intdigest(d) != meta[3]:
             self.counters.misses_corrupt += 1
             log.warning("block %s on %s fails its checksum: deleted", key.hex(), self.url)
-            with contextlib.suppress(FAULTS):
+            with contextlib.suppress(*FAULTS):
                 self.r.delete(self._k(key))
             return -1
         v = memoryview(buf).cast("B")
@@ -219,6 +247,8 @@ class RedisStore:
     def delete(self, keys: Sequence[bytes]) -> int:
         if not keys:
             return 0
+        if self.files is not None:
+            self.files.delete(keys)
         try:
             return int(self.r.delete(*[self._k(k) for k in keys]))
         except FAULTS as e:
@@ -241,24 +271,55 @@ class RedisStore:
             if cursor == 0:
                 return
 
+    def _scan_soft(self, batch: int = 1000):
+        try:
+            yield from self._scan(batch)
+        except FAULTS as e:
+            log.warning("scan of %s stopped: %s", self.url, e)
+
     def gc(self, batch: int = 1000) -> GcResult:
-        """Expiry is Redis's own (tails first by construction); this removes blocks whose metadata is unreadable."""
-        removed = batches = 0
+        """Expiry is Redis's own (tails first by construction); this removes blocks whose metadata is
+        unreadable and, in the cluster mode, file blocks whose key Redis no longer holds (tails first)."""
+        removed = batches = freed = 0
         try:
             bad = [name for name, meta, ttl in self._scan(batch) if meta is None and ttl != -2]
             for i in range(0, len(bad), batch):
                 removed += int(self.r.delete(*bad[i:i + batch]))
                 batches += 1
+            if self.files is not None:
+                removed_f, freed, b = self._gc_files(batch)
+                removed += removed_f
+                batches += b
         except FAULTS as e:
             log.warning("gc on %s stopped: %s", self.url, e)
-        return GcResult(removed, 0, 0, batches)
+        return GcResult(removed, 0, freed, batches)
+
+    def _gc_files(self, batch: int) -> tuple[int, int, int]:
+        files = self.files
+        assert files is not None
+        files.refresh()
+        cutoff = time.time() - GC_GRACE_S
+        entries = [e for e in files.index.entries.values() if e.seg.created < cutoff]
+        gone = []
+        for i in range(0, len(entries), batch):
+            chunk = entries[i:i + batch]
+            bits = self._exists(args=[b"".join(e.key for e in chunk), self.bprefix])  # raises: GC stops
+            gone += [e for e, c in zip(chunk, bits) if c != ord("1")]
+        gone.sort(key=lambda e: -e.pos)
+        before = files.stats().disk_bytes
+        batches = 0
+        for i in range(0, len(gone), batch):
+            files.delete([e.key for e in gone[i:i + batch]])
+            batches += 1
+        return len(gone), max(before - files.stats().disk_bytes, 0), batches
 
     def stats(self) -> StoreStats:
+        """Figures of the blocks Redis holds (those counted before a fault, if the server goes away mid-scan)."""
         st = StoreStats(self.backend, self.url)
         parents: set[bytes] = set()
         keys: list[bytes] = []
         now = time.time()
-        for name, meta, ttl in self._scan():
+        for name, meta, ttl in self._scan_soft():
             if meta is None:
                 continue
             parent, pos, size, xxh, created, ttl_s, ns, cls = meta
@@ -273,12 +334,33 @@ class RedisStore:
                 exp = now + ttl / 1000
                 st.next_expiry = exp if st.next_expiry is None else min(st.next_expiry, exp)
         st.chains = sum(1 for k in keys if k not in parents)
-        with contextlib.suppress(FAULTS):
-            st.disk_bytes = int(self.r.info("memory").get("used_memory", 0))
+        if self.files is not None:
+            fst = self.files.stats()
+            st.disk_bytes, st.segments = fst.disk_bytes, fst.segments
+            st.location += f" + {fst.location}"
+        else:
+            with contextlib.suppress(*FAULTS):
+                st.disk_bytes = int(self.r.info("memory").get("used_memory", 0))
         st.counters = self.counters.as_dict()
         return st
 
     def verify(self, remove: bool = True) -> VerifyResult:
+        if self.files is not None:  # the bytes are on files: check them, and unpublish what was removed
+            before = set(self.files.index.entries)
+            res = self.files.verify(remove)
+            lost = list(before - set(self.files.index.entries))
+            if remove and lost:
+                with contextlib.suppress(*FAULTS):
+                    self.r.delete(*[self._k(k) for k in lost])
+            return res
+        checked = bad = removed = nbytes = 0
+        try:
+            return self._verify(remove)
+        except FAULTS as e:
+            log.warning("verify of %s stopped: %s", self.url, e)
+            return VerifyResult(checked, bad, removed, nbytes)
+
+    def _verify(self, remove: bool) -> VerifyResult:
         checked = bad = removed = nbytes = 0
         cursor = 0
         while True:
@@ -303,7 +385,9 @@ class RedisStore:
         return VerifyResult(checked, bad, removed, nbytes)
 
     def close(self) -> None:
-        with contextlib.suppress(FAULTS):
+        if self.files is not None:
+            self.files.close()
+        with contextlib.suppress(*FAULTS):
             self.r.close()
 
     def __enter__(self) -> RedisStore:

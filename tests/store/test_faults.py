@@ -49,11 +49,12 @@ READER = """
 import json, os, sys, time
 from kvledger.store.ledger import BlockLedger
 from tests.store.conftest import chain, block_of, BLOCK
-where, n_chains, until = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+where, n_chains, stop = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+until = time.time() + 120  # safety net: the test touches `stop` when it is done
 led = BlockLedger.open(redis_url=where) if where.startswith("redis://") else BlockLedger.open(path=where, fsync=False)
 keys = [k for s in range(n_chains) for k in chain(20 if n_chains > 1 else 200, seed=s if n_chains > 1 else 42)[0]]
 hits = misses = wrong = rounds = 0
-while time.time() < until:
+while not os.path.exists(stop) and time.time() < until:
     bufs = [bytearray(BLOCK) for _ in keys]
     for k, b, size in zip(keys, bufs, led.get_into(keys, bufs)):
         if size < 0:
@@ -102,8 +103,8 @@ def test_kill_9_during_writes_repeated_leaves_nothing_wrong(tmp_path):
 
 
 def _same_chain(where: str, tmp_path: Path, n_writers: int = 3) -> list[tuple[int, int, int]]:
-    go = tmp_path / "go"
-    reader = py(READER, where, "1", str(time.time() + 3))
+    go, stop = tmp_path / "go", tmp_path / "stop"
+    reader = py(READER, where, "1", str(stop))
     writers = [py(SAME_CHAIN, where, str(go)) for _ in range(n_writers)]
     assert reader.stdout.readline().strip() == "ready"
     go.touch()
@@ -112,6 +113,8 @@ def _same_chain(where: str, tmp_path: Path, n_writers: int = 3) -> list[tuple[in
         out, err = w.communicate(timeout=60)
         assert w.returncode == 0, err
         results.append(tuple(json.loads(out)))
+    time.sleep(0.2)  # let the reader see the finished chain
+    stop.touch()
     out, err = reader.communicate(timeout=60)
     assert reader.returncode == 0, err
     seen = json.loads(out.strip().splitlines()[-1])
@@ -146,7 +149,8 @@ def test_gc_racing_reads_in_another_process_is_a_miss_never_an_error(tmp_path, c
     for s in range(n_chains):
         keys, blocks = chain(20, seed=s)
         store.put(ChainWrite(keys, blocks, 0, bytes(16), "default", "agent", 100.0))
-    reader = py(READER, str(tmp_path), str(n_chains), str(time.time() + 2.5))
+    stop = tmp_path.parent / f"{tmp_path.name}-stop"
+    reader = py(READER, str(tmp_path), str(n_chains), str(stop))
     assert reader.stdout.readline().strip() == "ready"
     clock.advance(101)
     removed = 0
@@ -154,6 +158,8 @@ def test_gc_racing_reads_in_another_process_is_a_miss_never_an_error(tmp_path, c
         removed += store.gc(batch=31).expired
         time.sleep(0.02)
     assert removed == 20 * n_chains and list((tmp_path / "segments").glob("*" + sg.SUFFIX)) == []
+    time.sleep(0.2)
+    stop.touch()
     out, err = reader.communicate(timeout=60)
     assert reader.returncode == 0, err
     seen = json.loads(out.strip().splitlines()[-1])
