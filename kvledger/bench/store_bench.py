@@ -212,12 +212,15 @@ def check_latency(spec: ModelSpec, base: Path, sizes: list[int], reps: int, redi
         want = L // B
         variants = _check_variants(spec, emb, red, arr, lst, cached, root)
         times: dict[str, list[float]] = {k: [] for k in variants}
+        cpu: dict[str, list[float]] = {k: [] for k in variants}
         names = list(variants)
         for rep in range(reps):
             for k in names[rep % len(names):] + names[:rep % len(names)]:
-                t0 = time.perf_counter()
+                c0, t0 = time.thread_time(), time.perf_counter()
                 got = variants[k]()
-                times[k].append((time.perf_counter() - t0) * 1e3)
+                t1, c1 = time.perf_counter(), time.thread_time()
+                times[k].append((t1 - t0) * 1e3)
+                cpu[k].append((c1 - c0) * 1e3)
                 assert got == want, f"{k}: CHECK answered {got}, expected {want}"
         tag = {8192: "8k", 131072: "128k", 1048576: "1m"}.get(L, str(L))
         for k, ts in times.items():
@@ -225,6 +228,9 @@ def check_latency(spec: ModelSpec, base: Path, sizes: list[int], reps: int, redi
             res[f"check_ms_{tag}_{k}_min"] = min(ts)
         ratios = [a / b for a, b in zip(times["embedded"], times["baseline"])]
         res[f"check_ratio_{tag}"] = statistics.median(ratios)
+        for k in ("embedded", "baseline", "hash_only"):  # CPU time of this thread: blind to preemption
+            res[f"check_cpu_ms_{tag}_{k}"] = statistics.median(cpu[k])
+        res[f"check_cpu_ratio_{tag}"] = statistics.median([a / b for a, b in zip(cpu["embedded"], cpu["baseline"])])
         if red is not None:
             res[f"check_ratio_{tag}_redis"] = statistics.median(
                 [a / b for a, b in zip(times["redis"], times["baseline"])])

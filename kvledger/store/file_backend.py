@@ -49,6 +49,7 @@ log = logging.getLogger("kvledger.store")
 
 IOV_MAX = 1024
 MAX_OPEN_FDS = 128
+STALE_TMP_S = 3600.0  # verify removes temporary files of any host older than this
 FLUSH_EVERY_S = 60.0  # put writes refreshed expiries back at most this long after the last flush
 _HOST = socket.gethostname().replace("-", "_")
 _MTIME_SLACK_NS = 50_000_000  # a directory mtime younger than this may still change within its tick
@@ -167,14 +168,17 @@ class FileStore:
             self.live_bytes -= e.size
         self.index.remove(e)
 
-    def _remove_stale_tmp(self) -> None:
-        """Temporary files of writers on this host that died mid-write (they were never renamed in)."""
+    def _remove_stale_tmp(self, max_age_s: float | None = None) -> None:
+        """Temporary files of writers that died mid-write (never renamed in): those of dead processes of
+        this host, and with `max_age_s` those of any host older than that (a shared mount)."""
         for name in os.listdir(self.seg_dir):
             if not name.startswith(".tmp-"):
                 continue
             parts = name.split("-")
-            if len(parts) >= 4 and parts[1] == _HOST and parts[2].isdigit() and not _pid_alive(int(parts[2])):
-                with suppress(OSError):
+            dead = len(parts) >= 4 and parts[1] == _HOST and parts[2].isdigit() and not _pid_alive(int(parts[2]))
+            with suppress(OSError):
+                old = max_age_s is not None and _now_ns() / 1e9 - os.stat(self.seg_dir / name).st_mtime > max_age_s
+                if dead or old:
                     os.unlink(self.seg_dir / name)
 
     # --- CHECK -----------------------------------------------------------------
@@ -492,14 +496,14 @@ class FileStore:
                 if remove and seg.trim:
                     self._reclaim({seg})
             removed = bad if remove else 0
+            if remove:
+                self._remove_stale_tmp(max_age_s=STALE_TMP_S)
             for name in list(self.bad_segments):
                 bad += 1
                 if remove:
-                    try:
+                    with suppress(OSError):
                         os.unlink(self.seg_dir / name)
                         removed += 1
-                    except OSError:
-                        pass
                     self.bad_segments.remove(name)
         return VerifyResult(checked, bad, removed, nbytes)
 
