@@ -151,7 +151,7 @@ class MemoryDirectory:
 _ENTRY_HEAD = struct.Struct("<H")       # length of the holder id ("engine\0incarnation")
 _ENTRY_BODY = struct.Struct("<QQdH")    # position, size, stored_at, length of the address
 
-# Delete each key whose value starts with ARGV[1] (the holder id of the withdrawing holder).
+# Delete each key whose value starts with ARGV[1] (how the withdrawing holder's entries begin).
 _WITHDRAW_LUA = """
 local n = 0
 for i, k in ipairs(KEYS) do
@@ -237,7 +237,7 @@ class RedisDirectory:
     def withdraw(self, keys: Sequence[bytes], holder: Holder) -> None:
         if not keys:
             return
-        hid = _holder_id(holder)
+        hid = _ENTRY_HEAD.pack(len(_holder_id(holder))) + _holder_id(holder)  # how its entries begin
         if self._cluster:
             pipe = self._r.pipeline(transaction=False)
             for k in keys:

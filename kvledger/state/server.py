@@ -46,6 +46,8 @@ _MISS = pack_response(Status.MISS)
 _DENIED = pack_response(Status.DENIED)
 _BAD = pack_response(Status.BAD)
 ACCEPT_POLL_S = 0.1
+LINGER_S = 0.2          # how long a refused connection is drained before it is closed
+LINGER_BYTES = 1 << 20  # and how much of it at most
 
 
 @dataclass(slots=True)
@@ -166,6 +168,22 @@ class StateServer:
                 self._conns.pop(sock, None)
             sock.close()
 
+    def _refuse(self, sock: socket.socket, frame: bytes) -> None:
+        """Answer, then close so the answer arrives: half-close and discard what the peer already
+        sent (at most LINGER_BYTES, for at most LINGER_S), else a close with unread input sends
+        a reset that can overtake the answer. Nothing discarded is ever parsed."""
+        sock.sendall(frame)
+        sock.shutdown(socket.SHUT_WR)
+        deadline = time.monotonic() + LINGER_S
+        drained = 0
+        with contextlib.suppress(OSError):
+            while drained < LINGER_BYTES and (left := deadline - time.monotonic()) > 0:
+                sock.settimeout(left)
+                n = len(sock.recv(65536))
+                if n == 0:
+                    break
+                drained += n
+
     def _one_request(self, sock: socket.socket, head: bytearray) -> bool:
         """Answer one request; False when the connection should close. Socket errors propagate."""
         view = memoryview(head)
@@ -188,11 +206,11 @@ class StateServer:
             req = unpack_request(head)
         except ProtocolError:
             self._count("bad")
-            sock.sendall(_BAD)
+            self._refuse(sock, _BAD)
             return False
         if not hmac.compare_digest(req.token_digest, self._digest):
             self._count("denied")
-            sock.sendall(_DENIED)
+            self._refuse(sock, _DENIED)
             return False
         if req.op is Op.PING:
             sock.sendall(_OK_EMPTY)

@@ -1,0 +1,111 @@
+import time
+import uuid
+
+import pytest
+
+from kvledger.state.directory import (
+    Holder,
+    MemoryDirectory,
+    RedisDirectory,
+    SnapshotEntry,
+    decode_entry,
+    encode_entry,
+)
+
+TTL = 0.4
+
+
+@pytest.fixture(params=["memory", "redis"])
+def directory(request):
+    if request.param == "memory":
+        d = MemoryDirectory(holder_ttl_s=TTL)
+    else:
+        server = request.getfixturevalue("shared_redis")
+        d = RedisDirectory(server.url, prefix=f"kvl:test:{uuid.uuid4().hex[:8]}:", holder_ttl_s=TTL)
+    yield d
+    d.close()
+
+
+def _entry(holder: Holder, i: int) -> SnapshotEntry:
+    return SnapshotEntry(i.to_bytes(16, "big"), holder, 128 * (i + 1), 1415040, 1.7e9 + i)
+
+
+def test_publish_lookup_batched(directory):
+    h = Holder("e1", "127.0.0.1:5000")
+    directory.heartbeat(h)
+    directory.publish([_entry(h, i) for i in range(100)])
+    keys = [i.to_bytes(16, "big") for i in range(105)]
+    got = directory.lookup(keys)
+    assert got[:100] == [_entry(h, i) for i in range(100)] and got[100:] == [None] * 5
+    assert directory.lookup([]) == []
+
+
+def test_withdraw_only_removes_the_withdrawing_holders_entry(directory):
+    a, b = Holder("a", "127.0.0.1:1"), Holder("b", "127.0.0.1:2")
+    directory.heartbeat(a)
+    directory.heartbeat(b)
+    directory.publish([_entry(a, 0), _entry(a, 1)])
+    directory.publish([_entry(b, 1)])  # b now holds key 1 (newer)
+    directory.withdraw([(0).to_bytes(16, "big"), (1).to_bytes(16, "big")], a)
+    assert directory.lookup([(0).to_bytes(16, "big"), (1).to_bytes(16, "big")]) == [None, _entry(b, 1)]
+
+
+def test_entries_of_a_holder_that_stops_heartbeating_expire(directory):
+    live, dead = Holder("live", "127.0.0.1:1"), Holder("dead", "127.0.0.1:2")
+    for h in (live, dead):
+        directory.heartbeat(h)
+    directory.publish([_entry(live, 0), _entry(dead, 1)])
+    keys = [(0).to_bytes(16, "big"), (1).to_bytes(16, "big")]
+    assert directory.lookup(keys) == [_entry(live, 0), _entry(dead, 1)]
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 2.5 * TTL:
+        directory.heartbeat(live)  # only `live` keeps beating
+        time.sleep(TTL / 4)
+    assert directory.lookup(keys) == [_entry(live, 0), None]
+
+
+def test_a_restarted_holder_does_not_revive_its_old_entries(directory):
+    old = Holder("e1", "127.0.0.1:1")
+    directory.heartbeat(old)
+    directory.publish([_entry(old, 0)])
+    new = Holder("e1", "127.0.0.1:1")  # same engine id, new incarnation, empty pool
+    assert new.incarnation != old.incarnation
+    directory.heartbeat(new)
+    assert directory.lookup([(0).to_bytes(16, "big")]) == [None]
+    directory.retire(old)  # retiring the old incarnation does not kill the new one
+    directory.publish([_entry(new, 1)])
+    assert directory.lookup([(1).to_bytes(16, "big")]) == [_entry(new, 1)]
+    directory.retire(new)
+    assert directory.lookup([(1).to_bytes(16, "big")]) == [None]
+
+
+def test_entry_encoding_round_trip_and_corruption():
+    e = _entry(Holder("engine-ü", "[::1]:9000"), 3)
+    assert decode_entry(e.key, encode_entry(e)) == e
+    raw = encode_entry(e)
+    for bad in (raw[:-1], raw + b"x", b"", b"\xff" * 5, raw[:3]):
+        assert decode_entry(e.key, bad) is None
+
+
+def test_redis_entries_carry_ttls_and_garbage_values_read_as_absent(shared_redis):
+    d = RedisDirectory(shared_redis.url, prefix=f"kvl:test:{uuid.uuid4().hex[:8]}:", holder_ttl_s=5,
+                       entry_ttl_s=60)
+    h = Holder("e1", "127.0.0.1:1")
+    d.heartbeat(h)
+    d.publish([_entry(h, 0)])
+    key = (0).to_bytes(16, "big")
+    assert 0 < d._r.pttl(d._snap(key)) <= 60_000 and 0 < d._r.pttl(d._live("e1")) <= 5_000
+    d._r.set(d._snap(key), b"\x00garbage")
+    assert d.lookup([key]) == [None]
+
+
+def test_redis_down_reads_as_absent_not_an_error(redis_server):
+    d = RedisDirectory(redis_server.url, holder_ttl_s=5, socket_timeout_s=0.5)
+    h = Holder("e1", "127.0.0.1:1")
+    d.heartbeat(h)
+    d.publish([_entry(h, 0)])
+    assert d.lookup([(0).to_bytes(16, "big")]) == [_entry(h, 0)]
+    redis_server.kill()
+    t0 = time.monotonic()
+    assert d.lookup([(0).to_bytes(16, "big")]) == [None]
+    assert time.monotonic() - t0 < 2 and d.faults == 1
