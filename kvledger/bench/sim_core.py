@@ -244,14 +244,20 @@ class Simulator:
             return e, self._decide(r, e, now)
         if cfg.routing == "match":
             d = self._decide(r, 0, now)
-            e = min(range(n), key=lambda i: (wait[i] + sum(self._service(r, d, i)[:2]), i))
-            return e, d
+            e = min(range(n), key=lambda i: (wait[i] + sum(self._service(r, self._local_holder(d, i), i)[:2]), i))
+            return e, self._local_holder(d, e)
         decisions = [self._decide(r, e, now) for e in range(n)]
         best = max(range(n), key=lambda i: (decisions[i].hit_tokens, -wait[i], -i))
         idle = min(range(n), key=lambda i: (wait[i], i))
         if decisions[best].hit_tokens == 0 or wait[best] - wait[idle] > cfg.affinity_balance_s:
             best = idle
         return best, decisions[best]
+
+    def _local_holder(self, d: _Decision, engine: int) -> _Decision:
+        """d with `engine` as the holder when its own pool has the snapshot too (no pull needed)."""
+        if d.holder is None or d.holder == engine or d.snap_key not in self.pools[engine]:
+            return d
+        return _Decision(d.hit_tokens, d.recompute_from, d.kind, d.l1, d.swa_bytes, engine, d.snap_key)
 
     def _touch_reused(self, r: Request, store: BlockStore, d: _Decision, now: float) -> None:
         """A hit renews what it reuses: its blocks (tail first) and its snapshot."""
