@@ -158,7 +158,9 @@ def build_config(args: argparse.Namespace, trace: Trace) -> tuple[SimConfig, dic
     swa, period = parse_swa(args.swa)
     ttl_days = parse_ttl(args.ttl)
     span_s = trace.span_s * args.time_scale
-    ttl_s = None if ttl_days is None else {k: d / args.span_days * span_s for k, d in ttl_days.items()}
+    # a trace without a span (one instant) gives no scale to TTLs: nothing expires
+    scale = span_s / args.span_days if span_s > 0 else math.inf
+    ttl_s = None if ttl_days is None else {k: d * scale for k, d in ttl_days.items()}
     cfg = SimConfig(spec=spec, prefill_engines=args.prefill_engines, decode_engines=args.decode_engines,
                     prefill_tps=tps, fetch_bytes_per_s=fetch, fetch_latency_s=args.fetch_latency_ms / 1e3,
                     decode_tps=args.decode_tps, capacity_bytes=parse_size(args.capacity), ttl_s=ttl_s,

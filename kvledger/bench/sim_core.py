@@ -272,11 +272,12 @@ class Simulator:
 
     def _write_prompt(self, r: Request, engine: int, now: float) -> None:
         store, ttl, B = self.stores[engine if self.cfg.local else 0], self._ttl(r), self.B
-        for i in range(len(r.hash_ids) - 1, -1, -1):  # tail first: heads end most recently used
+        # snapshots first (useless without their blocks, they go before them), then blocks tail first
+        self._store_snapshots(r, engine, now, self._prefill_positions(r), store)
+        for i in range(len(r.hash_ids) - 1, -1, -1):
             units = r.block_len(i) // B
             if units:
                 store.put(r.hash_ids[i], units, units * self.unit_bytes, now, ttl)
-        self._store_snapshots(r, engine, now, self._prefill_positions(r), store)
 
     def _prefill_positions(self, r: Request) -> list[int]:
         p = prefill_store_position(r.input_length, self.spec)
