@@ -33,14 +33,27 @@ def segment_tokens(seg: Segment, vocab: int = VOCAB) -> np.ndarray:
 
 
 def sequence_tokens(r: Request, vocab: int = VOCAB) -> np.ndarray:
-    """Prompt followed by output, as token ids (a workload request; traces carry no segments)."""
+    """Prompt followed by output, as token ids (workload requests only: traces carry no output)."""
     if not r.segments:
         raise ValueError("this request has no segments (trace requests carry only block ids)")
     return np.concatenate([segment_tokens(s, vocab) for s in r.segments])
 
 
-def prompt_tokens(r: Request, vocab: int = VOCAB) -> np.ndarray:
-    return sequence_tokens(r, vocab)[: r.input_length]
+def prompt_tokens(r: Request, vocab: int = VOCAB, salt: int = 0) -> np.ndarray:
+    """The prompt's token ids (uint32). A workload request spells them from its segments; a
+    trace request gets block i's tokens from its hash id alone (equal ids → equal tokens, so a
+    live replay reuses exactly the prefixes the trace reuses), and tokens past its last id from
+    `salt` (pass something unique per request, e.g. its index)."""
+    if r.segments:
+        return sequence_tokens(r, vocab)[: r.input_length]
+    bt, parts = r.block_tokens, []
+    for i, h in enumerate(r.hash_ids):
+        parts.append(np.random.default_rng([h & (2**63 - 1), 0x6B76]).integers(0, vocab, bt, dtype=np.uint32)
+                     [: r.block_len(i)])
+    rest = r.input_length - len(r.hash_ids) * bt
+    if rest > 0:
+        parts.append(np.random.default_rng([salt, 0x7A11]).integers(0, vocab, rest, dtype=np.uint32))
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint32)
 
 
 class BlockChain:

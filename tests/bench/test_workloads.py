@@ -60,3 +60,15 @@ def test_agent_sessions_share_the_system_prompt():
     assert len(firsts) == 2  # one per app: its system prompt is thousands of tokens long
     assert all(r.ttl_class == "agent" for r in reqs)
     assert all(r.ttl_class == "chatbot" for r in chat(ChatConfig(sessions=5)).requests)
+
+
+def test_trace_requests_get_tokens_from_their_block_ids():
+    from kvledger.bench.trace import DEFAULT_TRACE, read_trace
+
+    reqs = read_trace(DEFAULT_TRACE).requests
+    a, b = next((x, y) for x in reqs[:300] for y in reqs[:300]
+                if x is not y and 2 < _common(x.hash_ids, y.hash_ids) < min(len(x.hash_ids), len(y.hash_ids)))
+    ta, tb = prompt_tokens(a), prompt_tokens(b)
+    assert len(ta) == a.input_length and len(tb) == b.input_length
+    shared = _common(a.hash_ids, b.hash_ids)
+    assert _common(chain_keys(ta.tolist(), SPEC), chain_keys(tb.tolist(), SPEC)) == shared * 512 // 128
