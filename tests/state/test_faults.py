@@ -9,6 +9,7 @@ import socket
 import threading
 import time
 import uuid
+from pathlib import Path
 
 from kvledger.core import ModelSpec
 from kvledger.state import RedisDirectory, StateClient, StateLedger
@@ -86,12 +87,24 @@ def test_holder_killed_in_the_middle_of_a_pull_is_a_miss_within_the_timeout(spaw
     assert time.monotonic() - t0 < timeout
 
 
+def _wait_stopped(pid: int) -> None:
+    """A signal is delivered asynchronously: wait until every thread of `pid` is stopped."""
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        states = [(t / "stat").read_text().rsplit(")", 1)[1].split()[0] for t in Path(f"/proc/{pid}/task").iterdir()]
+        if all(st in "tT" for st in states):
+            return
+        time.sleep(0.005)
+    raise AssertionError(f"process {pid} did not stop")
+
+
 def test_hung_holder_is_a_miss_after_the_timeout_not_a_hang(spawn_holder):
     token = uuid.uuid4().hex
     h = spawn_holder(token=token, seed=4, count=1)
     client = StateClient(token)
     assert client.pull(h.address, snap_key(4, 0), 2.0) == snap_bytes(4, 0, SIZE)
     os.kill(h.proc.pid, signal.SIGSTOP)
+    _wait_stopped(h.proc.pid)
     try:
         t0 = time.monotonic()
         assert client.pull(h.address, snap_key(4, 0), 0.5) is None
