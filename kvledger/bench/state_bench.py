@@ -19,7 +19,9 @@ system time over the timed pulls, and this thread's CPU time around its own pull
 
 Directory: `--entries` snapshot entries published under one live holder; single-key
 lookups per second and batched lookups (`--batch` keys per call) in keys per second,
-MemoryDirectory and RedisDirectory interleaved per round; medians reported.
+MemoryDirectory and RedisDirectory interleaved per round with their floor on Redis,
+`redis_get` (a plain redis-py GET of one entry, MGET of a batch, same connection, no
+liveness check, no decoding); medians reported.
 """
 
 from __future__ import annotations
@@ -368,25 +370,37 @@ def bench_directory(redis_url: str, entries: int, rounds: int, lookups: int, bat
                 d.publish(published[i:i + 1000])
             d.heartbeat(holder)
             assert all(e is not None for e in d.lookup(keys[:batch])), "published entries must be found"
-        single: dict[str, list[float]] = {n: [] for n in dirs}
-        batched: dict[str, list[float]] = {n: [] for n in dirs}
+        rdir = dirs["redis"]
+        raw = rdir._r  # the floor: plain GET / MGET of the same keys on the same connection
+        names = [rdir._snap(k) for k in keys]
+        def one_key(d: Any) -> Any:
+            return lambda i: d.lookup([keys[i % entries]])
+
+        def a_batch(d: Any) -> Any:
+            return lambda off: d.lookup(keys[off:off + batch])
+
+        lookup_single = {name: one_key(d) for name, d in dirs.items()}
+        lookup_batch = {name: a_batch(d) for name, d in dirs.items()}
+        lookup_single["redis_get"] = lambda i: raw.get(names[i % entries])
+        lookup_batch["redis_get"] = lambda off: raw.mget(names[off:off + batch])
+        single: dict[str, list[float]] = {n: [] for n in lookup_single}
+        batched: dict[str, list[float]] = {n: [] for n in lookup_single}
         n_batches = max(lookups // 8, 10)
-        order = list(dirs)
+        order = list(lookup_single)
         for r in range(rounds):
             for name in order if r % 2 == 0 else order[::-1]:
-                d = dirs[name]
+                one, many = lookup_single[name], lookup_batch[name]
                 t = time.perf_counter()
                 for i in range(lookups):
-                    d.lookup([keys[i % entries]])
+                    one(i)
                 single[name].append(lookups / (time.perf_counter() - t))
                 t = time.perf_counter()
                 for i in range(n_batches):
-                    off = (i * batch) % max(entries - batch, 1)
-                    d.lookup(keys[off:off + batch])
+                    many((i * batch) % max(entries - batch, 1))
                 batched[name].append(n_batches * batch / (time.perf_counter() - t))
         return {name: {"lookups_per_s": round(statistics.median(single[name])),
                        "batched_keys_per_s": round(statistics.median(batched[name])),
-                       "batch": batch, "entries": entries} for name in dirs}
+                       "batch": batch, "entries": entries} for name in lookup_single}
     finally:
         r = dirs["redis"]
         try:
@@ -445,13 +459,14 @@ def _table(res: dict[str, Any]) -> None:
 
     t = Table(title=f"snapshot pulls, {res['snapshot_bytes']:,} B ({res['model']}), "
                     f"{res['rounds']} rounds × {res['pulls_per_round']} pulls")
-    for col in ("transport", "median ms", "p99 ms", "GB/s", "vs plain"):
+    for col in ("transport", "median ms", "p99 ms", "GB/s", "vs plain", "server CPU µs/pull"):
         t.add_column(col, justify="right" if col != "transport" else "left")
     plain = res["pull"]["plain_socket"]["throughput_gb_s"]
     for name, s in res["pull"].items():
         ratio = {"kvledger": res["pull_ratio"], "plain_socket": 1.0, **res.get("candidates", {})}.get(name)
         t.add_row(name, f"{s['median_ms']:.3f}", f"{s['p99_ms']:.3f}", f"{s['throughput_gb_s']:.2f}",
-                  f"{ratio:.2f}" if ratio is not None else f"{s['throughput_gb_s'] / plain:.2f}")
+                  f"{ratio:.2f}" if ratio is not None else f"{s['throughput_gb_s'] / plain:.2f}",
+                  f"{s['server_cpu_us_per_pull']:.0f}")
     d = Table(title="directory lookups")
     for col in ("directory", "lookups/s (1 key)", f"keys/s (batch {res['directory']['embedded']['batch']})"):
         d.add_column(col, justify="right" if col != "directory" else "left")

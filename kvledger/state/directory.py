@@ -13,7 +13,8 @@ expire later (`entry_ttl_s`) instead of pointing at nothing forever.
 Two implementations with one interface: `MemoryDirectory` (embedded, inside the process)
 and `RedisDirectory` (shared by every entrypoint; entries and liveness are Redis keys with
 server-side TTLs, so no clocks of different machines are compared). Lookups are batched:
-one call for many keys, two round trips to Redis whatever their number.
+one call for many keys, one round trip to Redis whatever their number (a script checks
+liveness next to the data; on Redis Cluster, two MGETs).
 """
 
 from __future__ import annotations
@@ -151,6 +152,26 @@ class MemoryDirectory:
 _ENTRY_HEAD = struct.Struct("<H")       # length of the holder id ("engine\0incarnation")
 _ENTRY_BODY = struct.Struct("<QQdH")    # position, size, stored_at, length of the address
 
+# One round trip for a batch: each entry (KEYS) whose holder's liveness record
+# (ARGV[1] .. engine id) names the entry's incarnation, else false. Single Redis only: it
+# reads keys it was not given, which Redis Cluster forbids (there lookups take two MGETs).
+_LOOKUP_LUA = """
+local out, live = {}, {}
+for i, k in ipairs(KEYS) do
+  local v = redis.call('GET', k)
+  out[i] = false
+  if v and string.len(v) >= 2 then
+    local n = string.byte(v, 1) + 256 * string.byte(v, 2)
+    local engine, incarnation = string.match(string.sub(v, 3, 2 + n), '^(.-)%z(.*)$')
+    if engine then
+      if live[engine] == nil then live[engine] = redis.call('GET', ARGV[1] .. engine) end
+      if live[engine] == incarnation then out[i] = v end
+    end
+  end
+end
+return out
+"""
+
 # Delete each key whose value starts with ARGV[1] (how the withdrawing holder's entries begin).
 _WITHDRAW_LUA = """
 local n = 0
@@ -216,6 +237,7 @@ class RedisDirectory:
             url, socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s)
         self._cluster = type(self._r).__name__ == "RedisCluster"
         self._withdraw = self._r.register_script(_WITHDRAW_LUA)
+        self._lookup = self._r.register_script(_LOOKUP_LUA)
         self._errors = (redis.RedisError, OSError)
         self.faults = 0  # lookups answered "absent" because Redis failed
 
@@ -255,6 +277,9 @@ class RedisDirectory:
         if not keys:
             return []
         try:
+            if not self._cluster:  # one round trip: the liveness check runs in Redis
+                raws = self._lookup(keys=[self._snap(k) for k in keys], args=[f"{self.prefix}live:"])
+                return [decode_entry(k, raw) if raw else None for k, raw in zip(keys, raws)]
             raws = self._mget([self._snap(k) for k in keys])
             entries = [decode_entry(k, raw) if raw is not None else None for k, raw in zip(keys, raws)]
             engines = sorted({e.holder.engine_id for e in entries if e is not None})

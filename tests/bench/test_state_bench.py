@@ -35,7 +35,8 @@ def test_json_has_pulls_side_by_side_and_directory_rates(small_run):
     assert len(res["pull_ratio_rounds"]) == 2 and res["pull_ratio"] > 0  # per round, kvledger over plain
     assert min(res["pull_ratio_rounds"]) <= res["pull_ratio"] <= max(res["pull_ratio_rounds"])
     assert res["client_misses"] == {}  # every pull hit
-    for name in ("embedded", "redis"):
+    assert set(res["directory"]) == {"embedded", "redis", "redis_get"}
+    for name in ("embedded", "redis", "redis_get"):
         d = res["directory"][name]
         assert d["lookups_per_s"] > 0 and d["batched_keys_per_s"] > 0 and d["batch"] == 16
     assert res["redis"] == "private redis-server"
