@@ -11,6 +11,7 @@ import datetime as dt
 from pathlib import Path
 from typing import Any
 
+from kvledger.store.backend import BlockStore
 from kvledger.util.output import CliError, emit_json
 
 
@@ -37,7 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     v.set_defaults(func=cmd_verify)
 
 
-def open_store(args: argparse.Namespace, capacity_bytes: int | None = None):
+def open_store(args: argparse.Namespace, capacity_bytes: int | None = None) -> BlockStore:
     """The store named on the command line; `CliError` when it is missing or unreachable."""
     if args.path is None and args.redis_url is None:
         raise CliError("give --path DIR, --redis-url URL, or both (the cluster mode)")

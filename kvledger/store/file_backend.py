@@ -93,15 +93,20 @@ class FileStore:
 
     # --- index upkeep ------------------------------------------------------------
 
-    def refresh(self) -> None:
-        """Load segments other writers added and forget those they removed (cheap when nothing changed)."""
+    def refresh(self, force: bool = False) -> None:
+        """Load segments other writers added and forget those they removed (one stat when nothing changed).
+
+        Never waits: while another thread of this process holds the store (a put in its fsync), the
+        index stays as it is for this call. `force` lists the directory whatever its mtime says."""
         try:
             mtime = os.stat(self.seg_dir).st_mtime_ns
         except OSError:
             return
-        if mtime == self._dir_mtime:
+        if mtime == self._dir_mtime and not force:
             return
-        with self._lock:
+        if not self._lock.acquire(blocking=False):
+            return
+        try:
             try:
                 names = {n for n in os.listdir(self.seg_dir) if n.endswith(sg.SUFFIX)}
             except OSError as e:
@@ -113,6 +118,8 @@ class FileStore:
                 self._load_segment(name)
             # an mtime inside the current clock tick may not change again for a later rename: look again
             self._dir_mtime = None if _now_ns() - mtime < _MTIME_SLACK_NS else mtime
+        finally:
+            self._lock.release()
 
     def _load_segment(self, name: str) -> None:
         path = self.seg_dir / name

@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import redis
@@ -93,7 +93,10 @@ def encode_meta(parent: bytes, pos: int, size: int, xxh: int, created: float, tt
     return META.pack(parent, pos, size, xxh, created, ttl_s, len(ns), len(cl)) + ns + cl
 
 
-def decode_meta(raw: bytes) -> tuple[bytes, int, int, int, float, float, str, str] | None:
+MetaFields = tuple[bytes, int, int, int, float, float, str, str]  # parent, pos, size, xxh, created, ttl_s, ns, cls
+
+
+def decode_meta(raw: bytes) -> MetaFields | None:
     """The fields of a metadata value, or None when it does not parse."""
     try:
         parent, pos, size, xxh, created, ttl_s, ns_len, cls_len = META.unpack_from(raw)
@@ -198,6 +201,11 @@ class RedisStore:
         assert len(keys) == len(bufs)
         if self.files is not None:
             out = self.files.get_into(keys, bufs)
+            if min(out, default=0) < 0:  # another machine's segment may be newer than our listing: look again
+                self.files.refresh(force=True)
+                again = [i for i, size in enumerate(out) if size < 0]
+                for i, size in zip(again, self.files.get_into([keys[i] for i in again], [bufs[i] for i in again])):
+                    out[i] = size
             lost = [self._k(k) for k, size in zip(keys, out) if size < 0]
             if lost:  # published but unreadable here: unpublish, so the next put writes them again
                 with contextlib.suppress(*FAULTS):
@@ -255,7 +263,7 @@ class RedisStore:
             log.warning("delete on %s failed: %s", self.url, e)
             return 0
 
-    def _scan(self, batch: int = 1000):
+    def _scan(self, batch: int = 1000) -> Iterator[tuple[bytes, MetaFields | None, int]]:
         """(redis key, meta fields or None, ms to live) of every block, `batch` keys per round trip."""
         cursor = 0
         while True:
@@ -271,7 +279,7 @@ class RedisStore:
             if cursor == 0:
                 return
 
-    def _scan_soft(self, batch: int = 1000):
+    def _scan_soft(self, batch: int = 1000) -> Iterator[tuple[bytes, MetaFields | None, int]]:
         try:
             yield from self._scan(batch)
         except FAULTS as e:

@@ -14,6 +14,7 @@ a flag other than 0 → dead), which can shorten a block's life but never serve 
 
 from __future__ import annotations
 
+import os
 import struct
 from dataclasses import dataclass
 
@@ -98,11 +99,9 @@ class BadSegment(Exception):
     """The segment's metadata is unreadable or fails its checksum."""
 
 
-def read_meta(fd: int, pread=None) -> SegmentMeta:
+def read_meta(fd: int) -> SegmentMeta:
     """Parse a segment's metadata from an open file; `BadSegment` when it does not check out."""
-    import os
-
-    pread = pread or os.pread
+    pread = os.pread
     head = pread(fd, HEADER_BYTES, 0)
     if len(head) < HEADER.size:
         raise BadSegment("short header")

@@ -214,3 +214,28 @@ def test_full_disk_fails_soft(tmp_path):
     assert out.stdout.split("\n")[:2] == ["(0, 0, 8) 1 0", "(2, 0, 0) 2"]
     assert "put of 8 blocks" in out.stderr  # logged
     assert [p.name for p in (tmp_path / "segments").iterdir() if not p.name.endswith(sg.SUFFIX)] == []
+
+
+def test_check_never_waits_for_a_put_in_progress(tmp_path, clock):
+    import threading
+    import time
+
+    keys, blocks = chain(4)
+    led = open_ledger(tmp_path, clock)
+    led.put_chain(keys, blocks)
+    held, done = threading.Event(), threading.Event()
+
+    def slow_put() -> None:  # holds the store as a put does during its fsync
+        with led.store._lock:
+            (tmp_path / "segments" / ".tmp-other-1-x").write_bytes(b"")  # the directory changes meanwhile
+            held.set()
+            done.wait(5)
+
+    t = threading.Thread(target=slow_put)
+    t.start()
+    held.wait(5)
+    t0 = time.monotonic()
+    assert led.match(keys) == 4
+    assert time.monotonic() - t0 < 0.5
+    done.set()
+    t.join()
