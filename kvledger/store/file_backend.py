@@ -266,7 +266,7 @@ class FileStore:
                 self.counters.blocks_written += len(rows)
                 self.counters.bytes_written += incoming
                 if now - self._last_flush > FLUSH_EVERY_S:
-                    self._flush()
+                    self.flush()  # a failed flush is logged; the put itself succeeded
                 return PutResult(len(rows), skipped, 0)
         except OSError as e:
             log.warning("put of %d blocks to %s failed: %s", n, self.root, e)
