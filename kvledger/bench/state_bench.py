@@ -9,11 +9,15 @@ burst of load from elsewhere on the machine hits every transport alike.
   plain_socket     a blocking socket server that `sendall`s the same bytes for each 64-byte
                    request; the client `recv_into`s a preallocated buffer; no timeouts,
                    no header, no checksum (the floor)
+  plain_scatter    the stricter floor: kvledger's syscall pattern (one sendmsg of a 40-byte
+                   header and the bytes; the client's first read scatters into header and
+                   buffer) without its work: no token, parsing, pool, checksum or timeouts
   asyncio_streams  (candidate) the same protocol and pool behind asyncio.start_server
                    (StreamWriter.write + drain), pulled by the same StateClient
   zeromq           (candidate) a ROUTER socket sending header + snapshot zero-copy to a
                    DEALER; the client copies the frame into a preallocated buffer
-`pull_ratio` = median over rounds of (kvledger throughput / plain throughput) in that round;
+`pull_ratio` = median over rounds of (kvledger throughput / plain throughput) in that round,
+`pull_ratio_vs_scatter` the same against plain_scatter;
 `candidates` the same ratio for the candidates. CPU per pull: the server process's user +
 system time over the timed pulls, and this thread's CPU time around its own pulls.
 
@@ -170,6 +174,37 @@ def _plain_server(conn: Any, size: int) -> None:
     _control(conn)
 
 
+def _plain_scatter_server(conn: Any, size: int) -> None:
+    """The stricter floor: kvledger's syscall pattern (one sendmsg of a 40-byte header and the
+    bytes) with none of its work (no token, no parsing, no pool, no timeouts)."""
+    data = memoryview(_payload(size))
+    head = bytes(40)
+    lsock = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        req = bytearray(REQUEST_BYTES)
+        while True:
+            c, _ = lsock.accept()
+            c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            try:
+                while True:
+                    got = 0
+                    while got < REQUEST_BYTES:
+                        n = c.recv_into(memoryview(req)[got:])
+                        if n == 0:
+                            raise ConnectionError
+                        got += n
+                    sent = c.sendmsg([head, data])
+                    if sent < len(head) + size:
+                        c.sendall(data[sent - len(head):])
+            except OSError:
+                c.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    conn.send(f"127.0.0.1:{lsock.getsockname()[1]}")
+    _control(conn)
+
+
 def _zmq_server(conn: Any, size: int) -> None:
     import zmq
 
@@ -210,6 +245,24 @@ def _pull_plain(sock: socket.socket, buf: bytearray, n: int) -> list[float]:
         t = time.perf_counter()
         sock.sendall(req)
         got = 0
+        while got < size:
+            k = sock.recv_into(view[got:], size - got)
+            if k == 0:
+                raise RuntimeError("plain server closed the connection")
+            got += k
+        lat.append(time.perf_counter() - t)
+    return lat
+
+
+def _pull_scatter(sock: socket.socket, buf: bytearray, n: int) -> list[float]:
+    req = bytes(REQUEST_BYTES)
+    head = bytearray(40)
+    view, size = memoryview(buf), len(buf)
+    lat = []
+    for _ in range(n):
+        t = time.perf_counter()
+        sock.sendall(req)
+        got = sock.recvmsg_into([head, buf])[0] - len(head)  # header and the first bytes in one call
         while got < size:
             k = sock.recv_into(view[got:], size - got)
             if k == 0:
@@ -268,7 +321,7 @@ def bench_pulls(size: int, rounds: int, pulls: int, timeout: float, candidates: 
         return {name: c.recv() for name, c in control.items()}
 
     clients = [StateClient(token, timeout_s=timeout), StateClient(token, timeout_s=timeout)]
-    plain = zsock = zctx = None
+    plain = scatter = zsock = zctx = None
     try:
         buf = bytearray(size)
         kv_address, key = spawn("kvledger", _kvledger_server, size, token)
@@ -276,9 +329,14 @@ def bench_pulls(size: int, rounds: int, pulls: int, timeout: float, candidates: 
         plain = socket.create_connection(parse_address(plain_address), timeout=timeout)
         plain.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         plain.settimeout(None)  # blocking, no timeout: the floor
+        scatter_address = spawn("plain_scatter", _plain_scatter_server, size)
+        scatter = socket.create_connection(parse_address(scatter_address), timeout=timeout)
+        scatter.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        scatter.settimeout(None)
         runs: dict[str, Any] = {
             "kvledger": lambda n: _pull_kvledger(clients[0], kv_address, key, buf, n, timeout),
             "plain_socket": lambda n: _pull_plain(plain, buf, n),
+            "plain_scatter": lambda n: _pull_scatter(scatter, buf, n),
         }
         if candidates:
             import zmq
@@ -321,12 +379,13 @@ def bench_pulls(size: int, rounds: int, pulls: int, timeout: float, candidates: 
             out[name]["server_cpu_us_per_pull"] = round((cpu1[name] - cpu0[name]) / total * 1e6, 1)
             out[name]["client_cpu_us_per_pull"] = round(client_cpu[name] / total * 1e6, 1)
 
-        def ratio(name: str) -> list[float]:  # per round: throughput of `name` over plain
-            return [sum(p) / sum(k) for k, p in zip(lats[name], lats["plain_socket"])]
+        def ratio(name: str, base: str = "plain_socket") -> list[float]:  # per round: `name` over `base`
+            return [sum(p) / sum(k) for k, p in zip(lats[name], lats[base])]
 
         result: dict[str, Any] = {
             "pull_ratio": round(statistics.median(ratio("kvledger")), 4),
             "pull_ratio_rounds": [round(x, 4) for x in ratio("kvledger")],
+            "pull_ratio_vs_scatter": round(statistics.median(ratio("kvledger", "plain_scatter")), 4),
             "pull": out,
             "client_misses": {k: v for c in clients for k, v in c.stats.items() if k != "hit"},
         }
@@ -337,8 +396,9 @@ def bench_pulls(size: int, rounds: int, pulls: int, timeout: float, candidates: 
     finally:
         for c in clients:
             c.close()
-        if plain is not None:
-            plain.close()
+        for sock in (plain, scatter):
+            if sock is not None:
+                sock.close()
         if zsock is not None:
             zsock.close()
             zctx.term()
@@ -464,6 +524,8 @@ def _table(res: dict[str, Any]) -> None:
     plain = res["pull"]["plain_socket"]["throughput_gb_s"]
     for name, s in res["pull"].items():
         ratio = {"kvledger": res["pull_ratio"], "plain_socket": 1.0, **res.get("candidates", {})}.get(name)
+        if name == "plain_scatter":
+            ratio = res["pull_ratio"] / res["pull_ratio_vs_scatter"]
         t.add_row(name, f"{s['median_ms']:.3f}", f"{s['p99_ms']:.3f}", f"{s['throughput_gb_s']:.2f}",
                   f"{ratio:.2f}" if ratio is not None else f"{s['throughput_gb_s'] / plain:.2f}",
                   f"{s['server_cpu_us_per_pull']:.0f}")
@@ -487,13 +549,14 @@ def _write_out(out: Path, res: dict[str, Any]) -> None:
     (out / "state_bench.json").write_text(json.dumps(res, indent=2) + "\n")
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     names = list(res["pull"])
-    a.bar(names, [res["pull"][n]["throughput_gb_s"] for n in names], color=["C0", "C7", "C1"][:len(names)])
+    a.bar(names, [res["pull"][n]["throughput_gb_s"] for n in names], color=["C0", "C7", "C8", "C1", "C2"][:len(names)])
+    a.tick_params(axis="x", labelrotation=20)
     a.set_ylabel("GB/s (median of rounds)")
     a.set_title(f"pull of {res['snapshot_bytes']:,} B; pull_ratio {res['pull_ratio']:.2f}")
     x = range(len(names))
     b.bar([i - 0.2 for i in x], [res["pull"][n]["median_ms"] for n in names], width=0.4, label="median")
     b.bar([i + 0.2 for i in x], [res["pull"][n]["p99_ms"] for n in names], width=0.4, label="p99")
-    b.set_xticks(list(x), names)
+    b.set_xticks(list(x), names, rotation=20)
     b.set_ylabel("ms per pull")
     b.legend()
     fig.tight_layout()
