@@ -189,6 +189,31 @@ class StateLedger:
                 return got[1]
         return None
 
+    def fetch_into(self, key: bytes, out: bytearray | memoryview) -> int | None:
+        """Like `fetch`, straight into `out` (an engine's state slot): the snapshot's size, or None.
+        On None, `out` may hold partial bytes that must not be used."""
+        if not self.strategy.keeps:
+            return None
+        if self.pool is not None:
+            n = self.pool.read_into(key, out)
+            if n is not None:
+                return n
+        try:
+            (entry,) = self.directory.lookup([key])
+        except Exception:  # noqa: BLE001
+            self.faults["directory"] += 1
+            entry = None
+        if entry is not None and entry.holder != self.holder and entry.holder.address:
+            got = self.client.pull_into(entry.holder.address, key, out)
+            if got is not None and got.size == entry.size:
+                return got.size
+        if self.files is not None:
+            found = self.files.read(key)
+            if found is not None and len(found[1]) <= len(out):
+                memoryview(out)[:len(found[1])] = found[1]
+                return len(found[1])
+        return None
+
     # --- heartbeat ---------------------------------------------------------------
 
     def _beat_once(self) -> None:

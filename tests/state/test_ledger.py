@@ -57,6 +57,10 @@ def test_two_ledgers_on_redis_pull_from_each_other(shared_redis):
         assert a.positions(keys) == b.positions(keys) == e.positions(keys) == {256, 512}
         assert b.fetch(keys[1]) == wa and a.fetch(keys[3]) == wb and e.fetch(keys[1]) == wa
         assert a.client.stats["hit"] == 1 and b.client.stats["hit"] == 1
+        slot = bytearray(SIZE)
+        assert e.fetch_into(keys[3], slot) == SIZE and slot == wb  # straight into an engine's slot
+        assert a.fetch_into(keys[1], slot) == SIZE and slot == wa  # its own pool, no pull
+        assert e.fetch_into(keys[5], slot) is None
         a.close()  # retires its holder: its snapshot reads as absent at once
         assert e.positions(keys) == {512} and e.fetch(keys[1]) is None
 
