@@ -28,13 +28,13 @@ _UNITS = {"": 1, "B": 1, "K": 1e3, "KB": 1e3, "M": 1e6, "MB": 1e6, "G": 1e9, "GB
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
 
-def parse_size(text: str) -> float:
+def parse_size(text: str, flag: str = "--capacity") -> float:
     """'8G', '500MB', '1.5TiB', '123' (bytes) or 'inf' → bytes (decimal units unless …iB)."""
     if text.strip().lower() in ("inf", "unlimited", "none"):
         return math.inf
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
     if not m or m.group(2).upper() not in _UNITS:
-        raise CliError(f"--capacity: expected a size such as 8G, 500MB, 1TiB or inf, got {text!r}")
+        raise CliError(f"{flag}: expected a size such as 8G, 500MB, 1TiB or inf, got {text!r}")
     return float(m.group(1)) * _UNITS[m.group(2).upper()]
 
 
@@ -160,8 +160,7 @@ def build_config(args: argparse.Namespace, trace: Trace) -> tuple[SimConfig, dic
     ttl_days = parse_ttl(args.ttl)
     span_s = trace.span_s * args.time_scale
     # a trace without a span (one instant) gives no scale to TTLs: nothing expires
-    scale = span_s / args.span_days if span_s > 0 else math.inf
-    ttl_s = None if ttl_days is None else {k: d * scale for k, d in ttl_days.items()}
+    ttl_s = None if ttl_days is None or span_s == 0 else {k: d / args.span_days * span_s for k, d in ttl_days.items()}
     cfg = SimConfig(spec=spec, prefill_engines=args.prefill_engines, decode_engines=args.decode_engines,
                     prefill_tps=tps, fetch_bytes_per_s=fetch, fetch_latency_s=args.fetch_latency_ms / 1e3,
                     decode_tps=args.decode_tps, capacity_bytes=parse_size(args.capacity), ttl_s=ttl_s,
@@ -205,6 +204,8 @@ def summary(res: SimResult, cfg: SimConfig) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> None:
+    if args.sweep and args.ideal:
+        raise CliError("--ideal and --sweep do not combine (a sweep varies a real cluster)")
     trace = load_requests(args)
     cfg, assumptions = build_config(args, trace)
     out = Path(args.out) if args.out else None
@@ -215,7 +216,7 @@ def run(args: argparse.Namespace) -> None:
             raise CliError(f"--out {out}: {e.strerror or e}") from None
     ceiling = reuse_ceiling(trace.requests)
     if args.sweep:
-        sweep_cap = parse_size(args.sweep_capacity)
+        sweep_cap = parse_size(args.sweep_capacity, "--sweep-capacity")
         report = sim_sweep.run_sweep(args.sweep, trace.requests, cfg, sweep_cap, args.span_days, assumptions["span_s"])
         report = {"sweep": args.sweep, "source": trace.source, "requests": len(trace), "reuse_ceiling": ceiling,
                   **report, "assumptions": assumptions}

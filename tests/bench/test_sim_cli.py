@@ -22,6 +22,8 @@ SMALL = ("--workload", "chat", "--sessions", "15")
     ("--workload", "chat", "--sessions", "0"),
     ("--model", "gpt-9"),
     ("--sweep", "colour"),
+    ("--sweep", "ttl", "--ideal"),
+    ("--sweep", "swa", "--sweep-capacity", "big"),
 ])
 def test_bad_input_is_one_line_exit_2(run_cli, args):
     p = run_cli("bench", "sim", *args, "--json")
