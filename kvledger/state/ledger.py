@@ -17,7 +17,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 
 from kvledger.core import KEY_BYTES, ModelSpec
@@ -136,15 +136,19 @@ class StateLedger:
 
     # --- reads -------------------------------------------------------------------
 
-    def positions(self, keys: Sequence[bytes]) -> set[int]:
+    def positions(self, keys: Sequence[bytes], at: Collection[int] | None = None) -> set[int]:
         """Positions holding a snapshot, metadata only: `keys[i]` is the chain key of block i,
-        so its snapshot position is (i + 1)·B. The result is `decide_hit`'s `swa_snapshots`."""
+        so its snapshot position is (i + 1)·B. The result is `decide_hit`'s `swa_snapshots`.
+        `at` limits the question to some positions (only L1 decides a hit: `at={l1}`)."""
         if not self.strategy.keeps:
             return set()
         b = self.spec.block_size
         found: set[int] = set()
         rest: list[int] = []
-        for i, k in enumerate(keys):
+        wanted = range(len(keys)) if at is None else [p // b - 1 for p in sorted(at)
+                                                      if p > 0 and p % b == 0 and p // b <= len(keys)]
+        for i in wanted:
+            k = keys[i]
             if self.pool is not None and self.pool.position(k) == (i + 1) * b:
                 found.add((i + 1) * b)
             else:

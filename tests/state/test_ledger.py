@@ -24,6 +24,7 @@ def test_put_positions_fetch_and_the_hit_rule():
         data = os.urandom(SIZE)
         assert ledger.put(keys[pos // 128 - 1], pos, data)
         assert ledger.positions(keys) == {pos}
+        assert ledger.positions(keys, at={pos}) == {pos} and ledger.positions(keys, at={pos - 128, 5000}) == set()
         assert ledger.fetch(keys[pos // 128 - 1]) == data and ledger.fetch(keys[0]) is None
         # a longer prompt with the same prefix: the snapshot at L1 makes the hit exact
         longer = tokens + list(range(5000, 5200))

@@ -200,3 +200,12 @@ def test_a_corrupted_transfer_is_a_miss():
         with StateClient(TOKEN) as c:
             assert c.pull(f"127.0.0.1:{bad.getsockname()[1]}", b"\x00" * 16) is None
             assert c.stats["corrupt"] == 1
+
+
+def test_module_level_pull(served):
+    from kvledger.state import pull
+
+    server, _, data = served
+    assert pull(server.address, bytes([1]) * 16, 2.0, token=TOKEN) == data[1]
+    assert pull(server.address, bytes([1]) * 16, 2.0, token="wrong") is None
+    assert pull(server.address, b"\x07" * 16, 2.0, token=TOKEN) is None
