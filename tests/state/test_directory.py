@@ -12,7 +12,7 @@ from kvledger.state.directory import (
     encode_entry,
 )
 
-TTL = 0.4
+TTL = 0.8  # seconds; generous, so a loaded machine does not miss a heartbeat
 
 
 @pytest.fixture(params=["memory", "redis"])

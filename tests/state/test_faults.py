@@ -133,7 +133,7 @@ def test_hung_holder_is_a_miss_after_the_timeout_not_a_hang(spawn_holder):
 
 def test_dead_holders_directory_entries_expire(spawn_holder, redis_server):
     token = uuid.uuid4().hex
-    ttl = 0.6
+    ttl = 1.0
     h = spawn_holder(token=token, seed=5, count=2, redis_url=redis_server.url, holder_ttl=ttl, engine_id="e1")
     directory = RedisDirectory(redis_server.url, holder_ttl_s=ttl)
     keys = [snap_key(5, 0), snap_key(5, 1)]
