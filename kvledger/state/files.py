@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import struct
+import time
 import uuid
 from pathlib import Path
 
@@ -94,6 +95,20 @@ class SnapshotFiles:
             return True
         except FileNotFoundError:
             return False
+
+    def gc(self, max_age_s: float, now: float | None = None) -> int:
+        """Remove snapshot files (and stray temporaries) last written more than `max_age_s` ago;
+        how many were removed. A reader racing it sees a whole file or a miss."""
+        cutoff = (time.time() if now is None else now) - max_age_s
+        removed = 0
+        for p in self.dir.glob("*/*"):
+            try:
+                if p.stat().st_mtime < cutoff:
+                    p.unlink()
+                    removed += 1
+            except FileNotFoundError:
+                continue
+        return removed
 
     def _damaged(self, p: Path) -> None:
         self.corrupt += 1

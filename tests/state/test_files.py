@@ -40,3 +40,16 @@ def test_damaged_files_are_misses_and_removed(tmp_path):
         assert files.read(key) is None, damage
         assert not p.exists(), damage
     assert files.corrupt == 5
+
+
+def test_gc_removes_old_snapshots_and_stray_temporaries(tmp_path):
+    files = SnapshotFiles(tmp_path)
+    files.write(b"o" * 16, 128, b"old")
+    files.write(b"n" * 16, 256, b"new")
+    stray = files.path(b"o" * 16).with_name(".leftover.tmp")
+    stray.write_bytes(b"half")
+    old = files.path(b"o" * 16).stat().st_mtime - 3600
+    for p in (files.path(b"o" * 16), stray):
+        os.utime(p, (old, old))
+    assert files.gc(max_age_s=1800) == 2
+    assert not files.exists(b"o" * 16) and not stray.exists() and files.read(b"n" * 16) == (256, b"new")
