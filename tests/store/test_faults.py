@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import redis
 
 from kvledger.store import segment as sg
@@ -21,13 +22,14 @@ from .conftest import block_of, chain
 REPO = Path(__file__).parents[2]
 
 WRITER = """
-import sys
+import sys, time
 from kvledger.store.ledger import BlockLedger
 from tests.store.conftest import chain, block_of
 led = BlockLedger.open(path=sys.argv[1], fsync=True)
 print("up", flush=True)
 seed = int(sys.argv[2]) * 1000
-while True:  # killed from outside
+deadline = time.time() + 60  # killed from outside long before; never outlive a failed test
+while time.time() < deadline:
     keys, _ = chain(48, namespace="kill", seed=seed)
     led.put_chain(keys, [block_of(k, 65536) for k in keys], namespace="kill")
     seed += 1
@@ -40,7 +42,10 @@ from tests.store.conftest import chain
 where, go = sys.argv[1], sys.argv[2]
 led = BlockLedger.open(redis_url=where) if where.startswith("redis://") else BlockLedger.open(path=where, fsync=False)
 keys, blocks = chain(200, seed=42)
+deadline = time.time() + 60  # never outlive a failed test
 while not os.path.exists(go):
+    if time.time() > deadline:
+        sys.exit(3)
     time.sleep(0.001)
 print(json.dumps(tuple(led.put_chain(keys, blocks))))
 """
@@ -70,9 +75,28 @@ print(json.dumps({"hits": hits, "misses": misses, "wrong": wrong, "rounds": roun
 """
 
 
-def py(code: str, *args: str, **kw) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", code, *args], cwd=REPO, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
+_SPAWNED: list[subprocess.Popen] = []
+
+
+def py(code: str, *args: str) -> subprocess.Popen:
+    p = subprocess.Popen([sys.executable, "-c", code, *args], cwd=REPO, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    _SPAWNED.append(p)
+    return p
+
+
+@pytest.fixture(autouse=True)
+def _reap():
+    """Kill whatever a test started and left running (a failed assertion must not leave processes)."""
+    yield
+    while _SPAWNED:
+        p = _SPAWNED.pop()
+        if p.poll() is None:
+            p.kill()
+        p.wait(timeout=10)
+        for f in (p.stdout, p.stderr):
+            if f is not None:
+                f.close()
 
 
 def test_kill_9_during_writes_repeated_leaves_nothing_wrong(tmp_path):
