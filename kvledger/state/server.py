@@ -4,10 +4,10 @@ Blocking sockets, one thread per connection (at most `max_connections`), in the 
 process. Chosen by measurement against the two the issue named: `kvledger bench state`
 runs an asyncio-streams server and a ZeroMQ ROUTER/DEALER pair next to it on the same
 bytes (`candidates` in its JSON, throughput and server CPU per pull). A pull spends its
-time in the kernel copy; what the server adds in user space is what the ratio to a plain
-socket loses on a busy 2-core machine, and an event loop adds tens of microseconds of
-Python per request where a blocked thread adds a few (it holds no GIL while it waits or
-sends). A dead TCP peer shows up as EOF at once, where ZeroMQ reconnects silently and the
+time in the kernel copy; what the server adds on top is what the ratio to a plain socket
+loses on a busy 2-core machine, and an event loop runs more Python per request than a
+blocked thread, which holds no GIL while it waits or sends (the bench's server CPU per
+pull shows it). A dead TCP peer shows up as EOF at once, where ZeroMQ reconnects silently and the
 caller waits out its timeout.
 
 One pull is one round trip on a kept-alive connection: a 64-byte request, then one
