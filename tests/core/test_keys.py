@@ -87,3 +87,16 @@ def test_keys_are_identical_across_interpreters():
         outs.add(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                                 check=True, timeout=60).stdout.strip())
     assert outs == {",".join(k.hex() for k in chain_keys(TOKENS, SPEC, "tenant-a"))}
+
+
+def test_the_c_chain_matches_the_reference_loop():
+    from kvledger.core import keys as k
+
+    assert k._chain_c is not None, "the C accelerator was not built (needs gcc and OpenSSL headers)"
+    rng = np.random.default_rng(7)
+    for n_tokens in (0, 127, 128, 129, 4096 + 5):
+        raw = k.token_bytes(rng.integers(0, 2**32, size=n_tokens, dtype=np.uint64).astype(np.uint32))
+        parent = bytes(rng.integers(0, 256, size=16, dtype=np.uint8))
+        assert k._chain_c(parent, raw, 512) == k.extend_chain_py(parent, raw, 512)
+    with pytest.raises(ValueError):
+        k._chain_c(b"short", raw, 512)

@@ -8,8 +8,8 @@ from pathlib import Path
 import kvledger.core
 
 CORE = Path(kvledger.core.__file__).parent
-ALLOWED = {"__future__", "array", "collections", "dataclasses", "enum", "hashlib", "json", "math", "struct",
-           "sys", "typing", "numpy"}
+ALLOWED = {"__future__", "array", "collections", "dataclasses", "enum", "functools", "hashlib", "json", "math",
+           "struct", "sys", "typing", "numpy"}
 FORBIDDEN_CALLS = {"open", "print", "input", "exec", "eval"}
 
 
