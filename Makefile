@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: setup system demo test test-all clean
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml setup.py kvledger/core/_chainhash.c Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[engine,dev]'

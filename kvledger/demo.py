@@ -1,18 +1,25 @@
 """`kvledger demo`: the main job, shown on built-in examples.
 
 Today it plans a DeepSeek-V4.1-Flash cache tier, walks the hit rule through DESIGN.md's
-worked example, and diffs two agent prompts that differ only in a timestamp. The
-engine and the server land in later issues; the demo grows with them.
+worked example, diffs two agent prompts that differ only in a timestamp, serves a second
+conversation turn from both ledgers (blocks on disk across a restart, the snapshot pulled
+from another "machine" over TCP), and replays the Mooncake trace through the simulator.
+There is no engine yet, so the KV bytes are stand-ins of the right size; the demo grows
+with the engine and the server.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import secrets
+import tempfile
+import time
 
 from rich.console import Console
 from rich.table import Table
 
-from kvledger.core import ModelSpec, decide_hit, diff_prompts, plan
+from kvledger.core import ModelSpec, chain_keys, decide_hit, diff_prompts, plan, prefill_store_position
 from kvledger.render import diff_view, plan_table
 
 _PREAMBLE = (
@@ -87,11 +94,97 @@ def run_demo(console: Console) -> None:
         tok = load_tokenizer("smollm2")
     except (ImportError, TokenizerError) as e:
         console.print(f"[yellow]skipped: no tokenizer ({e})")
-    else:
-        a = tok.encode(agent_prompt("2026-11-29T10:21:04Z")).ids
-        b = tok.encode(agent_prompt("2026-11-29T10:25:37Z")).ids
-        diff_view(diff_prompts(a, b, spec), a, b, spec.name, console, decode=tok.decode)
+        return
+    turn1 = tok.encode(agent_prompt("2026-11-29T10:21:04Z")).ids
+    other = tok.encode(agent_prompt("2026-11-29T10:25:37Z")).ids
+    diff_view(diff_prompts(turn1, other, spec), turn1, other, spec.name, console, decode=tok.decode)
 
-    console.print("\n[bold]Coming next[/bold] (open issues): the block ledger on disk and Redis, the state "
-                  "ledger with pulls between machines, the cluster simulator, then the reference engine "
-                  "and the OpenAI-compatible server that serve real prompts from both ledgers.")
+    turn2 = turn1 + tok.encode("<|im_start|>user\nThe CI job `unit-tests` fails on main since this morning. "
+                               "Find the commit that broke it, explain why, and open a pull request that "
+                               "fixes it with a regression test.<|im_end|>\n").ids
+    console.print(f"\n4. Turn 2 of that conversation ({len(turn2):,} tokens) served from both ledgers:")
+    _two_ledgers(console, spec, turn1, turn2)
+
+    console.print("\n5. At cluster scale: the Mooncake synthetic trace through the simulator (kvledger bench sim):")
+    _simulate(console, spec)
+
+    console.print("\n[bold]Coming next[/bold]: the reference engine (real models on both ledgers, layer-wise "
+                  "swap-in) and the OpenAI-compatible server that decides the hit before it routes.")
+
+
+def _stand_in_kv(key: bytes, size: int) -> bytes:
+    """Deterministic bytes of a block's size, derived from its key (no engine computes real KV yet)."""
+    return (hashlib.sha256(key).digest() * (size // 32 + 1))[:size]
+
+
+def _two_ledgers(console: Console, spec: ModelSpec, turn1: list[int], turn2: list[int]) -> None:
+    from kvledger.state import StateLedger
+    from kvledger.state.directory import MemoryDirectory
+    from kvledger.store.ledger import BlockLedger
+
+    b = spec.block_size
+    t = Table("step", "what happened")
+    token = secrets.token_hex(16)
+    directory = MemoryDirectory()  # one process here; RedisDirectory for several machines
+    with tempfile.TemporaryDirectory(prefix="kvledger-demo-") as root, \
+            StateLedger(spec, token=token, directory=directory, capacity_bytes=64 << 20,
+                        engine_id="engine-a") as engine_a, \
+            StateLedger(spec, token=token, directory=directory, capacity_bytes=64 << 20,
+                        engine_id="engine-b") as engine_b, \
+            StateLedger(spec, token=token, directory=directory, capacity_bytes=0) as entrypoint:
+        # turn 1 on engine A: its full blocks go to the block ledger, its window to A's memory
+        keys1 = chain_keys(turn1, spec)
+        with BlockLedger.open(path=root) as store:
+            store.put_chain(keys1, [_stand_in_kv(k, spec.block_bytes()) for k in keys1])
+        p = prefill_store_position(len(turn1), spec)
+        window = _stand_in_kv(keys1[p // b - 1] + b"swa", spec.state_size_to_disk())
+        engine_a.put(keys1[p // b - 1], p, window)
+        t.add_row("turn 1 on engine A", f"{len(keys1)} blocks × {spec.block_bytes():,} B written to disk; "
+                                        f"snapshot at {p:,} ({len(window):,} B) kept in A's memory")
+
+        # turn 2: the entrypoint decides from metadata alone, after the store restarted
+        t0 = time.perf_counter()
+        with BlockLedger.open(path=root) as store:
+            reopen_ms = (time.perf_counter() - t0) * 1e3
+            t0 = time.perf_counter()
+            keys2, cached = store.match_tokens(turn2, spec)
+            d = decide_hit(len(turn2), cached, entrypoint.positions(keys2, at={min(cached * b, len(turn2))}), spec)
+            check_ms = (time.perf_counter() - t0) * 1e3
+            t.add_row("block ledger restarted", f"index rebuilt from segment headers in {reopen_ms:.1f} ms")
+            t.add_row("CHECK at the entrypoint", f"{cached} leading blocks stored, snapshot at {d.block_hit_tokens:,}: "
+                                                 f"{d.kind.value} hit of {d.hit_tokens:,} tokens, "
+                                                 f"compute from {d.recompute_from:,} ({check_ms:.2f} ms, no KV read)")
+            # engine B serves it: blocks from storage, the window pulled from engine A over TCP
+            n = d.block_hit_tokens // b
+            bufs = [bytearray(spec.block_bytes()) for _ in range(n)]
+            got = store.read_prefix(keys2[:n], bufs)
+            exact = all(bytes(buf) == _stand_in_kv(k, spec.block_bytes()) for buf, k in zip(bufs, keys2))
+            t.add_row("engine B reads blocks", f"{got} of {n} blocks read back, checksums verified, "
+                                               f"bytes {'identical' if exact else 'DIFFERENT'}")
+        t0 = time.perf_counter()
+        pulled = engine_b.fetch(keys2[d.block_hit_tokens // b - 1]) if d.swa_hit else None
+        pull_ms = (time.perf_counter() - t0) * 1e3
+        ok = pulled is not None and bytes(pulled) == window
+        t.add_row("engine B pulls the window", f"{len(pulled or b''):,} B from engine A at {engine_a.address} in "
+                                               f"{pull_ms:.1f} ms, {'byte-exact' if ok else 'MISSING'}")
+        t.add_row("left to compute", f"{len(turn2) - d.recompute_from:,} of {len(turn2):,} prompt tokens")
+    console.print(t)
+
+
+def _simulate(console: Console, spec: ModelSpec) -> None:
+    from kvledger.bench.sim_core import SimConfig, percentile, reuse_ceiling, simulate
+    from kvledger.bench.trace import DEFAULT_TRACE, read_trace
+
+    if not DEFAULT_TRACE.is_file():
+        console.print(f"[yellow]skipped: no trace at {DEFAULT_TRACE}")
+        return
+    trace = read_trace(DEFAULT_TRACE)
+    cfg = SimConfig(spec=spec)
+    res, base = simulate(trace.requests, cfg), simulate(trace.requests, SimConfig(spec=spec, capacity_bytes=0.0))
+    t = Table("", "kvledger", "no cache tier")
+    t.add_row("block hit rate", f"{res.block_hit_rate:.3f} (ceiling {reuse_ceiling(trace.requests):.3f})", "0")
+    for q in (50, 99):
+        t.add_row(f"TTFT p{q}", f"{percentile(res.ttft_s, q):.3f} s", f"{percentile(base.ttft_s, q):.3f} s")
+    console.print(f"{len(trace):,} requests, 8 prefill engines, one shared store without limit or expiry "
+                  "(more in `kvledger bench sim`)")
+    console.print(t)

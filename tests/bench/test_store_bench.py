@@ -51,7 +51,5 @@ def test_full_run_io_targets_and_check_floor(full_run):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(reason="hashing alone (SHA-256 per block, kvledger.core) is 0.25-0.28 of the vLLM-style "
-                          "baseline here, and the 1M median swings 11-19 ms with the VM's load; see README")
 def test_full_run_check_targets(full_run):
     assert full_run["check_ms_1m_embedded"] < 15 and full_run["check_ratio_1m"] <= 0.25
