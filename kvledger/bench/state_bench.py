@@ -148,6 +148,16 @@ def _asyncio_server(conn: Any, size: int, token: str) -> None:
         loop.call_soon_threadsafe(loop.stop)
 
 
+def _recv_request(c: socket.socket, req: bytearray) -> None:
+    """Read one fixed-size request into `req`; ConnectionError when the peer closed."""
+    got = 0
+    while got < REQUEST_BYTES:
+        n = c.recv_into(memoryview(req)[got:])
+        if n == 0:
+            raise ConnectionError
+        got += n
+
+
 def _plain_server(conn: Any, size: int) -> None:
     data = memoryview(_payload(size))
     lsock = socket.create_server(("127.0.0.1", 0))
@@ -159,12 +169,7 @@ def _plain_server(conn: Any, size: int) -> None:
             c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             try:  # blocking, no timeout: the floor (kvledger pays for its timeouts)
                 while True:
-                    got = 0
-                    while got < REQUEST_BYTES:
-                        n = c.recv_into(memoryview(req)[got:])
-                        if n == 0:
-                            raise ConnectionError
-                        got += n
+                    _recv_request(c, req)
                     c.sendall(data)
             except OSError:
                 c.close()
@@ -188,12 +193,7 @@ def _plain_scatter_server(conn: Any, size: int) -> None:
             c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             try:
                 while True:
-                    got = 0
-                    while got < REQUEST_BYTES:
-                        n = c.recv_into(memoryview(req)[got:])
-                        if n == 0:
-                            raise ConnectionError
-                        got += n
+                    _recv_request(c, req)
                     sent = c.sendmsg([head, data])
                     if sent < len(head) + size:
                         c.sendall(data[sent - len(head):])

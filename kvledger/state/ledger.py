@@ -178,12 +178,8 @@ class StateLedger:
             data = self.pool.get(key)
             if data is not None:
                 return data
-        try:
-            (entry,) = self.directory.lookup([key])
-        except Exception:  # noqa: BLE001
-            self.faults["directory"] += 1
-            entry = None
-        if entry is not None and entry.holder != self.holder and entry.holder.address:
+        entry = self._remote_entry(key)
+        if entry is not None:
             data = self.client.pull(entry.holder.address, key)
             if data is not None and len(data) == entry.size:
                 return data
@@ -202,12 +198,8 @@ class StateLedger:
             n = self.pool.read_into(key, out)
             if n is not None:
                 return n
-        try:
-            (entry,) = self.directory.lookup([key])
-        except Exception:  # noqa: BLE001
-            self.faults["directory"] += 1
-            entry = None
-        if entry is not None and entry.holder != self.holder and entry.holder.address:
+        entry = self._remote_entry(key)
+        if entry is not None:
             got = self.client.pull_into(entry.holder.address, key, out)
             if got is not None and got.size == entry.size:
                 return got.size
@@ -217,6 +209,17 @@ class StateLedger:
                 memoryview(out)[:len(found[1])] = found[1]
                 return len(found[1])
         return None
+
+    def _remote_entry(self, key: bytes) -> SnapshotEntry | None:
+        """The directory's entry for `key` when another holder with an address has it."""
+        try:
+            (entry,) = self.directory.lookup([key])
+        except Exception:  # noqa: BLE001 - a directory fault is a miss
+            self.faults["directory"] += 1
+            return None
+        if entry is None or entry.holder == self.holder or not entry.holder.address:
+            return None
+        return entry
 
     # --- heartbeat ---------------------------------------------------------------
 
