@@ -41,6 +41,7 @@ import statistics
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -158,32 +159,9 @@ def _recv_request(c: socket.socket, req: bytearray) -> None:
         got += n
 
 
-def _plain_server(conn: Any, size: int) -> None:
-    data = memoryview(_payload(size))
-    lsock = socket.create_server(("127.0.0.1", 0))
-
-    def serve() -> None:
-        req = bytearray(REQUEST_BYTES)
-        while True:
-            c, _ = lsock.accept()
-            c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            try:  # blocking, no timeout: the floor (kvledger pays for its timeouts)
-                while True:
-                    _recv_request(c, req)
-                    c.sendall(data)
-            except OSError:
-                c.close()
-
-    threading.Thread(target=serve, daemon=True).start()
-    conn.send(f"127.0.0.1:{lsock.getsockname()[1]}")
-    _control(conn)
-
-
-def _plain_scatter_server(conn: Any, size: int) -> None:
-    """The stricter floor: kvledger's syscall pattern (one sendmsg of a 40-byte header and the
-    bytes) with none of its work (no token, no parsing, no pool, no timeouts)."""
-    data = memoryview(_payload(size))
-    head = bytes(40)
+def _serve_plain(conn: Any, answer: Callable[[socket.socket], None]) -> None:
+    """A baseline server: blocking, no timeout (kvledger pays for its timeouts); every fixed-size
+    request gets `answer(connection)`."""
     lsock = socket.create_server(("127.0.0.1", 0))
 
     def serve() -> None:
@@ -194,15 +172,32 @@ def _plain_scatter_server(conn: Any, size: int) -> None:
             try:
                 while True:
                     _recv_request(c, req)
-                    sent = c.sendmsg([head, data])
-                    if sent < len(head) + size:
-                        c.sendall(data[sent - len(head):])
+                    answer(c)
             except OSError:
                 c.close()
 
     threading.Thread(target=serve, daemon=True).start()
     conn.send(f"127.0.0.1:{lsock.getsockname()[1]}")
     _control(conn)
+
+
+def _plain_server(conn: Any, size: int) -> None:
+    data = memoryview(_payload(size))
+    _serve_plain(conn, lambda c: c.sendall(data))
+
+
+def _plain_scatter_server(conn: Any, size: int) -> None:
+    """The stricter floor: kvledger's syscall pattern (one sendmsg of a 40-byte header and the
+    bytes) with none of its work (no token, no parsing, no pool, no timeouts)."""
+    data = memoryview(_payload(size))
+    head = bytes(40)
+
+    def answer(c: socket.socket) -> None:
+        sent = c.sendmsg([head, data])
+        if sent < len(head) + size:
+            c.sendall(data[sent - len(head):])
+
+    _serve_plain(conn, answer)
 
 
 def _zmq_server(conn: Any, size: int) -> None:
