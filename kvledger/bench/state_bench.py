@@ -234,35 +234,34 @@ def _pull_kvledger(client: Any, address: str, key: bytes, buf: bytearray, n: int
 
 def _pull_plain(sock: socket.socket, buf: bytearray, n: int) -> list[float]:
     req = bytes(REQUEST_BYTES)
-    view, size = memoryview(buf), len(buf)
+    view = memoryview(buf)
     lat = []
     for _ in range(n):
         t = time.perf_counter()
         sock.sendall(req)
-        got = 0
-        while got < size:
-            k = sock.recv_into(view[got:], size - got)
-            if k == 0:
-                raise RuntimeError("plain server closed the connection")
-            got += k
+        _recv_rest(sock, view, 0)
         lat.append(time.perf_counter() - t)
     return lat
+
+
+def _recv_rest(sock: socket.socket, view: memoryview, got: int) -> None:
+    """Fill `view` from byte `got` on; RuntimeError when the baseline server closed."""
+    while got < view.nbytes:
+        k = sock.recv_into(view[got:], view.nbytes - got)
+        if k == 0:
+            raise RuntimeError("plain server closed the connection")
+        got += k
 
 
 def _pull_scatter(sock: socket.socket, buf: bytearray, n: int) -> list[float]:
     req = bytes(REQUEST_BYTES)
     head = bytearray(40)
-    view, size = memoryview(buf), len(buf)
+    view = memoryview(buf)
     lat = []
     for _ in range(n):
         t = time.perf_counter()
         sock.sendall(req)
-        got = sock.recvmsg_into([head, buf])[0] - len(head)  # header and the first bytes in one call
-        while got < size:
-            k = sock.recv_into(view[got:], size - got)
-            if k == 0:
-                raise RuntimeError("plain server closed the connection")
-            got += k
+        _recv_rest(sock, view, sock.recvmsg_into([head, buf])[0] - len(head))  # header + first bytes in one call
         lat.append(time.perf_counter() - t)
     return lat
 
