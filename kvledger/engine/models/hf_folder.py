@@ -9,9 +9,9 @@ so the GGUF is dequantized once and cached under `$XDG_CACHE_HOME/kvledger/model
     tokenizer.json            the byte-level BPE built by `kvledger.entrypoint.tokenizer`
     tokenizer_config.json     special tokens and the GGUF's chat template
     generation_config.json    bos / eos ids
-    kvledger.json             where the folder came from (GGUF path, size, mtime, format)
+    kvledger.json             where the folder came from (GGUF name and SHA-256, format)
 
-The folder is named after the GGUF's path, size and mtime (a changed GGUF is a new folder),
+The folder is named after the GGUF's content (SHA-256) (a changed GGUF is a new folder),
 written to a temporary sibling and renamed into place, so concurrent first starts never see
 half a folder. Converting takes ~30 s on 2 cores (most of it parsing the GGUF); later calls
 return the cached path at once.
@@ -68,8 +68,10 @@ def smollm2_folder() -> Path:
 
 def gguf_to_hf_folder(gguf_path: Path, name: str) -> Path:
     """A Llama GGUF as a cached Hugging Face folder; see the module docstring."""
-    st = gguf_path.stat()
-    source = {"gguf": str(gguf_path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "format": FORMAT}
+    # the GGUF's content, not its path or mtime: every virtualenv holding the same package shares one folder
+    with open(gguf_path, "rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()  # ~0.1 s for the 98 MB SmolLM2 file
+    source = {"gguf": gguf_path.name, "sha256": digest, "format": FORMAT}
     tag = hashlib.sha256(json.dumps(source, sort_keys=True).encode()).hexdigest()[:16]
     folder = cache_root() / f"{name}-{tag}"
     if _complete(folder, source):
