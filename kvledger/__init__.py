@@ -14,12 +14,12 @@ from kvledger.core import (
     decode_store_position,
     diff_prompts,
     plan,
-    prefill_store_position,
+    prefill_store_positions,
 )
 
 __version__ = "0.1.0"
 
 __all__ = [
     "HitDecision", "HitKind", "LayerKind", "ModelSpec", "chain_keys", "decide_hit", "decode_replica_positions",
-    "decode_store_position", "diff_prompts", "plan", "prefill_store_position",
+    "decode_store_position", "diff_prompts", "plan", "prefill_store_positions",
 ]

@@ -19,7 +19,7 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from kvledger.core import ModelSpec, chain_keys, decide_hit, diff_prompts, plan, prefill_store_position
+from kvledger.core import ModelSpec, chain_keys, decide_hit, diff_prompts, hit_cap, plan, prefill_store_positions
 from kvledger.render import diff_view, plan_table
 
 _PREAMBLE = (
@@ -136,11 +136,13 @@ def _two_ledgers(console: Console, spec: ModelSpec, turn1: list[int], turn2: lis
         keys1 = chain_keys(turn1, spec)
         with BlockLedger.open(path=root) as store:
             store.put_chain(keys1, [_stand_in_kv(k, spec.block_bytes()) for k in keys1])
-        p = prefill_store_position(len(turn1), spec)
-        window = _stand_in_kv(keys1[p // b - 1] + b"swa", spec.state_size_to_disk())
-        engine_a.put(keys1[p // b - 1], p, window)
+        positions = prefill_store_positions(len(turn1), spec)  # rule 4: its own cap, and the last boundary
+        windows = {p: _stand_in_kv(keys1[p // b - 1] + b"swa", spec.state_size_to_disk()) for p in positions}
+        for p, window in windows.items():
+            engine_a.put(keys1[p // b - 1], p, window)
         t.add_row("turn 1 on engine A", f"{len(keys1)} blocks × {spec.block_bytes():,} B written to disk; "
-                                        f"snapshot at {p:,} ({len(window):,} B) kept in A's memory")
+                                        f"snapshots at {' and '.join(f'{p:,}' for p in positions)} "
+                                        f"({spec.state_size_to_disk():,} B each) kept in A's memory")
 
         # turn 2: the entrypoint decides from metadata alone, after the store restarted
         t0 = time.perf_counter()
@@ -148,7 +150,8 @@ def _two_ledgers(console: Console, spec: ModelSpec, turn1: list[int], turn2: lis
             reopen_ms = (time.perf_counter() - t0) * 1e3
             t0 = time.perf_counter()
             keys2, cached = store.match_tokens(turn2, spec)
-            d = decide_hit(len(turn2), cached, entrypoint.positions(keys2, at={min(cached * b, len(turn2))}), spec)
+            l1 = min(cached * b, hit_cap(len(turn2), spec))
+            d = decide_hit(len(turn2), cached, entrypoint.positions(keys2, at={l1}), spec)
             check_ms = (time.perf_counter() - t0) * 1e3
             t.add_row("block ledger restarted", f"index rebuilt from segment headers in {reopen_ms:.1f} ms")
             t.add_row("CHECK at the entrypoint", f"{cached} leading blocks stored, snapshot at {d.block_hit_tokens:,}: "
@@ -164,7 +167,7 @@ def _two_ledgers(console: Console, spec: ModelSpec, turn1: list[int], turn2: lis
         t0 = time.perf_counter()
         pulled = engine_b.fetch(keys2[d.block_hit_tokens // b - 1]) if d.swa_hit else None
         pull_ms = (time.perf_counter() - t0) * 1e3
-        ok = pulled is not None and bytes(pulled) == window
+        ok = pulled is not None and bytes(pulled) == windows.get(d.block_hit_tokens)
         t.add_row("engine B pulls the window", f"{len(pulled or b''):,} B from engine A at {engine_a.address} in "
                                                f"{pull_ms:.1f} ms, {'byte-exact' if ok else 'MISSING'}")
         t.add_row("left to compute", f"{len(turn2) - d.recompute_from:,} of {len(turn2):,} prompt tokens")

@@ -11,7 +11,7 @@ Model (units: seconds, tokens, bytes):
 - The cache is kept at the request's id granularity (512 tokens in Mooncake traces): an id holds
   as many 128-token blocks as the writer had whole (a partial last 512-token block holds fewer).
   Every hit decision goes through `kvledger.core.decide_hit`; snapshot positions come from
-  `prefill_store_position` / `decode_store_position` (or every N blocks for `periodic:N`).
+  `prefill_store_positions` / `decode_store_position` (or every N blocks for `periodic:N`).
 - Blocks are written at the end of prefill (in-flight prompts are not yet hits), tail first, so
   LRU eviction takes chain tails before heads; a hit renews the TTL of the blocks it reuses.
 - `ideal`: one unbounded set of ids, no TTL, no cap, written at the writer's arrival: the hit of
@@ -31,7 +31,7 @@ import numpy as np
 from kvledger.bench.sim_store import BlockStore, StatePool
 from kvledger.bench.trace import Request
 from kvledger.core import HitKind, ModelSpec, decide_hit, decode_replica_positions, decode_store_position
-from kvledger.core import prefill_store_position
+from kvledger.core import prefill_store_positions
 from kvledger.core.plan import PUBLISHED_PREFILL_TOKENS_PER_S
 
 ROUTINGS = ("match", "affinity", "random")
@@ -280,13 +280,13 @@ class Simulator:
                 store.put(r.hash_ids[i], units, units * self.unit_bytes, now, ttl)
 
     def _prefill_positions(self, r: Request) -> list[int]:
-        p = prefill_store_position(r.input_length, self.spec)
-        if p is None:
+        positions = prefill_store_positions(r.input_length, self.spec)
+        if not positions:
             return []
         if self.cfg.swa == "periodic":
             step = self.cfg.swa_period * self.B
-            return list(range(step, p + 1, step))
-        return [p] if self.cfg.swa == "memory" else []
+            return list(range(step, positions[-1] + 1, step))
+        return list(positions) if self.cfg.swa == "memory" else []
 
     def _store_snapshots(self, r: Request, engine: int, now: float, positions: list[int], store: BlockStore) -> None:
         for p in positions:

@@ -8,7 +8,7 @@ from kvledger.core.hit import (
     decode_replica_positions,
     decode_store_position,
     hit_cap,
-    prefill_store_position,
+    prefill_store_positions,
 )
 from kvledger.core.keys import FORMAT_VERSION, KEY_BYTES, chain_keys, extend_chain, root_key, token_bytes
 from kvledger.core.plan import CapacityPlan, Link, Traffic, break_even_tokens, plan
@@ -17,6 +17,6 @@ from kvledger.core.spec import LayerKind, ModelSpec
 __all__ = [
     "FORMAT_VERSION", "KEY_BYTES", "CapacityPlan", "HitDecision", "HitKind", "LayerKind", "Link", "ModelSpec",
     "PromptDiff", "Traffic", "break_even_tokens", "chain_keys", "decide_hit", "decode_replica_positions",
-    "decode_store_position", "diff_prompts", "extend_chain", "hit_cap", "plan", "prefill_store_position",
+    "decode_store_position", "diff_prompts", "extend_chain", "hit_cap", "plan", "prefill_store_positions",
     "root_key", "token_bytes",
 ]

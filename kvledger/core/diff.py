@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvledger.core.hit import HitDecision, decide_hit, prefill_store_position
+from kvledger.core.hit import HitDecision, decide_hit, prefill_store_positions
 from kvledger.core.keys import chain_keys
 from kvledger.core.spec import ModelSpec
 
@@ -54,8 +54,7 @@ def diff_prompts(a: Sequence[int], b: Sequence[int], spec: ModelSpec, namespace:
         a_span, b_span = (first, len(a) - suffix), (first, len(b) - suffix)
         assert hit_blocks == min(first // bs, len(keys_a), len(keys_b)), "chain keys disagree with the token diff"
 
-    snap = prefill_store_position(len(a), spec)
-    snapshots = {snap} if snap is not None and snap <= hit_blocks * bs else set()
+    snapshots = {p for p in prefill_store_positions(len(a), spec) if p <= hit_blocks * bs}
     decision = decide_hit(len(b), hit_blocks, snapshots, spec)
 
     # With the differing spans moved to the end, A and B would share their common prefix

@@ -82,16 +82,28 @@ def decide_hit(
     return HitDecision(HitKind.FALLBACK, s, l1, False, s, truncate, cap)
 
 
-def prefill_store_position(prompt_len: int, spec: ModelSpec) -> int | None:
-    """Rule 4: after prefill the snapshot is stored at ⌊(L − 1)/B⌋·B; None when that is 0
-    or the model has no sliding-window layers. Only the last chunk of a chunked prefill stores."""
+def prefill_store_positions(prompt_len: int, spec: ModelSpec) -> tuple[int, ...]:
+    """Rule 4: the positions at which prefill stores a snapshot, ascending.
+
+    c = ⌊(L − R)/B⌋·B, the prompt's own hit cap: an identical retry, a regeneration or an
+      edit of the last R tokens has L1 = c and resumes exactly;
+    p = ⌊(L − 1)/B⌋·B, the last boundary before the last token: a next turn that extends the
+      prompt has L1 = p and resumes exactly.
+    Each is skipped when 0. With R > B (V4: 134 > 128) c ≤ p − B, so they never coincide; a
+    model with R ≤ B may have c = p, stored once. Empty for models without sliding-window
+    layers. Only the last chunk of a chunked prefill stores. Both windows lie in the prefill
+    kvstore ring (396 for V4): c ≥ L − R − B + 1.
+
+    Worked example (V4, L = 1000): c = ⌊866/128⌋·128 = 768, p = ⌊999/128⌋·128 = 896 → (768, 896).
+    """
     if prompt_len < 0:
         raise ValueError("prompt_len must be >= 0")
-    if not spec.has_swa or prompt_len == 0:
-        return None
+    if not spec.has_swa:
+        return ()
     b = spec.block_size
-    p = (prompt_len - 1) // b * b
-    return p or None
+    c = hit_cap(prompt_len, spec)
+    p = (prompt_len - 1) // b * b if prompt_len > 0 else 0
+    return tuple(sorted({x for x in (c, p) if x > 0}))
 
 
 def decode_replica_positions(prompt_len: int, kv_len: int, spec: ModelSpec) -> range:

@@ -8,7 +8,7 @@ import pytest
 from kvledger.bench.sim_core import SimConfig, simulate
 from kvledger.bench.trace import DEFAULT_TRACE, Request, read_trace
 from kvledger.bench.workloads import generate
-from kvledger.core import ModelSpec, decide_hit, prefill_store_position
+from kvledger.core import ModelSpec, decide_hit, prefill_store_positions
 
 V4 = ModelSpec.preset("deepseek-v4.1-flash")
 SMOL = ModelSpec.preset("smollm2-135m")
@@ -41,7 +41,7 @@ def _pair(gap_s: float = 100.0) -> list[Request]:
 
 
 @pytest.mark.parametrize("swa, replay, snapshots", [
-    ("memory", False, {prefill_store_position(2048, V4)}),  # A's snapshot sits at 1920, not at L1 = 2048
+    ("memory", False, set(prefill_store_positions(2048, V4))),  # A's snapshots sit at 1792 and 1920, not at L1 = 2048
     ("memory", True, set()),
     ("zero", True, set()),
     ("full", False, {2048}),

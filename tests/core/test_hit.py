@@ -8,7 +8,7 @@ from kvledger import (
     decide_hit,
     decode_replica_positions,
     decode_store_position,
-    prefill_store_position,
+    prefill_store_positions,
 )
 
 V4 = ModelSpec.preset("deepseek-v4.1-flash")
@@ -119,26 +119,36 @@ def test_more_cached_blocks_never_hit_less(L, c1, c2, snaps, spec):
 
 # --- store positions (rule 4) -------------------------------------------------------
 
-def test_prefill_store_position_examples():
-    assert [prefill_store_position(L, V4) for L in (0, 1, 128, 129, 256, 257, 131072)] == [
-        None, None, None, 128, 128, 256, 130944]
-    assert prefill_store_position(100_000, LLAMA) is None
+def test_prefill_store_positions_examples():
+    # (c, p) = (⌊(L − 134)/128⌋·128, ⌊(L − 1)/128⌋·128), zeros dropped
+    assert [prefill_store_positions(L, V4) for L in (0, 1, 128, 129, 262, 263, 1000, 131072)] == [
+        (), (), (), (128,), (128, 256), (128, 256), (768, 896), (130816, 130944)]
+    assert prefill_store_positions(100_000, LLAMA) == ()
 
 
 @given(st.integers(min_value=1, max_value=300_000))
-def test_prefill_store_position_is_the_last_boundary_before_the_last_token(L):
-    p = prefill_store_position(L, V4)
-    if p is None:
-        assert L <= B
-    else:
-        assert p % B == 0 and 0 < p <= L - 1 < p + B
+def test_prefill_store_positions_are_the_cap_and_the_last_boundary(L):
+    positions = prefill_store_positions(L, V4)
+    assert list(positions) == sorted(set(positions)) and all(x > 0 and x % B == 0 for x in positions)
+    cap = decide_hit(L, 10**9, set(), V4).cap
+    assert (cap in positions) == (cap > 0)
+    last = positions[-1] if positions else 0
+    assert (last == 0 and L <= B) or last <= L - 1 < last + B
+    ring = V4.kvstore_ring()  # 396: both windows [x − 134, x) lie in the last 396 prompt tokens
+    assert all(x - V4.inference_ring() >= L - ring for x in positions)
+
+
+@given(st.integers(min_value=1, max_value=300_000))
+def test_an_identical_retry_hits_its_own_snapshot(L):
+    d = decide_hit(L, L // B, set(prefill_store_positions(L, V4)), V4)
+    assert d.kind in (HitKind.SNAPSHOT, HitKind.MISS) and d.hit_tokens == d.cap
 
 
 def test_a_next_turn_hits_the_previous_turns_snapshot():
     turn1 = 1000
-    p = prefill_store_position(turn1, V4)
-    d = decide_hit(turn1 + 300, turn1 // B, {p}, V4)
-    assert p == 896 and d.kind is HitKind.SNAPSHOT and d.hit_tokens == 896
+    positions = prefill_store_positions(turn1, V4)
+    d = decide_hit(turn1 + 300, turn1 // B, set(positions), V4)
+    assert positions == (768, 896) and d.kind is HitKind.SNAPSHOT and d.hit_tokens == 896
 
 
 def test_decode_replica_positions():

@@ -3,7 +3,7 @@ import uuid
 
 import pytest
 
-from kvledger.core import ModelSpec, chain_keys, decide_hit, prefill_store_position
+from kvledger.core import ModelSpec, chain_keys, decide_hit, prefill_store_positions
 from kvledger.state import MemoryDirectory, RedisDirectory, StateLedger
 
 SPEC = ModelSpec.preset("tiny-v4")
@@ -18,7 +18,7 @@ def _window(seed: int) -> bytes:
 def test_put_positions_fetch_and_the_hit_rule():
     tokens = list(range(1000))
     keys = chain_keys(tokens, SPEC)
-    pos = prefill_store_position(len(tokens), SPEC)  # 896
+    pos = prefill_store_positions(len(tokens), SPEC)[-1]  # 896 (the other is the cap, 768)
     with StateLedger(SPEC, token=TOKEN, capacity_bytes=4 * SIZE) as ledger:
         assert ledger.positions(keys) == set()
         data = os.urandom(SIZE)
