@@ -1,1 +1,1 @@
-"""Models the reference engine runs: SmolLM2-135M (Llama, real weights) and tiny-v4 (V4 structure, toy size)."""
+"""Models the reference engine runs: `base` (the interface), SmolLM2-135M (Llama, real weights) and tiny-v4."""

@@ -1,0 +1,83 @@
+"""The engine's API records (ENGINE_API.md): what the server and the entrypoint hand the engine and
+what it hands back. Plain records, no torch here, so the entrypoint can import them cheaply.
+
+Units: tokens are vocabulary ids; positions and lengths are in tokens; times in seconds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvledger.core import HitDecision
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How the next token is drawn. temperature 0 → greedy (argmax), deterministic."""
+
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0                        # 0 → off
+    repetition_penalty: float = 1.0
+    stop_token_ids: tuple[int, ...] = ()  # besides the model's EOS
+    ignore_eos: bool = False
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_tokens <= 0:
+            raise ValueError("max_tokens must be > 0")
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError("top_k must be >= 0")
+        if self.repetition_penalty <= 0:
+            raise ValueError("repetition_penalty must be > 0")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRequest:
+    """One prompt, its chain keys (one per full block, `core.chain_keys`) and the CHECK's decision."""
+
+    request_id: str
+    tokens: Any                  # tuple[int, ...] | np.ndarray: the prompt's token ids
+    keys: list[bytes]
+    decision: HitDecision
+    sampling: SamplingParams
+    namespace: str = "default"
+    ttl_class: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RequestUsage:
+    """Token counts and timings of one request.
+
+    `cached_tokens` are the prompt tokens actually reused: below `decision.hit_tokens` when a block
+    or snapshot failed to load (rule 8: recompute, reported honestly)."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    hit_kind: str                # HitKind value actually used ("snapshot", "fallback", "replay", "full", "miss")
+    ttft_s: float | None         # admission → first token
+    timings: dict[str, float] = field(default_factory=dict)  # check_s, fetch_s, swapin_s, compute_s, ...
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    """What `Engine.step()` yields: one per request per step that produced tokens or ended it."""
+
+    request_id: str
+    token_ids: tuple[int, ...]   # tokens produced in this step (usually 1; 0 on an error end or abort)
+    finished: bool
+    finish_reason: str | None    # "stop" | "length" | "abort" | None
+    usage: RequestUsage | None = None  # on the first event (prompt) and the last (totals)
