@@ -5,11 +5,12 @@ Pulls: one server process per transport on 127.0.0.1, this process pulls. Each r
 `--pulls` pulls per transport, switching transport every 5 pulls (order alternating), so a
 burst of load from elsewhere on the machine hits every transport alike.
   kvledger         StateServer (threads, blocking sockets) serving a snapshot out of a
-                   SlotPool slot; StateClient.pull_into with token, header parse, checksum check
+                   SlotPool slot; StateClient.pull_into: handshake once per connection, then per
+                   pull a MACed request, the answer header's MAC and the checksum checked
   plain_socket     a blocking socket server that `sendall`s the same bytes for each 64-byte
                    request; the client `recv_into`s a preallocated buffer; no timeouts,
                    no header, no checksum (the floor)
-  plain_scatter    the stricter floor: kvledger's syscall pattern (one sendmsg of a 40-byte
+  plain_scatter    the stricter floor: kvledger's syscall pattern (one sendmsg of a 72-byte
                    header and the bytes; the client's first read scatters into header and
                    buffer) without its work: no token, parsing, pool, checksum or timeouts
   asyncio_streams  (candidate) the same protocol and pool behind asyncio.start_server
@@ -99,29 +100,41 @@ def _kvledger_server(conn: Any, size: int, token: str) -> None:
 def _asyncio_server(conn: Any, size: int, token: str) -> None:
     """Candidate: the same protocol and pool served by asyncio streams (StreamWriter + drain)."""
     import asyncio
-    import hmac
 
     from kvledger.state import protocol as P
     from kvledger.state.pool import SlotPool
 
+    from kvledger.state import auth
+
     key = bytes(range(16))
-    digest = P.token_digest(token)
+    hk = auth.derive_keys(token).handshake
+
+    async def handshake(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bytes | None:
+        async with asyncio.timeout(1):
+            cn = P.unpack_hello(await reader.readexactly(P.HELLO_BYTES))
+            sn = auth.nonce()
+            writer.write(P.pack_challenge(sn, auth.server_proof(hk, cn, sn)))
+            proof = P.unpack_proof(await reader.readexactly(P.PROOF_BYTES))
+        return auth.session_key(hk, cn, sn) if auth.same(proof, auth.client_proof(hk, cn, sn)) else None
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         writer.transport.set_write_buffer_limits(high=0)  # drain() == every byte handed to the kernel
         try:
-            while True:
+            session, seq = await handshake(reader, writer), 0
+            while session is not None:
                 async with asyncio.timeout(60):
-                    req = P.unpack_request(await reader.readexactly(P.REQUEST_BYTES))
-                if not hmac.compare_digest(req.token_digest, digest):
+                    req = P.unpack_request(await reader.readexactly(P.REQUEST_BYTES), session)
+                if req.seq != seq:
                     return
+                seq += 1
                 pinned = pool.pin(req.key)
                 if pinned is None:
-                    writer.write(P.pack_response(P.Status.MISS))
+                    writer.write(P.pack_response(session, P.Status.MISS, req.seq, req.key))
                     continue
                 try:
-                    writer.write(P.pack_response(P.Status.OK, pinned.size, pinned.position, pinned.checksum))
+                    writer.write(P.pack_response(session, P.Status.OK, req.seq, req.key, pinned.size,
+                                                 pinned.position, pinned.checksum))
                     writer.write(pinned.view)
                     async with asyncio.timeout(5):
                         await writer.drain()
@@ -187,10 +200,12 @@ def _plain_server(conn: Any, size: int) -> None:
 
 
 def _plain_scatter_server(conn: Any, size: int) -> None:
-    """The stricter floor: kvledger's syscall pattern (one sendmsg of a 40-byte header and the
+    """The stricter floor: kvledger's syscall pattern (one sendmsg of a 72-byte header and the
     bytes) with none of its work (no token, no parsing, no pool, no timeouts)."""
+    from kvledger.state.protocol import RESPONSE_BYTES
+
     data = memoryview(_payload(size))
-    head = bytes(40)
+    head = bytes(RESPONSE_BYTES)
 
     def answer(c: socket.socket) -> None:
         sent = c.sendmsg([head, data])
@@ -203,8 +218,10 @@ def _plain_scatter_server(conn: Any, size: int) -> None:
 def _zmq_server(conn: Any, size: int) -> None:
     import zmq
 
+    from kvledger.state.protocol import RESPONSE_BYTES
+
     data = memoryview(_payload(size))
-    head = bytes(40)
+    head = bytes(RESPONSE_BYTES)
     ctx = zmq.Context()
     s = ctx.socket(zmq.ROUTER)
     port = s.bind_to_random_port("tcp://127.0.0.1")
@@ -254,8 +271,10 @@ def _recv_rest(sock: socket.socket, view: memoryview, got: int) -> None:
 
 
 def _pull_scatter(sock: socket.socket, buf: bytearray, n: int) -> list[float]:
+    from kvledger.state.protocol import RESPONSE_BYTES
+
     req = bytes(REQUEST_BYTES)
-    head = bytearray(40)
+    head = bytearray(RESPONSE_BYTES)
     view = memoryview(buf)
     lat = []
     for _ in range(n):

@@ -1,41 +1,70 @@
 """Pulling snapshots from other hosts' state servers.
 
-A pull never raises on a network fault: an unreachable, dead, hung, refusing or lying
+A pull never raises on a network fault: an unreachable, dead, hung, refusing, busy or lying
 holder is a miss (None), and `stats` counts it by cause (rule 8: a miss means recompute).
-Every pull finishes within its `timeout_s` (connect, send and every receive share one
-deadline). Connections are kept alive per address, so a pull is one round trip; a kept
-connection that turns out dead before any byte of the answer is replaced once, within the
-same deadline. The payload is checked against the checksum the holder computed when it
-stored the snapshot, so a corrupt transfer is a miss, never a wrong answer.
+Every pull finishes within its `timeout_s` (connect, handshake, send, every receive and any
+back-off share one deadline). A new connection first runs the mutual challenge–response of
+`protocol.py`: the client checks the server's proof before it reveals anything that depends
+on the token, so a server that does not know the token learns only a random nonce. Connections
+are kept alive per address, so a pull is one round trip; a kept connection that turns out dead
+before any byte of the answer is replaced once, within the same deadline. A BUSY holder (every
+connection slot in use) is retried on a new connection after a jittered, doubling back-off.
+The answer header is checked against its session MAC and the payload against the checksum it
+carries, so a corrupt or forged transfer is a miss, never a wrong answer.
 """
 
 from __future__ import annotations
 
+import random
 import socket
 import threading
 import time
 from collections import Counter
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from kvledger.core import KEY_BYTES
+from kvledger.state import auth
 from kvledger.state.pool import checksum
 from kvledger.state.protocol import (
+    CHALLENGE_BYTES,
     RESPONSE_BYTES,
     Op,
     ProtocolError,
+    Response,
     Status,
+    pack_hello,
+    pack_proof,
     pack_request,
-    token_digest,
+    unpack_challenge,
     unpack_response,
 )
 
 DEFAULT_TIMEOUT_S = 2.0
-MISS_CAUSES = ("miss", "denied", "bad", "unreachable", "timeout", "eof", "reset", "protocol", "corrupt", "too_big")
+MISS_CAUSES = ("miss", "denied", "auth", "busy", "bad", "unreachable", "timeout", "eof", "reset", "protocol",
+               "corrupt", "too_big")
+BACKOFF_S = (0.005, 0.2)  # first and longest wait after a BUSY answer (doubling, jittered)
 
 
 class Pulled(NamedTuple):
     size: int      # bytes written at the start of the buffer
     position: int  # token position of the snapshot
+
+
+@dataclass(slots=True)
+class _Conn:
+    """An authenticated connection: requests carry `seq` and a MAC under `session`."""
+
+    sock: socket.socket
+    session: bytes
+    seq: int = 0
+    pending: bytes = b""  # the handshake's proof, sent together with the first request
+
+    def request(self, op: Op, key: bytes) -> tuple[int, bytes]:
+        seq, self.seq = self.seq, self.seq + 1
+        frame = self.pending + pack_request(self.session, op, seq, key)
+        self.pending = b""
+        return seq, frame
 
 
 class _Fault(Exception):
@@ -59,11 +88,12 @@ class StateClient:
     """Pulls snapshots with the cluster token; thread-safe (each pull uses its own connection)."""
 
     def __init__(self, token: str | bytes, *, timeout_s: float = DEFAULT_TIMEOUT_S, max_idle_per_address: int = 4):
-        assert timeout_s > 0
-        self._digest = token_digest(token)
+        self._keys = auth.derive_keys(token)  # ValueError for an empty token
+        if not timeout_s > 0:
+            raise ValueError(f"pull timeout must be positive, got {timeout_s}")
         self.timeout_s = timeout_s
         self.max_idle = max_idle_per_address
-        self._idle: dict[str, list[socket.socket]] = {}
+        self._idle: dict[str, list[_Conn]] = {}
         self._lock = threading.Lock()
         self.stats: Counter[str] = Counter()  # "hit" and the MISS_CAUSES
 
@@ -82,28 +112,28 @@ class StateClient:
         return got[1] if got is not None else None
 
     def ping(self, address: str, timeout_s: float | None = None) -> bool:
-        """True when a state server answers at `address` and accepts this client's token."""
+        """True when a state server answers at `address` and both sides prove the token."""
         deadline = time.monotonic() + (timeout_s or self.timeout_s)
+        conn = None
         try:
-            sock, _ = self._checkout(address, deadline, fresh=True)
-        except _Fault:
-            return False
-        try:
-            _settimeout(sock, deadline)
-            sock.sendall(pack_request(Op.PING, self._digest))
-            head = _recv_exact(sock, RESPONSE_BYTES, deadline)
-            ok = unpack_response(head).status is Status.OK
+            conn = self._connect(address, deadline)
+            seq, frame = conn.request(Op.PING, bytes(KEY_BYTES))
+            _settimeout(conn.sock, deadline)
+            conn.sock.sendall(frame)
+            resp = unpack_response(_recv_exact(conn.sock, RESPONSE_BYTES, deadline), conn.session, bytes(KEY_BYTES))
+            return resp.status is Status.OK and resp.seq == seq
         except (OSError, _Fault, ProtocolError):
-            ok = False
-        sock.close()
-        return ok
+            return False
+        finally:
+            if conn is not None:
+                conn.sock.close()
 
     def close(self) -> None:
         with self._lock:
             idle, self._idle = self._idle, {}
-        for socks in idle.values():
-            for s in socks:
-                s.close()
+        for conns in idle.values():
+            for c in conns:
+                c.sock.close()
 
     def __enter__(self) -> StateClient:
         return self
@@ -117,39 +147,39 @@ class StateClient:
               timeout_s: float | None) -> tuple[bytearray | None, Pulled] | None:
         assert len(key) == KEY_BYTES
         deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.timeout_s)
-        fresh = False
+        fresh, wait = False, BACKOFF_S[0]
         while True:
+            conn = None
             try:
-                sock, reused = self._checkout(address, deadline, fresh)
+                conn, reused = self._checkout(address, deadline, fresh)
+                result = self._exchange(conn, key, out, deadline, reused)
             except _Fault as f:
-                self.stats[f.cause] += 1
-                return None
-            try:
-                result = self._exchange(sock, key, out, deadline, reused)
-            except _Fault as f:
-                sock.close()
+                if conn is not None:
+                    conn.sock.close()
+                if f.cause == "busy" and _backoff(wait, deadline):
+                    fresh, wait = True, min(2 * wait, BACKOFF_S[1])
+                    continue
                 if f.retry and not fresh and time.monotonic() < deadline:
                     fresh = True  # the kept connection had died; try one new one
                     continue
                 self.stats[f.cause] += 1
                 return None
             except BaseException:
-                sock.close()
+                if conn is not None:
+                    conn.sock.close()
                 raise
-            if result is None:  # an orderly miss: the connection stays usable
-                self._checkin(address, sock)
-                self.stats["miss"] += 1
-                return None
-            self._checkin(address, sock)
-            self.stats["hit"] += 1
+            self._checkin(address, conn)  # a hit or an orderly miss: the connection stays usable
+            self.stats["miss" if result is None else "hit"] += 1
             return result
 
-    def _exchange(self, sock: socket.socket, key: bytes, out: memoryview | None, deadline: float,
+    def _exchange(self, conn: _Conn, key: bytes, out: memoryview | None, deadline: float,
                   reused: bool) -> tuple[bytearray | None, Pulled] | None:
         head = bytearray(RESPONSE_BYTES)
+        sock = conn.sock
+        seq, frame = conn.request(Op.GET, key)
         try:
             _settimeout(sock, deadline)
-            sock.sendall(pack_request(Op.GET, self._digest, key))
+            sock.sendall(frame)
             # one scatter read takes the header and, usually, the first part of the payload
             got = sock.recvmsg_into([head, out] if out is not None else [head])[0]
             if got == 0:
@@ -163,16 +193,9 @@ class StateClient:
             raise _Fault("reset", retry=reused) from None
         except OSError:
             raise _Fault("reset") from None
-        try:
-            resp = unpack_response(head)
-        except ProtocolError:
-            raise _Fault("protocol") from None
+        resp = _answer(head, conn.session, key, seq, extra=got > RESPONSE_BYTES)
         if resp.status is Status.MISS:
-            if got > RESPONSE_BYTES:
-                raise _Fault("protocol")  # bytes after a miss: the stream is out of step
             return None
-        if resp.status is not Status.OK:
-            raise _Fault("denied" if resp.status is Status.DENIED else "bad")
         early = got - RESPONSE_BYTES  # payload bytes the scatter read already put into `out`
         if out is None:
             buf = bytearray(resp.length)
@@ -193,12 +216,17 @@ class StateClient:
 
     # --- connections -------------------------------------------------------------
 
-    def _checkout(self, address: str, deadline: float, fresh: bool) -> tuple[socket.socket, bool]:
+    def _checkout(self, address: str, deadline: float, fresh: bool) -> tuple[_Conn, bool]:
         if not fresh:
             with self._lock:
                 idle = self._idle.get(address)
                 if idle:
                     return idle.pop(), True
+        return self._connect(address, deadline), False
+
+    def _connect(self, address: str, deadline: float) -> _Conn:
+        """A new connection that proved the server knows the token; its own proof goes out
+        with the first request (`_Conn.pending`)."""
         try:
             host, port = parse_address(address)
         except ValueError:
@@ -212,16 +240,67 @@ class StateClient:
             raise _Fault("timeout") from None
         except OSError:
             raise _Fault("unreachable") from None
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return sock, False
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            return self._handshake(sock, deadline)
+        except BaseException:
+            sock.close()
+            raise
 
-    def _checkin(self, address: str, sock: socket.socket) -> None:
+    def _handshake(self, sock: socket.socket, deadline: float) -> _Conn:
+        key = self._keys.handshake
+        client_nonce = auth.nonce()
+        try:
+            _settimeout(sock, deadline)
+            sock.sendall(pack_hello(client_nonce))
+            status, server_nonce, proof = unpack_challenge(_recv_exact(sock, CHALLENGE_BYTES, deadline))
+        except TimeoutError:
+            raise _Fault("timeout") from None
+        except ProtocolError:
+            raise _Fault("protocol") from None
+        except OSError:
+            raise _Fault("reset") from None
+        if status is not Status.OK:
+            raise _Fault("busy" if status is Status.BUSY else "bad")
+        if not auth.same(proof, auth.server_proof(key, client_nonce, server_nonce)):
+            raise _Fault("auth")  # it does not know the token: tell it nothing more
+        return _Conn(sock, auth.session_key(key, client_nonce, server_nonce),
+                     pending=pack_proof(auth.client_proof(key, client_nonce, server_nonce)))
+
+    def _checkin(self, address: str, conn: _Conn) -> None:
         with self._lock:
             idle = self._idle.setdefault(address, [])
             if len(idle) < self.max_idle:
-                idle.append(sock)
+                idle.append(conn)
                 return
-        sock.close()
+        conn.sock.close()
+
+
+def _answer(head: bytearray, session: bytes, key: bytes, seq: int, extra: bool) -> Response:
+    """The checked answer header to request `seq` for `key` (OK or MISS); _Fault otherwise.
+    `extra`: payload bytes already arrived behind the header."""
+    try:
+        resp = unpack_response(head, session, key)
+    except ProtocolError:
+        raise _Fault("protocol") from None
+    if resp.status is Status.DENIED:
+        raise _Fault("denied")
+    if resp.seq != seq or (extra and resp.status is not Status.OK):
+        raise _Fault("protocol")  # out of step: an old, injected or trailing answer
+    if resp.status is Status.BUSY:
+        raise _Fault("busy")
+    if resp.status is Status.BAD:
+        raise _Fault("bad")
+    return resp
+
+
+def _backoff(wait: float, deadline: float) -> bool:
+    """Sleep about `wait` (jittered ±50 %) if the deadline leaves room for another try after it."""
+    pause = wait * random.uniform(0.5, 1.5)
+    if time.monotonic() + pause >= deadline:
+        return False
+    time.sleep(pause)
+    return True
 
 
 def _settimeout(sock: socket.socket, deadline: float) -> None:
@@ -256,7 +335,7 @@ def pull(address: str, key: bytes, timeout: float = DEFAULT_TIMEOUT_S, *, token:
     """One pull with a process-wide client for `token` (see `StateClient.pull`)."""
     global _default
     with _default_lock:
-        if _default is None or _default._digest != token_digest(token):
+        if _default is None or _default._keys != auth.derive_keys(token):
             _default = StateClient(token)
         client = _default
     return client.pull(address, key, timeout)

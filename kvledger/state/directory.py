@@ -15,19 +15,28 @@ and `RedisDirectory` (shared by every entrypoint; entries and liveness are Redis
 server-side TTLs, so no clocks of different machines are compared). Lookups are batched:
 one call for many keys, one round trip to Redis whatever their number (a script checks
 liveness next to the data; on Redis Cluster, two MGETs).
+
+Authenticity: an entry carries `mac`, HMAC-SHA256 under the cluster token's directory key
+over (key, engine id, incarnation, address, position, size) — `sign` makes it, `verified`
+checks it. `StateLedger` signs what it publishes and treats an entry that fails as absent,
+so whoever can write to Redis without the token cannot add a holder or move one elsewhere
+(it can still delete entries: a miss, never a wrong answer).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import struct
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvledger.core import KEY_BYTES
+from kvledger.state import auth
 
 DEFAULT_HOLDER_TTL_S = 10.0
 DEFAULT_ENTRY_TTL_S = 24 * 3600.0
@@ -51,10 +60,32 @@ class SnapshotEntry:
     holder: Holder
     position: int     # tokens; a multiple of the block size
     size: int         # bytes
-    stored_at: float  # unix seconds, the holder's clock (informational)
+    stored_at: float  # unix seconds, the holder's clock (informational, not covered by `mac`)
+    mac: bytes = b""  # 32 B from `sign`, or empty (unsigned: `verified` is False)
 
     def __post_init__(self) -> None:
         assert len(self.key) == KEY_BYTES and self.position >= 0 and self.size >= 0
+        assert len(self.mac) in (0, auth.MAC_BYTES)
+
+
+def entry_mac(directory_key: bytes, entry: SnapshotEntry) -> bytes:
+    """HMAC-SHA256 over the entry's fields; each string is length-prefixed, so no two differ only in framing."""
+    h = entry.holder
+    parts = [entry.key, h.engine_id.encode(), h.incarnation.encode(), h.address.encode()]
+    framed = b"".join(struct.pack("<I", len(x)) + x for x in parts)
+    numbers = struct.pack("<QQ", entry.position, entry.size)
+    return auth.mac(directory_key, b"kvledger/snapshot-entry\x00", framed, numbers)
+
+
+def sign(directory_key: bytes, entry: SnapshotEntry) -> SnapshotEntry:
+    return dataclasses.replace(entry, mac=entry_mac(directory_key, entry))
+
+
+def verified(directory_key: bytes, entry: SnapshotEntry | None) -> SnapshotEntry | None:
+    """`entry` when its MAC is right under `directory_key`, else None (forged, moved or unsigned)."""
+    if entry is None or len(entry.mac) != auth.MAC_BYTES:
+        return None
+    return entry if auth.same(entry.mac, entry_mac(directory_key, entry)) else None
 
 
 class Directory(Protocol):
@@ -149,6 +180,67 @@ class MemoryDirectory:
 
 # --- shared, on Redis --------------------------------------------------------------
 
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def deadline(seconds: float) -> Iterator[None]:
+    """Every Redis round trip of this thread inside the block (connect, AUTH, script loads,
+    commands) shares one deadline `seconds` from now; an inner block cannot extend an outer one."""
+    outer = getattr(_local, "deadline", None)
+    _local.deadline = time.monotonic() + seconds if outer is None else min(outer, time.monotonic() + seconds)
+    try:
+        yield
+    finally:
+        _local.deadline = outer
+
+
+def _left() -> float | None:
+    """Seconds left to this thread's deadline (None when there is none); redis TimeoutError when past."""
+    end = getattr(_local, "deadline", None)
+    if end is None:
+        return None
+    left = end - time.monotonic()
+    if left <= 0:
+        import redis
+
+        raise redis.TimeoutError("directory deadline passed")
+    return left
+
+
+def _deadline_connection() -> type:
+    """A redis-py Connection whose every socket wait is cut to the thread's `deadline`."""
+    import redis
+
+    class DeadlineConnection(redis.Connection):
+        def _connect(self):  # noqa: ANN202 - redis-py's signature
+            left = _left()
+            if left is None:
+                return super()._connect()
+            saved = self.socket_connect_timeout, self.socket_timeout
+            self.socket_connect_timeout = min(saved[0] or left, left)
+            self.socket_timeout = min(saved[1] or left, left)
+            try:
+                return super()._connect()
+            finally:
+                self.socket_connect_timeout, self.socket_timeout = saved
+
+        def _cut(self) -> None:
+            left = _left()
+            if left is not None and self._sock is not None:
+                self._sock.settimeout(min(self.socket_timeout or left, left))
+
+        def send_packed_command(self, command, check_health=True):  # noqa: ANN001, ANN202
+            self._cut()
+            return super().send_packed_command(command, check_health)
+
+        def read_response(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            self._cut()
+            return super().read_response(*args, **kwargs)
+
+    return DeadlineConnection
+
+
 _ENTRY_HEAD = struct.Struct("<H")       # length of the holder id ("engine\0incarnation")
 _ENTRY_BODY = struct.Struct("<QQdH")    # position, size, stored_at, length of the address
 
@@ -190,11 +282,15 @@ def _holder_id(holder: Holder) -> bytes:
 
 
 def encode_entry(entry: SnapshotEntry) -> bytes:
-    """Binary entry value: holder id first (so a script can match it), then the fixed fields."""
+    """Binary entry value, holder id first (so a script can match it):
+
+      n u16 | holder id "engine\\0incarnation" (n B) | position u64 | size u64 | stored_at f64
+      | m u16 | address (m B) | mac (0 or 32 B)                              little-endian
+    """
     hid = _holder_id(entry.holder)
     addr = entry.holder.address.encode()
     return b"".join((_ENTRY_HEAD.pack(len(hid)), hid,
-                     _ENTRY_BODY.pack(entry.position, entry.size, entry.stored_at, len(addr)), addr))
+                     _ENTRY_BODY.pack(entry.position, entry.size, entry.stored_at, len(addr)), addr, entry.mac))
 
 
 def decode_entry(key: bytes, raw: bytes) -> SnapshotEntry | None:
@@ -206,10 +302,11 @@ def decode_entry(key: bytes, raw: bytes) -> SnapshotEntry | None:
         off += n
         position, size, stored_at, alen = _ENTRY_BODY.unpack_from(raw, off)
         off += _ENTRY_BODY.size
-        if off + alen != len(raw):
+        if len(raw) - off - alen not in (0, auth.MAC_BYTES):
             return None
         address = raw[off:off + alen].decode()
-        return SnapshotEntry(key, Holder(engine_id, address, incarnation), position, size, stored_at)
+        return SnapshotEntry(key, Holder(engine_id, address, incarnation), position, size, stored_at,
+                             raw[off + alen:])
     except (struct.error, UnicodeDecodeError, AssertionError):
         return None
 
@@ -218,23 +315,34 @@ class RedisDirectory:
     """The directory on Redis: `{prefix}snap:{key hex}` → entry, `{prefix}live:{engine id}` → incarnation.
 
     Both carry server-side TTLs (entries `entry_ttl_s`, liveness `holder_ttl_s`). `url` is a
-    redis:// URL; `client` may be given instead (e.g. a RedisCluster: lookups then use
-    `mget_nonatomic`, and withdrawals are one-key scripts so no command spans two hash slots).
-    Every command has `socket_timeout_s`; a Redis fault during a lookup reads as "absent".
+    redis:// URL, with a password (`redis://:PASSWORD@host:port/db`, Redis `requirepass`) or an
+    ACL user (`redis://USER:PASSWORD@host:port/db`) where the server wants one; `client` may
+    be given instead (e.g. a RedisCluster: lookups then use `mget_nonatomic`, and withdrawals
+    are one-key scripts so no command spans two hash slots). With a url, each operation has
+    one deadline, `socket_timeout_s`, for all its round trips (connect, AUTH, script load,
+    commands; redis-py's retries are off), and a caller's `deadline` block can shorten it; a
+    given client keeps its own per-command timeouts. A Redis fault during a lookup reads as "absent".
     """
 
     def __init__(self, url: str | None = None, *, client: object | None = None, prefix: str = "kvl:state:",
                  holder_ttl_s: float = DEFAULT_HOLDER_TTL_S, entry_ttl_s: float = DEFAULT_ENTRY_TTL_S,
                  socket_timeout_s: float = 2.0) -> None:
         import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
 
         assert (url is None) != (client is None), "give a url or a client"
-        assert holder_ttl_s > 0 and entry_ttl_s > 0
+        assert holder_ttl_s > 0 and entry_ttl_s > 0 and socket_timeout_s > 0
         self.holder_ttl_s = holder_ttl_s
         self.entry_ttl_s = entry_ttl_s
+        self.timeout_s = socket_timeout_s
         self.prefix = prefix
-        self._r = client if client is not None else redis.Redis.from_url(
-            url, socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s)
+        if client is None:
+            pool = redis.ConnectionPool.from_url(
+                url, connection_class=_deadline_connection(), socket_timeout=socket_timeout_s,
+                socket_connect_timeout=socket_timeout_s, retry=Retry(NoBackoff(), 0))
+            client = redis.Redis(connection_pool=pool)
+        self._r = client
         self._cluster = type(self._r).__name__ == "RedisCluster"
         self._withdraw = self._r.register_script(_WITHDRAW_LUA)
         self._lookup = self._r.register_script(_LOOKUP_LUA)
@@ -251,22 +359,24 @@ class RedisDirectory:
         if not entries:
             return
         px = int(self.entry_ttl_s * 1000)
-        pipe = self._r.pipeline(transaction=False)
-        for e in entries:
-            pipe.set(self._snap(e.key), encode_entry(e), px=px)
-        pipe.execute()
+        with deadline(self.timeout_s):
+            pipe = self._r.pipeline(transaction=False)
+            for e in entries:
+                pipe.set(self._snap(e.key), encode_entry(e), px=px)
+            pipe.execute()
 
     def withdraw(self, keys: Sequence[bytes], holder: Holder) -> None:
         if not keys:
             return
         hid = _ENTRY_HEAD.pack(len(_holder_id(holder))) + _holder_id(holder)  # how its entries begin
-        if self._cluster:
-            pipe = self._r.pipeline(transaction=False)
-            for k in keys:
-                self._withdraw(keys=[self._snap(k)], args=[hid], client=pipe)
-            pipe.execute()
-        else:
-            self._withdraw(keys=[self._snap(k) for k in keys], args=[hid])
+        with deadline(self.timeout_s):
+            if self._cluster:
+                pipe = self._r.pipeline(transaction=False)
+                for k in keys:
+                    self._withdraw(keys=[self._snap(k)], args=[hid], client=pipe)
+                pipe.execute()
+            else:
+                self._withdraw(keys=[self._snap(k) for k in keys], args=[hid])
 
     def _mget(self, names: list[str]) -> list[bytes | None]:
         if self._cluster:
@@ -277,29 +387,35 @@ class RedisDirectory:
         if not keys:
             return []
         try:
-            if not self._cluster:  # one round trip: the liveness check runs in Redis
-                raws = self._lookup(keys=[self._snap(k) for k in keys], args=[f"{self.prefix}live:"])
-                return [decode_entry(k, raw) if raw else None for k, raw in zip(keys, raws)]
-            raws = self._mget([self._snap(k) for k in keys])
-            entries = [decode_entry(k, raw) if raw is not None else None for k, raw in zip(keys, raws)]
-            engines = sorted({e.holder.engine_id for e in entries if e is not None})
-            if not engines:
-                return entries
-            live = dict(zip(engines, self._mget([self._live(x) for x in engines])))
+            with deadline(self.timeout_s):
+                return self._lookup_raw(keys)
         except self._errors:
             self.faults += 1
             return [None] * len(keys)
+
+    def _lookup_raw(self, keys: Sequence[bytes]) -> list[SnapshotEntry | None]:
+        if not self._cluster:  # one round trip: the liveness check runs in Redis
+            raws = self._lookup(keys=[self._snap(k) for k in keys], args=[f"{self.prefix}live:"])
+            return [decode_entry(k, raw) if raw else None for k, raw in zip(keys, raws)]
+        raws = self._mget([self._snap(k) for k in keys])
+        entries = [decode_entry(k, raw) if raw is not None else None for k, raw in zip(keys, raws)]
+        engines = sorted({e.holder.engine_id for e in entries if e is not None})
+        if not engines:
+            return entries
+        live = dict(zip(engines, self._mget([self._live(x) for x in engines])))
         return [e if e is not None and live.get(e.holder.engine_id) == e.holder.incarnation.encode() else None
                 for e in entries]
 
     def heartbeat(self, holder: Holder) -> None:
-        self._r.set(self._live(holder.engine_id), holder.incarnation, px=int(self.holder_ttl_s * 1000))
+        with deadline(self.timeout_s):
+            self._r.set(self._live(holder.engine_id), holder.incarnation, px=int(self.holder_ttl_s * 1000))
 
     def retire(self, holder: Holder) -> None:
         name = self._live(holder.engine_id)
         # only this incarnation's record: a restarted holder with the same id stays live
-        self._r.eval("if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0",
-                     1, name, holder.incarnation)
+        with deadline(self.timeout_s):
+            self._r.eval("if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end "
+                         "return 0", 1, name, holder.incarnation)
 
     def close(self) -> None:
         self._r.close()

@@ -7,12 +7,18 @@
 
 A ledger with `capacity_bytes=0` holds nothing and serves nothing (an entrypoint): it only
 looks up and pulls. Nothing here raises on a fault of the directory, the network or the
-disk: the snapshot reads as absent and the hit rule falls back (rule 8); `faults` counts.
+disk: the snapshot reads as absent and the hit rule falls back (rule 8); `faults` counts,
+and the first fault of each kind and exception type is logged at WARNING with its traceback.
+
+The token (non-empty, else ValueError) never travels: it keys the state server's handshake
+and the MACs of directory entries; an entry whose MAC fails reads as absent.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import sys
 import threading
 import time
 import uuid
@@ -21,28 +27,35 @@ from collections.abc import Collection, Sequence
 from pathlib import Path
 
 from kvledger.core import KEY_BYTES, ModelSpec
+from kvledger.state import auth
 from kvledger.state.client import DEFAULT_TIMEOUT_S, StateClient
-from kvledger.state.directory import Directory, Holder, MemoryDirectory, SnapshotEntry
+from kvledger.state.directory import Directory, Holder, MemoryDirectory, SnapshotEntry, deadline, sign, verified
 from kvledger.state.files import SnapshotFiles
 from kvledger.state.pool import SlotPool
 from kvledger.state.server import StateServer
 from kvledger.state.strategy import Strategy
 
 DEFAULT_CAPACITY_BYTES = 1 << 30
+log = logging.getLogger(__name__)
 
 
 class StateLedger:
     """Slot pool + directory + state server + pulls + (per strategy) snapshot files.
 
     Invariants: a snapshot in the pool is published in the directory under this ledger's
-    holder; an evicted one is withdrawn; `positions` never reads snapshot bytes.
+    holder; an evicted one is withdrawn, also when the eviction races its publish (the
+    publisher re-checks the pool after publishing); `positions` never reads snapshot bytes.
+    The state server's limits are `max_connections` (authenticated connections),
+    `handshake_timeout_s` (to prove the token) and `idle_timeout_s` (between requests).
     """
 
     def __init__(self, spec: ModelSpec, *, token: str | bytes, directory: Directory | None = None,
                  strategy: Strategy | str = "memory", capacity_bytes: int = DEFAULT_CAPACITY_BYTES,
                  root: str | Path | None = None, engine_id: str | None = None, host: str = "127.0.0.1",
                  port: int = 0, serve: bool = True, pull_timeout_s: float = DEFAULT_TIMEOUT_S,
-                 heartbeat: bool = True) -> None:
+                 heartbeat: bool = True, max_connections: int = 64, handshake_timeout_s: float = 1.0,
+                 idle_timeout_s: float = 30.0, directory_timeout_s: float = 2.0) -> None:
+        self._dir_key = auth.derive_keys(token).directory  # ValueError for an empty token
         if not spec.has_swa:
             raise ValueError(f"{spec.name} has no sliding-window layers: it has no state to keep")
         self.spec = spec
@@ -54,11 +67,18 @@ class StateLedger:
         self.files = SnapshotFiles(root) if self.strategy.persists_any else None
         holds = self.strategy.keeps and capacity_bytes > 0
         self.pool = SlotPool.for_spec(spec, capacity_bytes) if holds else None
-        self.server = StateServer(self.pool, token, host, port) if holds and serve else None
+        self.server = StateServer(self.pool, token, host, port, max_connections=max_connections,
+                                  handshake_timeout_s=handshake_timeout_s,
+                                  idle_timeout_s=idle_timeout_s) if holds and serve else None
+        self.max_connections = max_connections
+        self.handshake_timeout_s = handshake_timeout_s
+        self.idle_timeout_s = idle_timeout_s
+        self.directory_timeout_s = directory_timeout_s  # one deadline for all of a put's directory round trips
         self.client = StateClient(token, timeout_s=pull_timeout_s)
         self.engine_id = engine_id or f"engine-{uuid.uuid4().hex[:8]}"
         self.holder: Holder | None = None
         self.faults: Counter[str] = Counter()
+        self._logged: set[tuple[str, str]] = set()
         self._heartbeat = heartbeat and holds
         self._stop = threading.Event()
         self._beat: threading.Thread | None = None
@@ -114,17 +134,25 @@ class StateLedger:
                 self.files.write(key, position, data)
                 kept = True
             except OSError:
-                self.faults["disk"] += 1
+                self._fault("disk")
         if self.pool is not None and self.holder is not None:
-            result = self.pool.put(key, position, data)
-            if result.stored:
-                kept = True
-                entry = SnapshotEntry(key, self.holder, position, memoryview(data).nbytes, time.time())
-                try:
-                    self.directory.publish([entry])
-                except Exception:  # noqa: BLE001 - a directory fault is a later miss, never an error here
-                    self.faults["directory"] += 1
+            with deadline(self.directory_timeout_s):  # the evictions' withdraw and the publish share it
+                result = self.pool.put(key, position, data)
+                if result.stored:
+                    kept = True
+                    self._publish(SnapshotEntry(key, self.holder, position, memoryview(data).nbytes, time.time()))
         return kept
+
+    def _publish(self, entry: SnapshotEntry) -> None:
+        """Publish, then withdraw again if an eviction raced the publish: an evicting thread's
+        withdraw may have reached the directory before this publish, and must still win."""
+        assert self.pool is not None and self.holder is not None
+        try:
+            self.directory.publish([sign(self._dir_key, entry)])
+        except Exception:  # noqa: BLE001 - a directory fault is a later miss, never an error here
+            self._fault("directory")
+        if entry.key not in self.pool:
+            self._withdraw([entry.key])
 
     def _withdraw(self, keys: list[bytes]) -> None:
         if self.holder is None:
@@ -132,7 +160,17 @@ class StateLedger:
         try:
             self.directory.withdraw(keys, self.holder)
         except Exception:  # noqa: BLE001
-            self.faults["directory"] += 1
+            self._fault("directory")
+
+    def _fault(self, kind: str) -> None:
+        """Count a caught fault; log the first of each (kind, exception type) with its traceback."""
+        self.faults[kind] += 1
+        exc = sys.exc_info()[1]
+        what = (kind, type(exc).__name__)
+        if what not in self._logged:
+            self._logged.add(what)
+            log.warning("state ledger %s: %s fault (counted in faults[%r]; later ones of this kind are "
+                        "not logged)", self.engine_id, kind, kind, exc_info=exc is not None)
 
     # --- reads -------------------------------------------------------------------
 
@@ -157,9 +195,10 @@ class StateLedger:
             try:
                 entries = self.directory.lookup([keys[i] for i in rest])
             except Exception:  # noqa: BLE001
-                self.faults["directory"] += 1
+                self._fault("directory")
                 entries = [None] * len(rest)
             for i, e in zip(rest, entries):
+                e = verified(self._dir_key, e)
                 if e is not None and e.position == (i + 1) * b:
                     found.add((i + 1) * b)
         if self.files is not None:
@@ -180,9 +219,9 @@ class StateLedger:
                 return data
         entry = self._remote_entry(key)
         if entry is not None:
-            data = self.client.pull(entry.holder.address, key)
-            if data is not None and len(data) == entry.size:
-                return data
+            got = self._pull(entry)
+            if got is not None:
+                return got
         if self.files is not None:
             got = self.files.read(key)
             if got is not None:
@@ -201,7 +240,7 @@ class StateLedger:
         entry = self._remote_entry(key)
         if entry is not None:
             got = self.client.pull_into(entry.holder.address, key, out)
-            if got is not None and got.size == entry.size:
+            if got is not None and (got.size, got.position) == (entry.size, entry.position):
                 return got.size
         if self.files is not None:
             found = self.files.read(key)
@@ -210,13 +249,22 @@ class StateLedger:
                 return len(found[1])
         return None
 
+    def _pull(self, entry: SnapshotEntry) -> bytearray | None:
+        """The pulled bytes when they match the entry's size and position; None otherwise."""
+        buf = bytearray(entry.size)
+        got = self.client.pull_into(entry.holder.address, entry.key, buf)
+        if got is None or (got.size, got.position) != (entry.size, entry.position):
+            return None
+        return buf
+
     def _remote_entry(self, key: bytes) -> SnapshotEntry | None:
-        """The directory's entry for `key` when another holder with an address has it."""
+        """The directory's entry for `key`, when its MAC is right and another holder with an address has it."""
         try:
             (entry,) = self.directory.lookup([key])
         except Exception:  # noqa: BLE001 - a directory fault is a miss
-            self.faults["directory"] += 1
+            self._fault("directory")
             return None
+        entry = verified(self._dir_key, entry)
         if entry is None or entry.holder == self.holder or not entry.holder.address:
             return None
         return entry
@@ -228,7 +276,7 @@ class StateLedger:
         try:
             self.directory.heartbeat(self.holder)
         except Exception:  # noqa: BLE001 - the next beat retries; until then lookups read absent
-            self.faults["heartbeat"] += 1
+            self._fault("heartbeat")
 
     def _beat_loop(self) -> None:
         interval = self.directory.holder_ttl_s / 3

@@ -14,18 +14,21 @@ Invariants:
   - `pin` and `unpin` pair up: every successful `pin(key)` is followed by one `unpin(key)`.
 
 Thread-safe (one lock around the metadata; bytes are copied outside it). The metadata
-lives in the creating process; `name` lets another process map the same bytes.
+lives in the creating process; another process maps the same bytes with `attach(name)`
+(never `SharedMemory(name)` directly: on Python < 3.13 its resource tracker would remove
+the segment when that other process exits). Only the creating pool unlinks the segment.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from multiprocessing import shared_memory
+from multiprocessing import resource_tracker, shared_memory
 from typing import NamedTuple
 
 import xxhash
@@ -38,6 +41,16 @@ PAGE = 4096
 def checksum(data: bytes | bytearray | memoryview) -> int:
     """xxh3-64 of a snapshot's bytes (computed once at `put`, verified by every puller)."""
     return xxhash.xxh3_64_intdigest(data)
+
+
+def attach(name: str) -> shared_memory.SharedMemory:
+    """Map the segment of a pool created by another process, without owning it: this process's
+    exit leaves it in place. Close the result with `.close()`, never `.unlink()`."""
+    if sys.version_info >= (3, 13):
+        return shared_memory.SharedMemory(name=name, track=False)
+    shm = shared_memory.SharedMemory(name=name)
+    resource_tracker.unregister(shm._name, "shared_memory")  # registered by every mapping before 3.13
+    return shm
 
 
 @dataclass(slots=True)

@@ -1,36 +1,58 @@
-"""The state server's wire format: fixed-size binary headers, raw payload bytes, nothing else.
+"""The state server's wire format: fixed-size binary frames, raw payload bytes, nothing else.
 
-Request  (64 B): magic "KVLS" | version u8 | op u8 | reserved u16 | token digest 32 B | key 16 B | length u32 | pad u32
-Response (40 B): magic "KVLR" | version u8 | status u8 | reserved u16 | length u64 | position u64 | checksum u64
-                 | pad u64, then `length` payload bytes (only when status is OK).
+A connection opens with a mutual challenge–response, then carries any number of requests,
+each answered in order. Keys are from `auth.py` (K = the token's handshake key, never sent):
 
-All integers little-endian. The token travels as SHA-256 of the cluster token (fixed length,
-compared with `hmac.compare_digest`). `length` is the request body (0 for every op there is
-today) or the snapshot size; any length above `MAX_PAYLOAD` is refused before a byte of it is
-read. `checksum` is the xxh3-64 of the payload, computed once when the snapshot was stored.
-No pickle, no code-executing format: a frame is parsed by `struct` and nothing else.
+  Hello     (40 B) C→S  magic "KVLH" | version u8 | reserved u8 | reserved u16 | client nonce 32 B
+  Challenge (72 B) S→C  magic "KVLC" | version u8 | status u8 | reserved u16 | server nonce 32 B
+                        | server proof 32 B            proof = HMAC(K, "server" | cn | sn)
+  Proof     (40 B) C→S  magic "KVLP" | version u8 | reserved u8 | reserved u16 | client proof 32 B
+                        (sent together with the first request)   = HMAC(K, "client" | cn | sn)
+  Request   (64 B) C→S  magic "KVLS" | version u8 | op u8 | reserved u16 | seq u64 | key 16 B
+                        | mac 32 B                     mac = HMAC(S, bytes 0..31 of the frame)
+  Response  (72 B) S→C  magic "KVLR" | version u8 | status u8 | reserved u16 | seq u64 | length u64
+                        | position u64 | checksum u64 | mac 32 B, then `length` payload bytes
+                                                       mac = HMAC(S, bytes 0..39 | request key)
+
+S = HMAC(K, "session" | cn | sn), one per connection. The client checks the server's proof
+before it sends its own, so a server without the token learns only a random nonce. `seq`
+counts the connection's requests from 0: a request or answer that is replayed, reordered or
+injected fails its MAC or its seq. The answer's MAC binds its header and `checksum` (xxh3-64
+of the payload, computed once when the snapshot was stored) to the session and the key; the
+payload itself is checked against that checksum (MACing 1.4 MB per pull would cost more than
+the copy). A DENIED answer (wrong proof) carries a zero MAC: there is no shared session.
+
+All integers little-endian. `length` above `MAX_PAYLOAD` is refused before a byte of it is
+read. No pickle, no code-executing format: a frame is parsed by `struct` and nothing else.
 """
 
 from __future__ import annotations
 
-import hashlib
 import struct
 from enum import IntEnum
 from typing import NamedTuple
 
 from kvledger.core import KEY_BYTES
+from kvledger.state.auth import MAC_BYTES, NONCE_BYTES, mac, same
 
+MAGIC_HELLO = b"KVLH"
+MAGIC_CHALLENGE = b"KVLC"
+MAGIC_PROOF = b"KVLP"
 MAGIC_REQUEST = b"KVLS"
 MAGIC_RESPONSE = b"KVLR"
-VERSION = 1
+VERSION = 2
 MAX_PAYLOAD = 64 << 20  # bytes; a snapshot of any preset is < 2 MiB, so 64 MiB is absurd already
-TOKEN_DIGEST_BYTES = 32
 
-_REQUEST = struct.Struct(f"<4sBBH{TOKEN_DIGEST_BYTES}s{KEY_BYTES}sII")
-_RESPONSE = struct.Struct("<4sBBHQQQQ")
-REQUEST_BYTES = _REQUEST.size
-RESPONSE_BYTES = _RESPONSE.size
-assert (REQUEST_BYTES, RESPONSE_BYTES) == (64, 40)
+_HELLO = struct.Struct(f"<4sBBH{NONCE_BYTES}s")
+_CHALLENGE = struct.Struct(f"<4sBBH{NONCE_BYTES}s{MAC_BYTES}s")
+_REQUEST_HEAD = struct.Struct(f"<4sBBHQ{KEY_BYTES}s")
+_RESPONSE_HEAD = struct.Struct("<4sBBHQQQQ")
+HELLO_BYTES = PROOF_BYTES = _HELLO.size
+CHALLENGE_BYTES = _CHALLENGE.size
+REQUEST_BYTES = _REQUEST_HEAD.size + MAC_BYTES
+RESPONSE_BYTES = _RESPONSE_HEAD.size + MAC_BYTES
+assert (HELLO_BYTES, CHALLENGE_BYTES, REQUEST_BYTES, RESPONSE_BYTES) == (40, 72, 64, 72)
+_ZERO_MAC = bytes(MAC_BYTES)
 
 
 class Op(IntEnum):
@@ -41,75 +63,128 @@ class Op(IntEnum):
 class Status(IntEnum):
     OK = 0
     MISS = 1     # no such snapshot (never stored, evicted, or not yet committed)
-    DENIED = 2   # wrong cluster token; the server closes the connection
-    BAD = 3      # malformed frame or absurd length; the server closes the connection
+    DENIED = 2   # wrong proof; the server closes the connection
+    BAD = 3      # malformed frame, bad MAC or seq; the server closes the connection
+    BUSY = 4     # authenticated, but every connection slot is busy: back off, retry on a new connection
 
 
 class ProtocolError(ValueError):
-    """A frame that is not a valid kvledger state frame (wrong magic, version, op, or length)."""
+    """A frame that is not a valid kvledger state frame (wrong magic, version, op, length or MAC)."""
 
 
 class Request(NamedTuple):
     op: Op
-    token_digest: bytes
+    seq: int
     key: bytes
-    length: int
 
 
 class Response(NamedTuple):
     status: Status
+    seq: int
     length: int
     position: int
     checksum: int
 
 
-def token_digest(token: str | bytes) -> bytes:
-    """What a request carries for the cluster token: its SHA-256 (32 B, any token length)."""
-    raw = token.encode("utf-8") if isinstance(token, str) else token
-    return hashlib.sha256(b"kvledger/state-token\x00" + raw).digest()
-
-
-def pack_request(op: Op, digest: bytes, key: bytes = bytes(KEY_BYTES), length: int = 0) -> bytes:
-    assert len(digest) == TOKEN_DIGEST_BYTES and len(key) == KEY_BYTES and 0 <= length <= MAX_PAYLOAD
-    return _REQUEST.pack(MAGIC_REQUEST, VERSION, int(op), 0, digest, key, length, 0)
-
-
-def unpack_request(frame: bytes | bytearray | memoryview) -> Request:
-    """Parse a 64-byte request header; `ProtocolError` for anything that is not a valid one."""
-    if len(frame) != REQUEST_BYTES:
-        raise ProtocolError(f"request header is {len(frame)} B, expected {REQUEST_BYTES}")
-    magic, version, op, _, digest, key, length, _ = _REQUEST.unpack(frame)
-    if magic != MAGIC_REQUEST:
+def _check_magic(magic: bytes, version: int, want: bytes) -> None:
+    if magic != want:
         raise ProtocolError("bad magic")
     if version != VERSION:
         raise ProtocolError(f"unsupported version {version}")
+
+
+# --- handshake -------------------------------------------------------------------------
+
+def pack_hello(client_nonce: bytes) -> bytes:
+    return _HELLO.pack(MAGIC_HELLO, VERSION, 0, 0, client_nonce)
+
+
+def unpack_hello(frame: bytes | bytearray | memoryview) -> bytes:
+    """The client nonce of a 40-byte Hello; `ProtocolError` otherwise."""
+    if len(frame) != HELLO_BYTES:
+        raise ProtocolError(f"hello is {len(frame)} B, expected {HELLO_BYTES}")
+    magic, version, _, _, client_nonce = _HELLO.unpack(frame)
+    _check_magic(magic, version, MAGIC_HELLO)
+    return client_nonce
+
+
+def pack_challenge(server_nonce: bytes, proof: bytes, status: Status = Status.OK) -> bytes:
+    return _CHALLENGE.pack(MAGIC_CHALLENGE, VERSION, int(status), 0, server_nonce, proof)
+
+
+def unpack_challenge(frame: bytes | bytearray | memoryview) -> tuple[Status, bytes, bytes]:
+    """(status, server nonce, server proof) of a 72-byte Challenge; `ProtocolError` otherwise."""
+    if len(frame) != CHALLENGE_BYTES:
+        raise ProtocolError(f"challenge is {len(frame)} B, expected {CHALLENGE_BYTES}")
+    magic, version, status, _, server_nonce, proof = _CHALLENGE.unpack(frame)
+    _check_magic(magic, version, MAGIC_CHALLENGE)
     try:
-        op = Op(op)
+        return Status(status), server_nonce, proof
+    except ValueError:
+        raise ProtocolError(f"unknown status {status}") from None
+
+
+def pack_proof(proof: bytes) -> bytes:
+    assert len(proof) == MAC_BYTES
+    return _HELLO.pack(MAGIC_PROOF, VERSION, 0, 0, proof)
+
+
+def unpack_proof(frame: bytes | bytearray | memoryview) -> bytes:
+    if len(frame) != PROOF_BYTES:
+        raise ProtocolError(f"proof is {len(frame)} B, expected {PROOF_BYTES}")
+    magic, version, _, _, proof = _HELLO.unpack(frame)
+    _check_magic(magic, version, MAGIC_PROOF)
+    return proof
+
+
+# --- requests and answers --------------------------------------------------------------
+
+def pack_request(session: bytes, op: Op, seq: int, key: bytes = bytes(KEY_BYTES)) -> bytes:
+    assert len(key) == KEY_BYTES and 0 <= seq < 2**64
+    head = _REQUEST_HEAD.pack(MAGIC_REQUEST, VERSION, int(op), 0, seq, key)
+    return head + mac(session, head)
+
+
+def unpack_request(frame: bytes | bytearray | memoryview, session: bytes) -> Request:
+    """Parse and authenticate a 64-byte request; `ProtocolError` for anything else."""
+    if len(frame) != REQUEST_BYTES:
+        raise ProtocolError(f"request is {len(frame)} B, expected {REQUEST_BYTES}")
+    head = bytes(frame[:_REQUEST_HEAD.size])
+    magic, version, op, _, seq, key = _REQUEST_HEAD.unpack(head)
+    _check_magic(magic, version, MAGIC_REQUEST)
+    if not same(frame[_REQUEST_HEAD.size:], mac(session, head)):
+        raise ProtocolError("bad request MAC")
+    try:
+        return Request(Op(op), seq, key)
     except ValueError:
         raise ProtocolError(f"unknown op {op}") from None
-    if length > MAX_PAYLOAD:
-        raise ProtocolError(f"length {length} exceeds {MAX_PAYLOAD}")
-    if length != 0:  # no op carries a body today
-        raise ProtocolError(f"op {op.name} carries no body, got length {length}")
-    return Request(op, digest, key, length)
 
 
-def pack_response(status: Status, length: int = 0, position: int = 0, checksum: int = 0) -> bytes:
+def pack_response(session: bytes | None, status: Status, seq: int, key: bytes, length: int = 0,
+                  position: int = 0, checksum: int = 0) -> bytes:
+    """An answer to request `seq` for `key`; `session` None (no MAC) only for DENIED."""
     assert 0 <= length <= MAX_PAYLOAD and (status is Status.OK or length == 0)
-    return _RESPONSE.pack(MAGIC_RESPONSE, VERSION, int(status), 0, length, position, checksum, 0)
+    assert (session is None) == (status is Status.DENIED)
+    head = _RESPONSE_HEAD.pack(MAGIC_RESPONSE, VERSION, int(status), 0, seq, length, position, checksum)
+    return head + (mac(session, head, key) if session is not None else _ZERO_MAC)
 
 
-def unpack_response(frame: bytes | bytearray | memoryview) -> Response:
-    """Parse a 40-byte response header; `ProtocolError` for anything that is not a valid one."""
+def unpack_response(frame: bytes | bytearray | memoryview, session: bytes | None, key: bytes) -> Response:
+    """Parse a 72-byte answer to a request for `key`; its MAC is checked unless it is DENIED
+    (which ends the connection either way) or `session` is None. `ProtocolError` otherwise."""
     if len(frame) != RESPONSE_BYTES:
-        raise ProtocolError(f"response header is {len(frame)} B, expected {RESPONSE_BYTES}")
-    magic, version, status, _, length, position, checksum, _ = _RESPONSE.unpack(frame)
-    if magic != MAGIC_RESPONSE or version != VERSION:
-        raise ProtocolError("bad magic or version")
+        raise ProtocolError(f"response is {len(frame)} B, expected {RESPONSE_BYTES}")
+    head = bytes(frame[:_RESPONSE_HEAD.size])
+    magic, version, status, _, seq, length, position, checksum = _RESPONSE_HEAD.unpack(head)
+    _check_magic(magic, version, MAGIC_RESPONSE)
     try:
         status = Status(status)
     except ValueError:
         raise ProtocolError(f"unknown status {status}") from None
+    if status is not Status.DENIED and session is not None and \
+            not same(frame[_RESPONSE_HEAD.size:], mac(session, head, key)):
+        raise ProtocolError("bad response MAC")
     if length > MAX_PAYLOAD or (status is not Status.OK and length):
         raise ProtocolError(f"absurd length {length} for status {status.name}")
-    return Response(status, length, position, checksum)
+    return Response(status, seq, length, position, checksum)
+

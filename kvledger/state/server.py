@@ -1,86 +1,106 @@
 """The state server: serves the slot pool's snapshots to other hosts over TCP.
 
-Blocking sockets, one thread per connection (at most `max_connections`), in the holder
-process. Chosen by measurement against the two the issue named: `kvledger bench state`
-runs an asyncio-streams server and a ZeroMQ ROUTER/DEALER pair next to it on the same
-bytes (`candidates` in its JSON, throughput and server CPU per pull). A pull spends its
-time in the kernel copy; what the server adds on top is what the ratio to a plain socket
-loses on a busy 2-core machine, and an event loop runs more Python per request than a
-blocked thread, which holds no GIL while it waits or sends (the bench's server CPU per
-pull shows it). A dead TCP peer shows up as EOF at once, where ZeroMQ reconnects silently and the
-caller waits out its timeout.
+Blocking sockets, one thread per connection, in the holder process. Chosen by measurement
+against the two the issue named: `kvledger bench state` runs an asyncio-streams server and a
+ZeroMQ ROUTER/DEALER pair next to it on the same bytes (`candidates` in its JSON). A pull
+spends its time in the kernel copy; an event loop runs more Python per request than a
+blocked thread, which holds no GIL while it waits or sends.
+
+A connection first proves the cluster token (mutual challenge–response, `protocol.py`)
+within `handshake_timeout_s`; only then does it count against `max_connections`. When every
+slot is taken, the least recently used idle connection is closed to make room (its client
+reconnects on its next pull); when none is idle the new one is answered BUSY and closed, and
+its client backs off and retries within its deadline. At most `max_handshakes` connections
+may be proving themselves at once (a flood of silent ones costs a thread each for at most
+`handshake_timeout_s`, and never blocks an authenticated pull).
 
 One pull is one round trip on a kept-alive connection: a 64-byte request, then one
-`sendmsg` of the 40-byte response header and the snapshot straight out of its pinned slot
+`sendmsg` of the 72-byte answer header and the snapshot straight out of its pinned slot
 (no copy into a Python object). The slot stays pinned until the kernel has taken every byte.
 
-Refusals: a wrong token → DENIED, then close; a malformed header or an absurd length
-→ BAD, then close (no body is ever read). Timeouts: `idle_timeout_s` between requests,
-`io_timeout_s` for the rest of a header once its first bytes came (one deadline for the
-whole header) and for sending a response. A misbehaving connection is closed; the others
-are not affected.
+Refusals: a wrong proof → DENIED, then close; a malformed frame, a bad MAC or an out-of-order
+`seq` → close (no body is ever read). Timeouts: `idle_timeout_s` between requests,
+`io_timeout_s` for the rest of a request once its first bytes came and for sending an answer.
+A misbehaving connection is closed; the others are not affected.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hmac
 import socket
 import threading
 import time
 from dataclasses import dataclass
 
+from kvledger.core import KEY_BYTES
+from kvledger.state import auth
 from kvledger.state.pool import SlotPool
 from kvledger.state.protocol import (
+    HELLO_BYTES,
+    PROOF_BYTES,
     REQUEST_BYTES,
     Op,
     ProtocolError,
     Status,
+    pack_challenge,
     pack_response,
-    token_digest,
+    unpack_hello,
+    unpack_proof,
     unpack_request,
 )
 
-_OK_EMPTY = pack_response(Status.OK)
-_MISS = pack_response(Status.MISS)
-_DENIED = pack_response(Status.DENIED)
-_BAD = pack_response(Status.BAD)
 ACCEPT_POLL_S = 0.1
 LINGER_S = 0.2          # how long a refused connection is drained before it is closed
 LINGER_BYTES = 1 << 20  # and how much of it at most
+_NO_KEY = bytes(KEY_BYTES)
 
 
 @dataclass(slots=True)
 class ServerStats:
     """Counts since start (read them from any thread; each is a plain int)."""
 
-    connections: int = 0
+    connections: int = 0     # accepted
+    authenticated: int = 0   # connections that proved the token
     served: int = 0          # GETs answered with a snapshot
     served_bytes: int = 0
     misses: int = 0          # GETs for a key the pool does not hold
-    denied: int = 0          # requests with a wrong token
-    bad: int = 0             # malformed frames or absurd lengths
-    timeouts: int = 0        # connections closed for a stalled read or write
-    refused: int = 0         # connections over `max_connections`
+    denied: int = 0          # handshakes with a wrong proof
+    bad: int = 0             # malformed frames, bad MACs, out-of-order seq
+    timeouts: int = 0        # connections closed for a stalled handshake, read or write
+    refused: int = 0         # connections over `max_handshakes`, closed unread
+    evicted: int = 0         # idle authenticated connections closed to make room
+    busy: int = 0            # authenticated connections answered BUSY (every slot busy)
+
+
+@dataclass(slots=True)
+class _Conn:
+    sock: socket.socket
+    idle_since: float | None = None  # monotonic seconds; None while a request is being answered
 
 
 class StateServer:
     """`StateServer(pool, token).start()`; `address` is "host:port"; `stop()` ends it."""
 
     def __init__(self, pool: SlotPool, token: str | bytes, host: str = "127.0.0.1", port: int = 0, *,
-                 io_timeout_s: float = 5.0, idle_timeout_s: float = 60.0, max_connections: int = 64) -> None:
-        assert io_timeout_s > 0 and idle_timeout_s > 0 and max_connections > 0
+                 io_timeout_s: float = 5.0, idle_timeout_s: float = 30.0, handshake_timeout_s: float = 1.0,
+                 max_connections: int = 64, max_handshakes: int | None = None) -> None:
+        self._keys = auth.derive_keys(token)  # ValueError for an empty token
+        if min(io_timeout_s, idle_timeout_s, handshake_timeout_s) <= 0 or max_connections <= 0:
+            raise ValueError("state server timeouts and max_connections must be positive")
         self.pool = pool
         self.host = host
         self.port = port
         self.io_timeout_s = io_timeout_s
         self.idle_timeout_s = idle_timeout_s
+        self.handshake_timeout_s = handshake_timeout_s
         self.max_connections = max_connections
+        self.max_handshakes = max_handshakes or 4 * max_connections
         self.stats = ServerStats()
-        self._digest = token_digest(token)
         self._listener: socket.socket | None = None
         self._acceptor: threading.Thread | None = None
-        self._conns: dict[socket.socket, threading.Thread] = {}
+        self._threads: dict[socket.socket, threading.Thread] = {}  # every open connection
+        self._authed: dict[socket.socket, _Conn] = {}              # the ones that count
+        self._handshaking = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
 
@@ -109,11 +129,11 @@ class StateServer:
         self._stop.set()
         self._acceptor.join(timeout_s)
         with self._lock:
-            conns = dict(self._conns)
-        for sock in conns:
+            threads = dict(self._threads)
+        for sock in threads:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in recv or send
-        for thread in conns.values():
+        for thread in threads.values():
             thread.join(timeout_s)
         assert self._listener is not None
         self._listener.close()
@@ -141,32 +161,93 @@ class StateServer:
                 continue
             with self._lock:
                 self.stats.connections += 1
-                if len(self._conns) >= self.max_connections:
+                if self._handshaking >= self.max_handshakes:
                     self.stats.refused += 1
                     sock.close()
                     continue
+                self._handshaking += 1
                 thread = threading.Thread(target=self._serve, args=(sock,), daemon=True,
                                           name=f"kvledger-state-conn-{self.port}")
-                self._conns[sock] = thread
+                self._threads[sock] = thread
             thread.start()
 
     # --- one connection ----------------------------------------------------------
 
     def _serve(self, sock: socket.socket) -> None:
-        head = bytearray(REQUEST_BYTES)
         try:
             if sock.family in (socket.AF_INET, socket.AF_INET6):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            while not self._stop.is_set() and self._one_request(sock, head):
-                pass
+            try:
+                session = self._handshake(sock)
+            finally:
+                with self._lock:
+                    self._handshaking -= 1
+            if session is None:
+                return
+            conn = _Conn(sock)
+            if not self._admit(conn):
+                self._answer_busy(sock, session)
+                return
+            head, seq = bytearray(REQUEST_BYTES), 0
+            while not self._stop.is_set() and self._one_request(conn, session, seq, head):
+                seq += 1
         except TimeoutError:
             self._count("timeouts")
         except OSError:
             pass
         finally:
             with self._lock:
-                self._conns.pop(sock, None)
+                self._threads.pop(sock, None)
+                self._authed.pop(sock, None)
             sock.close()
+
+    def _handshake(self, sock: socket.socket) -> bytes | None:
+        """The session key once the peer proved the token within `handshake_timeout_s`; None
+        (after answering DENIED, or closing unanswered a frame that does not parse) otherwise."""
+        deadline = time.monotonic() + self.handshake_timeout_s
+        key = self._keys.handshake
+        try:
+            client_nonce = unpack_hello(_recv(sock, HELLO_BYTES, deadline))
+            server_nonce = auth.nonce()
+            sock.settimeout(max(deadline - time.monotonic(), 1e-3))
+            sock.sendall(pack_challenge(server_nonce, auth.server_proof(key, client_nonce, server_nonce)))
+            proof = unpack_proof(_recv(sock, PROOF_BYTES, deadline))
+        except ProtocolError:
+            self._count("bad")
+            return None
+        except EOFError:
+            return None
+        if not auth.same(proof, auth.client_proof(key, client_nonce, server_nonce)):
+            self._count("denied")
+            self._refuse(sock, pack_response(None, Status.DENIED, 0, _NO_KEY))
+            return None
+        self._count("authenticated")
+        return auth.session_key(key, client_nonce, server_nonce)
+
+    def _admit(self, conn: _Conn) -> bool:
+        """Count an authenticated connection; at the cap, close the least recently used idle one."""
+        with self._lock:
+            if len(self._authed) >= self.max_connections:
+                idle = [c for c in self._authed.values() if c.idle_since is not None]
+                if not idle:
+                    self.stats.busy += 1
+                    return False
+                victim = min(idle, key=lambda c: c.idle_since)
+                del self._authed[victim.sock]
+                self.stats.evicted += 1
+                with contextlib.suppress(OSError):
+                    victim.sock.shutdown(socket.SHUT_RDWR)  # its thread sees EOF and ends
+            self._authed[conn.sock] = conn
+            return True
+
+    def _answer_busy(self, sock: socket.socket, session: bytes) -> None:
+        """Answer the request that came with the proof BUSY (authenticated), then close."""
+        try:
+            req = unpack_request(_recv(sock, REQUEST_BYTES, time.monotonic() + self.handshake_timeout_s), session)
+        except (ProtocolError, EOFError):
+            return
+        sock.settimeout(self.io_timeout_s)
+        self._refuse(sock, pack_response(session, Status.BUSY, req.seq, req.key))
 
     def _refuse(self, sock: socket.socket, frame: bytes) -> None:
         """Answer, then close so the answer arrives: half-close and discard what the peer already
@@ -184,45 +265,47 @@ class StateServer:
                     break
                 drained += n
 
-    def _one_request(self, sock: socket.socket, head: bytearray) -> bool:
-        """Answer one request; False when the connection should close. Socket errors propagate."""
-        view = memoryview(head)
+    def _one_request(self, conn: _Conn, session: bytes, seq: int, head: bytearray) -> bool:
+        """Answer request `seq`; False when the connection should close. Socket errors propagate."""
+        sock, view = conn.sock, memoryview(head)
+        conn.idle_since = time.monotonic()
         sock.settimeout(self.idle_timeout_s)
         try:
             got = sock.recv_into(view)
         except TimeoutError:
             return False  # an idle kept-alive connection: close it quietly
+        conn.idle_since = None
         if got == 0:
             return False
-        deadline = time.monotonic() + self.io_timeout_s  # a stalled header counts as a timeout
+        deadline = time.monotonic() + self.io_timeout_s  # a stalled request counts as a timeout
         while got < REQUEST_BYTES:
             sock.settimeout(max(deadline - time.monotonic(), 1e-3))
             n = sock.recv_into(view[got:])
             if n == 0:
                 return False
             got += n
-        sock.settimeout(self.io_timeout_s)  # sendall: the total time to send one response
+        sock.settimeout(self.io_timeout_s)  # sendall: the total time to send one answer
         try:
-            req = unpack_request(head)
+            req = unpack_request(head, session)
         except ProtocolError:
+            req = None
+        if req is None or req.seq != seq:  # forged, replayed or injected: the stream is not ours
             self._count("bad")
-            self._refuse(sock, _BAD)
-            return False
-        if not hmac.compare_digest(req.token_digest, self._digest):
-            self._count("denied")
-            self._refuse(sock, _DENIED)
             return False
         if req.op is Op.PING:
-            sock.sendall(_OK_EMPTY)
+            sock.sendall(pack_response(session, Status.OK, seq, req.key))
             return True
         assert req.op is Op.GET
-        pinned = self.pool.pin(req.key)
+        return self._send_snapshot(sock, session, req.seq, req.key)
+
+    def _send_snapshot(self, sock: socket.socket, session: bytes, seq: int, key: bytes) -> bool:
+        pinned = self.pool.pin(key)
         if pinned is None:
             self._count("misses")
-            sock.sendall(_MISS)
+            sock.sendall(pack_response(session, Status.MISS, seq, key))
             return True
         try:
-            frame = pack_response(Status.OK, pinned.size, pinned.position, pinned.checksum)
+            frame = pack_response(session, Status.OK, seq, key, pinned.size, pinned.position, pinned.checksum)
             # one syscall for header + snapshot in the common case; the rest from where it stopped
             sent = sock.sendmsg([frame, pinned.view])
             if sent < len(frame):
@@ -233,8 +316,24 @@ class StateServer:
         finally:
             with contextlib.suppress(BufferError):  # a slice of it still referenced after a failed send
                 pinned.view.release()
-            self.pool.unpin(req.key)
+            self.pool.unpin(key)
         with self._lock:
             self.stats.served += 1
             self.stats.served_bytes += pinned.size
         return True
+
+
+def _recv(sock: socket.socket, n: int, deadline: float) -> bytes:
+    """Exactly `n` bytes before `deadline`: TimeoutError when late, EOFError when the peer closed."""
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError
+        sock.settimeout(left)
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise EOFError
+        got += k
+    return bytes(buf)

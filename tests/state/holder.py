@@ -18,7 +18,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from kvledger.state.client import StateClient  # noqa: E402
-from kvledger.state.directory import Holder, RedisDirectory, SnapshotEntry  # noqa: E402
+from kvledger.state.auth import derive_keys  # noqa: E402
+from kvledger.state.directory import Holder, RedisDirectory, SnapshotEntry, sign  # noqa: E402
 from kvledger.state.pool import SlotPool  # noqa: E402
 from kvledger.state.server import StateServer  # noqa: E402
 from tests.state.helpers import digest, snap_bytes, snap_key  # noqa: E402
@@ -34,10 +35,11 @@ def main() -> None:
     ap.add_argument("--engine-id", default="holder")
     ap.add_argument("--redis-url")
     ap.add_argument("--holder-ttl", type=float, default=1.0)
+    ap.add_argument("--max-connections", type=int, default=64)
     args = ap.parse_args()
 
     pool = SlotPool(args.size, args.count)
-    server = StateServer(pool, args.token, args.host).start()
+    server = StateServer(pool, args.token, args.host, max_connections=args.max_connections).start()
     keys = []
     for i in range(args.count):
         key = snap_key(args.seed, i)
@@ -48,7 +50,9 @@ def main() -> None:
 
         directory = RedisDirectory(args.redis_url, holder_ttl_s=args.holder_ttl)
         holder = Holder(args.engine_id, server.address)
-        directory.publish([SnapshotEntry(k, holder, 128 * (i + 1), args.size, 0.0) for i, k in enumerate(keys)])
+        dkey = derive_keys(args.token).directory
+        directory.publish([sign(dkey, SnapshotEntry(k, holder, 128 * (i + 1), args.size, 0.0))
+                           for i, k in enumerate(keys)])
         directory.heartbeat(holder)
 
         def beat() -> None:

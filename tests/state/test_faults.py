@@ -13,8 +13,9 @@ from pathlib import Path
 
 from kvledger.core import ModelSpec
 from kvledger.state import RedisDirectory, StateClient, StateLedger
-from kvledger.state.protocol import Op, pack_request, token_digest
+from kvledger.state.protocol import RESPONSE_BYTES, Op, Status, pack_hello, pack_proof, pack_request, unpack_response
 from tests.state.helpers import digest, snap_bytes, snap_key
+from tests.state.wire import handshake, recv_all, recv_exact
 
 SIZE = ModelSpec.preset("deepseek-v4.1-flash").state_size_to_disk()
 
@@ -163,22 +164,27 @@ def test_bad_requests_are_refused_and_the_server_keeps_serving(spawn_holder):
     good = StateClient(token)
     assert good.pull(h.address, snap_key(6, 0)) == snap_bytes(6, 0, SIZE)
 
-    def raw(frame: bytes) -> bytes:
+    def raw(token: str | None, tamper: bool = False) -> bytes:
+        """A handshake (`token` None: a guessed proof) and one GET, maybe with a changed byte."""
         with socket.create_connection((host, int(port)), timeout=5) as s:
-            s.sendall(frame)
+            if token is None:
+                s.sendall(pack_hello(os.urandom(32)))
+                recv_exact(s, 72)
+                session, proof = os.urandom(32), pack_proof(os.urandom(32))
+            else:
+                session, proof = handshake(s, token)
+            frame = bytearray(pack_request(session, Op.GET, 0, snap_key(6, 0)))
+            frame[20] ^= tamper
+            s.sendall(proof + bytes(frame))
             s.shutdown(socket.SHUT_WR)
-            out = b""
-            while chunk := s.recv(65536):
-                out += chunk
-            return out
+            return recv_all(s)
 
-    ok_frame = pack_request(Op.GET, token_digest(token), snap_key(6, 0))
-    absurd = bytearray(ok_frame)
-    absurd[56:60] = (0xFFFFFFFF).to_bytes(4, "little")  # length field: 4 GiB of body announced
-    bad_magic = b"GET / HTTP/1.1\r\nHost: x\r\n\r\n".ljust(64, b"\0")
-    for frame, status in ((pack_request(Op.GET, token_digest("not-the-token"), snap_key(6, 0)), 2),
-                          (bytes(absurd), 3), (bad_magic, 3)):
-        answer = raw(frame)
-        assert len(answer) == 40 and answer[:4] == b"KVLR" and answer[5] == status  # refused, nothing leaked
+    denied = raw(None)  # refused, nothing leaked
+    assert len(denied) == RESPONSE_BYTES and unpack_response(denied, None, bytes(16)).status is Status.DENIED
+    assert raw(token, tamper=True) == b""  # a changed request: closed unanswered
+    with socket.create_connection((host, int(port)), timeout=5) as s:  # not our protocol at all
+        s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n".ljust(64, b"\0"))
+        assert recv_all(s) == b""
+    assert len(raw(token)) == RESPONSE_BYTES + SIZE  # the same frame, untouched, is served
     assert good.pull(h.address, snap_key(6, 0)) == snap_bytes(6, 0, SIZE)  # still serving
     assert StateClient("not-the-token").pull(h.address, snap_key(6, 0)) is None

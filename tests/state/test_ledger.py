@@ -74,9 +74,11 @@ def test_a_wrong_token_ledger_cannot_read_anothers_snapshots(shared_redis):
                         directory=RedisDirectory(shared_redis.url, prefix=prefix)) as intruder:
         key = b"\x01" * 16
         a.put(key, 128, _window(1))
-        assert intruder.positions([key]) == {128}  # metadata is shared ...
-        assert intruder.fetch(key) is None  # ... the bytes are not
-        assert intruder.client.stats["denied"] == 1
+        assert intruder.directory.lookup([key])[0] is not None  # the entry is there ...
+        assert intruder.positions([key]) == set()  # ... but its MAC fails under another token
+        assert intruder.fetch(key) is None
+        # and pulling directly, past the directory, the holder refuses: its proof does not verify
+        assert intruder.client.pull(a.address, key) is None and intruder.client.stats["auth"] == 1
 
 
 def test_zero_keeps_nothing_and_asks_for_replay():

@@ -2,69 +2,98 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvledger.state import auth
 from kvledger.state.protocol import (
+    CHALLENGE_BYTES,
+    HELLO_BYTES,
     MAX_PAYLOAD,
     REQUEST_BYTES,
     RESPONSE_BYTES,
     Op,
     ProtocolError,
     Status,
+    pack_challenge,
+    pack_hello,
+    pack_proof,
     pack_request,
     pack_response,
-    token_digest,
+    unpack_challenge,
+    unpack_hello,
+    unpack_proof,
     unpack_request,
     unpack_response,
 )
 
+S = bytes(range(32))  # a session key
+K = b"k" * 16
+
 
 def test_round_trips():
-    d = token_digest("secret")
-    assert len(d) == 32 and d != token_digest("secret2") and d == token_digest(b"secret")
-    req = unpack_request(pack_request(Op.GET, d, b"k" * 16))
-    assert (req.op, req.token_digest, req.key, req.length) == (Op.GET, d, b"k" * 16, 0)
-    resp = unpack_response(pack_response(Status.OK, 1415040, 130816, 12345))
-    assert resp == (Status.OK, 1415040, 130816, 12345)
-    assert unpack_response(pack_response(Status.MISS)).status is Status.MISS
+    n, p = auth.nonce(), auth.nonce()
+    assert unpack_hello(pack_hello(n)) == n and len(pack_hello(n)) == HELLO_BYTES
+    assert unpack_challenge(pack_challenge(n, p)) == (Status.OK, n, p) and len(pack_challenge(n, p)) == CHALLENGE_BYTES
+    assert unpack_proof(pack_proof(p)) == p
+    req = unpack_request(pack_request(S, Op.GET, 7, K), S)
+    assert (req.op, req.seq, req.key) == (Op.GET, 7, K)
+    resp = unpack_response(pack_response(S, Status.OK, 7, K, 1415040, 130816, 12345), S, K)
+    assert resp == (Status.OK, 7, 1415040, 130816, 12345)
+    assert unpack_response(pack_response(S, Status.MISS, 1, K), S, K).status is Status.MISS
+    assert unpack_response(pack_response(None, Status.DENIED, 0, K), S, K).status is Status.DENIED
 
 
-@pytest.mark.parametrize("offset,value", [(0, b"XXXX"), (4, b"\x09"), (5, b"\x63")])
-def test_bad_magic_version_op(offset, value):
-    frame = bytearray(pack_request(Op.GET, token_digest("t"), bytes(16)))
+def test_keys_depend_on_the_token_and_an_empty_token_is_refused():
+    a, b = auth.derive_keys("secret"), auth.derive_keys("secret2")
+    assert a == auth.derive_keys(b"secret") and a.handshake != b.handshake and a.handshake != a.directory
+    for empty in ("", b""):
+        with pytest.raises(ValueError, match="token is empty"):
+            auth.derive_keys(empty)
+
+
+@pytest.mark.parametrize("offset,value", [(0, b"XXXX"), (4, b"\x09"), (5, b"\x63"), (8, b"\x01"), (20, b"\xff")])
+def test_bad_magic_version_op_or_any_changed_byte_is_refused(offset, value):
+    """A request frame changed anywhere (magic, version, op, seq, key) fails to parse or its MAC."""
+    frame = bytearray(pack_request(S, Op.GET, 0, K))
     frame[offset:offset + len(value)] = value
     with pytest.raises(ProtocolError):
-        unpack_request(bytes(frame))
+        unpack_request(bytes(frame), S)
 
 
-@pytest.mark.parametrize("length", [1, MAX_PAYLOAD, MAX_PAYLOAD + 1, 2**32 - 1])
-def test_any_length_field_is_refused(length):
-    frame = bytearray(pack_request(Op.GET, token_digest("t"), bytes(16)))
-    frame[56:60] = length.to_bytes(4, "little")
-    with pytest.raises(ProtocolError):
-        unpack_request(bytes(frame))
+def test_a_request_or_answer_under_another_session_or_key_is_refused():
+    with pytest.raises(ProtocolError, match="MAC"):
+        unpack_request(pack_request(S, Op.GET, 0, K), bytes(32))
+    ok = pack_response(S, Status.OK, 0, K, 10, 128, 99)
+    with pytest.raises(ProtocolError, match="MAC"):
+        unpack_response(ok, bytes(32), K)
+    with pytest.raises(ProtocolError, match="MAC"):
+        unpack_response(ok, S, b"x" * 16)  # an answer for another key
+    changed = bytearray(ok)
+    changed[32:40] = (98).to_bytes(8, "little")  # the checksum: a lying relay
+    with pytest.raises(ProtocolError, match="MAC"):
+        unpack_response(bytes(changed), S, K)
 
 
 def test_absurd_response_length_is_refused():
-    frame = bytearray(pack_response(Status.OK, 10))
-    frame[8:16] = (MAX_PAYLOAD + 1).to_bytes(8, "little")
-    with pytest.raises(ProtocolError):
-        unpack_response(bytes(frame))
-    frame = bytearray(pack_response(Status.MISS))
-    frame[8:16] = (5).to_bytes(8, "little")  # a miss carries no payload
-    with pytest.raises(ProtocolError):
-        unpack_response(bytes(frame))
+    with pytest.raises(AssertionError):
+        pack_response(S, Status.OK, 0, K, MAX_PAYLOAD + 1)
+    for status, length in ((Status.OK, MAX_PAYLOAD + 1), (Status.MISS, 5)):  # a miss carries no payload
+        frame = bytearray(pack_response(S, Status.OK, 0, K, 10))
+        frame[5] = int(status)
+        frame[16:24] = length.to_bytes(8, "little")
+        import hmac
+
+        frame[40:] = hmac.digest(S, bytes(frame[:40]) + K, "sha256")
+        with pytest.raises(ProtocolError):
+            unpack_response(bytes(frame), S, K)
 
 
 @given(st.binary(min_size=0, max_size=2 * REQUEST_BYTES))
 def test_random_bytes_parse_or_raise_protocol_error_only(raw):
-    try:
-        req = unpack_request(raw[:REQUEST_BYTES])
-    except ProtocolError:
-        pass
-    else:
-        assert raw[:4] == b"KVLS" and req.op in Op and req.length == 0 and len(req.key) == 16
-    try:
-        resp = unpack_response(raw[:RESPONSE_BYTES])
-    except ProtocolError:
-        pass
-    else:
-        assert raw[:4] == b"KVLR" and resp.status in Status and resp.length <= MAX_PAYLOAD
+    for parse in (lambda f: unpack_request(f[:REQUEST_BYTES], S), lambda f: unpack_response(f[:RESPONSE_BYTES], S, K),
+                  lambda f: unpack_hello(f[:HELLO_BYTES]), lambda f: unpack_challenge(f[:CHALLENGE_BYTES]),
+                  lambda f: unpack_proof(f[:HELLO_BYTES])):
+        try:
+            parse(raw)
+        except ProtocolError:
+            pass
+        else:
+            assert raw[:3] == b"KVL"

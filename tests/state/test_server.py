@@ -1,4 +1,5 @@
 import contextlib
+import hashlib
 import os
 import socket
 import threading
@@ -8,8 +9,24 @@ import pytest
 
 from kvledger.state.client import StateClient, parse_address
 from kvledger.state.pool import SlotPool
-from kvledger.state.protocol import REQUEST_BYTES, Op, Status, pack_request, token_digest, unpack_response
+from kvledger.state import auth
+from kvledger.state.protocol import (
+    CHALLENGE_BYTES,
+    HELLO_BYTES,
+    PROOF_BYTES,
+    REQUEST_BYTES,
+    RESPONSE_BYTES,
+    Op,
+    Status,
+    pack_challenge,
+    pack_hello,
+    pack_proof,
+    pack_request,
+    pack_response,
+    unpack_response,
+)
 from kvledger.state.server import StateServer
+from tests.state.wire import handshake, recv_all, recv_exact
 
 SIZE = 1_415_040
 TOKEN = "cluster-token"
@@ -21,7 +38,8 @@ def served():
         data = {i: os.urandom(SIZE) for i in range(3)}
         for i, d in data.items():
             pool.put(bytes([i]) * 16, 128 * (i + 1), d)
-        server = StateServer(pool, TOKEN, io_timeout_s=0.5, idle_timeout_s=2.0, max_connections=8).start()
+        server = StateServer(pool, TOKEN, io_timeout_s=0.5, idle_timeout_s=2.0, handshake_timeout_s=0.5,
+                             max_connections=8).start()
         try:
             yield server, pool, data
         finally:
@@ -55,36 +73,103 @@ def test_pull_hit_miss_ping_and_keepalive(served):
     assert server.stats.connections <= 4  # kept-alive connections, not one per pull
 
 
-def test_wrong_token_malformed_and_absurd_frames_are_refused(served):
+def test_wrong_proof_malformed_and_replayed_frames_are_refused(served):
     server, _, data = served
     good = StateClient(TOKEN)
-    frame = pack_request(Op.GET, token_digest(TOKEN), bytes([0]) * 16)
-    absurd = bytearray(frame)
-    absurd[56:60] = (2**32 - 1).to_bytes(4, "little")
-    cases = {
-        "wrong token": (pack_request(Op.GET, token_digest("guess"), bytes([0]) * 16), Status.DENIED),
-        "absurd length": (bytes(absurd), Status.BAD),
-        "bad magic": (b"\x00" * REQUEST_BYTES, Status.BAD),
-        "unknown op": (frame[:5] + b"\x77" + frame[6:], Status.BAD),
-        "bad version": (frame[:4] + b"\x02" + frame[5:], Status.BAD),
-    }
-    for name, (raw, status) in cases.items():
-        answer = _raw(server, raw + os.urandom(1000))  # whatever follows is never read as a body
-        assert len(answer) == 40 and unpack_response(answer).status is status, name
-        assert good.pull(server.address, bytes([0]) * 16) == data[0], name
-    assert server.stats.denied == 1 and server.stats.bad == 4
+    with socket.create_connection(parse_address(server.address), timeout=5) as s:  # not our protocol
+        s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n".ljust(64, b"\0"))
+        assert recv_all(s) == b""  # closed, nothing said
+    with socket.create_connection(parse_address(server.address), timeout=5) as s:  # a guessed proof
+        s.sendall(pack_hello(os.urandom(32)))
+        recv_exact(s, CHALLENGE_BYTES)
+        s.sendall(pack_proof(os.urandom(32)) + os.urandom(1000))  # whatever follows is never read
+        answer = recv_all(s)
+        assert len(answer) == RESPONSE_BYTES and unpack_response(answer, None, bytes(16)).status is Status.DENIED
+    with socket.create_connection(parse_address(server.address), timeout=5) as s:  # a request with a bad MAC
+        session, proof = handshake(s, TOKEN)
+        frame = bytearray(pack_request(session, Op.GET, 0, bytes([0]) * 16))
+        frame[-1] ^= 1
+        s.sendall(proof + bytes(frame))
+        assert recv_all(s) == b""
+    with socket.create_connection(parse_address(server.address), timeout=5) as s:  # a request sent twice
+        session, proof = handshake(s, TOKEN)
+        frame = pack_request(session, Op.GET, 0, bytes([0]) * 16)
+        s.sendall(proof + frame)
+        head = recv_exact(s, RESPONSE_BYTES)
+        assert unpack_response(head, session, bytes([0]) * 16).status is Status.OK
+        assert recv_exact(s, SIZE) == data[0]
+        s.sendall(frame)  # replayed within the session: out of sequence
+        assert recv_all(s) == b""
+    assert server.stats.bad == 3 and server.stats.denied == 1
+    assert good.pull(server.address, bytes([0]) * 16) == data[0]
     assert StateClient("guess").pull(server.address, bytes([0]) * 16) is None
-    assert _raw(server, frame[:30]) == b""  # a short frame then EOF: closed, nothing sent
 
 
-def test_a_stalled_header_times_out_without_blocking_others(served):
+def test_a_captured_session_replayed_without_the_token_is_refused(served):
+    """Every byte a genuine client sent, captured on the wire and sent again: no snapshot comes back."""
+    server, _, data = served
+    captured = bytearray()
+    with socket.create_server(("127.0.0.1", 0)) as relay:
+        def forward() -> None:
+            c, _ = relay.accept()
+            with c, socket.create_connection(parse_address(server.address)) as up:
+                threading.Thread(target=lambda: _pipe(up, c, None), daemon=True).start()
+                _pipe(c, up, captured)
+
+        threading.Thread(target=forward, daemon=True).start()
+        with StateClient(TOKEN) as c:
+            assert c.pull(f"127.0.0.1:{relay.getsockname()[1]}", bytes([1]) * 16) == data[1]
+    assert len(captured) == HELLO_BYTES + PROOF_BYTES + REQUEST_BYTES
+    with socket.create_connection(parse_address(server.address), timeout=5) as s:
+        s.sendall(captured[:HELLO_BYTES])
+        recv_exact(s, CHALLENGE_BYTES)  # a fresh server nonce: the captured proof does not fit it
+        s.sendall(captured[HELLO_BYTES:])
+        answer = recv_all(s)
+    assert len(answer) == RESPONSE_BYTES and unpack_response(answer, None, bytes(16)).status is Status.DENIED
+    assert data[1][:4096] not in answer and server.stats.denied == 1
+
+
+def _pipe(src: socket.socket, dst: socket.socket, record: bytearray | None) -> None:
+    with contextlib.suppress(OSError):
+        while chunk := src.recv(1 << 16):
+            if record is not None:
+                record += chunk
+            dst.sendall(chunk)
+        dst.shutdown(socket.SHUT_WR)
+
+
+def test_a_server_without_the_token_learns_nothing_reusable():
+    """A fake holder (say, at an address a forged directory entry names) gets a random nonce, nothing else."""
+    seen: list[bytes] = []
+    with socket.create_server(("127.0.0.1", 0)) as fake:
+        def serve() -> None:
+            for _ in range(2):
+                conn, _ = fake.accept()
+                with conn:
+                    seen.append(recv_exact(conn, HELLO_BYTES))
+                    conn.sendall(pack_challenge(os.urandom(32), os.urandom(32)))  # it cannot prove the token
+                    conn.settimeout(1)
+                    seen[-1] += recv_all(conn)
+
+        threading.Thread(target=serve, daemon=True).start()
+        with StateClient(TOKEN) as c:
+            for _ in range(2):
+                assert c.pull(f"127.0.0.1:{fake.getsockname()[1]}", bytes([0]) * 16, 2.0) is None
+            assert c.stats["auth"] == 2
+    assert [len(x) for x in seen] == [HELLO_BYTES, HELLO_BYTES] and seen[0] != seen[1]  # fresh nonces only
+    old_digest = hashlib.sha256(b"kvledger/state-token\x00" + TOKEN.encode()).digest()  # what v1 sent
+    secrets = [*auth.derive_keys(TOKEN), TOKEN.encode(), old_digest]
+    assert not any(x[:16] in s for s in seen for x in secrets)
+
+
+def test_a_stalled_handshake_times_out_without_blocking_others(served):
     server, _, data = served
     with socket.create_connection(parse_address(server.address), timeout=5) as slow:
-        slow.sendall(b"KVLS")  # and then nothing: slowloris
+        slow.sendall(b"KVLH")  # and then nothing: slowloris
         t0 = time.monotonic()
         with StateClient(TOKEN) as c:
             assert c.pull(server.address, bytes([1]) * 16) == data[1]  # served meanwhile
-        assert slow.recv(100) == b""  # the server closed it after io_timeout_s
+        assert slow.recv(100) == b""  # the server closed it after handshake_timeout_s
         assert 0.3 < time.monotonic() - t0 < 3
     deadline = time.monotonic() + 2
     while server.stats.timeouts < 1 and time.monotonic() < deadline:
@@ -92,26 +177,67 @@ def test_a_stalled_header_times_out_without_blocking_others(served):
     assert server.stats.timeouts == 1
 
 
-def test_connections_over_the_limit_are_refused_and_idle_ones_closed(served):
+def test_idle_unauthenticated_connections_do_not_block_pulls(served):
+    """Three times `max_connections` silent connections: a pull is served at once, they are cut."""
     server, _, data = served
-    socks = [socket.create_connection(parse_address(server.address), timeout=5) for _ in range(8)]
+    address = parse_address(server.address)
+    socks = [socket.create_connection(address, timeout=5) for _ in range(3 * server.max_connections)]
     try:
-        time.sleep(0.2)
-        with socket.create_connection(parse_address(server.address), timeout=5) as extra:
-            extra.sendall(pack_request(Op.PING, token_digest(TOKEN)))
-            # refused: closed without an answer (EOF, or a reset since our request was never read)
-            with contextlib.suppress(ConnectionResetError):
-                assert extra.recv(100) == b""
-        assert server.stats.refused >= 1
-        for s in socks:  # the idle ones are closed after idle_timeout_s (2 s)
-            s.settimeout(5)
-            assert s.recv(100) == b""
+        time.sleep(0.1)
+        t0 = time.monotonic()
+        with StateClient(TOKEN) as c:
+            assert c.pull(server.address, bytes([2]) * 16) == data[2]
+        assert time.monotonic() - t0 < server.handshake_timeout_s
+        for s in socks:  # closed once the handshake deadline passed, not the idle timeout
+            assert recv_all(s) == b""
+        assert time.monotonic() - t0 < server.handshake_timeout_s + 1.5
     finally:
         for s in socks:
             s.close()
-    time.sleep(0.1)
-    with StateClient(TOKEN) as c:
-        assert c.pull(server.address, bytes([2]) * 16) == data[2]
+
+
+def test_at_the_cap_the_least_recently_used_idle_connection_makes_room(served):
+    server, _, data = served
+    clients = [StateClient(TOKEN) for _ in range(server.max_connections + 1)]
+    try:
+        for c in clients[:-1]:  # every slot taken by a kept-alive, idle connection
+            assert c.pull(server.address, bytes([0]) * 16) == data[0]
+        assert clients[-1].pull(server.address, bytes([1]) * 16) == data[1]  # one more: room is made
+        assert server.stats.evicted == 1 and server.stats.busy == 0
+        time.sleep(0.05)
+        assert clients[0].pull(server.address, bytes([2]) * 16) == data[2]  # the evicted one reconnects
+        assert clients[0].stats["hit"] == 2 and server.stats.evicted == 2  # ... in its turn evicting the LRU
+    finally:
+        for c in clients:
+            c.close()
+
+
+def test_when_every_connection_is_busy_a_client_backs_off_and_gets_in(served):
+    server, _, data = served
+    busy = []
+    for _ in range(server.max_connections):  # authenticated, each in the middle of a request
+        s = socket.create_connection(parse_address(server.address), timeout=5)
+        session, proof = handshake(s, TOKEN)
+        s.sendall(proof + pack_request(session, Op.PING, 0)[:1])
+        busy.append(s)
+    try:
+        time.sleep(0.1)
+        with StateClient(TOKEN) as c:
+            assert c.pull(server.address, bytes([1]) * 16, 0.2) is None and c.stats["busy"] == 1
+            t0 = time.monotonic()  # the busy ones time out after io_timeout_s (0.5 s): then it gets in
+            assert c.pull(server.address, bytes([1]) * 16, 3.0) == data[1]
+            assert 0.2 < time.monotonic() - t0 < 2.0
+        assert server.stats.busy >= 2 and server.stats.evicted == 0
+    finally:
+        for s in busy:
+            s.close()
+
+
+def test_an_empty_token_is_refused_at_start():
+    with SlotPool(SIZE, 1) as pool:
+        for make in (lambda: StateServer(pool, ""), lambda: StateClient(b"")):
+            with pytest.raises(ValueError, match="token is empty"):
+                make()
 
 
 def test_a_slot_being_sent_is_not_evicted_under_the_reader():
@@ -125,9 +251,10 @@ def test_a_slot_being_sent_is_not_evicted_under_the_reader():
             s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a slow reader: a small window
             s.settimeout(10)
             s.connect(parse_address(server.address))
-            s.sendall(pack_request(Op.GET, token_digest(TOKEN), b"\x01" * 16))
-            head = s.recv(40, socket.MSG_WAITALL)
-            assert unpack_response(head).status is Status.OK
+            session, proof = handshake(s, TOKEN)
+            s.sendall(proof + pack_request(session, Op.GET, 0, b"\x01" * 16))
+            head = recv_exact(s, RESPONSE_BYTES)
+            assert unpack_response(head, session, b"\x01" * 16).status is Status.OK
             deadline = time.monotonic() + 5
             while pool.pinned_count() == 0 and time.monotonic() < deadline:
                 time.sleep(0.01)
@@ -174,7 +301,7 @@ def test_client_faults_are_misses():
         with socket.create_server(("127.0.0.1", 0)) as liar:
             def lie() -> None:
                 conn, _ = liar.accept()
-                conn.recv(64)
+                conn.recv(HELLO_BYTES)
                 conn.sendall(b"HTTP/1.1 200 OK\r\n" + b"x" * 100)
                 time.sleep(0.5)
                 conn.close()
@@ -185,20 +312,23 @@ def test_client_faults_are_misses():
 
 
 def test_a_corrupted_transfer_is_a_miss():
-    """A server whose bytes do not match the checksum it announces (a lying or broken holder)."""
-    from kvledger.state.protocol import pack_response
-
+    """A holder that knows the token, whose bytes do not match the checksum it announces (broken memory)."""
+    key = b"\x00" * 16
     with socket.create_server(("127.0.0.1", 0)) as bad:
         def serve() -> None:
             conn, _ = bad.accept()
-            conn.recv(64)
-            conn.sendall(pack_response(Status.OK, 100, 128, 12345) + os.urandom(100))
+            hk = auth.derive_keys(TOKEN).handshake
+            cn, sn = recv_exact(conn, HELLO_BYTES)[8:], os.urandom(32)
+            conn.sendall(pack_challenge(sn, auth.server_proof(hk, cn, sn)))
+            recv_exact(conn, PROOF_BYTES + REQUEST_BYTES)
+            session = auth.session_key(hk, cn, sn)
+            conn.sendall(pack_response(session, Status.OK, 0, key, 100, 128, 12345) + os.urandom(100))
             time.sleep(0.5)
             conn.close()
 
         threading.Thread(target=serve, daemon=True).start()
         with StateClient(TOKEN) as c:
-            assert c.pull(f"127.0.0.1:{bad.getsockname()[1]}", b"\x00" * 16) is None
+            assert c.pull(f"127.0.0.1:{bad.getsockname()[1]}", key) is None
             assert c.stats["corrupt"] == 1
 
 

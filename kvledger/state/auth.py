@@ -1,0 +1,63 @@
+"""Keys and MACs of the state ledger, all derived from the cluster token, which is never sent.
+
+    root      = SHA-256("kvledger/state-token\\0" || token)
+    handshake = HMAC-SHA256(root, "handshake")   proofs and session keys of the state server
+    directory = HMAC-SHA256(root, "directory")   MACs of directory entries
+
+A connection proves the token both ways over fresh 32-byte nonces from both sides (see
+`protocol.py`): nothing on the wire can be replayed on another connection, and a peer that
+does not know the token learns only random nonces and MACs it cannot reuse. Every MAC is
+HMAC-SHA256 (32 B), compared with `hmac.compare_digest`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+from typing import NamedTuple
+
+NONCE_BYTES = 32
+MAC_BYTES = 32
+_CONTEXT = b"kvledger/state-token\x00"
+
+
+class Keys(NamedTuple):
+    handshake: bytes  # 32 B
+    directory: bytes  # 32 B
+
+
+def derive_keys(token: str | bytes) -> Keys:
+    """The keys of a cluster token; ValueError for an empty one (it would let anyone in)."""
+    raw = token.encode("utf-8") if isinstance(token, str) else bytes(token)
+    if not raw:
+        raise ValueError("the cluster token is empty: give every state server and client the same "
+                         "non-empty secret token")
+    root = hashlib.sha256(_CONTEXT + raw).digest()
+    return Keys(mac(root, b"handshake"), mac(root, b"directory"))
+
+
+def mac(key: bytes, *parts: bytes) -> bytes:
+    """HMAC-SHA256 of the concatenated parts (callers use fixed-size or length-prefixed parts)."""
+    return hmac.digest(key, b"".join(parts), "sha256")
+
+
+def same(a: bytes | memoryview, b: bytes) -> bool:
+    return hmac.compare_digest(bytes(a), b)
+
+
+def nonce() -> bytes:
+    return os.urandom(NONCE_BYTES)
+
+
+def server_proof(key: bytes, client_nonce: bytes, server_nonce: bytes) -> bytes:
+    return mac(key, b"server", client_nonce, server_nonce)
+
+
+def client_proof(key: bytes, client_nonce: bytes, server_nonce: bytes) -> bytes:
+    return mac(key, b"client", client_nonce, server_nonce)
+
+
+def session_key(key: bytes, client_nonce: bytes, server_nonce: bytes) -> bytes:
+    """The key of one connection's request and answer MACs (never sent)."""
+    return mac(key, b"session", client_nonce, server_nonce)
