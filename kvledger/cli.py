@@ -20,7 +20,7 @@ from kvledger.util.output import CliError, emit_json
 
 EXIT_USAGE = 2
 # Command groups that live with their packages; each module has `register(subparsers)`.
-COMMAND_GROUPS = ("kvledger.store.cli", "kvledger.bench.cli")
+COMMAND_GROUPS = ("kvledger.store.cli", "kvledger.bench.cli", "kvledger.entrypoint.cli")
 
 
 class _Parser(argparse.ArgumentParser):

@@ -51,6 +51,21 @@ def root_key(spec: ModelSpec, namespace: str = "default") -> bytes:
     return h.digest()[:KEY_BYTES]
 
 
+def salted_namespace(namespace: str, salt: str | None) -> str:
+    """The namespace of a request that carries a cache salt (vLLM's `cache_salt`): its own namespace,
+    split by the salt. Both are length-prefixed into a hash, so no (namespace, salt) pair can be
+    spelled by another (no string concatenation that two tenants could collide on); the result
+    starts with the namespace so operators still see whose it is. No salt: the namespace itself."""
+    if not salt:
+        return namespace
+    ns, sb = namespace.encode("utf-8"), salt.encode("utf-8")
+    h = hashlib.sha256(b"kvledger/salt")
+    h.update(struct.pack("<II", len(ns), len(sb)))
+    h.update(ns)
+    h.update(sb)
+    return f"{namespace}#salt-{h.hexdigest()[:32]}"
+
+
 def token_bytes(tokens: Sequence[int] | Any) -> bytes:
     """Tokens as contiguous little-endian uint32 bytes; `ValueError` for ids outside [0, 2**32)."""
     if hasattr(tokens, "dtype"):  # numpy array: no per-element Python work

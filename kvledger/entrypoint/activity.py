@@ -1,0 +1,61 @@
+"""What the operator page shows beyond `/metrics`: the last requests and the hit rate over time.
+
+Both live in memory only (a restart starts them empty); the cumulative figures of the page
+come from `/metrics` itself, so the two never disagree.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRecord:
+    """One finished request as the page lists it (no prompt text: the page shows metadata only)."""
+
+    at: float                 # epoch seconds at the end
+    request_id: str
+    namespace: str
+    endpoint: str             # "chat" | "completion"
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    hit_kind: str
+    ttft_s: float | None
+    finish_reason: str | None
+
+
+@dataclass(slots=True)
+class Bucket:
+    start: float              # epoch seconds, a multiple of the bucket width
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+
+class Activity:
+    """The last `keep` requests, and per `bucket_s` seconds the prompt and cached tokens."""
+
+    def __init__(self, keep: int = 50, bucket_s: float = 5.0, buckets: int = 720) -> None:
+        assert keep > 0 and bucket_s > 0 and buckets > 0
+        self.recent: deque[RequestRecord] = deque(maxlen=keep)
+        self.series: deque[Bucket] = deque(maxlen=buckets)
+        self.bucket_s = bucket_s
+        self.started = time.time()
+
+    def record(self, rec: RequestRecord) -> None:
+        self.recent.append(rec)
+        start = rec.at - rec.at % self.bucket_s
+        if not self.series or self.series[-1].start < start:
+            self.series.append(Bucket(start))
+        b = self.series[-1]
+        b.requests += 1
+        b.prompt_tokens += rec.prompt_tokens
+        b.cached_tokens += rec.cached_tokens
+
+    def as_json(self) -> dict:
+        return {"started": self.started, "bucket_s": self.bucket_s,
+                "recent": [asdict(r) for r in reversed(self.recent)],
+                "series": [asdict(b) for b in self.series]}

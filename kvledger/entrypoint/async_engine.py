@@ -1,0 +1,170 @@
+"""The engine's step loop in its own thread, its events delivered to the asyncio loop.
+
+The engine is single-threaded: only the loop thread below calls `add_request`, `step` and
+`abort`. The server talks to it through a thread-safe inbox that the thread drains before
+each step; each step's events go back to the event loop in one `call_soon_threadsafe`. So a
+long prefill blocks only this thread, never `/health` or the other routes.
+
+    engine = AsyncEngine(Engine(...)); engine.start(asyncio.get_running_loop())
+    async for event in engine.generate(request): ...     # TokenEvents; the last has finished=True
+
+Faults: a request the engine refuses (`ValueError`) ends with `EngineRejected`; an exception
+inside `step` ends every running request with `EngineFailed` and the thread keeps serving
+(never a dead worker). A consumer that goes away aborts its request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+from kvledger.engine.api import EngineRequest, TokenEvent
+
+log = logging.getLogger("kvledger.serve")
+IDLE_WAIT_S = 0.05
+FAILURE_BACKOFF_S = 0.1   # after a failed step, so a broken engine cannot spin the thread
+
+
+class StepEngine(Protocol):
+    def add_request(self, req: EngineRequest) -> None: ...
+    def step(self) -> list[TokenEvent]: ...
+    def abort(self, request_id: str) -> None: ...
+    def has_unfinished(self) -> bool: ...
+    def close(self) -> None: ...
+
+
+class EngineRejected(ValueError):
+    """The engine refused the request (its message says why): a client error."""
+
+
+class EngineFailed(RuntimeError):
+    """The engine failed while running the request: a server error, the worker lives on."""
+
+
+class AsyncEngine:
+    """Invariant: every request added gets exactly one terminal item (a finished event or an error)."""
+
+    def __init__(self, engine: StepEngine) -> None:
+        self.engine = engine
+        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.steps = 0
+        self.failures = 0
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        assert self._thread is None, "started twice"
+        self._loop = loop
+        self._thread = threading.Thread(target=self._run, name="kvledger-engine", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._inbox.put(("wake", None))
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        self.engine.close()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    async def generate(self, req: EngineRequest) -> AsyncIterator[TokenEvent]:
+        """The request's events until it finishes; aborts it if the consumer stops early."""
+        assert req.request_id not in self._streams, "request ids are unique"
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[req.request_id] = stream
+        self._inbox.put(("add", req))
+        finished = False
+        try:
+            while True:
+                item = await stream.get()
+                if isinstance(item, Exception):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(req.request_id, None)
+            if not finished:
+                self._inbox.put(("abort", req.request_id))
+
+    # --- the loop thread --------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._drain(block=not self.engine.has_unfinished())
+            if self._stop.is_set() or not self.engine.has_unfinished():
+                continue
+            try:
+                events = self.engine.step()
+            except Exception as e:  # an engine bug: fail what runs, keep serving
+                log.exception("engine step failed")
+                self.failures += 1
+                self._fail_all(e)
+                time.sleep(FAILURE_BACKOFF_S)
+                continue
+            self.steps += 1
+            if events:
+                self._deliver(events)
+
+    def _drain(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=IDLE_WAIT_S) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(*item)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, op: str, arg: Any) -> None:
+        if op == "add":
+            try:
+                self.engine.add_request(arg)
+            except ValueError as e:
+                self._post(arg.request_id, EngineRejected(str(e)))
+            except Exception as e:
+                log.exception("engine add_request failed")
+                self._post(arg.request_id, EngineFailed(f"the engine failed to admit the request: {e}"))
+        elif op == "abort":
+            try:
+                self.engine.abort(arg)
+            except Exception:
+                log.exception("engine abort failed")
+
+    def _fail_all(self, error: Exception) -> None:
+        for rid in list(self._streams):
+            try:
+                self.engine.abort(rid)
+            except Exception:
+                log.exception("engine abort after a failed step failed")
+            self._post(rid, EngineFailed(f"the engine failed: {type(error).__name__}: {error}"))
+
+    def _post(self, request_id: str, item: Any) -> None:
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self._put, request_id, item)
+
+    def _deliver(self, events: list[TokenEvent]) -> None:
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self._put_many, events)
+
+    def _put(self, request_id: str, item: Any) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.put_nowait(item)
+
+    def _put_many(self, events: list[TokenEvent]) -> None:
+        for ev in events:
+            self._put(ev.request_id, ev)

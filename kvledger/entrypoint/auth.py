@@ -1,0 +1,94 @@
+"""API keys → tenants (DESIGN.md rule 2: a tenant is a namespace; two never share a block).
+
+The key file is a JSON object: each key maps to its namespace, or to
+`{"namespace": ..., "ttl_class": ...}`. Without a key file the server runs open: every
+request is the tenant `default` (and the server binds to loopback only).
+
+A request's `cache_salt` splits its tenant further: the namespace becomes
+`core.salted_namespace(namespace, salt)`, a hash of both (length-prefixed), so no choice of
+salt lets one tenant land in another's namespace.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+OPEN_NAMESPACE = "default"
+_NAMESPACE = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
+
+
+class KeyFileError(ValueError):
+    """The API key file cannot be used; the message names the file and the entry."""
+
+
+@dataclass(frozen=True, slots=True)
+class Tenant:
+    """Who sends a request: its namespace (rule 2), TTL class (None: the namespace's) and key label."""
+
+    namespace: str
+    ttl_class: str | None = None
+    label: str = "open"   # what metrics and logs show for the key (never the key itself)
+
+
+OPEN_TENANT = Tenant(OPEN_NAMESPACE)
+
+
+def load_keys(path: str | Path, known_classes: set[str]) -> dict[str, Tenant]:
+    """Parse the key file. Namespaces are plain names ([A-Za-z0-9_.:-], ≤ 128 characters)."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as e:
+        raise KeyFileError(f"{path}: cannot read ({e})") from None
+    except json.JSONDecodeError as e:
+        raise KeyFileError(f"{path}: not JSON ({e.msg} at line {e.lineno})") from None
+    if not isinstance(data, dict) or not data:
+        raise KeyFileError(f"{path}: expected a non-empty JSON object mapping each API key to its namespace")
+    return {key: _tenant(path, key, value, known_classes) for key, value in data.items()}
+
+
+def _tenant(path: str | Path, key: str, value: object, known_classes: set[str]) -> Tenant:
+    where = f"{path}: key {key[:4]}…"
+    if len(key) < 8:
+        raise KeyFileError(f"{where}: an API key must have at least 8 characters")
+    ttl_class = None
+    if isinstance(value, dict):
+        unknown = set(value) - {"namespace", "ttl_class"}
+        if unknown:
+            raise KeyFileError(f"{where}: unknown field(s) {', '.join(sorted(unknown))}")
+        namespace, ttl_class = value.get("namespace"), value.get("ttl_class")
+    else:
+        namespace = value
+    if not isinstance(namespace, str) or not _NAMESPACE.match(namespace):
+        raise KeyFileError(f"{where}: namespace must be a name of [A-Za-z0-9_.:-], 1 to 128 characters")
+    if ttl_class is not None and ttl_class not in known_classes:
+        raise KeyFileError(f"{where}: unknown ttl_class {ttl_class!r}; known: {', '.join(sorted(known_classes))}")
+    return Tenant(namespace, ttl_class, label=namespace)
+
+
+def bearer_token(header: str | None) -> str | None:
+    """The KEY of `Authorization: Bearer KEY`, or None."""
+    if not header:
+        return None
+    scheme, _, token = header.partition(" ")
+    token = token.strip()
+    return token if scheme.lower() == "bearer" and token else None
+
+
+def authenticate(keys: dict[str, Tenant] | None, header: str | None) -> Tenant | None:
+    """The tenant of a request; None when keys are configured and this one is missing or wrong.
+
+    Every configured key is compared in constant time (no early exit that times the match)."""
+    if keys is None:
+        return OPEN_TENANT
+    token = bearer_token(header)
+    if token is None:
+        return None
+    found = None
+    for key, tenant in keys.items():
+        if hmac.compare_digest(key.encode(), token.encode()):
+            found = tenant
+    return found

@@ -1,0 +1,83 @@
+"""`kvledger serve`: the embedded all-in-one server (OpenAI-compatible HTTP on the block ledger).
+
+Without `--api-keys` the server is open to anyone who can reach it, so it binds to loopback
+only and says so at startup; with a key file every request needs `Authorization: Bearer KEY`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import sys
+from pathlib import Path
+
+from kvledger.util.output import CliError
+
+MODELS = ("smollm2-135m", "tiny-v4")
+
+
+def default_data_dir() -> Path:
+    """$XDG_DATA_HOME/kvledger/serve (~/.local/share/kvledger/serve)."""
+    base = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
+    return Path(base) / "kvledger" / "serve"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="the OpenAI-compatible server on the embedded store")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (non-loopback needs --api-keys)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--data-dir", type=Path, default=None, help=f"block ledger folder (default {default_data_dir()})")
+    p.add_argument("--api-keys", type=Path, default=None, metavar="FILE",
+                   help='JSON: {"KEY": "namespace"} or {"KEY": {"namespace": ..., "ttl_class": ...}}')
+    p.add_argument("--model", default="smollm2-135m", choices=MODELS)
+    p.add_argument("--no-cache", action="store_true", help="compute every prompt in full (a baseline)")
+    p.add_argument("--max-concurrent-per-key", type=int, default=16, help="more at once → 429")
+    p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies → 413")
+    p.add_argument("--max-num-seqs", type=int, default=8, help="requests the engine batches at once")
+    p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
+    p.set_defaults(func=cmd_serve)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from kvledger.entrypoint.auth import KeyFileError
+    from kvledger.entrypoint.server import build_app
+    from kvledger.entrypoint.state import ServeConfig, ServerState
+
+    if args.api_keys is None and not is_loopback(args.host):
+        raise CliError(f"--host {args.host}: without --api-keys the server is open to anyone, so it binds to "
+                       "loopback only (127.0.0.1, ::1); give --api-keys FILE to listen elsewhere")
+    if not 0 <= args.port < 65536:
+        raise CliError("--port must lie in [0, 65535]")
+    for flag in ("max_concurrent_per_key", "max_body_bytes", "max_num_seqs"):
+        if getattr(args, flag) <= 0:
+            raise CliError(f"--{flag.replace('_', '-')} must be > 0")
+    config = ServeConfig(model=args.model, host=args.host, port=args.port, data_dir=args.data_dir or default_data_dir(),
+                         api_keys=args.api_keys, no_cache=args.no_cache, max_body_bytes=args.max_body_bytes,
+                         max_concurrent_per_key=args.max_concurrent_per_key, max_num_seqs=args.max_num_seqs)
+    try:
+        state = ServerState(config)
+    except (KeyFileError, OSError) as e:
+        raise CliError(str(e)) from None
+    tenants = "open: no --api-keys, every request is tenant 'default' (loopback only)" if state.keys is None \
+        else f"{len(state.keys)} API keys, {len({t.namespace for t in state.keys.values()})} namespaces"
+    print(f"kvledger serve: {config.model} on http://{_url_host(config.host)}:{config.port}  "
+          f"data {config.data_dir}  {tenants}{'  cache disabled' if config.no_cache else ''}",
+          file=sys.stderr, flush=True)
+    uvicorn.run(build_app(config, state), host=config.host, port=config.port, log_level=args.log_level,
+                access_log=args.log_level in ("debug", "info"), timeout_graceful_shutdown=10)
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host

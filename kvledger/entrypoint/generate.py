@@ -1,0 +1,179 @@
+"""Running a prepared request: engine events → text, OpenAI responses and SSE chunks, metrics.
+
+Streaming follows OpenAI: `data: {chunk}\\n\\n` per delta, the last content chunk carries
+`finish_reason`, then (with `stream_options.include_usage`) one chunk with empty `choices` and
+the `usage`, then `data: [DONE]\\n\\n`. An engine failure in the middle of a stream is sent as
+`data: {"error": ...}` before `[DONE]` (the status line has already gone out).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from kvledger.engine.api import RequestUsage
+from kvledger.entrypoint.activity import RequestRecord
+from kvledger.entrypoint.async_engine import EngineFailed, EngineRejected
+from kvledger.entrypoint.detokenize import TextStream
+from kvledger.entrypoint.errors import ApiError
+from kvledger.entrypoint.metrics import tenant_of
+from kvledger.entrypoint.prepare import Prepared
+from kvledger.entrypoint.protocol import Usage
+from kvledger.entrypoint.state import ServerState
+
+
+@dataclass(slots=True)
+class Delta:
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What a finished request reports. Times are time.perf_counter() seconds."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    usage: RequestUsage | None = None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+
+
+async def run(state: ServerState, prep: Prepared, out: Outcome) -> AsyncIterator[Delta]:
+    """Deltas of text until the request ends; `out` holds the totals when the iterator is done."""
+    assert state.engine is not None
+    decode = state.tokenizer.decode if state.tokenizer is not None else None
+    text = TextStream(decode, prep.stop)
+    state.metrics.running.inc()
+    try:
+        async for ev in state.engine.generate(prep.engine_request):
+            if ev.usage is not None:
+                out.usage = ev.usage
+            if ev.token_ids:
+                _tick(state, out)
+                out.token_ids.extend(ev.token_ids)
+            delta = text.push(ev.token_ids)
+            if text.stopped:
+                out.finish_reason = "stop"
+                yield Delta(delta, list(ev.token_ids))
+                break
+            if ev.finished:
+                out.finish_reason = ev.finish_reason
+                delta += text.finish()
+            if delta or ev.token_ids or ev.finished:
+                yield Delta(delta, list(ev.token_ids), None)
+            if ev.finished:
+                break
+    except EngineRejected as e:
+        raise ApiError(400, str(e), code="engine_rejected") from None
+    except EngineFailed as e:
+        raise ApiError(500, str(e), "server_error", code="engine_error") from None
+    finally:
+        state.metrics.running.dec()
+    out.text = text.text
+
+
+def _tick(state: ServerState, out: Outcome) -> None:
+    now = time.perf_counter()
+    if out.first_token_at is None:
+        out.first_token_at = now
+    elif out.last_token_at is not None:
+        state.metrics.itl.observe(now - out.last_token_at)
+    out.last_token_at = now
+
+
+def usage_of(prep: Prepared, out: Outcome) -> Usage:
+    cached = out.usage.cached_tokens if out.usage is not None else 0
+    return Usage.of(prep.prompt_tokens, min(cached, prep.prompt_tokens), len(out.token_ids))
+
+
+def record(state: ServerState, prep: Prepared, out: Outcome) -> None:
+    """Metrics and the page's activity for one finished request."""
+    m, ns = state.metrics, tenant_of(prep.engine_request.namespace)
+    usage = usage_of(prep, out)
+    cached = usage.prompt_cache_hit_tokens
+    kind = out.usage.hit_kind if out.usage is not None else ("miss" if cached == 0 else "unknown")
+    m.requests.labels(ns, kind).inc()
+    m.prompt_tokens.labels(ns).inc(usage.prompt_tokens)
+    m.hit_tokens.labels(ns, kind).inc(cached)
+    m.miss_tokens.labels(ns, kind).inc(usage.prompt_cache_miss_tokens)
+    m.generation_tokens.labels(ns).inc(usage.completion_tokens)
+    ttft = None if out.first_token_at is None else out.first_token_at - prep.arrival
+    if ttft is not None:
+        m.ttft.labels("hit" if cached > 0 else "cold").observe(ttft)
+    _record_fetch(state, prep, out, cached)
+    state.activity.record(RequestRecord(time.time(), prep.request_id, ns, prep.endpoint, usage.prompt_tokens,
+                                        cached, usage.completion_tokens, kind, ttft, out.finish_reason))
+
+
+def _record_fetch(state: ServerState, prep: Prepared, out: Outcome, cached: int) -> None:
+    m, block = state.metrics, state.spec.block_size
+    if prep.absent_blocks:
+        m.miss_blocks.labels("absent").inc(prep.absent_blocks)
+    lost = prep.decision.hit_tokens - cached
+    if lost > 0:
+        m.miss_blocks.labels("load_failed").inc(-(-lost // block))
+    timings = out.usage.timings if out.usage is not None else {}
+    if cached > 0:
+        m.fetch_bytes.inc(timings.get("fetch_bytes", cached // block * state.spec.block_bytes()))
+        if "fetch_s" in timings:
+            m.fetch_seconds.observe(timings["fetch_s"])
+
+
+# --- response bodies ---------------------------------------------------------------------
+
+
+def completion_body(state: ServerState, prep: Prepared, out: Outcome) -> dict:
+    return {"id": prep.request_id, "object": "text_completion", "created": int(time.time()), "model": state.model,
+            "choices": [{"index": 0, "text": out.text, "token_ids": out.token_ids, "logprobs": None,
+                         "finish_reason": out.finish_reason}],
+            "usage": usage_of(prep, out).model_dump()}
+
+
+def chat_body(state: ServerState, prep: Prepared, out: Outcome) -> dict:
+    return {"id": prep.request_id, "object": "chat.completion", "created": int(time.time()), "model": state.model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text}, "logprobs": None,
+                         "finish_reason": out.finish_reason}],
+            "usage": usage_of(prep, out).model_dump()}
+
+
+async def sse(state: ServerState, prep: Prepared, release) -> AsyncIterator[str]:
+    """The SSE stream of one request; `release()` runs once at its end, however it ends."""
+    out, created = Outcome(), int(time.time())
+    chat = prep.endpoint == "chat"
+    head = {"id": prep.request_id, "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": created, "model": state.model}
+    extra = {"usage": None} if prep.include_usage else {}
+    try:
+        if chat:
+            yield _data(head | {"choices": [_chat_choice({"role": "assistant", "content": ""}, None)]} | extra)
+        async for d in run(state, prep, out):
+            choice = (_chat_choice({"content": d.text} if d.text else {}, None) if chat
+                      else {"index": 0, "text": d.text, "token_ids": d.token_ids, "logprobs": None,
+                            "finish_reason": None})
+            if d.text or d.token_ids:
+                yield _data(head | {"choices": [choice]} | extra)
+        final = (_chat_choice({}, out.finish_reason) if chat else
+                 {"index": 0, "text": "", "token_ids": [], "logprobs": None, "finish_reason": out.finish_reason})
+        yield _data(head | {"choices": [final]} | extra)
+        if prep.include_usage:
+            yield _data(head | {"choices": [], "usage": usage_of(prep, out).model_dump()})
+        record(state, prep, out)
+    except ApiError as e:
+        state.metrics.error(e.kind)
+        yield _data(e.body())
+    finally:
+        release()
+    yield "data: [DONE]\n\n"
+
+
+def _chat_choice(delta: dict, finish_reason: str | None) -> dict:
+    return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+
+
+def _data(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"

@@ -1,0 +1,115 @@
+"""`/metrics`: Prometheus metrics of `kvledger serve` (prometheus_client, one registry per server).
+
+Names follow Prometheus' conventions (base units, `_total` on counters). Token counts are per
+tenant namespace (the key file's, before any cache salt) and hit kind (`core.HitKind`, as the
+engine reports what it actually used: "snapshot", "fallback", "replay", "full", "miss").
+
+Misses are counted in blocks, by cause:
+- `absent`: at CHECK, full blocks under the hit cap that the index did not hold (the index
+  forgets an expired block at lookup, so a block past its TTL counts here too);
+- `load_failed`: blocks the CHECK promised but the engine could not load (corrupt, truncated or
+  unreachable: rule 8, recomputed and reported honestly in `cached_tokens`).
+The store's own read faults seen by this process are `kvledger_store_read_misses_total{cause}`
+(absent, corrupt, unreachable); the store's size is read at scrape time (`StoreCollector`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kvledger.store.backend import StoreStats
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 120.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+FETCH_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
+SALT_MARK = "#salt-"   # core.salted_namespace writes "<namespace>#salt-<hash>"
+
+
+def tenant_of(namespace: str) -> str:
+    """The tenant namespace of a (possibly salted) namespace: metric labels stay bounded."""
+    return namespace.split(SALT_MARK, 1)[0]
+
+
+class ServeMetrics:
+    def __init__(self, stats: Callable[[], StoreStats | None]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("kvledger_requests", "Finished generation requests", ["namespace", "hit_kind"],
+                                registry=r)
+        self.prompt_tokens = Counter("kvledger_prompt_tokens", "Prompt tokens", ["namespace"], registry=r)
+        self.hit_tokens = Counter("kvledger_prompt_cache_hit_tokens", "Prompt tokens served from the cache",
+                                  ["namespace", "hit_kind"], registry=r)
+        self.miss_tokens = Counter("kvledger_prompt_cache_miss_tokens", "Prompt tokens computed",
+                                   ["namespace", "hit_kind"], registry=r)
+        self.generation_tokens = Counter("kvledger_generation_tokens", "Generated tokens", ["namespace"],
+                                         registry=r)
+        self.ttft = Histogram("kvledger_time_to_first_token_seconds", "Arrival to first token, by cache outcome",
+                              ["cache"], buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("kvledger_inter_token_latency_seconds", "Time between two streamed tokens",
+                             buckets=ITL_BUCKETS, registry=r)
+        self.fetch_bytes = Counter("kvledger_fetch_bytes", "Block bytes loaded from the store for hits", registry=r)
+        self.fetch_seconds = Histogram("kvledger_fetch_seconds", "Time to load a request's hit blocks",
+                                       buckets=FETCH_BUCKETS, registry=r)
+        self.miss_blocks = Counter("kvledger_cache_miss_blocks", "Blocks under the hit cap not served, by cause",
+                                   ["cause"], registry=r)
+        self.errors = Counter("kvledger_errors", "Requests answered with an error, by kind", ["kind"], registry=r)
+        self.running = Gauge("kvledger_requests_running", "Requests in the engine now", registry=r)
+        r.register(StoreCollector(stats))
+
+    def error(self, kind: str) -> None:
+        self.errors.labels(kind=kind).inc()
+
+
+class StoreCollector(Collector):
+    """The block ledger's size and upkeep, read from `BlockLedger.stats()` at each scrape.
+
+    Bytes per class and namespace are the live bytes split in proportion to blocks (exact when
+    all blocks have one size, as for one model)."""
+
+    def __init__(self, stats: Callable[[], StoreStats | None]) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterator:
+        st = self.stats()
+        if st is None:
+            return
+        per_block = st.live_bytes / st.blocks if st.blocks else 0.0
+        yield from _by_label("kvledger_store_blocks", "Live blocks in the store", "ttl_class", st.per_class, 1.0)
+        yield from _by_label("kvledger_store_bytes", "Live block bytes in the store", "ttl_class", st.per_class,
+                             per_block)
+        tenants: dict[str, int] = {}
+        for ns, n in st.per_namespace.items():
+            tenants[tenant_of(ns)] = tenants.get(tenant_of(ns), 0) + n
+        yield from _by_label("kvledger_store_namespace_blocks", "Live blocks by tenant namespace", "namespace",
+                             tenants, 1.0)
+        yield from _by_label("kvledger_store_namespace_bytes", "Live block bytes by tenant namespace", "namespace",
+                             tenants, per_block)
+        disk = GaugeMetricFamily("kvledger_store_disk_bytes", "Bytes the store occupies")
+        disk.add_metric([], st.disk_bytes)
+        yield disk
+        c = st.counters
+        yield _counter("kvledger_store_evictions", "Blocks evicted for capacity", c.get("gc_evicted", 0))
+        yield _counter("kvledger_store_expirations", "Blocks removed after their TTL", c.get("gc_expired", 0))
+        misses = CounterMetricFamily("kvledger_store_read_misses", "Store reads in this process that missed",
+                                     labels=["cause"])
+        misses.add_metric(["absent"], c.get("misses_absent", 0))
+        misses.add_metric(["corrupt"], c.get("misses_corrupt", 0) + c.get("misses_truncated", 0))
+        misses.add_metric(["unreachable"], c.get("match_failures", 0))
+        yield misses
+
+
+def _by_label(name: str, doc: str, label: str, counts: dict[str, int], scale: float) -> Iterator:
+    g = GaugeMetricFamily(name, doc, labels=[label])
+    for value, n in sorted(counts.items()):
+        g.add_metric([value], n * scale)
+    yield g
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    c = CounterMetricFamily(name, doc)
+    c.add_metric([], value)
+    return c

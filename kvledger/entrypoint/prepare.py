@@ -1,0 +1,140 @@
+"""A validated HTTP request → the engine's request: tokenize, check limits, CHECK (rule 5).
+
+Order: model name, prompt tokens (chat template applied), length limits, sampling, namespace
+(the tenant's, split by `cache_salt`), then CHECK: chain keys + the index + the directory's
+snapshot at L1 + `decide_hit` — all before the engine sees the request, from metadata alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvledger.core import HitDecision, decide_hit, hit_cap, salted_namespace
+from kvledger.engine.api import EngineRequest, SamplingParams
+from kvledger.entrypoint.auth import Tenant
+from kvledger.entrypoint.chat_template import ChatTemplateError
+from kvledger.entrypoint.check import check_prompt
+from kvledger.entrypoint.errors import ApiError, bad_request, model_not_found
+from kvledger.entrypoint.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from kvledger.entrypoint.state import ServerState
+
+DEFAULT_TEMPERATURE = 1.0   # OpenAI's default; send 0 for greedy
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """A request ready for the engine. `arrival` is time.perf_counter() at receipt (seconds)."""
+
+    engine_request: EngineRequest
+    endpoint: str                   # "chat" | "completion"
+    tenant: Tenant
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    arrival: float
+    absent_blocks: int              # blocks under the hit cap the index did not hold
+
+    @property
+    def request_id(self) -> str:
+        return self.engine_request.request_id
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.engine_request.tokens)
+
+    @property
+    def decision(self) -> HitDecision:
+        return self.engine_request.decision
+
+
+async def prepare(state: ServerState, tenant: Tenant, body: SamplingFields, endpoint: str) -> Prepared:
+    arrival = time.perf_counter()
+    if body.model != state.model:
+        raise model_not_found(body.model, state.model)
+    tokens = chat_tokens(state, body) if isinstance(body, ChatCompletionRequest) else completion_tokens(state, body)
+    sampling = sampling_params(state, body, len(tokens))
+    namespace = salted_namespace(tenant.namespace, body.cache_salt)
+    keys, decision = await asyncio.to_thread(_check, state, tokens, namespace, tenant.ttl_class)
+    cap_blocks = max(hit_cap(len(tokens), state.spec), 0) // state.spec.block_size
+    absent = cap_blocks - min(decision.block_hit_tokens // state.spec.block_size, cap_blocks)
+    prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
+    req = EngineRequest(f"{prefix}-{uuid.uuid4().hex}", tokens, keys, decision, sampling, namespace,
+                        tenant.ttl_class)
+    return Prepared(req, endpoint, tenant, body.stop_strings, body.stream, body.include_usage, arrival,
+                    absent if not state.config.no_cache else 0)
+
+
+def _check(state: ServerState, tokens: np.ndarray, namespace: str, ttl_class: str | None
+           ) -> tuple[list[bytes], HitDecision]:
+    if state.config.no_cache:   # the baseline: nothing is looked up, every prompt is computed
+        from kvledger.core import chain_keys
+
+        return chain_keys(tokens, state.spec, namespace), decide_hit(len(tokens), 0, set(), state.spec)
+    return check_prompt(tokens, state.spec, block_ledger=state.block_ledger, state_ledger=state.state_ledger,
+                        namespace=namespace, ttl_class=ttl_class, replay=state.config.replay)
+
+
+def completion_tokens(state: ServerState, body: CompletionRequest) -> np.ndarray:
+    prompt = body.prompt_one()
+    if isinstance(prompt, str):
+        if state.tokenizer is None:
+            raise bad_request(f"{state.model} has no tokenizer: send the prompt as a list of token ids", "prompt")
+        return _nonempty(np.asarray(state.tokenizer.encode(prompt).ids, dtype=np.uint32), "prompt")
+    ids = np.asarray(prompt, dtype=np.int64)
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= state.vocab_size):
+        bad = int(ids[(ids < 0) | (ids >= state.vocab_size)][0])
+        raise bad_request(f"token id {bad} is outside the vocabulary [0, {state.vocab_size})", "prompt",
+                          "invalid_token_id")
+    return _nonempty(ids.astype(np.uint32), "prompt")
+
+
+def chat_tokens(state: ServerState, body: ChatCompletionRequest) -> np.ndarray:
+    if state.chat_template is None or state.tokenizer is None:
+        raise bad_request(f"{state.model} has no chat template: use /v1/completions with token ids", "messages")
+    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    try:
+        text = state.chat_template.render(messages)
+    except ChatTemplateError as e:
+        raise bad_request(str(e), "messages") from None
+    return _nonempty(np.asarray(state.tokenizer.encode(text).ids, dtype=np.uint32), "messages")
+
+
+def _nonempty(tokens: np.ndarray, param: str) -> np.ndarray:
+    if tokens.size == 0:
+        raise bad_request("The prompt is empty: send at least one token.", param, "empty_prompt")
+    return tokens
+
+
+def sampling_params(state: ServerState, body: SamplingFields, prompt_len: int) -> SamplingParams:
+    room = state.max_model_len - prompt_len
+    if room < 1:
+        raise ApiError(400, f"This model's maximum context length is {state.max_model_len} tokens; the prompt has "
+                       f"{prompt_len} (at least one token must be left to generate).", param="messages"
+                       if isinstance(body, ChatCompletionRequest) else "prompt", code="context_length_exceeded")
+    limit = body.output_limit if isinstance(body, ChatCompletionRequest) else body.max_tokens
+    if limit is None:
+        limit = min(state.config.default_max_tokens, room)
+    if limit > room:
+        raise ApiError(400, f"This model's maximum context length is {state.max_model_len} tokens; you requested "
+                       f"{prompt_len + limit} ({prompt_len} in the prompt, {limit} to generate).",
+                       param="max_tokens", code="context_length_exceeded")
+    stop_ids = tuple(body.stop_token_ids or ())
+    if any(t >= state.vocab_size for t in stop_ids):
+        raise bad_request(f"stop_token_ids must lie in [0, {state.vocab_size})", "stop_token_ids",
+                          "invalid_token_id")
+    try:
+        return SamplingParams(max_tokens=limit, temperature=_or(body.temperature, DEFAULT_TEMPERATURE),
+                              top_p=_or(body.top_p, 1.0), top_k=max(_or(body.top_k, 0), 0),
+                              repetition_penalty=_or(body.repetition_penalty, 1.0), stop_token_ids=stop_ids,
+                              ignore_eos=body.ignore_eos, seed=body.seed)
+    except ValueError as e:
+        raise bad_request(str(e)) from None
+
+
+def _or(value, default):
+    return default if value is None else value

@@ -1,0 +1,207 @@
+"""The HTTP request and response models of `kvledger serve` (OpenAI's shapes, pydantic).
+
+Requests are validated strictly (no "5" for 5): a wrong type is a 400 with OpenAI's error
+object, never a 5xx. Fields that vLLM's and SGLang's benchmark clients send are accepted
+(`ignore_eos`, `top_k`, `repetition_penalty`, `cache_salt`, ...); unknown fields are ignored,
+as vLLM does. Lengths are in tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+TokenIds = Annotated[list[Annotated[int, Field(ge=0, lt=2**31)]], Field(min_length=1)]
+# one prompt: a string, token ids, or a batch of one of either (the openai client sends those shapes)
+PromptInput = str | TokenIds | Annotated[list[str], Field(min_length=1, max_length=1)] \
+    | Annotated[list[TokenIds], Field(min_length=1, max_length=1)]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class SamplingFields(_Request):
+    """What both endpoints share. `n` must be 1; `logprobs` is accepted only as null/false/0."""
+
+    model: str = Field(min_length=1, max_length=256)
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(ge=-1, le=1_000_000)] | None = None          # -1 or 0: off
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    n: Literal[1] = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=16)] | None = None
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0, lt=2**31)]], Field(max_length=64)] | None = None
+    ignore_eos: bool = False
+    seed: Annotated[int, Field(ge=-(2**63), lt=2**64)] | None = None
+    user: str | None = None
+    cache_salt: Annotated[str, Field(min_length=1, max_length=1024)] | None = None
+    logprobs: Any = None
+
+    @model_validator(mode="after")
+    def _supported(self) -> SamplingFields:
+        if self.logprobs not in (None, False, 0):
+            raise ValueError("logprobs are not supported (send null)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0.0):
+                raise ValueError(f"{name} is not supported (send 0 or null); use repetition_penalty")
+        return self
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(SamplingFields):
+    """POST /v1/completions. `max_tokens` defaults to 16, as OpenAI's."""
+
+    prompt: PromptInput
+    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    echo: Literal[False] = False
+    suffix: None = None
+
+    def prompt_one(self) -> str | list[int]:
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            return p[0]
+        return p
+
+
+class TextPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | Annotated[list[TextPart], Field(max_length=256)] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(SamplingFields):
+    """POST /v1/chat/completions. `max_completion_tokens` (OpenAI's newer name) wins over `max_tokens`."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=4096)]
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+
+    @property
+    def output_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+# --- responses -----------------------------------------------------------------------------
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class Usage(BaseModel):
+    """OpenAI's usage plus DeepSeek's names: hit + miss = prompt_tokens; cached_tokens = hit."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_cache_hit_tokens: int
+    prompt_cache_miss_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+    @classmethod
+    def of(cls, prompt: int, cached: int, completion: int) -> Usage:
+        assert 0 <= cached <= prompt
+        return cls(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                   prompt_cache_hit_tokens=cached, prompt_cache_miss_tokens=prompt - cached,
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    token_ids: list[int]          # the generated ids (tiny-v4 has no tokenizer to spell them)
+    logprobs: None = None
+    finish_reason: str | None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: str | None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "kvledger"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody
+
+
+class DiffRequest(_Request):
+    """POST /dashboard/diff: two prompts as text (tokenized) or token ids."""
+
+    a: Annotated[str, Field(max_length=1_000_000)] | TokenIds
+    b: Annotated[str, Field(max_length=1_000_000)] | TokenIds

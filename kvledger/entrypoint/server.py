@@ -1,0 +1,194 @@
+"""The routes of `kvledger serve` (FastAPI). Request models live in protocol.py, the shared state
+in state.py, the request path in prepare.py (tokenize, limits, CHECK) and generate.py (engine →
+responses); this module only wires them to HTTP.
+
+    app = build_app(ServeConfig(...)); uvicorn.run(app, host=..., port=...)
+
+Every client mistake is a 4xx with OpenAI's error object (`errors.py`): malformed JSON and wrong
+types (400), a missing or wrong key (401), an unknown model (404), an oversized body (413),
+too many concurrent requests of one key (429).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+from pathlib import Path
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.staticfiles import StaticFiles
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvledger.entrypoint import dashboard
+from kvledger.entrypoint.auth import Tenant, authenticate
+from kvledger.entrypoint.body_limit import BodyLimit
+from kvledger.entrypoint.errors import ApiError, bad_request, too_many, unauthorized
+from kvledger.entrypoint.generate import Outcome, chat_body, completion_body, record, run, sse
+from kvledger.entrypoint.prepare import prepare
+from kvledger.entrypoint.protocol import (ChatCompletionRequest, CompletionRequest, DiffRequest, ErrorResponse,
+                                          ModelCard, ModelList)
+from kvledger.entrypoint.state import ServeConfig, ServerState
+
+STATIC = Path(__file__).with_name("static")
+ERRORS = {400: {"model": ErrorResponse}, 401: {"model": ErrorResponse}, 404: {"model": ErrorResponse},
+          413: {"model": ErrorResponse}, 429: {"model": ErrorResponse}}
+
+
+def build_app(config: ServeConfig, state: ServerState | None = None) -> FastAPI:
+    """The ASGI app; the engine starts (model loaded) in the app's lifespan."""
+    state = state or ServerState(config)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.start_engine()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(state.close)
+
+    app = FastAPI(title="kvledger serve", version="0.1.0", lifespan=lifespan,
+                  description="OpenAI-compatible completions on kvledger's shared, persistent KV cache.")
+    app.state.kv = state
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes, on_reject=lambda: state.metrics.error("body_too_large"))
+    _error_handlers(app, state)
+    _api_routes(app)
+    _operator_routes(app)
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+    return app
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.kv
+
+
+def authenticated(request: Request) -> Tenant:
+    """The request's tenant (a dependency: it runs before the body is validated)."""
+    state = _state(request)
+    tenant = authenticate(state.keys, request.headers.get("authorization"))
+    if tenant is None:
+        raise unauthorized()
+    return tenant
+
+
+def _admit(state: ServerState, tenant: Tenant) -> Callable[[], None]:
+    """Count the request against its key's limit; the returned release runs once."""
+    n = state.in_flight.get(tenant.label, 0)
+    if n >= state.config.max_concurrent_per_key:
+        raise too_many(state.config.max_concurrent_per_key)
+    state.in_flight[tenant.label] = n + 1
+    done = False
+
+    def release() -> None:
+        nonlocal done
+        if not done:
+            done = True
+            state.in_flight[tenant.label] -= 1
+
+    return release
+
+
+async def _serve(request: Request, tenant: Tenant, body, endpoint: str) -> Response:
+    state = _state(request)
+    release = _admit(state, tenant)
+    try:
+        prep = await prepare(state, tenant, body, endpoint)
+        if prep.stream:
+            stream = sse(state, prep, release)
+            release = _nothing  # the stream releases at its end
+            return StreamingResponse(stream, media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        out = Outcome()
+        async for _ in run(state, prep, out):
+            pass
+        record(state, prep, out)
+        return JSONResponse(chat_body(state, prep, out) if endpoint == "chat" else completion_body(state, prep, out))
+    finally:
+        release()
+
+
+def _nothing() -> None:
+    return None
+
+
+def _api_routes(app: FastAPI) -> None:
+    @app.post("/v1/completions", responses=ERRORS, tags=["openai"])
+    async def completions(request: Request, body: CompletionRequest,
+                          tenant: Tenant = Depends(authenticated)) -> Response:
+        return await _serve(request, tenant, body, "completion")
+
+    @app.post("/v1/chat/completions", responses=ERRORS, tags=["openai"])
+    async def chat_completions(request: Request, body: ChatCompletionRequest,
+                               tenant: Tenant = Depends(authenticated)) -> Response:
+        return await _serve(request, tenant, body, "chat")
+
+    @app.get("/v1/models", response_model=ModelList, responses=ERRORS, tags=["openai"])
+    async def models(request: Request, tenant: Tenant = Depends(authenticated)) -> ModelList:
+        state = _state(request)
+        return ModelList(data=[ModelCard(id=state.model, created=state.created, max_model_len=state.max_model_len)])
+
+    @app.get("/health", tags=["operator"])
+    async def health(request: Request) -> JSONResponse:
+        state = _state(request)
+        alive = state.engine is not None and state.engine.alive
+        return JSONResponse({"status": "ok" if alive else "engine down", "model": state.model},
+                            status_code=200 if alive else 503)
+
+
+def _operator_routes(app: FastAPI) -> None:
+    @app.get("/", include_in_schema=False)
+    async def page() -> FileResponse:
+        return FileResponse(STATIC / "index.html", media_type="text/html")
+
+    @app.get("/metrics", tags=["operator"])
+    async def metrics(request: Request) -> Response:
+        registry = _state(request).metrics.registry
+        return Response(await asyncio.to_thread(generate_latest, registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/dashboard/activity", tags=["operator"])
+    async def activity(request: Request) -> JSONResponse:
+        return JSONResponse(dashboard.activity(_state(request)))
+
+    @app.post("/dashboard/diff", responses=ERRORS, tags=["operator"])
+    async def diff(request: Request, body: DiffRequest) -> JSONResponse:
+        return JSONResponse(await asyncio.to_thread(dashboard.diff, _state(request), body))
+
+
+def _error_handlers(app: FastAPI, state: ServerState) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, e: ApiError) -> JSONResponse:
+        state.metrics.error(e.kind)
+        return e.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+        return await api_error(request, _validation_error(e))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+        return await api_error(request, ApiError(e.status_code, str(e.detail), code=code))
+
+    @app.exception_handler(Exception)
+    async def internal(request: Request, e: Exception) -> JSONResponse:
+        state.metrics.error("internal")
+        return ApiError(500, f"internal error: {type(e).__name__}", "server_error", code="internal_error").response()
+
+
+def _validation_error(e: RequestValidationError) -> ApiError:
+    """The first validation error as one readable line; `param` is the field's path."""
+    errors = e.errors()
+    if not errors:
+        return bad_request("invalid request")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return bad_request(f"The body is not valid JSON: {first.get('msg', '')}", code="invalid_json")
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    if first.get("type") == "missing" and not loc:
+        return bad_request("The request needs a JSON body.", code="invalid_json")
+    msg = first.get("msg", "invalid value")
+    return bad_request(f"{param}: {msg}" if param else msg, param, code="invalid_value")

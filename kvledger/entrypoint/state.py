@@ -1,0 +1,128 @@
+"""The state of one `kvledger serve` process: its configuration, ledgers, tokenizer, engine and gauges.
+
+Embedded mode (DESIGN.md "Layout"): one process holds the block ledger (segment files under
+`<data_dir>/blocks`, an in-process index), the state ledger's in-memory directory (models with
+sliding-window layers), the tokenizer and one engine whose step loop runs in its own thread.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvledger.core import ModelSpec
+from kvledger.entrypoint.activity import Activity
+from kvledger.entrypoint.async_engine import AsyncEngine
+from kvledger.entrypoint.auth import Tenant, load_keys
+from kvledger.entrypoint.cli import MODELS, default_data_dir
+from kvledger.entrypoint.metrics import ServeMetrics
+from kvledger.store.ledger import BlockLedger
+from kvledger.store.ttl import TtlPolicy
+
+MIB = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class ServeConfig:
+    """What `kvledger serve` was started with. Limits are per request unless named otherwise."""
+
+    model: str = "smollm2-135m"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    data_dir: Path = field(default_factory=default_data_dir)
+    api_keys: Path | None = None
+    no_cache: bool = False             # every request computes its whole prompt (bench baseline)
+    max_body_bytes: int = 4 * MIB
+    max_concurrent_per_key: int = 16   # running + waiting requests of one key; more → 429
+    default_max_tokens: int = 256      # chat requests that name no limit
+    max_num_seqs: int = 8
+    device: str = "cpu"
+    replay: bool = False
+
+    def __post_init__(self) -> None:
+        if self.model not in MODELS:
+            raise ValueError(f"unknown model {self.model!r}; known: {', '.join(MODELS)}")
+        assert self.max_body_bytes > 0 and self.max_concurrent_per_key > 0 and self.default_max_tokens > 0
+
+
+class ServerState:
+    """Everything the routes share. Built in the event loop's thread; `engine` is the only part
+    another thread touches (its own loop thread)."""
+
+    def __init__(self, config: ServeConfig) -> None:
+        self.config = config
+        self.model = config.model
+        self.created = int(time.time())
+        self.spec = ModelSpec.preset(config.model)
+        self.policy = TtlPolicy()
+        self.keys: dict[str, Tenant] | None = (load_keys(config.api_keys, set(self.policy.classes))
+                                               if config.api_keys is not None else None)
+        self.block_ledger = BlockLedger.open(path=Path(config.data_dir) / "blocks", policy=self.policy)
+        self.state_ledger = self._open_state_ledger()
+        self.tokenizer, self.chat_template = _text_side(config.model)
+        self.metrics = ServeMetrics(self.store_stats)
+        self.activity = Activity()
+        self.in_flight: dict[str, int] = {}   # tenant label → requests admitted and not finished
+        self.engine: AsyncEngine | None = None
+        self.max_model_len = 0
+        self.vocab_size = 0
+        self.eos_token_ids: tuple[int, ...] = ()
+
+    def _open_state_ledger(self) -> Any:
+        if not self.spec.has_swa:
+            return None
+        from kvledger.state.ledger import StateLedger
+
+        return StateLedger(self.spec, token=secrets.token_hex(16), serve=False, heartbeat=False).start()
+
+    def start_engine(self) -> AsyncEngine:
+        """Load the model (seconds) and start its step loop; call from the event loop's thread."""
+        import asyncio
+
+        from kvledger.engine.engine import Engine
+
+        engine = Engine(self.model, block_ledger=self.block_ledger, state_ledger=self.state_ledger,
+                        device=self.config.device, max_num_seqs=self.config.max_num_seqs,
+                        replay=self.config.replay)
+        self.max_model_len = engine.max_model_len
+        self.eos_token_ids = tuple(engine.eos_token_ids)
+        self.vocab_size = _vocab_size(engine, self.tokenizer)
+        self.engine = AsyncEngine(engine)
+        self.engine.start(asyncio.get_running_loop())
+        return self.engine
+
+    def store_stats(self) -> Any:
+        try:
+            return self.block_ledger.stats()
+        except Exception:  # a scrape never fails on a store fault (rule 8)
+            return None
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+        if self.state_ledger is not None:
+            self.state_ledger.close()
+        self.block_ledger.close()
+
+
+def _text_side(model: str) -> tuple[Any, Any]:
+    """(tokenizer, chat template) of a model; tiny-v4 has neither (it takes token ids)."""
+    if model != "smollm2-135m":
+        return None, None
+    from kvledger.engine.models.hf_folder import smollm2_folder
+    from kvledger.entrypoint.chat_template import ChatTemplate
+    from kvledger.entrypoint.tokenizer import load_tokenizer
+
+    return load_tokenizer("smollm2"), ChatTemplate.from_folder(smollm2_folder())
+
+
+def _vocab_size(engine: Any, tokenizer: Any) -> int:
+    for owner in (engine, getattr(engine, "model", None), getattr(engine, "config", None)):
+        n = getattr(owner, "vocab_size", None)
+        if isinstance(n, int) and n > 0:
+            return n
+    assert tokenizer is not None, "the engine names its vocabulary size, or a tokenizer does"
+    return tokenizer.get_vocab_size()

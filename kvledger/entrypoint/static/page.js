@@ -1,0 +1,172 @@
+// kvledger serve operator page: plain JS + SVG, no build step, no network beyond this server.
+// Cumulative figures are parsed from /metrics (Prometheus text format), so they equal what a
+// scrape shows; the chart and the last requests come from /dashboard/activity.
+"use strict";
+
+const $ = (id) => document.getElementById(id);
+
+function parseMetrics(text) {
+  // → [{name, labels: {k: v}, value}], comments skipped
+  const out = [];
+  for (const line of text.split("\n")) {
+    if (!line || line[0] === "#") continue;
+    const m = line.match(/^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})?\s+(\S+)/);
+    if (!m) continue;
+    const labels = {};
+    if (m[3]) for (const l of m[3].matchAll(/([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"/g)) labels[l[1]] = l[2];
+    out.push({ name: m[1], labels, value: parseFloat(m[4]) });
+  }
+  return out;
+}
+
+function sum(samples, name, where = {}) {
+  let s = 0;
+  for (const x of samples) {
+    if (x.name !== name) continue;
+    if (Object.entries(where).every(([k, v]) => x.labels[k] === v)) s += x.value;
+  }
+  return s;
+}
+
+function groups(samples, name, label) {
+  const g = {};
+  for (const x of samples) if (x.name === name) g[x.labels[label]] = (g[x.labels[label]] || 0) + x.value;
+  return g;
+}
+
+function show(id, value, text) {
+  const el = $(id);
+  el.dataset.value = String(value);
+  el.textContent = text === undefined ? fmt(value) : text;
+}
+
+function fmt(n) { return Number.isInteger(n) ? n.toLocaleString("en-US") : n.toPrecision(4); }
+function bytes(n) {
+  const u = ["B", "KB", "MB", "GB", "TB"]; let i = 0;
+  while (n >= 1000 && i < u.length - 1) { n /= 1000; i++; }
+  return (i ? n.toFixed(2) : String(n)) + " " + u[i];
+}
+function secs(s) { return s < 1 ? (s * 1000).toFixed(1) + " ms" : s.toFixed(3) + " s"; }
+
+function cell(tr, text, cls) {
+  const td = document.createElement("td"); td.textContent = text; if (cls) td.className = cls; tr.appendChild(td);
+}
+
+function fillTable(id, rows) {
+  const body = $(id).querySelector("tbody");
+  body.replaceChildren();
+  for (const r of rows) {
+    const tr = document.createElement("tr");
+    for (const c of r) Array.isArray(c) ? cell(tr, c[0], c[1]) : cell(tr, c);
+    body.appendChild(tr);
+  }
+}
+
+function renderMetrics(samples) {
+  const prompt = sum(samples, "kvledger_prompt_tokens_total");
+  const hit = sum(samples, "kvledger_prompt_cache_hit_tokens_total");
+  show("prompt-tokens", prompt);
+  show("hit-tokens", hit);
+  show("hit-rate", prompt ? hit / prompt : 0, prompt ? (100 * hit / prompt).toFixed(1) + "%" : "–");
+  show("requests", sum(samples, "kvledger_requests_total"));
+  show("errors", sum(samples, "kvledger_errors_total"));
+  for (const cache of ["cold", "hit"]) {
+    const n = sum(samples, "kvledger_time_to_first_token_seconds_count", { cache });
+    const s = sum(samples, "kvledger_time_to_first_token_seconds_sum", { cache });
+    show("ttft-" + cache, n ? s / n : 0, n ? secs(s / n) : "–");
+    show("ttft-" + cache + "-n", n, n + " requests");
+  }
+  const storeRows = (blocksName, bytesName, label) => {
+    const b = groups(samples, blocksName, label), y = groups(samples, bytesName, label);
+    return Object.keys(b).sort().map((k) => [k, fmt(b[k]), bytes(y[k] || 0)]);
+  };
+  fillTable("store-class", storeRows("kvledger_store_blocks", "kvledger_store_bytes", "ttl_class"));
+  fillTable("store-namespace", storeRows("kvledger_store_namespace_blocks", "kvledger_store_namespace_bytes", "namespace"));
+  const kinds = {};
+  for (const x of samples) {
+    if (x.name !== "kvledger_requests_total") continue;
+    const key = x.labels.namespace + "\u0000" + x.labels.hit_kind;
+    kinds[key] = [x.labels.namespace, x.labels.hit_kind];
+  }
+  fillTable("by-kind", Object.values(kinds).sort().map(([namespace, hit_kind]) => [
+    namespace, [hit_kind, "kind-" + hit_kind],
+    fmt(sum(samples, "kvledger_requests_total", { namespace, hit_kind })),
+    fmt(sum(samples, "kvledger_prompt_cache_hit_tokens_total", { namespace, hit_kind })),
+    fmt(sum(samples, "kvledger_prompt_cache_miss_tokens_total", { namespace, hit_kind }))]));
+}
+
+function renderActivity(a) {
+  $("model").textContent = a.model + (a.no_cache ? " (cache disabled)" : "");
+  fillTable("recent", a.recent.map((r) => [
+    new Date(r.at * 1000).toLocaleTimeString(), r.namespace, r.endpoint, fmt(r.prompt_tokens), fmt(r.cached_tokens),
+    fmt(r.completion_tokens), [r.hit_kind, "kind-" + r.hit_kind], r.ttft_s === null ? "–" : secs(r.ttft_s),
+    r.finish_reason || "–"]));
+  drawChart(a.series, a.bucket_s);
+}
+
+function drawChart(series, bucketS) {
+  const svg = $("chart"), W = 800, H = 220, pad = 28, ns = "http://www.w3.org/2000/svg";
+  svg.replaceChildren();
+  const el = (tag, attrs, text) => {
+    const e = document.createElementNS(ns, tag);
+    for (const [k, v] of Object.entries(attrs)) e.setAttribute(k, v);
+    if (text !== undefined) e.textContent = text;
+    svg.appendChild(e); return e;
+  };
+  if (!series.length) { el("text", { x: W / 2, y: H / 2, "text-anchor": "middle", fill: "#6b7280" }, "no requests yet"); return; }
+  const t0 = series[0].start, t1 = series[series.length - 1].start + bucketS;
+  const x = (t) => pad + (W - 2 * pad) * (t - t0) / Math.max(t1 - t0, bucketS);
+  const maxSaved = Math.max(...series.map((b) => b.cached_tokens), 1);
+  const bw = Math.max((W - 2 * pad) * bucketS / Math.max(t1 - t0, bucketS) - 1, 1);
+  for (const b of series) {
+    const h = (H - 2 * pad) * b.cached_tokens / maxSaved;
+    el("rect", { x: x(b.start), y: H - pad - h, width: bw, height: h, fill: "#9ec5fe" });
+  }
+  const pts = series.map((b) => [x(b.start) + bw / 2, H - pad - (H - 2 * pad) * (b.prompt_tokens ? b.cached_tokens / b.prompt_tokens : 0)]);
+  el("polyline", { points: pts.map((p) => p.join(",")).join(" "), fill: "none", stroke: "#d63384", "stroke-width": 2 });
+  for (const p of pts) el("circle", { cx: p[0], cy: p[1], r: 2.5, fill: "#d63384" });
+  el("line", { x1: pad, y1: H - pad, x2: W - pad, y2: H - pad, stroke: "#9aa0a6" });
+  el("text", { x: 2, y: pad - 8, "font-size": 11, fill: "#6b7280" }, fmt(maxSaved) + " tok");
+  el("text", { x: W - pad, y: pad - 8, "font-size": 11, fill: "#d63384", "text-anchor": "end" }, "100%");
+  el("text", { x: pad, y: H - 8, "font-size": 11, fill: "#6b7280" }, new Date(t0 * 1000).toLocaleTimeString());
+  el("text", { x: W - pad, y: H - 8, "font-size": 11, fill: "#6b7280", "text-anchor": "end" }, new Date(t1 * 1000).toLocaleTimeString());
+}
+
+async function refresh() {
+  try {
+    const [m, a] = await Promise.all([fetch("/metrics"), fetch("/dashboard/activity")]);
+    renderMetrics(parseMetrics(await m.text()));
+    renderActivity(await a.json());
+    $("status").textContent = "updated " + new Date().toLocaleTimeString();
+    document.body.dataset.loaded = "1";
+  } catch (e) {
+    $("status").textContent = "cannot reach the server: " + e;
+  }
+}
+
+function renderDiff(d) {
+  const box = $("diff-result");
+  box.replaceChildren();
+  const pre = document.createElement("pre");
+  const lines = [
+    `B hits ${d.hit_blocks} of its ${d.blocks_b} full blocks after A (hit ${d.hit_tokens} tokens, ${d.hit_kind}).`,
+    d.first_divergence === null ? "The prompts are identical." : `First differing token: ${d.first_divergence}.`,
+    d.recoverable_blocks ? `${d.recoverable_blocks} more blocks would hit with the differing span moved to the end.` : "",
+    ...d.reasons];
+  if (d.context && d.context.a_differs !== undefined) lines.push(`A differs: ${JSON.stringify(d.context.a_differs)}`,
+    `B differs: ${JSON.stringify(d.context.b_differs)}`);
+  pre.textContent = lines.filter(Boolean).join("\n");
+  box.appendChild(pre);
+}
+
+$("diff-form").addEventListener("submit", async (ev) => {
+  ev.preventDefault();
+  const r = await fetch("/dashboard/diff", { method: "POST", headers: { "Content-Type": "application/json" },
+    body: JSON.stringify({ a: $("diff-a").value, b: $("diff-b").value }) });
+  const d = await r.json();
+  if (!r.ok) { $("diff-result").textContent = d.error ? d.error.message : "error " + r.status; return; }
+  renderDiff(d);
+});
+
+refresh();
+setInterval(refresh, 2000);

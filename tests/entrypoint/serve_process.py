@@ -1,0 +1,120 @@
+"""`kvledger serve` as a real subprocess on a free loopback port, for the server tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+KVLEDGER = Path(sys.executable).parent / "kvledger"
+START_TIMEOUT_S = 240.0   # model load on a loaded 2-core machine
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServeProcess:
+    """Start with `start()`, stop with `stop()` (SIGTERM: a graceful shutdown, as an operator does)."""
+
+    def __init__(self, data_dir: Path, *args: str, model: str = "smollm2-135m",
+                 keys: dict | None = None) -> None:
+        self.data_dir = Path(data_dir)
+        self.args = list(args)
+        self.model = model
+        self.keys_file: Path | None = None
+        if keys is not None:
+            self.keys_file = self.data_dir.parent / f"{self.data_dir.name}-keys.json"
+            self.keys_file.write_text(json.dumps(keys))
+        self.port = 0
+        self.proc: subprocess.Popen | None = None
+        self.log = self.data_dir.parent / f"{self.data_dir.name}-serve.log"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> ServeProcess:
+        self.port = free_port()
+        cmd = [str(KVLEDGER), "serve", "--port", str(self.port), "--data-dir", str(self.data_dir),
+               "--model", self.model, *self.args]
+        if self.keys_file is not None:
+            cmd += ["--api-keys", str(self.keys_file)]
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
+        self._wait_healthy()
+        return self
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"kvledger serve exited with {self.proc.returncode}: {self.tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.3)
+        self.stop()
+        raise RuntimeError(f"kvledger serve did not become healthy in {START_TIMEOUT_S} s: {self.tail()}")
+
+    def tail(self, n: int = 3000) -> str:
+        try:
+            return self.log.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def stop(self) -> int | None:
+        if self.proc is None or self.proc.poll() is not None:
+            return None if self.proc is None else self.proc.returncode
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait(timeout=10)
+
+    def get(self, path: str, headers: dict | None = None) -> tuple[int, bytes]:
+        return request(self.url + path, headers=headers)
+
+    def post(self, path: str, body: bytes | dict, headers: dict | None = None) -> tuple[int, dict]:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        status, raw = request(self.url + path, data, {"Content-Type": "application/json", **(headers or {})})
+        try:
+            return status, json.loads(raw)
+        except json.JSONDecodeError:
+            return status, {"raw": raw.decode(errors="replace")}
+
+
+def request(url: str, data: bytes | None = None, headers: dict | None = None,
+            timeout: float = 120) -> tuple[int, bytes]:
+    req = urllib.request.Request(url, data=data, headers=headers or {}, method="POST" if data is not None else "GET")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples of `name` whose labels include `labels` (Prometheus text format)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                total += s.value
+    return total
