@@ -34,6 +34,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-cache", action="store_true", help="compute every prompt in full (a baseline)")
     p.add_argument("--max-concurrent-per-key", type=int, default=16, help="more at once → 429")
     p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies → 413")
+    p.add_argument("--max-prompt-tokens", type=int, default=None, help="longer prompts → 400 (default: the context)")
+    p.add_argument("--max-tokens-limit", type=int, default=None, help="larger max_tokens → 400 (default: the context)")
     p.add_argument("--max-num-seqs", type=int, default=8, help="requests the engine batches at once")
     p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
     p.set_defaults(func=cmd_serve)
@@ -60,12 +62,13 @@ def cmd_serve(args: argparse.Namespace) -> None:
                        "loopback only (127.0.0.1, ::1); give --api-keys FILE to listen elsewhere")
     if not 0 <= args.port < 65536:
         raise CliError("--port must lie in [0, 65535]")
-    for flag in ("max_concurrent_per_key", "max_body_bytes", "max_num_seqs"):
-        if getattr(args, flag) <= 0:
+    for flag in ("max_concurrent_per_key", "max_body_bytes", "max_num_seqs", "max_prompt_tokens", "max_tokens_limit"):
+        if getattr(args, flag) is not None and getattr(args, flag) <= 0:
             raise CliError(f"--{flag.replace('_', '-')} must be > 0")
     config = ServeConfig(model=args.model, host=args.host, port=args.port, data_dir=args.data_dir or default_data_dir(),
                          api_keys=args.api_keys, no_cache=args.no_cache, max_body_bytes=args.max_body_bytes,
-                         max_concurrent_per_key=args.max_concurrent_per_key, max_num_seqs=args.max_num_seqs)
+                         max_concurrent_per_key=args.max_concurrent_per_key, max_num_seqs=args.max_num_seqs,
+                         max_prompt_tokens=args.max_prompt_tokens, max_tokens_limit=args.max_tokens_limit)
     try:
         state = ServerState(config)
     except (KeyFileError, OSError) as e:

@@ -24,6 +24,7 @@ from kvledger.entrypoint.protocol import ChatCompletionRequest, CompletionReques
 from kvledger.entrypoint.state import ServerState
 
 DEFAULT_TEMPERATURE = 1.0   # OpenAI's default; send 0 for greedy
+COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,14 +112,24 @@ def _nonempty(tokens: np.ndarray, param: str) -> np.ndarray:
 
 
 def sampling_params(state: ServerState, body: SamplingFields, prompt_len: int) -> SamplingParams:
+    param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
+    cap = state.config.max_prompt_tokens
+    if cap is not None and prompt_len > cap:
+        raise ApiError(400, f"The prompt has {prompt_len} tokens; this server takes at most {cap}.", param=param,
+                       code="prompt_too_long")
     room = state.max_model_len - prompt_len
     if room < 1:
         raise ApiError(400, f"This model's maximum context length is {state.max_model_len} tokens; the prompt has "
-                       f"{prompt_len} (at least one token must be left to generate).", param="messages"
-                       if isinstance(body, ChatCompletionRequest) else "prompt", code="context_length_exceeded")
-    limit = body.output_limit if isinstance(body, ChatCompletionRequest) else body.max_tokens
+                       f"{prompt_len} (at least one token must be left to generate).", param=param,
+                       code="context_length_exceeded")
+    chat = isinstance(body, ChatCompletionRequest)
+    limit = body.output_limit if chat else body.max_tokens
+    most = state.config.max_tokens_limit
     if limit is None:
-        limit = min(state.config.default_max_tokens, room)
+        limit = min(state.config.default_max_tokens if chat else COMPLETION_MAX_TOKENS, room, most or room)
+    if most is not None and limit > most:
+        raise bad_request(f"max_tokens is {limit}; this server generates at most {most} tokens per request.",
+                          "max_tokens", "max_tokens_too_large")
     if limit > room:
         raise ApiError(400, f"This model's maximum context length is {state.max_model_len} tokens; you requested "
                        f"{prompt_len + limit} ({prompt_len} in the prompt, {limit} to generate).",

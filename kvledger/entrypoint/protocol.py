@@ -69,10 +69,11 @@ class SamplingFields(_Request):
 
 
 class CompletionRequest(SamplingFields):
-    """POST /v1/completions. `max_tokens` defaults to 16, as OpenAI's."""
+    """POST /v1/completions. `max_tokens` defaults to 16, as OpenAI's (less if the context or the
+    server's limit leaves less)."""
 
     prompt: PromptInput
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
     echo: Literal[False] = False
     suffix: None = None
 

@@ -38,6 +38,8 @@ class ServeConfig:
     max_body_bytes: int = 4 * MIB
     max_concurrent_per_key: int = 16   # running + waiting requests of one key; more → 429
     default_max_tokens: int = 256      # chat requests that name no limit
+    max_prompt_tokens: int | None = None   # None: the model's context minus one
+    max_tokens_limit: int | None = None    # None: what the context leaves after the prompt
     max_num_seqs: int = 8
     device: str = "cpu"
     replay: bool = False
