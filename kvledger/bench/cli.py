@@ -10,6 +10,7 @@ BENCHES = {
     "store": "kvledger.bench.store_bench",   # block ledger: read/write vs plain files, CHECK vs vLLM-style hashing
     "state": "kvledger.bench.state_bench",   # state ledger: snapshot pulls vs a plain socket, directory lookups
     "sim": "kvledger.bench.sim",             # cluster simulator driven by a trace
+    "serve": "kvledger.bench.serve_bench",   # kvledger serve under multi-turn chats vs --no-cache
 }
 
 

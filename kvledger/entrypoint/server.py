@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 from collections.abc import Callable
 from pathlib import Path
+from typing import Annotated
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -53,7 +54,8 @@ def build_app(config: ServeConfig, state: ServerState | None = None) -> FastAPI:
     app = FastAPI(title="kvledger serve", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible completions on kvledger's shared, persistent KV cache.")
     app.state.kv = state
-    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes, on_reject=lambda: state.metrics.error("body_too_large"))
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes,
+                       on_reject=lambda: state.metrics.error("request_too_large"))
     _error_handlers(app, state)
     _api_routes(app)
     _operator_routes(app)
@@ -72,6 +74,9 @@ def authenticated(request: Request) -> Tenant:
     if tenant is None:
         raise unauthorized()
     return tenant
+
+
+AuthTenant = Annotated[Tenant, Depends(authenticated)]
 
 
 def _admit(state: ServerState, tenant: Tenant) -> Callable[[], None]:
@@ -117,16 +122,16 @@ def _nothing() -> None:
 def _api_routes(app: FastAPI) -> None:
     @app.post("/v1/completions", responses=ERRORS, tags=["openai"])
     async def completions(request: Request, body: CompletionRequest,
-                          tenant: Tenant = Depends(authenticated)) -> Response:
+                          tenant: AuthTenant) -> Response:
         return await _serve(request, tenant, body, "completion")
 
     @app.post("/v1/chat/completions", responses=ERRORS, tags=["openai"])
     async def chat_completions(request: Request, body: ChatCompletionRequest,
-                               tenant: Tenant = Depends(authenticated)) -> Response:
+                               tenant: AuthTenant) -> Response:
         return await _serve(request, tenant, body, "chat")
 
     @app.get("/v1/models", response_model=ModelList, responses=ERRORS, tags=["openai"])
-    async def models(request: Request, tenant: Tenant = Depends(authenticated)) -> ModelList:
+    async def models(request: Request, tenant: AuthTenant) -> ModelList:
         state = _state(request)
         return ModelList(data=[ModelCard(id=state.model, created=state.created, max_model_len=state.max_model_len)])
 
@@ -142,6 +147,10 @@ def _operator_routes(app: FastAPI) -> None:
     @app.get("/", include_in_schema=False)
     async def page() -> FileResponse:
         return FileResponse(STATIC / "index.html", media_type="text/html")
+
+    @app.get("/favicon.ico", include_in_schema=False)
+    async def favicon() -> Response:
+        return Response(status_code=204)
 
     @app.get("/metrics", tags=["operator"])
     async def metrics(request: Request) -> Response:

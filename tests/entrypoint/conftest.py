@@ -1,6 +1,9 @@
 import pytest
 
-from tests.entrypoint.serve_process import ServeProcess
+from kvledger.util.serve_process import ServeProcess
+
+# The server runs the reference engine; until kvledger/engine/engine.py lands, its tests skip.
+pytest.importorskip("kvledger.engine.engine", reason="the reference engine has not landed yet")
 
 # Limits of the shared server: small enough that a fuzzer's request never runs for long.
 LIMITS = ("--max-prompt-tokens", "512", "--max-tokens-limit", "8", "--max-body-bytes", "65536",

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis.checks import not_a_server_error
 
-from tests.entrypoint.serve_process import metric
+from tests.entrypoint.metrics_text import metric
 
 MODEL = "smollm2-135m"
 

@@ -4,7 +4,7 @@ after a restart; tenants never share; a wrong key gets 401."""
 import openai
 import pytest
 
-from tests.entrypoint.serve_process import ServeProcess
+from kvledger.util.serve_process import ServeProcess
 
 ALPHA, BETA = "sk-alpha-0123456789", "sk-beta-9876543210"
 KEYS = {ALPHA: "alpha", BETA: {"namespace": "beta", "ttl_class": "agent"}}

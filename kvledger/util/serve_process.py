@@ -1,4 +1,4 @@
-"""`kvledger serve` as a real subprocess on a free loopback port, for the server tests."""
+"""`kvledger serve` as a real subprocess on a free loopback port (the server tests, `kvledger bench serve`)."""
 
 from __future__ import annotations
 
@@ -106,15 +106,3 @@ def request(url: str, data: bytes | None = None, headers: dict | None = None,
             return r.status, r.read()
     except urllib.error.HTTPError as e:
         return e.code, e.read()
-
-
-def metric(text: str, name: str, **labels: str) -> float:
-    """Sum of the samples of `name` whose labels include `labels` (Prometheus text format)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    total = 0.0
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                total += s.value
-    return total

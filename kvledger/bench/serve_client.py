@@ -1,0 +1,73 @@
+"""A small blocking client for `kvledger bench serve`: one streamed /v1/completions call with token
+ids, timed on the client side (standard library only: the bench needs no HTTP package).
+
+TTFT = request sent → first SSE chunk that carries a generated token (seconds, perf_counter).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import time
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+
+class ServeError(RuntimeError):
+    """The server answered with an error (its message included)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    token_ids: tuple[int, ...]
+    prompt_tokens: int
+    cached_tokens: int
+    ttft_s: float
+    latency_s: float
+
+
+def stream_completion(url: str, model: str, prompt: list[int], max_tokens: int, *, api_key: str | None = None,
+                      timeout_s: float = 600.0) -> Reply:
+    """Greedy, `ignore_eos` (every run generates the same number of tokens), usage in the last chunk."""
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                       "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}})
+    parts = urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout_s)
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    t0 = time.perf_counter()
+    try:
+        conn.request("POST", "/v1/completions", body, headers)
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise ServeError(f"HTTP {resp.status}: {resp.read()[:500]!r}")
+        return _read_stream(resp, t0)
+    finally:
+        conn.close()
+
+
+def _read_stream(resp: http.client.HTTPResponse, t0: float) -> Reply:
+    ids: list[int] = []
+    ttft = None
+    usage = None
+    for raw in resp:
+        line = raw.strip()
+        if not line.startswith(b"data: "):
+            continue
+        data = line[6:]
+        if data == b"[DONE]":
+            break
+        chunk = json.loads(data)
+        if "error" in chunk:
+            raise ServeError(chunk["error"].get("message", "error"))
+        for choice in chunk.get("choices") or ():
+            if choice.get("token_ids"):
+                if ttft is None:
+                    ttft = time.perf_counter() - t0
+                ids.extend(choice["token_ids"])
+        usage = chunk.get("usage") or usage
+    if ttft is None or usage is None:
+        raise ServeError("the stream ended without tokens or usage")
+    return Reply(tuple(ids), usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"], ttft,
+                 time.perf_counter() - t0)

@@ -1,0 +1,99 @@
+"""The operator page in headless Chromium: after a few requests, the numbers it shows equal /metrics."""
+
+import re
+import shutil
+import subprocess
+from html.parser import HTMLParser
+
+import pytest
+
+from tests.entrypoint.metrics_text import metric
+
+CHROMIUM = shutil.which("chromium")
+MODEL = "smollm2-135m"
+PROMPT = "The operator page shows hit rates. " * 30   # > 128 tokens: the second request hits
+
+
+def chromium(url: str, user_data_dir, *extra: str, budget_ms: int = 8000) -> subprocess.CompletedProcess:
+    """Headless Chromium, a fresh profile, no network beyond the page's own server."""
+    cmd = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+           "--disable-component-update", "--no-first-run", "--disable-dev-shm-usage",
+           f"--user-data-dir={user_data_dir}", f"--virtual-time-budget={budget_ms}", *extra, url]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+
+
+class Values(HTMLParser):
+    """id → data-value of every element that has both, and the text of each table's body cells."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.values: dict[str, str] = {}
+        self.body_loaded = False
+        self.tables: dict[str, list[list[str]]] = {}
+        self._table: str | None = None
+        self._cell: list[str] | None = None
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        if tag == "body" and a.get("data-loaded") == "1":
+            self.body_loaded = True
+        if "id" in a and "data-value" in a:
+            self.values[a["id"]] = a["data-value"]
+        if tag == "table":
+            self._table = a.get("id")
+            self.tables[self._table] = []
+        elif tag == "tr" and self._table:
+            self.tables[self._table].append([])
+        elif tag == "td":
+            self._cell = []
+
+    def handle_data(self, data):
+        if self._cell is not None:
+            self._cell.append(data)
+
+    def handle_endtag(self, tag):
+        if tag == "td" and self._cell is not None and self._table:
+            self.tables[self._table][-1].append("".join(self._cell))
+            self._cell = None
+        elif tag == "table":
+            self._table = None
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (make system installs it)")
+def test_page_numbers_equal_metrics(open_server, tmp_path):
+    for _ in range(2):   # cold, then a hit
+        status, body = open_server.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 2,
+                                                            "temperature": 0})
+        assert status == 200, body
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    run = chromium(open_server.url + "/", tmp_path / "profile", "--dump-dom")
+    assert run.returncode == 0, run.stderr[-2000:]
+    page = Values()
+    page.feed(run.stdout)
+    assert page.body_loaded, run.stdout[:2000]
+    text = open_server.get("/metrics")[1].decode()
+    prompt = metric(text, "kvledger_prompt_tokens_total")
+    hit = metric(text, "kvledger_prompt_cache_hit_tokens_total")
+    assert prompt > 0 and hit > 0
+    assert float(page.values["prompt-tokens"]) == prompt
+    assert float(page.values["hit-tokens"]) == hit
+    assert float(page.values["hit-rate"]) == pytest.approx(hit / prompt)
+    assert float(page.values["requests"]) == metric(text, "kvledger_requests_total")
+    for cache in ("cold", "hit"):
+        n = metric(text, "kvledger_time_to_first_token_seconds_count", cache=cache)
+        total = metric(text, "kvledger_time_to_first_token_seconds_sum", cache=cache)
+        assert float(page.values[f"ttft-{cache}-n"]) == n >= 1
+        assert float(page.values[f"ttft-{cache}"]) == pytest.approx(total / n)
+    store = {row[0]: int(row[1].replace(",", "")) for row in page.tables["store-class"][1:] if row}
+    assert store and store == {k: int(metric(text, "kvledger_store_blocks", ttl_class=k)) for k in store}
+    recent = [row for row in page.tables["recent"][1:] if row]
+    assert recent and recent[0][6] in ("full", "snapshot", "fallback", "replay")   # the newest request hit
+    assert re.fullmatch(r"[\d,]+", recent[0][4]) and int(recent[0][4].replace(",", "")) > 0
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (make system installs it)")
+def test_page_renders_offline_screenshot(open_server, tmp_path):
+    shot = tmp_path / "page.png"
+    run = chromium(open_server.url + "/", tmp_path / "profile", f"--screenshot={shot}", "--window-size=1280,1500")
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert shot.stat().st_size > 10_000

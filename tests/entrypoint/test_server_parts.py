@@ -1,0 +1,172 @@
+"""The server's parts without a running engine: request models, API keys, cache salts, text streams,
+the chat template, the body limit."""
+
+import json
+
+import pytest
+from pydantic import ValidationError
+from starlette.applications import Starlette
+from starlette.responses import PlainTextResponse
+from starlette.routing import Route
+from starlette.testclient import TestClient
+
+from kvledger.core import ModelSpec, chain_keys, salted_namespace
+from kvledger.entrypoint.auth import KeyFileError, authenticate, load_keys
+from kvledger.entrypoint.body_limit import BodyLimit
+from kvledger.entrypoint.chat_template import ChatTemplate, ChatTemplateError
+from kvledger.entrypoint.detokenize import TextStream
+from kvledger.entrypoint.protocol import ChatCompletionRequest, CompletionRequest
+
+CLASSES = {"agent", "chatbot"}
+
+# --- request models -------------------------------------------------------------------------
+
+
+def test_requests_accept_what_vllm_and_sglang_clients_send():
+    r = CompletionRequest.model_validate({"model": "m", "prompt": [1, 2, 3], "ignore_eos": True, "top_k": -1,
+                                          "repetition_penalty": 1.1, "logprobs": None, "seed": 7, "stop": "\n",
+                                          "cache_salt": "s", "n": 1, "user": "u", "best_of": 1})
+    assert r.prompt_one() == [1, 2, 3] and r.stop_strings == ("\n",) and r.cache_salt == "s"
+    assert CompletionRequest.model_validate({"model": "m", "prompt": ["hi"]}).prompt_one() == "hi"
+    assert CompletionRequest.model_validate({"model": "m", "prompt": [[5, 6]]}).prompt_one() == [5, 6]
+    c = ChatCompletionRequest.model_validate({"model": "m", "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+        "max_tokens": 5, "max_completion_tokens": 3, "stream": True, "stream_options": {"include_usage": True}})
+    assert c.messages[0].text() == "ab" and c.output_limit == 3 and c.include_usage
+
+
+@pytest.mark.parametrize("bad", [
+    {"prompt": "x"},                                   # no model
+    {"model": "m", "prompt": 3},
+    {"model": "m", "prompt": "x", "max_tokens": "4"},  # strict: no string for an int
+    {"model": "m", "prompt": "x", "max_tokens": 0},
+    {"model": "m", "prompt": "x", "stream": 1},
+    {"model": "m", "prompt": "x", "n": 2},
+    {"model": "m", "prompt": "x", "logprobs": 3},
+    {"model": "m", "prompt": "x", "presence_penalty": 0.5},
+    {"model": "m", "prompt": ["a", "b"]},             # one prompt per request
+    {"model": "m", "prompt": [1, -2]},
+    {"model": "m", "prompt": "x", "top_p": 0},
+    {"model": "m", "prompt": "x", "temperature": 3},
+    {"model": "m", "prompt": "x", "echo": True},
+])
+def test_completion_request_rejects(bad):
+    with pytest.raises(ValidationError):
+        CompletionRequest.model_validate(bad)
+
+
+# --- API keys and namespaces -----------------------------------------------------------------
+
+
+def test_key_file_maps_keys_to_tenants(tmp_path):
+    f = tmp_path / "keys.json"
+    f.write_text(json.dumps({"sk-aaaaaaaa": "alpha", "sk-bbbbbbbb": {"namespace": "beta", "ttl_class": "agent"}}))
+    keys = load_keys(f, CLASSES)
+    assert authenticate(keys, "Bearer sk-aaaaaaaa").namespace == "alpha"
+    beta = authenticate(keys, "bearer sk-bbbbbbbb")
+    assert (beta.namespace, beta.ttl_class) == ("beta", "agent")
+    for header in (None, "", "Bearer", "Bearer sk-cccccccc", "Basic sk-aaaaaaaa", "sk-aaaaaaaa"):
+        assert authenticate(keys, header) is None
+    assert authenticate(None, None).namespace == "default"   # open server
+
+
+@pytest.mark.parametrize("content", [
+    "not json", "[]", "{}", '{"short": "ns"}', '{"sk-aaaaaaaa": "bad namespace!"}',
+    '{"sk-aaaaaaaa": {"namespace": "a", "ttl_class": "forever"}}', '{"sk-aaaaaaaa": {"namespace": "a", "x": 1}}',
+    '{"sk-aaaaaaaa": "a#salt-00"}',
+])
+def test_bad_key_files_are_refused(tmp_path, content):
+    f = tmp_path / "keys.json"
+    f.write_text(content)
+    with pytest.raises(KeyFileError):
+        load_keys(f, CLASSES)
+
+
+def test_cache_salt_splits_a_namespace_without_collisions():
+    spec = ModelSpec.preset("smollm2-135m")
+    tokens = list(range(300))
+    assert salted_namespace("alpha", None) == "alpha" == salted_namespace("alpha", "")
+    pairs = [("alpha", "x"), ("alpha", "y"), ("beta", "x"), ("alph", "ax"), ("alpha#salt-", "x")]
+    names = {salted_namespace(ns, salt) for ns, salt in pairs}
+    assert len(names) == len(pairs) and "alpha" not in names
+    assert salted_namespace("alpha", "x") == salted_namespace("alpha", "x")   # stable across calls
+    roots = {chain_keys(tokens, spec, n)[0] for n in names | {"alpha"}}
+    assert len(roots) == len(pairs) + 1
+
+
+# --- text streams -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from kvledger.entrypoint.tokenizer import load_tokenizer
+
+    return load_tokenizer("smollm2")
+
+
+def test_text_stream_sends_whole_characters_only(tokenizer):
+    text = "Grüße 🙂 日本語 done"
+    ids = tokenizer.encode(text).ids
+    stream = TextStream(tokenizer.decode)
+    deltas = [stream.push([i]) for i in ids]
+    deltas.append(stream.finish())
+    assert "".join(deltas) == text
+    assert all("\ufffd" not in d for d in deltas)
+
+
+def test_text_stream_stops_before_a_stop_string_split_over_tokens(tokenizer):
+    ids = tokenizer.encode("alpha beta STOP gamma delta").ids
+    stream = TextStream(tokenizer.decode, stop=("STOP",))
+    sent = ""
+    for i in ids:
+        sent += stream.push([i])
+        if stream.stopped:
+            break
+    sent += stream.finish()
+    assert stream.stopped and sent == "alpha beta "
+
+
+# --- chat template ----------------------------------------------------------------------------
+
+
+def test_smollm2_chat_template_renders_as_hugging_face_does():
+    from kvledger.engine.models.hf_folder import smollm2_folder
+
+    template = ChatTemplate.from_folder(smollm2_folder())
+    text = template.render([{"role": "user", "content": "Hi"}])
+    assert text == ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
+                    "<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    own = template.render([{"role": "system", "content": "S"}, {"role": "user", "content": "Q"}])
+    assert own.startswith("<|im_start|>system\nS<|im_end|>\n")
+
+
+def test_chat_template_errors_are_client_errors():
+    t = ChatTemplate("{% if messages[0]['role'] != 'user' %}{{ raise_exception('first must be user') }}{% endif %}x")
+    assert t.render([{"role": "user", "content": "a"}]) == "x"
+    with pytest.raises(ChatTemplateError, match="first must be user"):
+        t.render([{"role": "system", "content": "a"}])
+
+
+# --- body limit -------------------------------------------------------------------------------
+
+
+def _echo_app(limit: int) -> TestClient:
+    async def echo(request):
+        return PlainTextResponse(str(len(await request.body())))
+
+    app = Starlette(routes=[Route("/", echo, methods=["POST"])])
+    return TestClient(BodyLimit(app, max_bytes=limit))
+
+
+def test_body_limit_refuses_large_bodies_with_413():
+    client = _echo_app(1000)
+    assert client.post("/", content=b"x" * 1000).text == "1000"
+    r = client.post("/", content=b"x" * 1001)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+    def chunks():
+        for _ in range(5):
+            yield b"y" * 300
+
+    r = client.post("/", content=chunks())   # no Content-Length: counted as it arrives
+    assert r.status_code == 413
