@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import struct
 import threading
 import time
@@ -38,6 +39,7 @@ from typing import Protocol
 from kvledger.core import KEY_BYTES
 from kvledger.state import auth
 
+log = logging.getLogger(__name__)
 DEFAULT_HOLDER_TTL_S = 10.0
 DEFAULT_ENTRY_TTL_S = 24 * 3600.0
 
@@ -348,6 +350,7 @@ class RedisDirectory:
         self._lookup = self._r.register_script(_LOOKUP_LUA)
         self._errors = (redis.RedisError, OSError)
         self.faults = 0  # lookups answered "absent" because Redis failed
+        self._logged: set[type] = set()
 
     def _snap(self, key: bytes) -> str:
         return f"{self.prefix}snap:{key.hex()}"
@@ -389,8 +392,12 @@ class RedisDirectory:
         try:
             with deadline(self.timeout_s):
                 return self._lookup_raw(keys)
-        except self._errors:
+        except self._errors as e:
             self.faults += 1
+            if type(e) not in self._logged:  # the first fault of each type, with its traceback
+                self._logged.add(type(e))
+                log.warning("state directory on Redis: lookup fault (counted in faults; later ones of this "
+                            "type are not logged)", exc_info=True)
             return [None] * len(keys)
 
     def _lookup_raw(self, keys: Sequence[bytes]) -> list[SnapshotEntry | None]:

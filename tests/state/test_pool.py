@@ -108,3 +108,22 @@ def test_concurrent_writers_and_readers_never_see_torn_or_wrong_bytes():
             t.join()
         assert not errors
         assert len(pool) == 8 and pool.pinned_count() == 0
+
+
+def test_another_process_maps_the_pool_by_name_and_its_exit_leaves_the_segment():
+    """`attach` in a subprocess reads the bytes; when it exits, the segment is still there (Python's
+    resource tracker would unlink a plain SharedMemory(name) mapping at that process's exit)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from kvledger.state.pool import attach\n"
+            "shm = attach(sys.argv[1]); print(bytes(shm.buf[:64]).hex()); shm.close()\n")
+    with SlotPool(1000, 2) as pool:
+        data = os.urandom(1000)
+        assert pool.put(_key(1), 128, data).stored
+        for _ in range(2):  # a second process can attach after the first one left
+            out = subprocess.run([sys.executable, "-c", code, pool.name], capture_output=True, text=True, timeout=60)
+            assert out.returncode == 0, out.stderr
+            assert bytes.fromhex(out.stdout.strip()) == data[:64]
+            assert "leaked" not in out.stderr and Path("/dev/shm", pool.name.lstrip("/")).exists()
+        assert pool.get(_key(1)) == data
