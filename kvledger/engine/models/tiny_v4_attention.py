@@ -1,0 +1,168 @@
+"""tiny-v4's attention over one layer's keys: a sliding window joined with compressed entries.
+
+Keys of a query at position i (one softmax over both sets):
+
+    window      latents at positions max(floor, i − W + 1) .. i        (W = 128)
+    CSA         the top-k compressed entries g < ⌊(i + 1) / 4⌋ by the lightning indexer's score
+    HCA         every compressed entry g < ⌊(i + 1) / 128⌋
+    (entry g covers positions [g·ratio, (g + 1)·ratio) and is visible once its group is closed)
+
+`floor` is 0 normally, s = L1 − 128 after a truncation (fallback / replay), and the YoCo anchor
+for the consumer layers. Queries run in tiles of 128 aligned to absolute positions, so a window
+never spans more than 255 keys and no L × L mask is ever built; the same tiles (same shapes)
+come up in a cold prefill and in a resume at a block boundary, so both compute the same floats.
+
+K and V share the latent (MQA with one shared head, as V4); rotary position on the first
+`rope_dim` dims of queries and keys only: values stay position-free.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+TILE = 128
+MIN_ROWS = 4
+
+
+class Rope:
+    """Rotary position on the first `dim` dims (half-split pairs); cos/sin tables grow on demand."""
+
+    def __init__(self, dim: int, base: float) -> None:
+        self.dim, self.base = dim, base
+        self._cos: Tensor | None = None
+        self._sin: Tensor | None = None
+
+    def _tables(self, n: int, like: Tensor) -> tuple[Tensor, Tensor]:
+        if self._cos is None or self._cos.shape[0] < n or self._cos.device != like.device:
+            size = max(2 * n, 4096)
+            half = self.dim // 2
+            freqs = self.base ** (-torch.arange(half, dtype=torch.float64) / half)
+            angles = torch.arange(size, dtype=torch.float64)[:, None] * freqs[None, :]
+            self._cos = angles.cos().to(like.device, like.dtype)
+            self._sin = angles.sin().to(like.device, like.dtype)
+        return self._cos, self._sin
+
+    def apply(self, x: Tensor, positions: Tensor) -> Tensor:
+        """Rotate x[..., d] by `positions` (x's leading dims, or all but d's last one); negative positions: 0."""
+        cos, sin = self._tables(int(positions.max().item()) + 1 if positions.numel() else 1, x)
+        positions = positions.clamp(min=0)
+        cos, sin = cos[positions], sin[positions]
+        half = self.dim // 2
+        a, b, rest = x[..., :half], x[..., half:self.dim], x[..., self.dim:]
+        return torch.cat([a * cos - b * sin, a * sin + b * cos, rest], dim=-1)
+
+
+class Compressed(NamedTuple):
+    """The compressed keys of one query tile: shared ([n, d], HCA) or per query ([q, k, d], CSA)."""
+
+    keys: Tensor    # roped
+    values: Tensor
+    valid: Tensor   # [q, n] or [q, k] bool
+
+
+def mm(x: Tensor, w: Tensor) -> Tensor:
+    """x @ w computed in a GEMM of at least MIN_ROWS rows (see `pad_rows`)."""
+    return (pad_rows(x, 0) @ w)[:x.shape[0]]
+
+
+def pad_rows(x: Tensor, dim: int) -> Tensor:
+    """x with zero rows appended along `dim` up to MIN_ROWS.
+
+    On the CPU kernels measured here a GEMM row's result depends on the other rows only when the
+    GEMM has fewer than 4 rows (a different kernel); padding keeps a decode step or a 1-token chunk
+    on the same arithmetic as a long prefill, so a resume computes the cold prefill's floats."""
+    short = MIN_ROWS - x.shape[dim]
+    if short <= 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = short
+    return torch.cat([x, x.new_zeros(shape)], dim=dim)
+
+
+def tiles(lo: int, hi: int) -> list[tuple[int, int]]:
+    """[lo, hi) cut at multiples of TILE."""
+    out, start = [], lo
+    while start < hi:
+        end = min((start // TILE + 1) * TILE, hi)
+        out.append((start, end))
+        start = end
+    return out
+
+
+def canonical_keys(rows: Tensor, first: int, lo: int, hi: int) -> tuple[Tensor, int]:
+    """Window keys laid out so that the tile at [128·b, ...) reads positions [128·b − 128, 128·b + 128).
+
+    `rows` hold positions [first, hi). Returns (keys, base): keys[j] is position base + j, zeros where
+    no row is held (always masked: before the window, or in the future of every query)."""
+    base = (lo // TILE - 1) * TILE
+    end = ((hi - 1) // TILE + 1) * TILE
+    keys = rows.new_zeros(end - base, rows.shape[1])
+    keys[first - base:hi - base] = rows
+    return keys, base
+
+
+def window_mask(q_pos: Tensor, k_pos: Tensor, window: int, floor: int) -> Tensor:
+    """[q, k] bool: key j is in query i's window: max(floor, i − W + 1) <= j <= i."""
+    diff = q_pos[:, None] - k_pos[None, :]
+    return (diff >= 0) & (diff < window) & (k_pos[None, :] >= floor)
+
+
+def attend(q: Tensor, win_k: Tensor, win_v: Tensor, win_valid: Tensor, comp: Compressed | None) -> Tensor:
+    """One tile. q [h, q, d] roped; win_k/win_v [k, d]; returns [q, h·d]. Rows with no key give 0."""
+    n_q, n_win = q.shape[1], win_k.shape[0]
+    q, win_valid = pad_rows(q, 1), pad_rows(win_valid, 0)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    scores = torch.einsum("hqd,kd->hqk", q, win_k) * scale
+    scores = scores.masked_fill(~win_valid[None], float("-inf"))
+    if comp is not None:
+        keys, values, valid = comp
+        if keys.dim() == 3:
+            keys, values = pad_rows(keys, 0), pad_rows(values, 0)
+        eq = "hqd,qkd->hqk" if keys.dim() == 3 else "hqd,kd->hqk"
+        cs = torch.einsum(eq, q, keys) * scale
+        scores = torch.cat([scores, cs.masked_fill(~pad_rows(valid, 0)[None], float("-inf"))], dim=-1)
+    probs = torch.softmax(scores, dim=-1)
+    probs = torch.nan_to_num(probs, nan=0.0)  # a row with no key at all (masked YoCo rows) attends nothing
+    out = torch.einsum("hqk,kd->hqd", probs[..., :n_win], win_v)
+    if comp is not None:
+        eq = "hqk,qkd->hqd" if values.dim() == 3 else "hqk,kd->hqd"
+        out = out + torch.einsum(eq, probs[..., n_win:], values)
+    return out[:, :n_q].permute(1, 0, 2).reshape(n_q, -1)
+
+
+def _entries(entries: Tensor, n: int) -> Tensor:
+    """The first n entries, zero-padded when fewer are closed (those are masked for every query)."""
+    if entries.shape[0] >= n:
+        return entries[:n]
+    return torch.cat([entries, entries.new_zeros(n - entries.shape[0], entries.shape[1])])
+
+
+def hca_keys(entries: Tensor, q_pos: Tensor, tile: int, ratio: int, rope: Rope) -> Compressed | None:
+    """Every entry a query of tile `tile` may see (n = (tile + 1)·TILE / ratio), masked by g < ⌊(i + 1) / ratio⌋."""
+    n = (tile + 1) * TILE // ratio
+    g = torch.arange(n, device=entries.device)
+    valid = g[None, :] < ((q_pos + 1) // ratio)[:, None]
+    assert entries.shape[0] >= int(((q_pos[-1] + 1) // ratio).item()), "entries of closed groups are missing"
+    rows = _entries(entries, n)
+    return Compressed(rope.apply(rows, (g + 1) * ratio - 1), rows, valid)
+
+
+def csa_keys(entries: Tensor, index_keys: Tensor, iq: Tensor, iw: Tensor, q_pos: Tensor, tile: int, ratio: int,
+             top_k: int, rope: Rope) -> Compressed | None:
+    """The indexer's top-k closed entries per query: score(i, g) = Σ_h w_h(i) · relu(q_h(i) · k_g).
+
+    iq [q, hi, di], iw [q, hi]. Fewer than k closed entries: all of them (the rest masked)."""
+    n = (tile + 1) * TILE // ratio
+    g = torch.arange(n, device=entries.device)
+    valid = g[None, :] < ((q_pos + 1) // ratio)[:, None]
+    assert entries.shape[0] >= int(((q_pos[-1] + 1) // ratio).item()), "entries of closed groups are missing"
+    score = torch.einsum("qhd,nd->qhn", pad_rows(iq, 0), _entries(index_keys, n)).relu()
+    score = torch.einsum("qhn,qh->qn", score, pad_rows(iw, 0))[:q_pos.shape[0]]
+    score = score.masked_fill(~valid, float("-inf"))
+    top, idx = torch.topk(score, min(top_k, n), dim=-1)
+    rows = _entries(entries, n)[idx]
+    return Compressed(rope.apply(rows, (idx + 1) * ratio - 1), rows, torch.isfinite(top))
