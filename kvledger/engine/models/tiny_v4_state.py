@@ -125,8 +125,8 @@ def empty_state(spec: ModelSpec, latent_dim: int, index_dim: int, *, pos: int, a
     """A state at `pos` with empty windows, no entries and empty tails (groups are closed at pos)."""
     assert pos % spec.block_size == 0, "a state starts at a block boundary"
     stored = spec.swa_stored_layers
-    windows = [Window(floor if l < stored else anchor, torch.zeros(0, latent_dim, device=device, dtype=dtype))
-               for l in range(spec.n_layers)]
+    windows = [Window(floor if layer < stored else anchor, torch.zeros(0, latent_dim, device=device, dtype=dtype))
+               for layer in range(spec.n_layers)]
     entries: list[Tensor | None] = []
     index_keys: list[Tensor | None] = []
     tails: list[Tail | None] = []
@@ -243,8 +243,8 @@ def load_snapshot(state: SeqState, spec: ModelSpec, data: bytes | memoryview) ->
     ring, position = spec.inference_ring(), state.pos
     per_layer = len(data) // spec.swa_stored_layers
     view = memoryview(data)
-    for l in range(spec.swa_stored_layers):
-        window = state.windows[l]
-        rows = _from_bytes(view[l * per_layer:(l + 1) * per_layer], window.latents.shape[1], window.latents)
+    for layer in range(spec.swa_stored_layers):
+        window = state.windows[layer]
+        rows = _from_bytes(view[layer * per_layer:(layer + 1) * per_layer], window.latents.shape[1], window.latents)
         skip = max(ring - position, 0)  # slots before position 0
-        state.windows[l] = Window(position - ring + skip, rows[skip:])
+        state.windows[layer] = Window(position - ring + skip, rows[skip:])
