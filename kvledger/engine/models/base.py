@@ -73,6 +73,7 @@ class Chunk:
     slot: int = -1               # state slot (window ring) of the sequence; -1 for models without SWA
     keep_blocks_until: int = 0   # block KV of positions < this is reused, never written (replay)
     truncate_from: int | None = None
+    prompt_len: int = 0          # L, the sequence's prompt length (tiny-v4: YoCo anchor L − 134); 0: not given
 
     def __post_init__(self) -> None:
         assert self.tokens.dim() == 1 and self.tokens.numel() > 0, "a chunk computes at least one token"

@@ -23,6 +23,7 @@ Both give the same logits (tests: relative L2 <= 1e-5).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -30,7 +31,10 @@ import torch
 from torch import Tensor, nn
 
 from kvledger.core.spec import LayerKind, ModelSpec
+from kvledger.engine.models.base import BeforeLayer, Chunk, Model
 from kvledger.engine.models.tiny_v4_attention import mm
+from kvledger.engine.models.tiny_v4_cache import TinyV4LayerCache
+from kvledger.engine.models.tiny_v4_engine import engine_forward
 from kvledger.engine.models.tiny_v4_layers import MLP, Attention, RMSNorm
 from kvledger.engine.models.tiny_v4_state import SeqState, block_layout, empty_state, yoco_anchor
 
@@ -65,8 +69,9 @@ class Layer(nn.Module):
         self.mlp = MLP(gen, cfg.hidden, cfg.mlp_hidden)
 
 
-class TinyV4(nn.Module):
-    """The model. `forward` runs one chunk of one sequence against its `SeqState`."""
+class TinyV4(Model):
+    """The model. `step` runs one chunk of one sequence against its own `SeqState` (tests, paths);
+    `forward` runs the engine's chunks against the device caches (`base.Model`)."""
 
     def __init__(self, cfg: TinyV4Config | None = None, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32) -> None:
@@ -75,6 +80,7 @@ class TinyV4(nn.Module):
         self.spec = spec = ModelSpec.preset("tiny-v4")
         assert cfg.window == spec.window and cfg.latent_dim * 2 == spec.swa_bytes_per_token
         self.layout = block_layout(spec, cfg.latent_dim, cfg.index_dim)
+        parts = {part.layer: part for part in self.layout}
         self.encoder_layers = spec.swa_stored_layers
         gen = torch.Generator().manual_seed(cfg.seed)
         self.embed = nn.Parameter(torch.randn(cfg.vocab_size, cfg.hidden, generator=gen), requires_grad=False)
@@ -84,7 +90,10 @@ class TinyV4(nn.Module):
         self.lm_head = nn.Parameter(torch.randn(cfg.hidden, cfg.vocab_size, generator=gen) * cfg.hidden ** -0.5,
                                     requires_grad=False)
         self.to(device=device, dtype=dtype)
-        self.device, self.dtype = torch.device(device), dtype
+        self.dtype = dtype
+        self.caches = [TinyV4LayerCache(spec, i, parts.get(i), cfg.latent_dim, cfg.index_dim)
+                       for i in range(spec.n_layers)]
+        self.vocab_size, self.eos_token_ids, self.max_model_len = cfg.vocab_size, (cfg.eos_token_id,), 131072
 
     def _ratio(self, kind: LayerKind) -> int | None:
         return {LayerKind.CSA: self.spec.csa_ratio, LayerKind.HCA: self.spec.hca_ratio}.get(kind)
@@ -98,31 +107,44 @@ class TinyV4(nn.Module):
         state.exact = floor == 0
         return state
 
+    def forward(self, chunks: Sequence[Chunk], before_layer: BeforeLayer | None = None) -> Tensor:
+        """The engine's forward over its device caches (`tiny_v4_engine`)."""
+        return engine_forward(self, chunks, before_layer)
+
     @torch.inference_mode()
-    def forward(self, state: SeqState, tokens: Tensor, *, yoco: YocoMode = "compact", compress: bool = True,
-                all_logits: bool = False) -> Tensor | None:
-        """Compute positions [state.pos, state.pos + len(tokens)); return logits of the last row (or, with
-        `all_logits`, of every row >= the anchor), None when no row reaches the anchor.
+    def step(self, state: SeqState, tokens: Tensor, *, yoco: YocoMode = "compact", compress: bool = True,
+             all_logits: bool = False) -> Tensor | None:
+        """Compute positions [state.pos, state.pos + len(tokens)) of one sequence held in `state`; return the
+        logits of the last row (with `all_logits`, of every row >= the anchor), None when no row reaches it.
 
         `compress=False` (bounded replay): the encoder rebuilds its windows only; entries come from
         the block ledger and are neither recomputed nor overwritten."""
         q0, q1 = state.pos, state.pos + len(tokens)
         x = self.embed[tokens.to(self.device)]
         for i in range(self.encoder_layers):
-            x = self._layer(state, i, x, q0, state.floor, compress)
-        if compress:
-            h = self.encoder_norm(x)
-            for i in range(self.encoder_layers, self.spec.n_layers):
-                self.layers[i].attn.compressor.update(state, i, h)
+            x = self.encode(state, i, x, q0, compress)
+        h = self.encoder_norm(x)
         lo = self._consumer_start(state, q0, q1, yoco) if q1 > state.anchor else q1
         y = x[lo - q0:]
         for i in range(self.encoder_layers, self.spec.n_layers):
-            if lo < q1:
-                y = self._layer(state, i, y, lo, state.anchor, False)
+            y = self.consume(state, i, h, y, lo, compress)
         self._finish(state, q1)
         if lo >= q1:
             return None
-        y = y[max(state.anchor - lo, 0):] if all_logits else y[-1:]
+        return self.head(y[max(state.anchor - lo, 0):] if all_logits else y[-1:])
+
+    def encode(self, state: SeqState, i: int, x: Tensor, lo: int, compress: bool) -> Tensor:
+        """Encoder layer i over rows [lo, lo + len(x)) (state.pos = lo)."""
+        return self._layer(state, i, x, lo, state.floor, compress)
+
+    def consume(self, state: SeqState, i: int, h: Tensor, y: Tensor, lo: int, compress: bool) -> Tensor:
+        """Consumer layer i: its compressor reads the encoder's last hidden state h (rows from state.pos);
+        the layer computes rows [lo, lo + len(y)) (lo >= the anchor; none when y is empty)."""
+        if compress:
+            self.layers[i].attn.compressor.update(state, i, h)
+        return self._layer(state, i, y, lo, state.anchor, False) if y.shape[0] else y
+
+    def head(self, y: Tensor) -> Tensor:
         return mm(self.final_norm(y), self.lm_head)
 
     def _consumer_start(self, state: SeqState, q0: int, q1: int, yoco: YocoMode) -> int:
@@ -151,3 +173,8 @@ class TinyV4(nn.Module):
         ring = self.spec.kvstore_ring()
         for window in state.windows:
             window.trim(ring)
+
+
+def load_tiny_v4(device: torch.device) -> TinyV4:
+    """The engine's loader (`base.MODELS`): tiny-v4 with its fixed-seed weights on `device`."""
+    return TinyV4(device=device)

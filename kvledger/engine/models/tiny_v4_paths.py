@@ -37,7 +37,7 @@ def run(model: TinyV4, state: SeqState, tokens: Tensor, *, chunk: int | None = N
     step = chunk or max(len(tokens), 1)
     outs = []
     for lo in range(0, len(tokens), step):
-        out = model(state, tokens[lo:lo + step], yoco=yoco, all_logits=all_logits)
+        out = model.step(state, tokens[lo:lo + step], yoco=yoco, all_logits=all_logits)
         if out is not None:
             outs.append(out)
     if not outs:
@@ -84,7 +84,7 @@ def prefill_hit(model: TinyV4, tokens: Sequence[int] | Tensor, decision: HitDeci
         return state, run(model, state, tokens[s:], **kw)
     assert decision.kind is HitKind.REPLAY, f"tiny-v4 has sliding windows: no {decision.kind} hit"
     state = resume_state(model, len(tokens), s, blocks[:l1 // size], None, floor=floor)
-    assert model(state, tokens[s:l1], compress=False) is None, "replay computes no consumer row"
+    assert model.step(state, tokens[s:l1], compress=False) is None, "replay computes no consumer row"
     return state, run(model, state, tokens[l1:], **kw)
 
 

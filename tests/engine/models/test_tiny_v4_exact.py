@@ -20,7 +20,7 @@ def greedy(model, state, first: torch.Tensor, n: int) -> list[int]:
     out, token = [], int(first.argmax())
     for _ in range(n):
         out.append(token)
-        token = int(model(state, torch.tensor([token])).argmax())
+        token = int(model.step(state, torch.tensor([token])).argmax())
     return out
 
 
@@ -70,7 +70,7 @@ def test_next_turn_after_decode_hits_past_the_first_prompt(tiny_v4):  # noqa: F8
     replica, token, turn = {}, int(logits[-1].argmax()), first.tolist()
     while len(turn) < 390:  # decode across the boundary at 384: copy the window there (rule 4)
         turn.append(token)
-        token = int(tiny_v4(state, torch.tensor([token])).argmax())
+        token = int(tiny_v4.step(state, torch.tensor([token])).argmax())
         if state.pos % 128 == 0:
             replica[state.pos] = snapshot_bytes(state, spec, state.pos)
     blocks = ledger_blocks(tiny_v4, state, state.pos // 128)

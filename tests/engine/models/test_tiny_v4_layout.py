@@ -38,7 +38,7 @@ def test_block_layout_tiles_the_spec_block():
 def test_bytes_have_the_spec_sizes_and_round_trip(tiny_v4):  # noqa: F811
     spec, tokens = tiny_v4.spec, prompt(300, seed=1)
     state = tiny_v4.new_state(len(tokens))
-    tiny_v4(state, tokens)
+    tiny_v4.step(state, tokens)
     blocks = [block_bytes(state, tiny_v4.layout, b) for b in range(2)]
     assert all(len(data) == spec.block_bytes() for data in blocks)
     snap = snapshot_bytes(state, spec, 256)
@@ -62,7 +62,7 @@ def test_bytes_have_the_spec_sizes_and_round_trip(tiny_v4):  # noqa: F811
 def test_snapshot_before_position_134_is_zero_padded(tiny_v4):  # noqa: F811
     spec = tiny_v4.spec
     state = tiny_v4.new_state(200)
-    tiny_v4(state, prompt(200, seed=2))
+    tiny_v4.step(state, prompt(200, seed=2))
     snap = snapshot_bytes(state, spec, 128)
     per_layer = len(snap) // 4
     assert snap[:6 * 128] == bytes(6 * 128) and snap[per_layer:per_layer + 6 * 128] == bytes(6 * 128)

@@ -54,6 +54,6 @@ def test_mask_and_compact_agree(tiny_v4, chunk):  # noqa: F811
         rows = mask.windows[i].rows(mask.anchor, len(tokens))
         assert rel_l2(rows, compact.windows[i].latents) <= 1e-5, f"consumer {i} window"
     for _ in range(3):
-        a = tiny_v4(compact, torch.tensor([7]), yoco="compact")
-        b = tiny_v4(mask, torch.tensor([7]), yoco="mask")
+        a = tiny_v4.step(compact, torch.tensor([7]), yoco="compact")
+        b = tiny_v4.step(mask, torch.tensor([7]), yoco="mask")
         assert rel_l2(b, a) <= 1e-5, "decode after mask vs compact"
