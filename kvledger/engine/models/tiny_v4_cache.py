@@ -29,7 +29,7 @@ class TinyV4LayerCache(LayerCache):
     def __init__(self, spec: ModelSpec, layer: int, part: LayerSlice | None, latent_dim: int, index_dim: int) -> None:
         self.kind, self.layer, self.part = spec.layers[layer], layer, part
         self.latent_dim, self.index_dim = latent_dim, index_dim
-        self.ring_len, self.snapshot_len = spec.kvstore_ring(), spec.inference_ring()
+        self.ring_len, self.snapshot_len, self.window = spec.kvstore_ring(), spec.inference_ring(), spec.window
         self.block_bytes = part.end - part.offset if part else 0
         stored = layer < spec.swa_stored_layers
         self.window_bytes = self.snapshot_len * latent_dim * 2 if stored else 0
@@ -75,14 +75,22 @@ class TinyV4LayerCache(LayerCache):
         self.end[slot] = hi
 
     def export_window(self, slot: int, position: int, out: Tensor) -> None:
-        """Positions [position − 134, position) as fp16 bytes into `out`; zeros before position 0."""
-        lo = max(position - self.snapshot_len, 0)
+        """Positions [position − 134, position) as fp16 bytes into `out`.
+
+        Slots before position 0, or before a truncation at s (fallback / replay), are zeros: only
+        the last W − 1 = 127 are ever read back, and those are always held (every store position
+        is >= s + 128)."""
+        lo = max(position - self.snapshot_len, 0, self.valid_from[slot])
+        assert lo <= position - (self.window - 1) or lo == 0, (
+            f"layer {self.layer} slot {slot}: the window at {position} starts at {lo}: not restorable")
         assert self.end[slot] - self.ring_len <= lo and position <= self.end[slot], "window no longer in the ring"
         rows = torch.zeros(self.snapshot_len, self.latent_dim, dtype=torch.float16)
         rows[self.snapshot_len - (position - lo):] = self.read_window(slot, lo, position).to("cpu", torch.float16)
         out.copy_(rows.view(-1).view(torch.uint8))
 
     def import_window(self, slot: int, position: int, src: Tensor) -> None:
+        """Restore the window at `position`; the zero slots of a truncated export are read as held but
+        never attended (a query at >= position attends position − 127 on)."""
         rows = src.to(self.ring.device).contiguous().view(torch.float16).view(self.snapshot_len, self.latent_dim)
         lo = max(position - self.snapshot_len, 0)
         self.reset(slot, lo)

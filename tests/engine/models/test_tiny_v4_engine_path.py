@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kvledger.core.hit import decide_hit
+from kvledger.core.hit import decide_hit, prefill_store_positions
 from kvledger.engine.models.base import Chunk, load_model
 from kvledger.engine.models.tiny_v4_paths import ledger_blocks, prefill_cold, prefill_hit
 from tests.engine.models.tiny_v4_helpers import prompt, tiny_v4  # noqa: F401
@@ -88,3 +88,8 @@ def test_fallback_and_replay_through_the_caches(engine_model, replay):
     if replay:  # the replayed block [s, L1) is reused as it is, never written
         n = decision.block_hit_tokens // 128
         assert [ledger_block(model, b) for b in table(21)[:n].tolist()] == blocks[:n]
+    snap = torch.zeros(model.spec.state_size_to_disk(), dtype=torch.uint8)
+    for position in prefill_store_positions(L, model.spec):  # rule 4 after a truncated prefill
+        model.export_window(2, position, snap)
+        missing = max(s - (position - 134), 0)  # slack slots before s: zeros; the last 127 are held
+        assert not snap[:missing * 128].any() and snap[missing * 128:134 * 128].any()
