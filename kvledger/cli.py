@@ -7,16 +7,15 @@ With `--json`, a command prints exactly one JSON object on stdout.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from rich.console import Console
 
-from kvledger.util.output import CliError, emit_json
+from kvledger.util.output import CliError, emit_json, finite_float, loads_strict
 
 EXIT_USAGE = 2
 # Command groups that live with their packages; each module has `register(subparsers)`.
@@ -24,6 +23,12 @@ COMMAND_GROUPS = ("kvledger.store.cli", "kvledger.bench.cli", "kvledger.entrypoi
 
 
 class _Parser(argparse.ArgumentParser):
+    """argparse with one line on error and finite floats: every `type=float` flag refuses nan and inf."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.register("type", float, finite_float)
+
     def error(self, message: str) -> NoReturn:
         _fail(f"{self.prog}: {message}")
 
@@ -50,7 +55,7 @@ def _pairs(text: str, what: str) -> dict[str, float]:
         try:
             if not sep or not name:
                 raise ValueError
-            out[name.strip()] = float(value)
+            out[name.strip()] = finite_float(value)
         except ValueError:
             raise CliError(f"{what}: expected NAME=NUMBER[,NAME=NUMBER...], got {text!r}") from None
     return out
@@ -60,13 +65,12 @@ def _pairs(text: str, what: str) -> dict[str, float]:
 
 def cmd_plan(args: argparse.Namespace) -> None:
     from kvledger.core import Link, Traffic, plan
-    from kvledger.core.plan import DEFAULT_TTL_DAYS
+    from kvledger.core.plan import DEFAULT_TTL_DAYS, check_tokens
     from kvledger.render import plan_json, plan_table
 
     spec = _spec(args.model)
-    if args.tokens < 0:
-        raise CliError("--tokens must be >= 0")
     try:
+        check_tokens("--tokens", args.tokens)
         traffic = Traffic(requests_per_day=args.requests_per_day, reuse=args.reuse, output_tokens=args.output_tokens,
                           mix=_pairs(args.mix, "--mix"), ttl_days={**DEFAULT_TTL_DAYS, **_pairs(args.ttl, "--ttl")})
         link = Link(fetch_bytes_per_s=args.fetch_gbps * 1e9, fetch_latency_s=args.fetch_latency_ms / 1e3,
@@ -96,9 +100,9 @@ def _read_prompt(arg: str, encode: Callable[[str], list[int]] | None) -> tuple[l
     stripped = content.lstrip()
     if stripped.startswith("["):
         try:
-            data = json.loads(content)
-        except json.JSONDecodeError as e:
-            raise CliError(f"{arg}: not a JSON list of token ids ({e.msg} at line {e.lineno})") from None
+            data = loads_strict(content)
+        except ValueError as e:
+            raise CliError(f"{arg}: not a JSON list of token ids ({e})") from None
         if not isinstance(data, list):
             raise CliError(f"{arg}: not a JSON list of token ids")
         for i, t in enumerate(data):
@@ -130,7 +134,7 @@ def cmd_diff(args: argparse.Namespace) -> None:
 
     a, _ = _read_prompt(args.a, encode)
     b, _ = _read_prompt(args.b, encode)
-    d = diff_prompts(a, b, spec, args.namespace)
+    d = diff_prompts(a, b, spec, args.namespace, args.namespace_b)
     decode = (lambda ids: tok.decode(ids, skip_special_tokens=False)) if tok is not None else None
     if args.json:
         emit_json(diff_json(d, a, b, spec.name, decode))
@@ -175,7 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
     df.add_argument("b", help="prompt B, likewise")
     df.add_argument("--model", default="deepseek-v4.1-flash", help=f"one of: {models}")
     df.add_argument("--tokenizer", default="smollm2", help="for text prompts: smollm2, a .gguf or a tokenizer.json")
-    df.add_argument("--namespace", default="default")
+    df.add_argument("--namespace", default="default", help="namespace (tenant) A was cached in")
+    df.add_argument("--namespace-b", default=None, help="namespace B is asked in (default: --namespace)")
     df.add_argument("--json", action="store_true", help="print one JSON object")
     df.set_defaults(func=cmd_diff)
 

@@ -8,7 +8,6 @@ tables come from (`--sweep ttl|capacity|routing|swa`).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import re
 from dataclasses import replace
@@ -21,7 +20,7 @@ from kvledger.bench.trace import DEFAULT_TRACE, TTL_CLASSES, Trace, TraceError, 
 from kvledger.bench.workloads import WORKLOADS, generate
 from kvledger.core import ModelSpec
 from kvledger.core.plan import DEFAULT_TTL_DAYS, PUBLISHED_PREFILL_TOKENS_PER_S
-from kvledger.util.output import CliError, emit_json
+from kvledger.util.output import CliError, dumps_strict, emit_json, loads_strict
 
 HELP = "cluster simulator: hit rate, TTFT and store size vs TTL, capacity, routing, SWA strategy"
 _UNITS = {"": 1, "B": 1, "K": 1e3, "KB": 1e3, "M": 1e6, "MB": 1e6, "G": 1e9, "GB": 1e9, "T": 1e12, "TB": 1e12,
@@ -70,8 +69,8 @@ def parse_swa(text: str) -> tuple[str, int]:
 def read_calibration(path: str) -> float:
     """`read_bytes_per_s` from the JSON of `kvledger bench store --json` (top level, or nested)."""
     try:
-        obj = json.loads(Path(path).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        obj = loads_strict(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
         raise CliError(f"--calibration {path}: cannot read JSON ({e})") from None
 
     def find(o: Any) -> Any:
@@ -121,9 +120,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def load_requests(args: argparse.Namespace) -> Trace:
     if args.workload:
-        if args.sessions is not None and args.sessions < 1:
-            raise CliError("--sessions must be >= 1")
-        return generate(args.workload, args.seed, args.sessions)
+        try:
+            return generate(args.workload, args.seed, args.sessions)
+        except ValueError as e:
+            raise CliError(f"--{e}") from None
     try:
         return read_trace(args.trace or DEFAULT_TRACE)
     except TraceError as e:
@@ -232,7 +232,7 @@ def run(args: argparse.Namespace) -> None:
                   "store_size_over_time": downsample(res.store_series), "assumptions": assumptions}
         name = "sim"
     if out:
-        (out / f"{name}.json").write_text(json.dumps(report, indent=1) + "\n")
+        (out / f"{name}.json").write_text(dumps_strict(report, indent=1) + "\n")
         from kvledger.bench import plots
 
         if args.sweep:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import pickle
 import shutil
@@ -32,10 +31,13 @@ from typing import Any
 import numpy as np
 
 from kvledger.core import ModelSpec, chain_keys
-from kvledger.util.output import CliError, emit_json
+from kvledger.util.output import CliError, dumps_strict, emit_json
 
 HELP = "block ledger: read/write vs plain files, CHECK vs vLLM-style hashing"
 CHECK_TOKENS = (8192, 131072, 1048576)
+
+
+MAX_CHECK_TOKENS = 1 << 26  # 64 M tokens: a prompt's ids alone are 256 MB
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -252,8 +254,14 @@ def run(args: argparse.Namespace) -> None:
         raise CliError(str(e)) from None
     if args.reps < 1 or args.check_reps < 1 or args.blocks_per_put < 1 or args.total_mb <= 0:
         raise CliError("--reps, --check-reps, --blocks-per-put and --total-mb must be positive")
+    for flag, value, limit in (("--reps", args.reps, 1000), ("--check-reps", args.check_reps, 10_000),
+                               ("--blocks-per-put", args.blocks_per_put, 65_536), ("--total-mb", args.total_mb, 1e6)):
+        if value > limit:
+            raise CliError(f"{flag} is {value:g}, more than the limit of {limit:g}")
     if any(spec.block_size > L for L in sizes):
         raise CliError(f"--check-tokens: each length must be at least one block ({spec.block_size})")
+    if any(L > MAX_CHECK_TOKENS for L in sizes):
+        raise CliError(f"--check-tokens: each length must be at most {MAX_CHECK_TOKENS:,} tokens")
     if args.dir is not None and not Path(args.dir).is_dir():
         raise CliError(f"--dir {args.dir}: no such directory")
     base = Path(tempfile.mkdtemp(prefix="kvledger-bench-store-", dir=args.dir))
@@ -321,7 +329,7 @@ def _write_out(out: Path, r: dict[str, Any]) -> None:
     import matplotlib.pyplot as plt
 
     out.mkdir(parents=True, exist_ok=True)
-    (out / "store.json").write_text(json.dumps(r, indent=1) + "\n")
+    (out / "store.json").write_text(dumps_strict(r, indent=1) + "\n")
     fig, ax = plt.subplots(figsize=(5, 3.2))
     x = np.arange(2)
     ax.bar(x - 0.2, [r["write_bytes_per_s"] / 1e9, r["read_bytes_per_s"] / 1e9], 0.4, label="kvledger")

@@ -15,6 +15,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvledger.util.output import loads_strict
+
 MOONCAKE_BLOCK_TOKENS = 512
 TTL_CLASSES = ("agent", "chatbot")
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -101,14 +103,21 @@ class Trace:
         return len(self.requests)
 
 
+MAX_TOKENS = 1 << 24       # input_length, output_length, block_tokens, a segment: at most this many tokens
+MAX_TIMESTAMP_MS = 1e13    # about 317 years of trace
+
+
 def _int(obj: dict, key: str, where: str, *, required: bool = True, default: int = 0) -> int:
     if key not in obj:
         if required:
             raise TraceError(f"{where}: missing key {key!r}")
         return default
     value = obj[key]
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or value != int(value):
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0
+            or value != int(value)):
         raise TraceError(f"{where}: {key!r} must be a non-negative integer, got {value!r}")
+    if value > MAX_TOKENS:
+        raise TraceError(f"{where}: {key!r} is {value:.6g}, more than the limit of {MAX_TOKENS:,} tokens")
     return int(value)
 
 
@@ -124,14 +133,16 @@ def _ids(obj: dict, key: str, where: str, required: bool) -> tuple[int, ...]:
 def parse_line(line: str, where: str) -> Request:
     """One JSONL line → Request; `TraceError` (naming `where`) for anything malformed."""
     try:
-        obj = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise TraceError(f"{where}: not JSON ({e.msg})") from None
+        obj = loads_strict(line)
+    except ValueError as e:
+        raise TraceError(f"{where}: not JSON ({e})") from None
     if not isinstance(obj, dict):
         raise TraceError(f"{where}: expected a JSON object")
     ts = obj.get("timestamp")
     if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts) or ts < 0:
         raise TraceError(f"{where}: 'timestamp' must be a non-negative number of ms, got {ts!r}")
+    if ts > MAX_TIMESTAMP_MS:
+        raise TraceError(f"{where}: 'timestamp' is {ts:.6g} ms, more than the limit of {MAX_TIMESTAMP_MS:.0e} ms")
     length = _int(obj, "input_length", where)
     out = _int(obj, "output_length", where)
     bt = _int(obj, "block_tokens", where, required=False, default=MOONCAKE_BLOCK_TOKENS)
@@ -147,7 +158,9 @@ def parse_line(line: str, where: str) -> Request:
     segs = obj.get("segments", [])
     try:
         segments = tuple(Segment(int(s), int(n)) for s, n in segs)
-    except (TypeError, ValueError):
+        if any(not 0 < s.length <= MAX_TOKENS for s in segments):
+            raise ValueError
+    except (TypeError, ValueError, OverflowError):
         raise TraceError(f"{where}: 'segments' must be a list of [seed, length] pairs") from None
     if segments and sum(s.length for s in segments) != length + out:
         raise TraceError(f"{where}: 'segments' do not add up to input_length + output_length")

@@ -209,10 +209,17 @@ def agent(cfg: AgentConfig = AgentConfig()) -> Trace:
     return Trace(tuple(requests), f"workload:agent seed={cfg.seed} sessions={cfg.sessions}")
 
 
+MAX_SESSIONS = 100_000  # 100× the chat default; a simulation of more would not fit in memory
+
+
 def generate(name: str, seed: int = 0, sessions: int | None = None, block_tokens: int = 128) -> Trace:
     """`chat` or `agent` with its defaults, a seed, and optionally a number of sessions."""
     if name not in WORKLOADS:
         raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}")
+    if sessions is not None and not 1 <= sessions <= MAX_SESSIONS:
+        raise ValueError(f"sessions must lie in [1, {MAX_SESSIONS:,}], got {sessions:,}")
+    if not 0 <= seed < 2**63:
+        raise ValueError(f"seed must lie in [0, 2**63), got {seed}")
     cfg = ChatConfig() if name == "chat" else AgentConfig()
     cfg = replace(cfg, seed=seed, block_tokens=block_tokens, **({} if sessions is None else {"sessions": sessions}))
     return chat(cfg) if name == "chat" else agent(cfg)

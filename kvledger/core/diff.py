@@ -33,9 +33,13 @@ class PromptDiff:
     reasons: tuple[str, ...]      # why B's blocks after `hit_blocks` miss, first cause first
 
 
-def diff_prompts(a: Sequence[int], b: Sequence[int], spec: ModelSpec, namespace: str = "default") -> PromptDiff:
+def diff_prompts(a: Sequence[int], b: Sequence[int], spec: ModelSpec, namespace: str = "default",
+                 namespace_b: str | None = None) -> PromptDiff:
+    """A was cached in `namespace`; B is asked in `namespace_b` (the same by default). Hits are
+    decided by chain keys alone, so two namespaces share no block whatever their tokens."""
     keys_a = chain_keys(a, spec, namespace)
-    keys_b = chain_keys(b, spec, namespace)
+    keys_b = chain_keys(b, spec, namespace if namespace_b is None else namespace_b)
+    same_ns = namespace_b is None or namespace_b == namespace
     hit_blocks = 0
     for ka, kb in zip(keys_a, keys_b):
         if ka != kb:
@@ -52,7 +56,8 @@ def diff_prompts(a: Sequence[int], b: Sequence[int], spec: ModelSpec, namespace:
         while suffix < min(len(a), len(b)) - first and a[-1 - suffix] == b[-1 - suffix]:
             suffix += 1
         a_span, b_span = (first, len(a) - suffix), (first, len(b) - suffix)
-        assert hit_blocks == min(first // bs, len(keys_a), len(keys_b)), "chain keys disagree with the token diff"
+    expected = min(n // bs if first is None else first // bs, len(keys_a), len(keys_b)) if same_ns else 0
+    assert hit_blocks == expected, "chain keys disagree with the token diff"
 
     snapshots = {p for p in prefill_store_positions(len(a), spec) if p <= hit_blocks * bs}
     decision = decide_hit(len(b), hit_blocks, snapshots, spec)
@@ -60,20 +65,24 @@ def diff_prompts(a: Sequence[int], b: Sequence[int], spec: ModelSpec, namespace:
     # With the differing spans moved to the end, A and B would share their common prefix
     # and common suffix as one prefix: the blocks of that, beyond today's hits, are won back.
     common = min(len(a) - (a_span[1] - a_span[0]), len(b) - (b_span[1] - b_span[0]))
-    recoverable = max(common // bs - hit_blocks, 0)
+    recoverable = max(common // bs - hit_blocks, 0) if same_ns else 0
 
     return PromptDiff(
         len_a=len(a), len_b=len(b), first_divergence=first, a_span=a_span, b_span=b_span,
         cached_blocks_a=len(keys_a), hit_blocks=hit_blocks, blocks_b=len(keys_b), decision=decision,
-        recoverable_blocks=recoverable, reasons=_reasons(first, hit_blocks, len(keys_a), len(keys_b), decision, spec),
+        recoverable_blocks=recoverable,
+        reasons=(() if same_ns else ("A and B are in different namespaces: they share no block",))
+        + _reasons(first, hit_blocks, len(keys_a), len(keys_b), decision, spec, same_ns),
     )
 
 
 def _reasons(
-    first: int | None, hit: int, blocks_a: int, blocks_b: int, d: HitDecision, spec: ModelSpec
+    first: int | None, hit: int, blocks_a: int, blocks_b: int, d: HitDecision, spec: ModelSpec, same_ns: bool
 ) -> tuple[str, ...]:
     bs = spec.block_size
     out: list[str] = []
+    if not same_ns:
+        return ()
     if first is not None and first // bs < min(blocks_a, blocks_b):
         blk = first // bs
         out.append(f"token {first} differs, so block {blk} [{blk * bs}, {(blk + 1) * bs}) "

@@ -41,14 +41,30 @@ TOKEN_BYTES = 4  # every token id is hashed as a little-endian uint32
 @functools.lru_cache(maxsize=4096)
 def root_key(spec: ModelSpec, namespace: str = "default") -> bytes:
     """key_{-1}: the salt of every chain of this model in this namespace (memoized: the
-    fingerprint costs ~0.2 ms, a whole CHECK ~4 ms)."""
+    fingerprint costs ~0.2 ms, a whole CHECK ~4 ms).
+
+    Any `str` is a namespace, of any length, lone surrogates included: it is hashed as UTF-8
+    with 'surrogatepass' (the same bytes as plain UTF-8 for every valid string, so keys of
+    valid namespaces are what they always were), length-prefixed."""
     fp = spec.fingerprint().encode()
-    ns = namespace.encode("utf-8")
+    ns = namespace_bytes(namespace)
     h = hashlib.sha256(b"kvledger/chain")
     h.update(struct.pack("<III", FORMAT_VERSION, len(fp), len(ns)))
     h.update(fp)
     h.update(ns)
     return h.digest()[:KEY_BYTES]
+
+
+def namespace_bytes(namespace: str) -> bytes:
+    """A namespace (tenant, API key, cache salt) as bytes: UTF-8, lone surrogates passed through.
+
+    `ValueError` when it is not a `str`, or when it exceeds 2**32 − 1 bytes (the length prefix)."""
+    if not isinstance(namespace, str):
+        raise ValueError(f"a namespace is a str, not {type(namespace).__name__}")
+    raw = namespace.encode("utf-8", "surrogatepass")
+    if len(raw) >= 2**32:
+        raise ValueError("a namespace is at most 2**32 - 1 bytes")
+    return raw
 
 
 def salted_namespace(namespace: str, salt: str | None) -> str:
@@ -58,7 +74,7 @@ def salted_namespace(namespace: str, salt: str | None) -> str:
     starts with the namespace so operators still see whose it is. No salt: the namespace itself."""
     if not salt:
         return namespace
-    ns, sb = namespace.encode("utf-8"), salt.encode("utf-8")
+    ns, sb = namespace_bytes(namespace), namespace_bytes(salt)
     h = hashlib.sha256(b"kvledger/salt")
     h.update(struct.pack("<II", len(ns), len(sb)))
     h.update(ns)

@@ -18,6 +18,25 @@ DAY_S = 86_400
 # DESIGN.md: a 128K-token prompt takes 13 s to first token without a hit.
 PUBLISHED_PREFILL_TOKENS_PER_S = 131_072 / 13
 DEFAULT_TTL_DAYS = {"agent": 3.0, "chatbot": 7.0}
+MAX_PROMPT_TOKENS = 1 << 30        # one prompt (or its output): at most ~1.07 billion tokens
+MAX_REQUESTS_PER_DAY = 1e12
+MAX_TTL_DAYS = 36_500.0            # a century
+
+
+def _check_finite(**values: float) -> None:
+    """`ValueError` naming the first value that is nan or ±inf (every comparison with nan is False)."""
+    for name, v in values.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise ValueError(f"{name} must be a finite number, got {v!r}")
+
+
+def check_tokens(name: str, n: object) -> int:
+    """A token count: an int (not a bool) in [0, MAX_PROMPT_TOKENS]; `ValueError` naming the limit otherwise."""
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise ValueError(f"{name} must be an integer, got {n!r}")
+    if not 0 <= n <= MAX_PROMPT_TOKENS:
+        raise ValueError(f"{name} must lie in [0, {MAX_PROMPT_TOKENS:,}], got {n:,}")
+    return n
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,8 +50,14 @@ class Traffic:
     ttl_days: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_TTL_DAYS))
 
     def __post_init__(self) -> None:
-        if self.requests_per_day < 0 or self.output_tokens < 0:
-            raise ValueError("requests per day and output tokens must be >= 0")
+        _check_finite(requests_per_day=self.requests_per_day, reuse=self.reuse)
+        _check_finite(**{f"mix share of {k}": v for k, v in self.mix.items()})
+        _check_finite(**{f"TTL days of {k}": v for k, v in self.ttl_days.items()})
+        check_tokens("output tokens", self.output_tokens)
+        if not 0 <= self.requests_per_day <= MAX_REQUESTS_PER_DAY:
+            raise ValueError(f"requests per day must lie in [0, {MAX_REQUESTS_PER_DAY:.0e}]")
+        if any(v > MAX_TTL_DAYS for v in self.ttl_days.values()):
+            raise ValueError(f"TTLs must be at most {MAX_TTL_DAYS:,.0f} days")
         if not 0 <= self.reuse <= 1:
             raise ValueError("reuse must lie in [0, 1]")
         if any(v < 0 for v in self.mix.values()) or not math.isclose(sum(self.mix.values()), 1.0, abs_tol=1e-6):
@@ -53,6 +78,8 @@ class Link:
     prefill_tokens_per_s: float = PUBLISHED_PREFILL_TOKENS_PER_S
 
     def __post_init__(self) -> None:
+        _check_finite(fetch_bytes_per_s=self.fetch_bytes_per_s, fetch_latency_s=self.fetch_latency_s,
+                      prefill_tokens_per_s=self.prefill_tokens_per_s)
         if self.fetch_bytes_per_s <= 0 or self.prefill_tokens_per_s <= 0 or self.fetch_latency_s < 0:
             raise ValueError("bandwidth and throughput must be > 0, latency >= 0")
 
@@ -82,8 +109,7 @@ class CapacityPlan:
 
 
 def plan(spec: ModelSpec, prompt_tokens: int, traffic: Traffic = Traffic(), link: Link = Link()) -> CapacityPlan:
-    if prompt_tokens < 0:
-        raise ValueError("prompt tokens must be >= 0")
+    check_tokens("prompt tokens", prompt_tokens)
     b = spec.block_size
     blocks = prompt_tokens // b
     cap = hit_cap(prompt_tokens, spec)

@@ -63,7 +63,12 @@ def _from_gguf(path: Path) -> Tokenizer:
             return Tokenizer.from_file(str(cached))
         except Exception:
             cached.unlink(missing_ok=True)  # a damaged cache is rebuilt, never trusted
-    tok = build_gguf_tokenizer(path)
+    try:
+        tok = build_gguf_tokenizer(path)
+    except TokenizerError:
+        raise
+    except Exception as e:  # gguf raises ValueError, numpy errors, KeyError... on a file that is not GGUF
+        raise TokenizerError(f"{path}: not a GGUF tokenizer ({type(e).__name__}: {e})") from None
     try:
         cached.parent.mkdir(parents=True, exist_ok=True)
         tmp = cached.with_suffix(f".{os.getpid()}.tmp")

@@ -13,13 +13,35 @@ or an unreachable server makes `put` return `failed` and `match` answer 0.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple, Protocol
 
 from kvledger.core import KEY_BYTES
+from kvledger.core.keys import namespace_bytes
 
 Buffer = Any  # anything with the writable/readable buffer protocol: bytearray, memoryview, numpy array
+MAX_NAME_BYTES = 1024  # a namespace or class name is stored (for stats) in at most this many bytes
+
+
+def stored_name(name: str) -> bytes:
+    """The bytes a store records for a namespace or TTL class name (stats only: keys carry the full name).
+
+    Any str is accepted (lone surrogates pass through as in `chain_keys`). A name longer than
+    MAX_NAME_BYTES is recorded as its first characters, '…' and a SHA-256 digest of the whole:
+    distinct names stay distinct, and a put never fails on a long name."""
+    raw = namespace_bytes(name)
+    if len(raw) <= MAX_NAME_BYTES:
+        return raw
+    digest = "…#" + hashlib.sha256(raw).hexdigest()[:32]
+    head = name[:(MAX_NAME_BYTES - 64) // 4]
+    return namespace_bytes(head + digest)
+
+
+def read_name(raw: bytes) -> str:
+    """The inverse of `stored_name` for names that fit (`UnicodeDecodeError` on bytes that are not one)."""
+    return raw.decode("utf-8", "surrogatepass")
 
 
 @dataclass(slots=True)
@@ -100,9 +122,14 @@ class ChainWrite:
     ttl_s: float
 
     def __post_init__(self) -> None:
-        assert len(self.keys) == len(self.blocks), "one buffer per key"
-        assert self.start_pos >= 0 and self.ttl_s > 0
-        assert len(self.parent) == KEY_BYTES and all(len(k) == KEY_BYTES for k in self.keys)
+        if len(self.keys) != len(self.blocks):
+            raise ValueError(f"one buffer per key: {len(self.keys)} keys, {len(self.blocks)} blocks")
+        if isinstance(self.start_pos, bool) or not isinstance(self.start_pos, int) or self.start_pos < 0:
+            raise ValueError(f"start_pos must be an integer >= 0, got {self.start_pos!r}")
+        if not 0 < self.ttl_s < float("inf"):
+            raise ValueError(f"ttl_s must be a positive finite number, got {self.ttl_s!r}")
+        if len(self.parent) != KEY_BYTES or any(len(k) != KEY_BYTES for k in self.keys):
+            raise ValueError(f"keys are {KEY_BYTES} bytes (kvledger.core.chain_keys)")
 
 
 class BlockStore(Protocol):

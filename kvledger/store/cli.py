@@ -106,8 +106,8 @@ def cmd_stats(args: argparse.Namespace) -> None:
 def cmd_gc(args: argparse.Namespace) -> None:
     if args.batch <= 0:
         raise CliError("--batch must be positive")
-    if args.capacity_gb is not None and args.capacity_gb <= 0:
-        raise CliError("--capacity-gb must be positive")
+    if args.capacity_gb is not None and not 1e-9 <= args.capacity_gb <= 1e9:
+        raise CliError("--capacity-gb must lie in [1e-9, 1e9] (one byte to one exabyte)")
     cap = int(args.capacity_gb * 1e9) if args.capacity_gb is not None else None
     store = open_store(args, capacity_bytes=cap)
     try:

@@ -41,6 +41,7 @@ from kvledger.store.backend import (
     PutResult,
     StoreStats,
     VerifyResult,
+    stored_name,
 )
 from kvledger.store.index import Entry, MemoryIndex, Segment
 from kvledger.store.ttl import Clock, wall_clock
@@ -50,7 +51,7 @@ log = logging.getLogger("kvledger.store")
 IOV_MAX = 1024
 MAX_OPEN_FDS = 128
 STALE_TMP_S = 3600.0  # verify removes temporary files of any host older than this
-FLUSH_EVERY_S = 60.0  # put writes refreshed expiries back at most this long after the last flush
+WRITEBACK_S = 5.0  # a hit's refreshed expiry reaches its segment file at most this long after the hit
 _HOST = socket.gethostname().replace("-", "_")
 _MTIME_SLACK_NS = 50_000_000  # a directory mtime younger than this may still change within its tick
 
@@ -60,19 +61,32 @@ class FileStore:
 
     `capacity_bytes`: when live bytes would exceed it, put evicts least recently hit blocks
     (tails first) down to `low_watermark` × capacity. `fsync=False` skips the fsyncs (tests).
+
+    Durable refresh: a CHECK refreshes expiries in memory only (no I/O on its path); a writer
+    thread, started by the first hit, writes the refreshed segments back every `writeback_s`
+    seconds under the directory's flock, merged with what other processes wrote (the later
+    expiry wins, a block another process removed stays removed). A hit is therefore durable for
+    every process within `writeback_s` (default 5 s), and at `close`.
     """
 
     backend = "file"
 
     def __init__(self, root: str | os.PathLike, *, capacity_bytes: int | None = None, fsync: bool = True,
-                 clock: Clock = wall_clock, create: bool = True, low_watermark: float = 0.9) -> None:
+                 clock: Clock = wall_clock, create: bool = True, low_watermark: float = 0.9,
+                 writeback_s: float = WRITEBACK_S) -> None:
         self.root = Path(root)
         if not create and not self.root.is_dir():
             raise FileNotFoundError(f"{self.root}: no such directory")
         self.seg_dir = self.root / "segments"
         self.seg_dir.mkdir(parents=True, exist_ok=True)
-        assert capacity_bytes is None or capacity_bytes > 0
-        assert 0 < low_watermark <= 1
+        if capacity_bytes is not None and not capacity_bytes >= 1:
+            raise ValueError(f"capacity_bytes must be >= 1, got {capacity_bytes!r}")
+        if not 0 < low_watermark <= 1 or not 0 < writeback_s < math.inf:
+            raise ValueError("need 0 < low_watermark <= 1 and 0 < writeback_s < inf")
+        self.writeback_s = writeback_s
+        self._writer: threading.Thread | None = None
+        self._closing = threading.Event()
+        self._writer_lock = threading.Lock()
         self.capacity_bytes = capacity_bytes
         self.low_watermark = low_watermark
         self.fsync = fsync
@@ -86,7 +100,6 @@ class FileStore:
         self._fds: OrderedDict[str, int] = OrderedDict()
         self._lock = threading.RLock()
         self._dir_mtime: int | None = None
-        self._last_flush = clock()
         self._lock_path = self.root / ".lock"
         self._remove_stale_tmp()
         self.refresh()
@@ -148,9 +161,12 @@ class FileStore:
                 expiry = meta.created + meta.ttl_s
             if not math.isfinite(hit) or not meta.created <= hit <= expiry:
                 hit = meta.created
-            gone = meta.flags[i] != sg.FLAG_LIVE or offset + size > file_size or expiry < now
-            if gone:
+            if meta.flags[i] != sg.FLAG_LIVE or offset + size > file_size:
                 seg.trim = True
+                continue
+            if expiry < now:  # expired before we opened: gc removes it and counts it
+                seg.trim = True
+                seg.expired_at_open += 1
                 continue
             if key in self.index.entries:
                 self.duplicates += 1
@@ -193,7 +209,22 @@ class FileStore:
     def match(self, keys: Sequence[bytes], ttl_s: float) -> int:
         """Leading present blocks, from the in-process index (no block byte read)."""
         self.refresh()
-        return self.index.match(keys, self.clock(), ttl_s)
+        n = self.index.match(keys, self.clock(), ttl_s)
+        if n and self._writer is None:
+            self._start_writer()
+        return n
+
+    def _start_writer(self) -> None:
+        """The thread that makes refreshed expiries durable (see the class docstring)."""
+        with self._writer_lock:  # not the store's lock: a CHECK never waits for a put
+            if self._writer is not None or self._closing.is_set():
+                return
+            self._writer = threading.Thread(target=self._writeback_loop, name="kvledger-writeback", daemon=True)
+            self._writer.start()
+
+    def _writeback_loop(self) -> None:
+        while not self._closing.wait(self.writeback_s):
+            self.flush()
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         self.refresh()
@@ -236,7 +267,7 @@ class FileStore:
                         self._evict(self.live_bytes - max(target, 0))
                 expiry = now + write.ttl_s
                 rows: list[tuple[bytes, bytes, int, int, int, int]] = []
-                ns_len, cls_len = len(write.namespace.encode()), len(write.ttl_class.encode())
+                ns_len, cls_len = len(stored_name(write.namespace)), len(stored_name(write.ttl_class))
                 offset = sg.Layout.of(len(sel), ns_len, cls_len).data_off
                 for i, v in zip(sel, views):
                     parent = write.keys[i - 1] if i > 0 else write.parent
@@ -265,8 +296,6 @@ class FileStore:
                 self.segments[name] = seg
                 self.counters.blocks_written += len(rows)
                 self.counters.bytes_written += incoming
-                if now - self._last_flush > FLUSH_EVERY_S:
-                    self.flush()  # a failed flush is logged; the put itself succeeded
                 return PutResult(len(rows), skipped, 0)
         except OSError as e:
             log.warning("put of %d blocks to %s failed: %s", n, self.root, e)
@@ -359,7 +388,11 @@ class FileStore:
             victims = [e for k in keys if (e := self.index.entries.get(k)) is not None]
             for e in victims:
                 self._drop(e)
-            self._reclaim({e.seg for e in victims})
+            try:
+                with self._flock():
+                    self._reclaim({e.seg for e in victims})
+            except OSError as err:
+                log.warning("delete in %s: reclaiming failed: %s", self.root, err)
         return len(victims)
 
     def gc(self, batch: int = 4096) -> GcResult:
@@ -369,23 +402,28 @@ class FileStore:
         try:
             with self._lock, self._flock():
                 self.refresh()
+                for seg in list(self.segments.values()):  # other processes' refreshes and removals count
+                    self._merge_mutable(seg)
                 due = gcplan.expired_tails_first(self.index.entries.values(), self.clock())
+                at_open = sum(s.expired_at_open for s in self.segments.values())
                 for chunk in gcplan.batches(due, batch):
                     for e in chunk:
                         self._drop(e)
                     self._reclaim({e.seg for e in chunk})
                     n_batches += 1
-                self.counters.gc_expired += len(due)
+                self.counters.gc_expired += len(due) + at_open
                 evicted = 0
                 if self.capacity_bytes is not None and self.live_bytes > self.capacity_bytes:
                     evicted = self._evict(self.live_bytes - int(self.capacity_bytes * self.low_watermark))
                     n_batches += 1
                 self._reclaim({s for s in self.segments.values() if s.trim})
+                for seg in self.segments.values():
+                    seg.expired_at_open = 0
                 self._flush()
         except OSError as e:
             log.warning("gc of %s stopped: %s", self.root, e)
             return GcResult(0, 0, 0, n_batches)
-        return GcResult(len(due), evicted, max(freed0 - self._disk_bytes(), 0), n_batches)
+        return GcResult(len(due) + at_open, evicted, max(freed0 - self._disk_bytes(), 0), n_batches)
 
     def _evict(self, need_bytes: int) -> int:
         victims = gcplan.lru_tails_first(self.index.entries.values(), need_bytes)
@@ -401,6 +439,9 @@ class FileStore:
             if seg.name not in self.segments:
                 continue
             path = self.seg_dir / seg.name
+            self._merge_mutable(seg)
+            if seg.name not in self.segments:
+                continue
             last = max((e.idx for e in seg.live()), default=None)
             if last is None:
                 fd = self._fds.pop(seg.name, None)
@@ -418,7 +459,42 @@ class FileStore:
                 seg.file_size = end
             seg.trim = False
 
+    def _merge_mutable(self, seg: Segment) -> None:
+        """Take in what other processes wrote to `seg`'s mutable arrays: a later expiry or last hit wins,
+        a block flagged dead is dropped. A segment that vanished is forgotten."""
+        n = len(seg.entries)
+        try:
+            fd = os.open(self.seg_dir / seg.name, os.O_RDONLY)
+        except FileNotFoundError:
+            self._forget_segment(seg)
+            return
+        try:
+            raw = os.pread(fd, 17 * n, seg.mutable_off)
+        finally:
+            os.close(fd)
+        if len(raw) < 17 * n:
+            return
+        exp = memoryview(raw)[:8 * n].cast("d")
+        hit = memoryview(raw)[8 * n:16 * n].cast("d")
+        for i, e in enumerate(seg.entries):
+            if e is None:
+                continue
+            if raw[16 * n + i] != sg.FLAG_LIVE:
+                self._drop(e)
+                continue
+            if math.isfinite(exp[i]) and exp[i] > e.expiry:
+                e.expiry = exp[i]
+            if math.isfinite(hit[i]) and e.last_hit < hit[i] <= e.expiry:
+                e.last_hit = hit[i]
+
     def _write_mutable(self, seg: Segment) -> None:
+        """Write `seg`'s expiries, last hits and flags back, merged first with what is on disk.
+
+        The caller holds the directory's flock (so no other process writes them meanwhile)."""
+        seg.dirty = False  # before reading the values: a hit racing this write marks it dirty again
+        self._merge_mutable(seg)
+        if seg.name not in self.segments:
+            return
         n = len(seg.entries)
         buf = bytearray(17 * n)
         exp = memoryview(buf)[:8 * n].cast("d")
@@ -434,11 +510,9 @@ class FileStore:
             os.pwrite(fd, buf, seg.mutable_off)
         finally:
             os.close(fd)
-        seg.dirty = False
 
     def _flush(self) -> None:
-        """Write refreshed expiries and last hits back to their segments."""
-        self._last_flush = self.clock()
+        """Write refreshed expiries and last hits back to their segments (the caller holds the flock)."""
         for seg in list(self.segments.values()):
             if seg.dirty:
                 try:
@@ -448,8 +522,11 @@ class FileStore:
 
     def flush(self) -> None:
         with self._lock:
+            if not any(seg.dirty for seg in self.segments.values()):
+                return
             try:
-                self._flush()
+                with self._flock():
+                    self._flush()
             except OSError as e:
                 log.warning("flush of %s failed: %s", self.root, e)
 
@@ -501,7 +578,8 @@ class FileStore:
                     nbytes += sum(r for r in res if r > 0)
                     bad += res.count(-1)
                 if remove and seg.trim:
-                    self._reclaim({seg})
+                    with self._flock():
+                        self._reclaim({seg})
             removed = bad if remove else 0
             if remove:
                 self._remove_stale_tmp(max_age_s=STALE_TMP_S)
@@ -515,6 +593,10 @@ class FileStore:
         return VerifyResult(checked, bad, removed, nbytes)
 
     def close(self) -> None:
+        with self._writer_lock:
+            self._closing.set()
+        if self._writer is not None:
+            self._writer.join()
         with self._lock:
             self.flush()
             for fd in self._fds.values():

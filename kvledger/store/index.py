@@ -25,6 +25,7 @@ class Segment:
     entries: list[Entry | None] = field(default_factory=list)
     dirty: bool = False       # expiry / last hit / flags changed since the last flush
     trim: bool = False        # entries past the last live one may be cut off the file
+    expired_at_open: int = 0  # entries already expired when this process loaded the segment (gc counts them)
 
     def live(self) -> Iterator[Entry]:
         return (e for e in self.entries if e is not None)

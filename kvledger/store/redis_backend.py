@@ -43,6 +43,8 @@ from kvledger.store.backend import (
     PutResult,
     StoreStats,
     VerifyResult,
+    read_name,
+    stored_name,
 )
 import contextlib
 
@@ -89,7 +91,7 @@ GC_GRACE_S = 60.0                  # cluster-mode GC spares file blocks younger 
 
 def encode_meta(parent: bytes, pos: int, size: int, xxh: int, created: float, ttl_s: float,
                 namespace: str, ttl_class: str) -> bytes:
-    ns, cl = namespace.encode(), ttl_class.encode()
+    ns, cl = stored_name(namespace), stored_name(ttl_class)
     return META.pack(parent, pos, size, xxh, created, ttl_s, len(ns), len(cl)) + ns + cl
 
 
@@ -103,7 +105,7 @@ def decode_meta(raw: bytes) -> MetaFields | None:
         rest = raw[META.size:]
         if len(rest) != ns_len + cls_len:
             return None
-        return parent, pos, size, xxh, created, ttl_s, rest[:ns_len].decode(), rest[ns_len:].decode()
+        return parent, pos, size, xxh, created, ttl_s, read_name(rest[:ns_len]), read_name(rest[ns_len:])
     except (struct.error, UnicodeDecodeError, TypeError):
         return None
 

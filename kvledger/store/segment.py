@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import xxhash
 
+from kvledger.store.backend import read_name, stored_name
+
 MAGIC = b"KVLSEG01"
 VERSION = 1
 # magic, version, n, ns_len, cls_len, reserved, ttl_s, created, data_off, meta_xxh
@@ -67,8 +69,8 @@ def _align(x: int, a: int) -> int:
 def encode_meta(namespace: str, ttl_class: str, ttl_s: float, created: float,
                 entries: list[tuple[bytes, bytes, int, int, int, int]], expiry: list[float]) -> bytes:
     """The metadata prefix of a segment (everything before data_off); entries are ENTRY tuples."""
-    ns, cl = namespace.encode(), ttl_class.encode()
-    assert len(ns) < 2**16 and len(cl) < 2**16
+    ns, cl = stored_name(namespace), stored_name(ttl_class)
+    assert len(ns) < 2**16 and len(cl) < 2**16, "stored_name bounds every name"
     lay = Layout.of(len(entries), len(ns), len(cl))
     buf = bytearray(lay.data_off)
     buf[HEADER_BYTES:HEADER_BYTES + len(ns) + len(cl)] = ns + cl
@@ -119,7 +121,7 @@ def read_meta(fd: int) -> SegmentMeta:
         raise BadSegment("metadata checksum mismatch")
     names = meta[:ns_len + cls_len]
     try:
-        namespace, ttl_class = names[:ns_len].decode(), names[ns_len:].decode()
+        namespace, ttl_class = read_name(names[:ns_len]), read_name(names[ns_len:])
     except UnicodeDecodeError:
         raise BadSegment("bad names") from None
     e0 = lay.entries_off - HEADER_BYTES

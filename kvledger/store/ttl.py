@@ -8,6 +8,7 @@ All times are seconds; clocks are injectable (`Clock`) so tests never sleep.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -35,7 +36,9 @@ class TtlPolicy:
     default_class: str = DEFAULT_CLASS
 
     def __post_init__(self) -> None:
-        assert all(ttl > 0 for ttl in self.classes.values()), "a TTL is positive"
+        for cls, ttl in self.classes.items():
+            if not 0 < ttl < math.inf:
+                raise ValueError(f"TTL class {cls!r}: the TTL must be a positive finite number of seconds, got {ttl!r}")
         for cls in (self.default_class, *self.namespace_class.values()):
             if cls not in self.classes:
                 raise ValueError(f"unknown TTL class {cls!r}; known: {', '.join(sorted(self.classes))}")

@@ -59,3 +59,18 @@ def test_insertion_shifts_everything():
 def test_namespaces_do_not_share_hits():
     a = _prompt(600)
     assert diff_prompts(a, a, V4, "t1").hit_blocks == 4
+
+
+def test_namespaces_do_not_share_hits_across_tenants():
+    """Diffing a prompt against itself across two tenants: a diff that ignored the namespace would hit."""
+    a = _prompt(600)
+    d = diff_prompts(a, a, V4, "t1", "t2")
+    assert d.hit_blocks == 0 and d.decision.hit_tokens == 0 and d.recoverable_blocks == 0
+    assert "different namespaces" in d.reasons[0]
+    assert diff_prompts(a, a, V4, "t1", "t1").hit_blocks == 4
+
+
+def test_any_namespace_diffs():
+    a = _prompt(300)
+    for ns in ("\ud800", "x" * (1 << 17)):
+        assert diff_prompts(a, a, V4, ns).hit_blocks == 2 and diff_prompts(a, a, V4, ns, ns + "x").hit_blocks == 0

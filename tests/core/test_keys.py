@@ -100,3 +100,20 @@ def test_the_c_chain_matches_the_reference_loop():
         assert k._chain_c(parent, raw, 512) == k.extend_chain_py(parent, raw, 512)
     with pytest.raises(ValueError):
         k._chain_c(b"short", raw, 512)
+
+
+def test_any_namespace_gets_a_key_and_valid_ones_keep_theirs():
+    keys = {root_key(SPEC, ns) for ns in ("\ud800", "\udfff", "x" * (1 << 20), "", "é")}
+    assert len(keys) == 5
+    # 'surrogatepass' changes nothing for a valid string: the golden key above still holds
+    assert chain_keys(list(range(256)), ModelSpec.preset("smollm2-135m"), "golden")[0].hex() == GOLDEN[0]
+    with pytest.raises(ValueError):
+        root_key(SPEC, b"bytes")
+
+
+def test_any_cache_salt_gets_a_namespace():
+    from kvledger.core.keys import salted_namespace
+
+    names = {salted_namespace("t", salt) for salt in ("\ud800", "x" * (1 << 17), "é", "e\u0301")}
+    assert len(names) == 4 and all(n.startswith("t#salt-") for n in names)
+    assert len({root_key(SPEC, n) for n in names}) == 4

@@ -58,10 +58,11 @@ where, n_chains, stop = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 until = time.time() + 120  # safety net: the test touches `stop` when it is done
 led = BlockLedger.open(redis_url=where) if where.startswith("redis://") else BlockLedger.open(path=where, fsync=False)
 keys = [k for s in range(n_chains) for k in chain(20 if n_chains > 1 else 200, seed=s if n_chains > 1 else 42)[0]]
-hits = misses = wrong = rounds = 0
+hits = misses = wrong = rounds = mixed = 0
 while not os.path.exists(stop) and time.time() < until:
     bufs = [bytearray(BLOCK) for _ in keys]
-    for k, b, size in zip(keys, bufs, led.get_into(keys, bufs)):
+    sizes = led.get_into(keys, bufs)
+    for k, b, size in zip(keys, bufs, sizes):
         if size < 0:
             misses += 1
         elif bytes(b) != block_of(k):
@@ -69,9 +70,10 @@ while not os.path.exists(stop) and time.time() < until:
         else:
             hits += 1
     rounds += 1
+    mixed += 0 < sizes.count(-1) < len(sizes)  # a round that saw the store partway through a change
     if rounds == 1:
         print("ready", flush=True)
-print(json.dumps({"hits": hits, "misses": misses, "wrong": wrong, "rounds": rounds}), flush=True)
+print(json.dumps({"hits": hits, "misses": misses, "wrong": wrong, "rounds": rounds, "mixed": mixed}), flush=True)
 """
 
 
@@ -172,15 +174,16 @@ def test_gc_racing_reads_in_another_process_is_a_miss_never_an_error(tmp_path, c
     n_chains = 30
     for s in range(n_chains):
         keys, blocks = chain(20, seed=s)
-        store.put(ChainWrite(keys, blocks, 0, bytes(16), "default", "agent", 100.0))
+        store.put(ChainWrite(keys, blocks, 0, bytes(16), "default", "agent", 100.0 + s))  # one chain a second
     stop = tmp_path.parent / f"{tmp_path.name}-stop"
     reader = py(READER, str(tmp_path), str(n_chains), str(stop))
     assert reader.stdout.readline().strip() == "ready"
-    clock.advance(101)
+    clock.advance(100.5)
     removed = 0
-    for _ in range(20):  # small batches, spread over time, while the reader reads
-        removed += store.gc(batch=31).expired
-        time.sleep(0.02)
+    for _ in range(n_chains):  # one chain per GC pass, in small batches, spread over time, while the reader reads
+        removed += store.gc(batch=7).expired
+        clock.advance(1)
+        time.sleep(0.05)
     assert removed == 20 * n_chains and list((tmp_path / "segments").glob("*" + sg.SUFFIX)) == []
     time.sleep(0.2)
     stop.touch()
@@ -188,3 +191,4 @@ def test_gc_racing_reads_in_another_process_is_a_miss_never_an_error(tmp_path, c
     assert reader.returncode == 0, err
     seen = json.loads(out.strip().splitlines()[-1])
     assert seen["wrong"] == 0 and seen["hits"] >= 600 and seen["misses"] > 0
+    assert seen["mixed"] >= 1, "no read overlapped the GC"  # some blocks gone, others still read: mid-GC

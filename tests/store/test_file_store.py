@@ -239,3 +239,105 @@ def test_check_never_waits_for_a_put_in_progress(tmp_path, clock):
     assert time.monotonic() - t0 < 0.5
     done.set()
     t.join()
+
+
+def test_get_into_never_serves_an_expired_block(tmp_path, clock):
+    keys, blocks = chain(4)
+    led = open_ledger(tmp_path, clock)
+    led.put_chain(keys, blocks, ttl_class="agent")
+    clock.advance(3 * DAY_S - 1)
+    assert led.get_into(keys, [bytearray(BLOCK) for _ in keys]) == [BLOCK] * 4
+    clock.advance(2)  # expired, not yet collected: still in the index and on disk
+    assert len(led.store.index) == 4 and segs(tmp_path)[0].stat().st_size > 4 * BLOCK
+    assert led.get_into(keys, [bytearray(BLOCK) for _ in keys]) == [-1] * 4
+    assert led.store.counters.misses_absent == 4
+
+
+def test_rebuild_sees_a_segment_truncated_while_closed(tmp_path, clock):
+    """No process read the cut blocks, so no dead flag records them: only the file size does."""
+    keys, blocks = chain(8)
+    with open_ledger(tmp_path, clock) as led:
+        led.put_chain(keys, blocks)
+    (seg,) = segs(tmp_path)
+    meta = sg.read_meta(os.open(seg, os.O_RDONLY))
+    assert set(meta.flags) == {sg.FLAG_LIVE}
+    os.truncate(seg, seg.stat().st_size - BLOCK - 100)  # cut into block 6
+    with open_ledger(tmp_path, clock) as led:
+        assert len(led.store.index) == 6 and led.match(keys) == 6
+        assert led.store.live_bytes == 6 * BLOCK
+        assert led.get_into(keys[:6], [bytearray(BLOCK) for _ in range(6)]) == [BLOCK] * 6
+
+
+def test_gc_counts_blocks_already_expired_at_open(tmp_path, clock):
+    keys, blocks = chain(5)
+    with open_ledger(tmp_path, clock) as led:
+        led.put_chain(keys, blocks, ttl_class="agent")
+    clock.advance(3 * DAY_S + 1)
+    with open_ledger(tmp_path, clock) as led:
+        res = led.gc()
+        assert res.expired == 5 and res.freed_bytes > 5 * BLOCK and segs(tmp_path) == []
+        assert led.store.counters.gc_expired == 5
+        assert led.gc().expired == 0  # counted once
+
+
+def test_gc_of_a_long_lived_process_sees_refreshes_other_processes_wrote(tmp_path, clock):
+    keys, blocks = chain(4)
+    gc_side = open_ledger(tmp_path, clock)
+    gc_side.put_chain(keys, blocks, ttl_class="agent")
+    check_side = open_ledger(tmp_path, clock)
+    clock.advance(2 * DAY_S)
+    assert check_side.match(keys, ttl_class="agent") == 4
+    check_side.store.flush()
+    clock.advance(2 * DAY_S)  # expired in gc_side's memory, refreshed on disk
+    assert gc_side.gc().expired == 0 and gc_side.match(keys, ttl_class="agent") == 4
+    check_side.close()
+    gc_side.close()
+
+
+CHECK_ONLY = """
+import os, sys, time
+from kvledger.store.file_backend import FileStore
+from kvledger.store.ledger import BlockLedger
+from kvledger.store.ttl import TtlPolicy
+from tests.store.conftest import chain
+led = BlockLedger(FileStore(sys.argv[1], writeback_s=float(sys.argv[2])), TtlPolicy.parse("long=1"))
+keys = chain(6)[0]
+print("ready", flush=True)
+while not os.path.exists(sys.argv[3]):
+    time.sleep(0.005)
+print(led.match(keys, ttl_class="long"), flush=True)  # a CHECK, nothing else: no put, no close
+time.sleep(60)  # killed with SIGKILL by the test
+"""
+
+
+def test_a_check_only_process_keeps_its_hits_alive_for_another_processes_gc(tmp_path, run_cli):
+    """Two real processes: one only CHECKs (then dies without closing), another runs `kvledger store gc`."""
+    import json
+    import subprocess
+    import sys
+    import time
+
+    store_dir, go = tmp_path / "store", tmp_path / "go"
+    FileStore(store_dir).close()
+    writeback_s = 0.3
+    p = subprocess.Popen([sys.executable, "-c", CHECK_ONLY, str(store_dir), str(writeback_s), str(go)], text=True,
+                         stdout=subprocess.PIPE, cwd=Path(__file__).parents[2])
+    try:
+        assert p.stdout.readline().strip() == "ready"
+        keys, blocks = chain(6)
+        with BlockLedger(FileStore(store_dir, fsync=False), TtlPolicy.parse(f"blink={2 / DAY_S}")) as led:
+            led.put_chain(keys, blocks, ttl_class="blink")  # lives 2 s unless hit
+        born = time.time()
+        go.touch()
+        assert p.stdout.readline().strip() == "6"
+        time.sleep(max(writeback_s * 3, born + 2.3 - time.time()))  # the blocks' own TTL has run out
+        p.kill()  # no close, no flush at exit: only the write-back made the refresh durable
+    finally:
+        p.kill()
+        p.wait(timeout=10)
+        p.stdout.close()
+    r = run_cli("store", "gc", "--path", str(store_dir), "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["expired"] == 0
+    with open_ledger(store_dir, time.time) as led:
+        assert led.match(keys) == 6
