@@ -30,9 +30,11 @@ demo: setup
 	$(VENV)/bin/kvledger demo
 
 test: setup
+	$(VENV)/bin/ruff check kvledger tests
 	$(PY) -m pytest -q -m 'not slow'
 
 test-all: setup
+	$(VENV)/bin/ruff check kvledger tests
 	$(PY) -m pytest -q
 
 clean:

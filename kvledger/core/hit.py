@@ -46,10 +46,17 @@ class HitDecision:
         return self.kind is HitKind.REPLAY
 
 
+def _check_count(name: str, n: object) -> None:
+    """`ValueError` unless `n` is an int >= 0 (a bool, a float or a numpy float is refused: 1.5 blocks is a bug)."""
+    if isinstance(n, bool) or not hasattr(type(n), "__index__"):  # int and numpy ints, not bool or floats
+        raise ValueError(f"{name} must be an integer, got {n!r}")
+    if n < 0:
+        raise ValueError(f"{name} must be >= 0, got {n}")
+
+
 def hit_cap(prompt_len: int, spec: ModelSpec) -> int:
     """⌊(L − R) / B⌋ · B, floored at 0: the last R prompt tokens are always computed."""
-    if prompt_len < 0:
-        raise ValueError("prompt_len must be >= 0")
+    _check_count("prompt_len", prompt_len)
     b = spec.block_size
     return max((prompt_len - spec.reserve_tokens) // b * b, 0)
 
@@ -64,8 +71,7 @@ def decide_hit(
 ) -> HitDecision:
     """Rule 3. `cached_blocks`: leading blocks the block ledger holds (may exceed the cap);
     `swa_snapshots`: positions that hold a snapshot for this prefix (only L1 matters)."""
-    if cached_blocks < 0:
-        raise ValueError("cached_blocks must be >= 0")
+    _check_count("cached_blocks", cached_blocks)
     b = spec.block_size
     cap = hit_cap(prompt_len, spec)
     l1 = min(cached_blocks * b, cap)

@@ -166,3 +166,29 @@ def test_decode_replica_positions():
 def test_replica_positions_are_the_crossed_boundaries(a, n):
     crossed = list(decode_replica_positions(a, a + n, V4))
     assert crossed == [x for x in range(a + 1, a + n + 1) if x % B == 0]
+
+
+@pytest.mark.parametrize("bad", [1.0, 2.5, True, False, "3", None, float("nan")])
+def test_decide_hit_refuses_non_integers(bad):
+    spec = ModelSpec.preset("deepseek-v4.1-flash")
+    with pytest.raises(ValueError, match="integer"):
+        decide_hit(1000, bad, set(), spec)
+    with pytest.raises(ValueError, match="integer"):
+        decide_hit(bad, 1, set(), spec)
+
+
+def test_decide_hit_validation_survives_python_O():
+    """Explicit ValueErrors, not asserts: the same refusal under `python -O`."""
+    import subprocess
+    import sys
+
+    code = ("from kvledger import ModelSpec, decide_hit\n"
+            "s = ModelSpec.preset('deepseek-v4.1-flash')\n"
+            "for bad in ((1000, 1.5), (1000, True), (-1, 1), (1000, -2)):\n"
+            "    try:\n"
+            "        decide_hit(bad[0], bad[1], set(), s)\n"
+            "    except ValueError:\n"
+            "        continue\n"
+            "    raise SystemExit(f'accepted {bad}')\n")
+    out = subprocess.run([sys.executable, "-O", "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
