@@ -1,0 +1,230 @@
+"""`Engine`: the reference engine's API (ENGINE_API.md) over the scheduler, loader, runner and writer.
+
+    engine = Engine("smollm2-135m", block_ledger=BlockLedger.open(path=DIR))
+    keys, decision = check_prompt(tokens, engine.spec, block_ledger=..., state_ledger=None)
+    engine.add_request(EngineRequest("r1", tokens, keys, decision, SamplingParams(max_tokens=32)))
+    while engine.has_unfinished():
+        for event in engine.step(): ...
+
+Single-threaded: `add_request`, `step`, `abort` and `close` come from one thread. One step
+collects finished fetches, schedules (decode first, then prefill chunks, then admissions), runs
+one forward (swap-in of fresh hits overlapped), samples, and writes back what rule 4 and rule 7
+ask. Invariant when idle: every device block is free or cached (`check_integrity`).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from kvledger.core import ModelSpec, extend_chain, hit_cap, root_key
+from kvledger.engine.api import EngineRequest, RequestUsage, TokenEvent
+from kvledger.engine.block_pool import BlockPool
+from kvledger.engine.fetcher import Fetcher
+from kvledger.engine.loader import HitLoader
+from kvledger.engine.models.base import load_model
+from kvledger.engine.runner import ModelRunner, StepCost
+from kvledger.engine.sampler import make_generator, sample_one
+from kvledger.engine.scheduler import Scheduler
+from kvledger.engine.sequence import Sequence, Status
+from kvledger.engine.state_slots import StateSlots
+from kvledger.engine.swapin import SwapItem
+from kvledger.engine.writer import LedgerWriter
+
+DEFAULT_KV_BYTES = 512 << 20
+
+
+class Engine:
+    def __init__(self, model: str, *, block_ledger: object | None, state_ledger: object | None = None,
+                 device: str = "cpu", max_num_seqs: int = 8, max_num_batched_tokens: int = 4096,
+                 replay: bool = False, fetcher: str = "process", kv_cache_bytes: int = DEFAULT_KV_BYTES,
+                 fetch_timeout_s: float = 10.0) -> None:
+        if fetcher not in ("process", "none"):
+            raise ValueError("fetcher must be 'process' (its own process) or 'none' (no ledger reads)")
+        self.model = load_model(model, device)
+        self.spec: ModelSpec = self.model.spec
+        self.max_model_len = self.model.max_model_len
+        self.eos_token_ids = tuple(self.model.eos_token_ids)
+        block_bytes = self.spec.block_bytes()
+        num_blocks = max(kv_cache_bytes // block_bytes, -(-self.max_model_len // self.spec.block_size) + 2)
+        num_slots = max_num_seqs if self.spec.has_swa else 0
+        self.model.allocate(num_blocks, num_slots)
+        self.pool = BlockPool(num_blocks)
+        self.slots = StateSlots(num_slots, self.spec.state_size_to_disk() if self.spec.has_swa else 0)
+        self.fetcher = None
+        if block_ledger is not None and fetcher == "process":
+            staging = -(-self.max_model_len // self.spec.block_size)
+            self.fetcher = Fetcher(block_ledger, block_bytes, staging, timeout_s=fetch_timeout_s)
+        self.loader = HitLoader(self.model, self.pool, self.slots, self.fetcher, state_ledger, replay=replay)
+        self.writer = LedgerWriter(self.model, block_ledger, state_ledger, self.slots)
+        self.scheduler = Scheduler(max_num_seqs, max_num_batched_tokens)
+        self.runner = ModelRunner(self.model)
+        self.orphans: list = []  # fetch jobs of aborted sequences, retired when they end
+        self.last_cost = StepCost()
+        self.pending: list[TokenEvent] = []  # events owed to the next step (aborts)
+
+    # --- API -------------------------------------------------------------------------
+
+    def add_request(self, req: EngineRequest) -> None:
+        """Validate and queue; ValueError says what is wrong."""
+        tokens = np.asarray(req.tokens, dtype=np.int64)
+        if tokens.ndim != 1 or tokens.size == 0:
+            raise ValueError("a request needs at least one prompt token")
+        if tokens.min() < 0 or tokens.max() >= self.model.vocab_size:
+            raise ValueError(f"token ids must be in [0, {self.model.vocab_size})")
+        if tokens.size >= self.max_model_len:
+            raise ValueError(f"prompt of {tokens.size} tokens does not fit the context of {self.max_model_len}")
+        if self.scheduler.find(req.request_id) is not None:
+            raise ValueError(f"request {req.request_id!r} is already running")
+        if list(req.keys) != extend_chain(root_key(self.spec, req.namespace), tokens.astype(np.uint32),
+                                          self.spec.block_size):
+            raise ValueError("keys are not core.chain_keys(tokens, spec, namespace)")
+        d = req.decision
+        if d.cap != hit_cap(tokens.size, self.spec) or d.hit_tokens > len(req.keys) * self.spec.block_size:
+            raise ValueError("decision was not made for this prompt (core.decide_hit over its length)")
+        seq = Sequence.from_request(req)
+        if self.loader.blocks_needed(seq) > self.pool.total:
+            raise ValueError(f"prompt + max_tokens needs {self.loader.blocks_needed(seq)} blocks; "
+                             f"the device pool has {self.pool.total}")
+        seq.generator = make_generator(req.sampling)
+        self.scheduler.add(seq)
+
+    def step(self) -> list[TokenEvent]:
+        events, self.pending = self.pending, []
+        swaps = self._collect_fetches()
+        batch = self.scheduler.schedule(self.loader.admit)
+        if not batch and not swaps:
+            if self.fetcher is not None and any(s.status is Status.LOADING for s in self.scheduler.running):
+                self.fetcher.poll(0.05)
+            return events
+        logits, cost = self.runner.run(batch, [item for _, item in swaps])
+        self.last_cost = cost
+        for seq, _ in swaps:
+            seq.add_time("swapin_s", cost.swapin_copy_s)
+            seq.add_time("swapin_wait_s", cost.swapin_wait_s)
+            self._retire_fetch(seq)
+        for (seq, n), row in zip(batch, logits):
+            event = self._advance(seq, n, row, cost)
+            if event is not None:
+                events.append(event)
+        return events
+
+    def abort(self, request_id: str) -> None:
+        """End a request now; its last event (finish_reason "abort") comes with the next step."""
+        seq = self.scheduler.find(request_id)
+        if seq is not None:
+            self._finish(seq, "abort", store=False)
+            self.pending.append(TokenEvent(seq.request_id, (), True, "abort", self._usage(seq)))
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self.pending)
+
+    def close(self) -> None:
+        for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+            self._finish(seq, "abort", store=False)
+        self.writer.wait()
+        self.writer.close()
+        if self.fetcher is not None:
+            self.fetcher.close()
+
+    def wait_stored(self) -> None:
+        """Until every block queued for the block ledger is written."""
+        self.writer.wait()
+
+    def clear_device_cache(self) -> int:
+        """Forget the device prefix cache (the next hit comes from the ledgers); blocks forgotten."""
+        return self.pool.clear_cache()
+
+    def check_integrity(self) -> None:
+        self.pool.check_integrity()
+        used = sum(1 for s in self.scheduler.running if s.slot >= 0)
+        self.slots.check_integrity(used)
+
+    # --- inside a step ------------------------------------------------------------
+
+    def _collect_fetches(self) -> list[tuple[Sequence, SwapItem]]:
+        """Sequences whose fetch ended become RUNNING; those with blocks to copy come back with them."""
+        if self.fetcher is None:
+            return []
+        self.fetcher.poll(0.0)
+        for job in [j for j in self.orphans if j.done]:
+            self.fetcher.release(job)
+            self.orphans.remove(job)
+        swaps = []
+        for seq in self.scheduler.running:
+            if seq.status is Status.LOADING and seq.fetch_job.done:
+                item = self.loader.on_fetched(seq)
+                if item is None:
+                    self._retire_fetch(seq)
+                else:
+                    swaps.append((seq, item))
+        return swaps
+
+    def _advance(self, seq: Sequence, n: int, logits: torch.Tensor, cost: StepCost) -> TokenEvent | None:
+        was_prefill = seq.in_prefill
+        seq.computed += n
+        if was_prefill:
+            seq.add_time("compute_s", cost.forward_s)
+        if seq.in_prefill:
+            return None
+        b = self.spec.block_size
+        if was_prefill:
+            self.writer.store_blocks(seq, seq.prompt_len // b)
+            self.writer.store_prefill_snapshots(seq)
+            self._cache_blocks(seq)
+        elif self.spec.has_swa and seq.computed % b == 0:
+            self.slots.copy_replica(self.model, seq.slot, seq.computed)
+        token = sample_one(logits, seq.sampling, seq.tokens, seq.generator)
+        seq.tokens.append(token)
+        first = seq.first_token_at is None
+        if first:
+            seq.first_token_at = time.perf_counter()
+        reason = self._stop_reason(seq, token)
+        if reason is not None:
+            self._finish(seq, reason, store=True)
+        usage = self._usage(seq) if first or reason else None
+        return TokenEvent(seq.request_id, (token,), reason is not None, reason, usage)
+
+    def _retire_fetch(self, seq: Sequence) -> None:
+        """The fetched blocks are on the device (or not needed): free the staging."""
+        self.fetcher.release(seq.fetch_job)
+        seq.fetch_job = None
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        sp = seq.sampling
+        if token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos_token_ids):
+            return "stop"
+        if len(seq.output) >= sp.max_tokens or len(seq.tokens) >= self.max_model_len:
+            return "length"
+        return None
+
+    def _cache_blocks(self, seq: Sequence) -> None:
+        """Full blocks computed so far become findable in the device prefix cache by chain key."""
+        full = seq.computed // self.spec.block_size
+        self.writer.ensure_keys(seq, full)
+        for i in range(full):
+            self.pool.cache(seq.block_table[i], seq.keys[i])
+
+    def _finish(self, seq: Sequence, reason: str, *, store: bool) -> None:
+        seq.finish_reason = reason
+        if store and seq.block_table:
+            self.writer.store_blocks(seq, seq.computed // self.spec.block_size)
+            self.writer.store_replica(seq)
+            self._cache_blocks(seq)
+        if seq.fetch_job is not None:
+            if seq.fetch_job.done:
+                self.fetcher.release(seq.fetch_job)
+            else:
+                self.orphans.append(seq.fetch_job)
+            seq.fetch_job = None
+        if seq.block_table:
+            self.loader.release(seq)
+        seq.status = Status.FINISHED
+        self.scheduler.remove(seq)
+
+    def _usage(self, seq: Sequence) -> RequestUsage:
+        ttft = seq.first_token_at - seq.arrival if seq.first_token_at is not None else None
+        return RequestUsage(seq.prompt_len, seq.cached_tokens, len(seq.output), seq.decision.kind.value, ttft,
+                            dict(seq.timings))

@@ -1,0 +1,248 @@
+"""The fetcher: a process of its own that reads hit blocks from the block ledger into host shared memory (rule 6).
+
+The engine owns a staging area (one shared-memory segment of `capacity` blocks) and a socketpair
+to the fetcher process (`python -m kvledger.engine.fetcher`, a fresh interpreter: nothing of the
+engine is inherited or pickled). Messages are struct frames, little-endian:
+
+    request   | magic "KVF1" | job u32 | n u32 | staging offset u64 (bytes) | block_bytes u32 | n × 16-byte key |
+    response  | magic "KVF1" | job u32 | intact i32 (leading blocks read and verified; -1: error) | ns u64 |
+
+The fetcher writes block i of a job at offset + i · block_bytes and answers once the whole job is
+read: `intact` leading blocks arrived with their checksums verified (the ledger checks them). A
+fetcher that dies, hangs past the job's deadline or answers garbage is killed and restarted; its
+jobs read as 0 intact blocks, so their requests recompute (rule 8).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import select
+import socket
+import struct
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from multiprocessing import resource_tracker, shared_memory
+
+import numpy as np
+
+from kvledger.core import KEY_BYTES
+
+MAGIC = b"KVF1"
+REQUEST = struct.Struct("<4sIIQI")
+RESPONSE = struct.Struct("<4sIiQ")
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        part = sock.recv(n - len(buf))
+        if not part:
+            raise EOFError("peer closed")
+        buf += part
+    return bytes(buf)
+
+
+# --- the fetcher process -------------------------------------------------------------------
+
+
+def _open_store(path: str | None, redis_url: str | None):  # -> BlockStore
+    from kvledger.store.file_backend import FileStore
+
+    if redis_url:
+        from kvledger.store.redis_backend import RedisStore
+
+        return RedisStore(redis_url, files=FileStore(path, fsync=False) if path else None)
+    return FileStore(path, fsync=False, create=False)
+
+
+def serve(sock: socket.socket, shm_name: str, path: str | None, redis_url: str | None) -> None:
+    """Answer jobs until the engine closes its end."""
+    shm = shared_memory.SharedMemory(name=shm_name)
+    with contextlib.suppress(Exception):  # attached, not owned: the engine unlinks it
+        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+    store = _open_store(path, redis_url)
+    view = memoryview(shm.buf)
+    try:
+        while True:
+            try:
+                magic, job, n, offset, block_bytes = REQUEST.unpack(_recv_exact(sock, REQUEST.size))
+                keys_raw = _recv_exact(sock, n * KEY_BYTES)
+            except EOFError:
+                return
+            assert magic == MAGIC, "not a fetch request"
+            t0 = time.perf_counter_ns()
+            intact = -1
+            if offset + n * block_bytes <= len(view):
+                keys = [keys_raw[i * KEY_BYTES:(i + 1) * KEY_BYTES] for i in range(n)]
+                bufs = [view[offset + i * block_bytes: offset + (i + 1) * block_bytes] for i in range(n)]
+                sizes = store.get_into(keys, bufs)
+                intact = next((i for i, s in enumerate(sizes) if s != block_bytes), n)
+                del bufs
+            sock.sendall(RESPONSE.pack(MAGIC, job, intact, time.perf_counter_ns() - t0))
+    finally:
+        view.release()
+        store.close()
+        shm.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description="kvledger fetcher process (started by the engine)")
+    p.add_argument("--fd", type=int, required=True)
+    p.add_argument("--shm", required=True)
+    p.add_argument("--path")
+    p.add_argument("--redis-url")
+    a = p.parse_args(argv)
+    serve(socket.socket(fileno=a.fd), a.shm, a.path, a.redis_url)
+
+
+# --- the engine's side ---------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class FetchJob:
+    job: int
+    offset: int           # bytes into the staging area
+    n: int                # blocks
+    deadline: float       # perf_counter seconds
+    started: float
+    intact: int | None = None   # set when done: leading blocks intact (0 on any failure)
+    fetch_s: float = 0.0
+
+    @property
+    def done(self) -> bool:
+        return self.intact is not None
+
+
+def ledger_location(ledger: object) -> tuple[str | None, str | None]:
+    """(path, redis_url) that open the same store in another process."""
+    store = ledger.store  # type: ignore[attr-defined]
+    if store.backend == "file":
+        return str(store.root), None
+    files = getattr(store, "files", None)
+    return (str(files.root) if files is not None else None), store.url
+
+
+class Fetcher:
+    """Engine side: the staging area, the process, the jobs in flight (single-threaded use)."""
+
+    def __init__(self, ledger: object, block_bytes: int, capacity_blocks: int, *, timeout_s: float = 10.0) -> None:
+        assert block_bytes > 0 and capacity_blocks > 0
+        self.block_bytes, self.capacity, self.timeout_s = block_bytes, capacity_blocks, timeout_s
+        self.path, self.redis_url = ledger_location(ledger)
+        self.shm = shared_memory.SharedMemory(create=True, size=block_bytes * capacity_blocks)
+        self.staging = np.ndarray((capacity_blocks, block_bytes), dtype=np.uint8, buffer=self.shm.buf)
+        self.staging.fill(0)  # fault the pages in once, not on the first hit
+        self.jobs: dict[int, FetchJob] = {}
+        self.used: dict[int, tuple[int, int]] = {}  # job → (first staging block, n)
+        self.restarts = 0
+        self._next = 1
+        self.proc: subprocess.Popen | None = None
+        self.sock: socket.socket | None = None
+        self._start()
+
+    def _start(self) -> None:
+        ours, theirs = socket.socketpair()
+        cmd = [sys.executable, "-m", "kvledger.engine.fetcher", "--fd", str(theirs.fileno()), "--shm", self.shm.name]
+        cmd += ["--path", self.path] if self.path else []
+        cmd += ["--redis-url", self.redis_url] if self.redis_url else []
+        self.proc = subprocess.Popen(cmd, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
+        theirs.close()
+        self.sock = ours
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def _alloc(self, n: int) -> int | None:
+        """First fit: the first staging block of a free run of n, or None."""
+        start = 0
+        for first, count in sorted(self.used.values()):
+            if first - start >= n:
+                return start
+            start = max(start, first + count)
+        return start if self.capacity - start >= n else None
+
+    def submit(self, keys: list[bytes]) -> FetchJob | None:
+        """Start reading `keys`' blocks; None when the staging area has no room now (try later)."""
+        assert 0 < len(keys) <= self.capacity, "a job larger than the staging area"
+        first = self._alloc(len(keys))
+        if first is None:
+            return None
+        now = time.perf_counter()
+        job = FetchJob(self._next, first * self.block_bytes, len(keys),
+                       now + self.timeout_s + 0.05 * len(keys), now)
+        self._next = self._next % 0xFFFFFFFF + 1
+        self.jobs[job.job] = job
+        self.used[job.job] = (first, len(keys))
+        try:
+            assert self.sock is not None
+            self.sock.sendall(REQUEST.pack(MAGIC, job.job, job.n, job.offset, self.block_bytes) + b"".join(keys))
+        except OSError:
+            self._restart()
+        return job
+
+    def view(self, job: FetchJob) -> np.ndarray:
+        """The job's blocks in the staging area: uint8 [n, block_bytes] (valid until `release`)."""
+        first = job.offset // self.block_bytes
+        return self.staging[first:first + job.n]
+
+    def release(self, job: FetchJob) -> None:
+        self.used.pop(job.job, None)
+        self.jobs.pop(job.job, None)
+
+    def poll(self, timeout_s: float = 0.0) -> None:
+        """Collect answers (waiting up to `timeout_s` for the first); restart on death or deadline."""
+        pending = [j for j in self.jobs.values() if not j.done]
+        if not pending or self.sock is None:
+            return
+        wait = min(timeout_s, max(0.0, min(j.deadline for j in pending) - time.perf_counter()))
+        readable, _, _ = select.select([self.sock], [], [], wait)
+        while readable:
+            try:
+                magic, job_id, intact, ns = RESPONSE.unpack(_recv_exact(self.sock, RESPONSE.size))
+            except (EOFError, OSError, struct.error):
+                self._restart()
+                return
+            job = self.jobs.get(job_id)
+            if magic != MAGIC or job is None:
+                self._restart()
+                return
+            job.intact, job.fetch_s = max(intact, 0), time.perf_counter() - job.started
+            readable, _, _ = select.select([self.sock], [], [], 0)
+        if any(not j.done and j.deadline < time.perf_counter() for j in self.jobs.values()):
+            self._restart()
+
+    def _restart(self) -> None:
+        """Kill the process (dead, hung or confused); every job in flight reads as nothing intact."""
+        self.restarts += 1
+        now = time.perf_counter()
+        for job in self.jobs.values():
+            if not job.done:
+                job.intact, job.fetch_s = 0, now - job.started
+        self._stop()
+        self._start()
+
+    def _stop(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                self.proc.kill()
+            self.proc.wait(5)
+            self.proc = None
+
+    def close(self) -> None:
+        self._stop()
+        del self.staging
+        self.shm.close()
+        with contextlib.suppress(FileNotFoundError):
+            self.shm.unlink()
+
+
+if __name__ == "__main__":
+    main()

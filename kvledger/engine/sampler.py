@@ -1,0 +1,58 @@
+"""Next-token sampling: repetition penalty, then greedy or temperature with top-k and top-p.
+
+Sampling runs on the host in float32 with each request's own generator (seeded from
+`SamplingParams.seed` when given), so a seeded request draws the same tokens on any device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvledger.engine.api import SamplingParams
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen: list[int], penalty: float) -> torch.Tensor:
+    """Tokens already in the sequence: positive logits divided by `penalty`, negative ones multiplied."""
+    if penalty == 1.0 or not seen:
+        return logits
+    ids = torch.tensor(sorted(set(seen)), dtype=torch.long)
+    picked = logits[ids]
+    logits = logits.clone()
+    logits[ids] = torch.where(picked > 0, picked / penalty, picked * penalty)
+    return logits
+
+
+def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Logits outside the top k, or outside the smallest set whose probability reaches top_p, → −inf."""
+    if 0 < top_k < logits.numel():
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+        drop = cum - torch.softmax(sorted_logits, dim=-1) >= top_p  # keep the token that crosses top_p
+        logits = logits.clone()
+        logits[order[drop]] = float("-inf")
+    return logits
+
+
+def sample_one(logits: torch.Tensor, params: SamplingParams, seen: list[int],
+               generator: torch.Generator | None) -> int:
+    """One token from float32 host logits [vocab]."""
+    logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
+    if params.greedy:
+        return int(torch.argmax(logits))
+    logits = filter_top_k_top_p(logits / params.temperature, params.top_k, params.top_p)
+    probs = torch.softmax(logits, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def make_generator(params: SamplingParams) -> torch.Generator | None:
+    if params.greedy:
+        return None
+    g = torch.Generator(device="cpu")
+    if params.seed is not None:
+        g.manual_seed(params.seed)
+    else:
+        g.seed()
+    return g

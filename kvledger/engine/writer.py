@@ -1,0 +1,118 @@
+"""What the engine writes back (rules 4 and 7): new full blocks to the block ledger, snapshots to the state ledger.
+
+    | when                  | block ledger                        | state ledger                          |
+    |-----------------------|-------------------------------------|---------------------------------------|
+    | prefill done          | full prompt blocks [hit/B, L/B)     | windows at prefill_store_positions(L) |
+    | decode crosses k·B    | —                                   | window at k·B → the slot's replica    |
+    | request end           | full blocks [L/B, computed/B)       | the latest replica, at its boundary   |
+
+Blocks are copied from the device to host memory on the engine's thread (the device blocks may
+be reused right after); `put_chain` runs on a writer thread, so the engine never waits on the
+disk. `wait()` blocks until every queued put is done (tests, the demo's next turn). A failed put
+is logged by the ledger and counted there; nothing here raises (rule 8).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from kvledger.core import extend_chain, prefill_store_positions, root_key
+from kvledger.engine.models.base import Model
+from kvledger.engine.sequence import Sequence
+from kvledger.engine.state_slots import StateSlots
+
+log = logging.getLogger(__name__)
+
+
+class PutJob(NamedTuple):
+    keys: list[bytes]
+    blocks: np.ndarray       # uint8 [n, block_bytes]
+    start_pos: int
+    parent: bytes | None
+    namespace: str
+    ttl_class: str | None
+
+
+class LedgerWriter:
+    def __init__(self, model: Model, block_ledger: object | None, state_ledger: object | None,
+                 slots: StateSlots) -> None:
+        self.model, self.spec, self.slots = model, model.spec, slots
+        self.block_ledger, self.state_ledger = block_ledger, state_ledger
+        self.queue: queue.Queue[PutJob | None] = queue.Queue()
+        self.blocks_written = 0
+        self.thread = threading.Thread(target=self._run, name="kvledger-writer", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while (job := self.queue.get()) is not None:
+            try:
+                result = self.block_ledger.put_chain(job.keys, list(job.blocks), namespace=job.namespace,
+                                                     start_pos=job.start_pos, parent=job.parent,
+                                                     ttl_class=job.ttl_class)
+                self.blocks_written += result.written
+            except Exception:  # noqa: BLE001 - a store fault is a later miss (rule 8), never an engine error
+                log.exception("put_chain failed")
+            finally:
+                self.queue.task_done()
+
+    def export_blocks(self, block_ids: list[int]) -> np.ndarray:
+        """uint8 [n, block_bytes]: each block's layers concatenated in layer order (models/base.py)."""
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.model.device)
+        parts = [c.blocks_u8()[ids] for c in self.model.caches if c.block_bytes]
+        return torch.cat(parts, dim=1).cpu().numpy()
+
+    def ensure_keys(self, seq: Sequence, n_blocks: int) -> None:
+        """Extend the sequence's chain keys to `n_blocks` full blocks (decode blocks, rule 7)."""
+        have = len(seq.keys)
+        if n_blocks <= have:
+            return
+        b = self.spec.block_size
+        parent = seq.keys[-1] if seq.keys else root_key(self.spec, seq.request.namespace)
+        tokens = np.asarray(seq.tokens[have * b:n_blocks * b], dtype=np.uint32)
+        seq.keys.extend(extend_chain(parent, tokens, b))
+
+    def store_blocks(self, seq: Sequence, upto: int) -> None:
+        """Queue blocks [seq.stored_blocks, upto) of the sequence for the block ledger."""
+        first = seq.stored_blocks
+        if upto <= first:
+            return
+        self.ensure_keys(seq, upto)
+        seq.stored_blocks = upto
+        if self.block_ledger is None:
+            return
+        blocks = self.export_blocks(seq.block_table[first:upto])
+        parent = seq.keys[first - 1] if first else None
+        self.queue.put(PutJob(seq.keys[first:upto], blocks, first, parent, seq.request.namespace,
+                              seq.request.ttl_class))
+
+    def store_prefill_snapshots(self, seq: Sequence) -> None:
+        """Rule 4: the windows at the prompt's own cap and at its last boundary."""
+        if self.state_ledger is None or not self.spec.has_swa:
+            return
+        b = self.spec.block_size
+        for position in prefill_store_positions(seq.prompt_len, self.spec):
+            self.model.export_window(seq.slot, position, self.slots.staging)
+            self.state_ledger.put(seq.keys[position // b - 1], position, self.slots.staging.numpy())
+
+    def store_replica(self, seq: Sequence) -> None:
+        """Rule 4 at request end: the latest decode replica, attached at its boundary."""
+        position = self.slots.replica_position[seq.slot] if seq.slot >= 0 else 0
+        if self.state_ledger is None or position == 0:
+            return
+        self.ensure_keys(seq, position // self.spec.block_size)
+        self.state_ledger.put(seq.keys[position // self.spec.block_size - 1], position,
+                              self.slots.replica[seq.slot].numpy())
+
+    def wait(self) -> None:
+        """Until every queued put is on the ledger."""
+        self.queue.join()
+
+    def close(self) -> None:
+        self.queue.put(None)
+        self.thread.join(30)
