@@ -64,6 +64,8 @@ class Engine:
         self.orphans: list = []  # fetch jobs of aborted sequences, retired when they end
         self.last_cost = StepCost()
         self.pending: list[TokenEvent] = []  # events owed to the next step (aborts)
+        self.record_logits = False            # tests and bench: keep each request's first-token logits
+        self.first_logits: dict[str, torch.Tensor] = {}
 
     # --- API -------------------------------------------------------------------------
 
@@ -176,6 +178,8 @@ class Engine:
             self._cache_blocks(seq)
         elif self.spec.has_swa and seq.computed % b == 0:
             self.slots.copy_replica(self.model, seq.slot, seq.computed)
+        if was_prefill and self.record_logits:
+            self.first_logits[seq.request_id] = logits.clone()
         token = sample_one(logits, seq.sampling, seq.tokens, seq.generator)
         seq.tokens.append(token)
         first = seq.first_token_at is None

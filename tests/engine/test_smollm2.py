@@ -1,0 +1,138 @@
+"""SmolLM2-135M on the block ledger: a hit gives the cold answer; faults give the cold answer too.
+
+One cold prefill of a 500-token prompt is the reference (logits and 32 greedy tokens); the other
+scenarios reuse its blocks (copied under other namespaces where a test damages them)."""
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from kvledger.core import HitKind
+from tests.engine.helpers import prompt, run_request
+
+PROMPT = prompt(500)
+B = 128
+
+
+@pytest.fixture(scope="module")
+def cold(smollm2, ledger):
+    out, usage, decision = run_request(smollm2, ledger, PROMPT, request_id="cold", max_tokens=32)
+    assert decision.kind is HitKind.MISS and usage.cached_tokens == 0 and usage.completion_tokens == 32
+    return out, smollm2.first_logits["cold"]
+
+
+def _rel_err(a, b):
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def _copy_namespace(ledger, smollm2, namespace):
+    """The default namespace's prompt blocks stored again under `namespace` (same KV, other keys)."""
+    import numpy as np
+
+    from kvledger.core import chain_keys
+
+    src, dst = chain_keys(PROMPT, smollm2.spec), chain_keys(PROMPT, smollm2.spec, namespace)
+    bufs = [bytearray(smollm2.spec.block_bytes()) for _ in src]
+    assert ledger.read_prefix(src, bufs) == len(src)
+    ledger.put_chain(dst, [np.frombuffer(b, np.uint8) for b in bufs], namespace=namespace)
+
+
+def test_full_hit_matches_cold(cold, smollm2, ledger):
+    out, logits = cold
+    smollm2.clear_device_cache()
+    hit, usage, decision = run_request(smollm2, ledger, PROMPT, request_id="hit", max_tokens=32)
+    assert decision.kind is HitKind.FULL and usage.cached_tokens == 384 == decision.hit_tokens
+    assert usage.timings["fetch_s"] > 0 and usage.timings["swapin_s"] > 0
+    assert _rel_err(smollm2.first_logits["hit"], logits) <= 1e-4
+    assert hit == out
+
+
+def test_next_turn_hits_decode_blocks(cold, smollm2, ledger):
+    out, _ = cold
+    turn2 = PROMPT + out + prompt(100, seed=1)
+    smollm2.clear_device_cache()
+    _, usage, decision = run_request(smollm2, ledger, turn2, request_id="turn2", max_tokens=1)
+    assert decision.hit_tokens == 512 > 384  # block [384, 512) was written at the end of the decode
+    assert usage.cached_tokens == 512
+
+
+def test_corrupt_block_recomputes(cold, smollm2, ledger):
+    out, _ = cold
+    _copy_namespace(ledger, smollm2, "corrupt")
+    seg = next(p for p in ledger.store.seg_dir.iterdir() if b"corrupt" in p.read_bytes()[:4096])
+    size, bb = seg.stat().st_size, smollm2.spec.block_bytes()
+    with open(seg, "r+b") as f:  # damage block 1 of 3
+        f.seek(size - 2 * bb + 1000)
+        f.write(b"\xff" * 64)
+    smollm2.clear_device_cache()
+    got, usage, decision = run_request(smollm2, ledger, PROMPT, request_id="corrupt", namespace="corrupt")
+    assert decision.hit_tokens == 384 and usage.cached_tokens == 128
+    assert got == out[:8]
+
+
+def test_killed_fetcher_recomputes(cold, smollm2, ledger):
+    out, _ = cold
+    _copy_namespace(ledger, smollm2, "killed")
+    restarts = smollm2.fetcher.restarts
+    os.kill(smollm2.fetcher.pid, signal.SIGKILL)
+    time.sleep(0.2)
+    smollm2.clear_device_cache()
+    got, usage, decision = run_request(smollm2, ledger, PROMPT, request_id="killed", namespace="killed")
+    assert decision.hit_tokens == 384 and usage.cached_tokens == 0 and got == out[:8]
+    assert smollm2.fetcher.restarts == restarts + 1
+    smollm2.clear_device_cache()
+    _, usage, _ = run_request(smollm2, ledger, PROMPT, request_id="after-restart", namespace="killed", max_tokens=1)
+    assert usage.cached_tokens == 384  # the restarted fetcher serves the next hit
+
+
+def test_batching_and_abort(cold, smollm2, ledger):
+    """A new prompt joins while another decodes; an abort frees everything."""
+    from kvledger.engine.api import EngineRequest, SamplingParams
+    from kvledger.entrypoint.check import check_prompt
+
+    out, _ = cold
+    sampling = SamplingParams(max_tokens=6, ignore_eos=True)
+    keys, d = check_prompt(PROMPT, smollm2.spec, block_ledger=ledger, state_ledger=None)
+    smollm2.add_request(EngineRequest("a", PROMPT, keys, d, sampling))
+    seen: dict[str, list[int]] = {"a": [], "b": [], "c": []}
+    joined_while_decoding = False
+    steps = 0
+    while smollm2.has_unfinished():
+        if steps == 2:
+            short = prompt(40, seed=2)
+            k2, d2 = check_prompt(short, smollm2.spec, block_ledger=ledger, state_ledger=None)
+            smollm2.add_request(EngineRequest("b", short, k2, d2, sampling))
+            smollm2.add_request(EngineRequest("c", short, k2, d2, SamplingParams(max_tokens=50)))
+        for e in smollm2.step():
+            seen[e.request_id] += e.token_ids
+            if e.request_id == "b" and len(seen["a"]) < 6:
+                joined_while_decoding = True
+            if e.request_id == "c" and len(seen["c"]) == 2:
+                smollm2.abort("c")
+            if e.request_id == "c" and e.finished:
+                assert e.finish_reason == "abort"
+        steps += 1
+    smollm2.check_integrity()
+    assert joined_while_decoding and seen["a"] == out[:6] and len(seen["b"]) == 6 and len(seen["c"]) == 2
+
+
+def test_rejects_bad_requests(smollm2):
+    from kvledger.core import chain_keys, decide_hit
+    from kvledger.engine.api import EngineRequest, SamplingParams
+
+    sp = SamplingParams(max_tokens=4)
+    good = decide_hit(500, 0, set(), smollm2.spec)
+    with pytest.raises(ValueError, match="keys"):
+        smollm2.add_request(EngineRequest("x", PROMPT, chain_keys(PROMPT, smollm2.spec, "other"), good, sp))
+    with pytest.raises(ValueError, match="decision"):
+        smollm2.add_request(EngineRequest("x", PROMPT, chain_keys(PROMPT, smollm2.spec),
+                                          decide_hit(900, 7, set(), smollm2.spec), sp))
+    with pytest.raises(ValueError, match="context"):
+        long = [5] * smollm2.max_model_len
+        smollm2.add_request(EngineRequest("x", long, chain_keys(long, smollm2.spec),
+                                          decide_hit(len(long), 0, set(), smollm2.spec), sp))
+    assert not smollm2.has_unfinished()
+    assert Path(smollm2.fetcher.shm.name)  # the staging area is still ours
