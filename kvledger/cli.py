@@ -147,7 +147,7 @@ def cmd_diff(args: argparse.Namespace) -> None:
 def cmd_demo(args: argparse.Namespace) -> None:
     from kvledger.demo import run_demo
 
-    run_demo(Console())
+    run_demo(Console(), chat_turns=args.turns)
 
 
 # --- parser ----------------------------------------------------------------------
@@ -185,6 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
     df.set_defaults(func=cmd_diff)
 
     dm = sub.add_parser("demo", help="the main job on built-in examples")
+    dm.add_argument("--turns", type=int, default=3, choices=range(4), metavar="{0..3}",
+                    help="chat turns with SmolLM2 on the reference engine (default %(default)s; 0: skip the chat)")
     dm.set_defaults(func=cmd_demo)
 
     for name in COMMAND_GROUPS:

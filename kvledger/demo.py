@@ -4,8 +4,8 @@ Today it plans a DeepSeek-V4.1-Flash cache tier, walks the hit rule through DESI
 worked example, diffs two agent prompts that differ only in a timestamp, serves a second
 conversation turn from both ledgers (blocks on disk across a restart, the snapshot pulled
 from another "machine" over TCP), and replays the Mooncake trace through the simulator.
-There is no engine yet, so the KV bytes are stand-ins of the right size; the demo grows
-with the engine and the server.
+It starts with the main job: a multi-turn chat with SmolLM2-135M on the reference engine
+(`demo_chat`); the later parts use KV stand-ins of the right size.
 """
 
 from __future__ import annotations
@@ -72,9 +72,15 @@ def agent_prompt(timestamp: str) -> str:
             + "\n\n# Task\nThe user will describe a task next. Plan, then act.\n")
 
 
-def run_demo(console: Console) -> None:
+def run_demo(console: Console, chat_turns: int = 3) -> None:
     spec = ModelSpec.preset("deepseek-v4.1-flash")
     console.rule("[bold]kvledger demo")
+    if chat_turns > 0:
+        from kvledger.demo_chat import chat_demo
+
+        console.print("0. A chat with SmolLM2-135M on the reference engine, its KV kept on the embedded block ledger:")
+        chat_demo(console, chat_turns)
+        console.print()
     console.print("1. What a cache tier for DeepSeek-V4.1-Flash costs and buys (kvledger plan):")
     plan_table(plan(spec, 131072), console)
 
@@ -108,8 +114,7 @@ def run_demo(console: Console) -> None:
     console.print("\n5. At cluster scale: the Mooncake synthetic trace through the simulator (kvledger bench sim):")
     _simulate(console, spec)
 
-    console.print("\n[bold]Coming next[/bold]: the reference engine (real models on both ledgers, layer-wise "
-                  "swap-in) and the OpenAI-compatible server that decides the hit before it routes.")
+    console.print("\n[bold]Coming next[/bold]: the OpenAI-compatible server that decides the hit before it routes.")
 
 
 def _stand_in_kv(key: bytes, size: int) -> bytes:

@@ -11,6 +11,7 @@ BENCHES = {
     "state": "kvledger.bench.state_bench",   # state ledger: snapshot pulls vs a plain socket, directory lookups
     "sim": "kvledger.bench.sim",             # cluster simulator driven by a trace
     "serve": "kvledger.bench.serve_bench",   # kvledger serve under multi-turn chats vs --no-cache
+    "ttft": "kvledger.bench.ttft_bench",     # reference engine: TTFT cold vs hit vs bounded replay
 }
 
 
