@@ -134,35 +134,49 @@ def attend(q: Tensor, win_k: Tensor, win_v: Tensor, win_valid: Tensor, comp: Com
     return out[:, :n_q].permute(1, 0, 2).reshape(n_q, -1)
 
 
-def _entries(entries: Tensor, n: int) -> Tensor:
-    """The first n entries, zero-padded when fewer are closed (those are masked for every query)."""
-    if entries.shape[0] >= n:
-        return entries[:n]
-    return torch.cat([entries, entries.new_zeros(n - entries.shape[0], entries.shape[1])])
+class Entries(NamedTuple):
+    """A layer's compressed entries for one forward, zero-padded to what its last tile may see."""
+
+    values: Tensor        # [n, d]
+    keys: Tensor          # [n, d], roped at each entry's last position (g + 1)·ratio − 1
+    index: Tensor | None  # [n, di] CSA index keys
+    closed: int           # entries actually held (the rest is padding, masked for every query)
 
 
-def hca_keys(entries: Tensor, q_pos: Tensor, tile: int, ratio: int, rope: Rope) -> Compressed | None:
+def prepare_entries(entries: Tensor, index_keys: Tensor | None, ratio: int, last_tile: int, rope: Rope) -> Entries:
+    n = max((last_tile + 1) * TILE // ratio, entries.shape[0])
+    values = _padded(entries, n)
+    g = torch.arange(n, device=entries.device)
+    index = _padded(index_keys, n) if index_keys is not None else None
+    return Entries(values, rope.apply(values, (g + 1) * ratio - 1), index, entries.shape[0])
+
+
+def _padded(rows: Tensor, n: int) -> Tensor:
+    if rows.shape[0] >= n:
+        return rows
+    return torch.cat([rows, rows.new_zeros(n - rows.shape[0], rows.shape[1])])
+
+
+def hca_keys(entries: Entries, q_pos: Tensor, tile: int, ratio: int) -> Compressed:
     """Every entry a query of tile `tile` may see (n = (tile + 1)·TILE / ratio), masked by g < ⌊(i + 1) / ratio⌋."""
     n = (tile + 1) * TILE // ratio
-    g = torch.arange(n, device=entries.device)
+    g = torch.arange(n, device=q_pos.device)
     valid = g[None, :] < ((q_pos + 1) // ratio)[:, None]
-    assert entries.shape[0] >= int(((q_pos[-1] + 1) // ratio).item()), "entries of closed groups are missing"
-    rows = _entries(entries, n)
-    return Compressed(rope.apply(rows, (g + 1) * ratio - 1), rows, valid)
+    assert entries.closed >= int(((q_pos[-1] + 1) // ratio).item()), "entries of closed groups are missing"
+    return Compressed(entries.keys[:n], entries.values[:n], valid)
 
 
-def csa_keys(entries: Tensor, index_keys: Tensor, iq: Tensor, iw: Tensor, q_pos: Tensor, tile: int, ratio: int,
-             top_k: int, rope: Rope) -> Compressed | None:
+def csa_keys(entries: Entries, iq: Tensor, iw: Tensor, q_pos: Tensor, tile: int, ratio: int, top_k: int) -> Compressed:
     """The indexer's top-k closed entries per query: score(i, g) = Σ_h w_h(i) · relu(q_h(i) · k_g).
 
     iq [q, hi, di], iw [q, hi]. Fewer than k closed entries: all of them (the rest masked)."""
     n = (tile + 1) * TILE // ratio
-    g = torch.arange(n, device=entries.device)
+    g = torch.arange(n, device=q_pos.device)
     valid = g[None, :] < ((q_pos + 1) // ratio)[:, None]
-    assert entries.shape[0] >= int(((q_pos[-1] + 1) // ratio).item()), "entries of closed groups are missing"
-    score = torch.einsum("qhd,nd->qhn", pad_rows(iq, 0), _entries(index_keys, n)).relu()
-    score = torch.einsum("qhn,qh->qn", score, pad_rows(iw, 0))[:q_pos.shape[0]]
+    assert entries.closed >= int(((q_pos[-1] + 1) // ratio).item()), "entries of closed groups are missing"
+    iq = pad_rows(iq, 0)
+    score = (iq.reshape(-1, iq.shape[-1]) @ entries.index[:n].T).view(iq.shape[0], iq.shape[1], n).relu_()
+    score = (score * pad_rows(iw, 0)[..., None]).sum(dim=1)[:q_pos.shape[0]]
     score = score.masked_fill(~valid, float("-inf"))
     top, idx = torch.topk(score, min(top_k, n), dim=-1)
-    rows = _entries(entries, n)[idx]
-    return Compressed(rope.apply(rows, (idx + 1) * ratio - 1), rows, torch.isfinite(top))
+    return Compressed(entries.keys[idx], entries.values[idx], torch.isfinite(top))

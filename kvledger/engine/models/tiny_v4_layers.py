@@ -15,12 +15,14 @@ from kvledger.core.spec import LayerKind
 from kvledger.engine.models.tiny_v4_attention import (
     TILE,
     Compressed,
+    Entries,
     Rope,
     attend,
     canonical_keys,
     csa_keys,
     hca_keys,
     mm,
+    prepare_entries,
     tiles,
     window_mask,
 )
@@ -136,21 +138,24 @@ class Attention(nn.Module):
         q = self.rope.apply(mm(xn, self.wq).view(-1, self.heads, keys.shape[1]).transpose(0, 1), q_pos)
         k_roped = self.rope.apply(keys, k_pos)
         idx = mm(xn, self.index_q).view(-1, self.index_heads, self.index_dim + 1) if self.index_q is not None else None
+        entries = None
+        if self.kind in (LayerKind.CSA, LayerKind.HCA):
+            entries = prepare_entries(state.entries[layer], state.index_keys[layer], self.ratio, (hi - 1) // TILE,
+                                      self.rope)
         outs = []
         for t0, t1 in tiles(lo, hi):
             tile = t0 // TILE
             k0, k1 = (tile - 1) * TILE - base, (tile + 1) * TILE - base
             rows = slice(t0 - lo, t1 - lo)
             valid = window_mask(q_pos[rows], k_pos[k0:k1], self.window, floor)
-            comp = self._compressed(state, layer, q_pos[rows], tile, None if idx is None else idx[rows])
+            comp = self._compressed(entries, q_pos[rows], tile, None if idx is None else idx[rows])
             outs.append(attend(q[:, rows], k_roped[k0:k1], keys[k0:k1], valid, comp))
         return mm(torch.cat(outs), self.wo)
 
-    def _compressed(self, state: SeqState, layer: int, q_pos: Tensor, tile: int, idx: Tensor | None
+    def _compressed(self, entries: Entries | None, q_pos: Tensor, tile: int, idx: Tensor | None
                     ) -> Compressed | None:
         if self.kind is LayerKind.HCA:
-            return hca_keys(state.entries[layer], q_pos, tile, self.ratio, self.rope)
+            return hca_keys(entries, q_pos, tile, self.ratio)
         if self.kind is LayerKind.CSA:
-            return csa_keys(state.entries[layer], state.index_keys[layer], idx[..., :-1], idx[..., -1], q_pos, tile,
-                            self.ratio, self.top_k, self.rope)
+            return csa_keys(entries, idx[..., :-1], idx[..., -1], q_pos, tile, self.ratio, self.top_k)
         return None
