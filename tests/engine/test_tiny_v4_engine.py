@@ -4,8 +4,10 @@ a next turn hits the decode replica, an unreachable state holder lowers the hit 
 import time
 
 import pytest
+import torch
 
 from kvledger.core import HitKind, ModelSpec
+from kvledger.engine.models.tiny_v4_paths import run
 from kvledger.state.directory import MemoryDirectory
 from kvledger.state.ledger import StateLedger
 from tests.engine.helpers import prompt, run_request
@@ -70,6 +72,9 @@ def test_next_turn_hits_the_decode_replica(cold, tiny, ledger, holder):
     tiny.clear_device_cache()
     _, usage, d = run_request(tiny, ledger, turn2, request_id="turn2", max_tokens=1, state_ledger=holder)
     assert d.kind is HitKind.SNAPSHOT and d.hit_tokens == 640 == usage.cached_tokens  # boundary 640 < 700 + 32
+    reference = tiny.model.new_state(len(turn2))  # the model's own cold prefill of turn 2, no device cache
+    cold2 = run(tiny.model, reference, torch.tensor(turn2), chunk=512)
+    assert _rel(tiny.first_logits["turn2"], cold2[-1]) <= 1e-4, "a hit on decode-written KV gives the cold answer"
 
 
 def test_unreachable_holder_falls_back(cold, ledger, holder, directory):
