@@ -28,7 +28,8 @@ from pathlib import Path
 from kvledger.core import KEY_BYTES, ModelSpec
 from kvledger.state import auth
 from kvledger.state.client import DEFAULT_TIMEOUT_S, StateClient
-from kvledger.state.directory import Directory, Holder, MemoryDirectory, SnapshotEntry, deadline, sign, verified
+from kvledger.state.directory import Directory, Holder, MemoryDirectory, SnapshotEntry, sign, verified
+from kvledger.state.redis_directory import deadline
 from kvledger.state.files import SnapshotFiles
 from kvledger.state.pool import SlotPool
 from kvledger.state.server import StateServer
