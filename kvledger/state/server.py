@@ -71,7 +71,7 @@ class StateServer:
     """`StateServer(pool, token).start()`; `address` is "host:port"; `stop()` ends it."""
 
     def __init__(self, pool: SlotPool, token: str | bytes, host: str = "127.0.0.1", port: int = 0, *,
-                 io_timeout_s: float = 5.0, idle_timeout_s: float = 30.0, handshake_timeout_s: float = 1.0,
+                 io_timeout_s: float = 5.0, idle_timeout_s: float = 30.0, handshake_timeout_s: float = 2.0,
                  max_connections: int = 64, max_handshakes: int | None = None) -> None:
         self._keys = auth.derive_keys(token)  # ValueError for an empty token
         if min(io_timeout_s, idle_timeout_s, handshake_timeout_s) <= 0 or max_connections <= 0:
