@@ -428,7 +428,8 @@ def bench_pulls(size: int, rounds: int, pulls: int, timeout: float, candidates: 
 # --- directory -------------------------------------------------------------------------
 
 def bench_directory(redis_url: str, entries: int, rounds: int, lookups: int, batch: int) -> dict[str, Any]:
-    from kvledger.state.directory import Holder, MemoryDirectory, RedisDirectory, SnapshotEntry
+    from kvledger.state.directory import Holder, MemoryDirectory, SnapshotEntry
+    from kvledger.state.redis_directory import RedisDirectory
 
     holder = Holder("bench-holder", "127.0.0.1:1")
     keys = [os.urandom(16) for _ in range(entries)]

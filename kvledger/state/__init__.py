@@ -1,9 +1,12 @@
 """The state ledger: sliding-window snapshots in host memory, a directory, pulls between machines.
 
   pool.py       fixed-size snapshot slots in one shared-memory segment, LRU, pin/unpin
-  directory.py  key → holder, position, size, time; MemoryDirectory (embedded) | RedisDirectory (shared)
+  directory.py  key → holder, position, size, time (MACed); MemoryDirectory (embedded)
+  redis_directory.py  RedisDirectory (shared), one deadline per operation
+  auth.py       keys and MACs derived from the cluster token (never sent)
   protocol.py   the binary wire format of the state server (no pickle)
-  server.py     the state server (asyncio streams), serving snapshots out of the pool
+  handshake.py  the connection handshake, both sides
+  server.py     the state server (a thread per connection), serving snapshots out of the pool
   client.py     pulls (a fault is a miss, never an exception)
   files.py      checksummed, atomically written snapshot files (strategies `full`, `periodic:N`)
   strategy.py   memory | full | periodic:N | zero
@@ -11,7 +14,8 @@
 """
 
 from kvledger.state.client import StateClient, pull
-from kvledger.state.directory import Directory, Holder, MemoryDirectory, RedisDirectory, SnapshotEntry
+from kvledger.state.directory import Directory, Holder, MemoryDirectory, SnapshotEntry
+from kvledger.state.redis_directory import RedisDirectory
 from kvledger.state.files import SnapshotFiles
 from kvledger.state.ledger import StateLedger
 from kvledger.state.pool import SlotPool

@@ -26,19 +26,9 @@ from typing import NamedTuple
 from kvledger.core import KEY_BYTES
 from kvledger.state import auth
 from kvledger.state.pool import checksum
-from kvledger.state.protocol import (
-    CHALLENGE_BYTES,
-    RESPONSE_BYTES,
-    Op,
-    ProtocolError,
-    Response,
-    Status,
-    pack_hello,
-    pack_proof,
-    pack_request,
-    unpack_challenge,
-    unpack_response,
-)
+from kvledger.state.handshake import Refused, open_session, recv_exact
+from kvledger.state.handshake import settimeout as _settimeout
+from kvledger.state.protocol import RESPONSE_BYTES, Op, ProtocolError, Response, Status, pack_request, unpack_response
 
 DEFAULT_TIMEOUT_S = 2.0
 MISS_CAUSES = ("miss", "denied", "auth", "busy", "bad", "unreachable", "timeout", "eof", "reset", "protocol",
@@ -120,9 +110,9 @@ class StateClient:
             seq, frame = conn.request(Op.PING, bytes(KEY_BYTES))
             _settimeout(conn.sock, deadline)
             conn.sock.sendall(frame)
-            resp = unpack_response(_recv_exact(conn.sock, RESPONSE_BYTES, deadline), conn.session, bytes(KEY_BYTES))
+            resp = unpack_response(recv_exact(conn.sock, RESPONSE_BYTES, deadline), conn.session, bytes(KEY_BYTES))
             return resp.status is Status.OK and resp.seq == seq
-        except (OSError, _Fault, ProtocolError):
+        except (OSError, EOFError, _Fault, ProtocolError):
             return False
         finally:
             if conn is not None:
@@ -248,24 +238,17 @@ class StateClient:
             raise
 
     def _handshake(self, sock: socket.socket, deadline: float) -> _Conn:
-        key = self._keys.handshake
-        client_nonce = auth.nonce()
         try:
-            _settimeout(sock, deadline)
-            sock.sendall(pack_hello(client_nonce))
-            status, server_nonce, proof = unpack_challenge(_recv_exact(sock, CHALLENGE_BYTES, deadline))
+            session, proof = open_session(sock, self._keys.handshake, deadline)
         except TimeoutError:
             raise _Fault("timeout") from None
-        except ProtocolError:
-            raise _Fault("protocol") from None
+        except EOFError:
+            raise _Fault("eof") from None
+        except Refused as r:
+            raise _Fault(r.cause) from None  # "auth": it does not know the token, so it is told nothing more
         except OSError:
             raise _Fault("reset") from None
-        if status is not Status.OK:
-            raise _Fault("busy" if status is Status.BUSY else "bad")
-        if not auth.same(proof, auth.server_proof(key, client_nonce, server_nonce)):
-            raise _Fault("auth")  # it does not know the token: tell it nothing more
-        return _Conn(sock, auth.session_key(key, client_nonce, server_nonce),
-                     pending=pack_proof(auth.client_proof(key, client_nonce, server_nonce)))
+        return _Conn(sock, session, pending=proof)
 
     def _checkin(self, address: str, conn: _Conn) -> None:
         with self._lock:
@@ -301,19 +284,6 @@ def _backoff(wait: float, deadline: float) -> bool:
         return False
     time.sleep(pause)
     return True
-
-
-def _settimeout(sock: socket.socket, deadline: float) -> None:
-    remaining = deadline - time.monotonic()
-    if remaining <= 0:
-        raise TimeoutError
-    sock.settimeout(remaining)
-
-
-def _recv_exact(sock: socket.socket, n: int, deadline: float, retry_on_eof: bool = False) -> bytes:
-    buf = bytearray(n)
-    _recv_into(sock, memoryview(buf), deadline, retry_on_eof)
-    return bytes(buf)
 
 
 def _recv_into(sock: socket.socket, dest: memoryview, deadline: float, retry_on_eof: bool = False) -> None:

@@ -28,7 +28,8 @@ from pathlib import Path
 from kvledger.core import KEY_BYTES, ModelSpec
 from kvledger.state import auth
 from kvledger.state.client import DEFAULT_TIMEOUT_S, StateClient
-from kvledger.state.directory import Directory, Holder, MemoryDirectory, SnapshotEntry, deadline, sign, verified
+from kvledger.state.directory import Directory, Holder, MemoryDirectory, SnapshotEntry, sign, verified
+from kvledger.state.redis_directory import deadline
 from kvledger.state.files import SnapshotFiles
 from kvledger.state.pool import SlotPool
 from kvledger.state.server import StateServer
@@ -52,7 +53,7 @@ class StateLedger:
                  strategy: Strategy | str = "memory", capacity_bytes: int = DEFAULT_CAPACITY_BYTES,
                  root: str | Path | None = None, engine_id: str | None = None, host: str = "127.0.0.1",
                  port: int = 0, serve: bool = True, pull_timeout_s: float = DEFAULT_TIMEOUT_S,
-                 heartbeat: bool = True, max_connections: int = 64, handshake_timeout_s: float = 1.0,
+                 heartbeat: bool = True, max_connections: int = 64, handshake_timeout_s: float = 2.0,
                  idle_timeout_s: float = 30.0, directory_timeout_s: float = 2.0) -> None:
         self._dir_key = auth.derive_keys(token).directory  # ValueError for an empty token
         if not spec.has_swa:

@@ -35,19 +35,8 @@ from dataclasses import dataclass
 from kvledger.core import KEY_BYTES
 from kvledger.state import auth
 from kvledger.state.pool import SlotPool
-from kvledger.state.protocol import (
-    HELLO_BYTES,
-    PROOF_BYTES,
-    REQUEST_BYTES,
-    Op,
-    ProtocolError,
-    Status,
-    pack_challenge,
-    pack_response,
-    unpack_hello,
-    unpack_proof,
-    unpack_request,
-)
+from kvledger.state.handshake import Refused, accept_session, recv_exact
+from kvledger.state.protocol import REQUEST_BYTES, Op, ProtocolError, Status, pack_response, unpack_request
 
 ACCEPT_POLL_S = 0.1
 LINGER_S = 0.2          # how long a refused connection is drained before it is closed
@@ -82,7 +71,7 @@ class StateServer:
     """`StateServer(pool, token).start()`; `address` is "host:port"; `stop()` ends it."""
 
     def __init__(self, pool: SlotPool, token: str | bytes, host: str = "127.0.0.1", port: int = 0, *,
-                 io_timeout_s: float = 5.0, idle_timeout_s: float = 30.0, handshake_timeout_s: float = 1.0,
+                 io_timeout_s: float = 5.0, idle_timeout_s: float = 30.0, handshake_timeout_s: float = 2.0,
                  max_connections: int = 64, max_handshakes: int | None = None) -> None:
         self._keys = auth.derive_keys(token)  # ValueError for an empty token
         if min(io_timeout_s, idle_timeout_s, handshake_timeout_s) <= 0 or max_connections <= 0:
@@ -204,25 +193,19 @@ class StateServer:
     def _handshake(self, sock: socket.socket) -> bytes | None:
         """The session key once the peer proved the token within `handshake_timeout_s`; None
         (after answering DENIED, or closing unanswered a frame that does not parse) otherwise."""
-        deadline = time.monotonic() + self.handshake_timeout_s
-        key = self._keys.handshake
         try:
-            client_nonce = unpack_hello(_recv(sock, HELLO_BYTES, deadline))
-            server_nonce = auth.nonce()
-            sock.settimeout(max(deadline - time.monotonic(), 1e-3))
-            sock.sendall(pack_challenge(server_nonce, auth.server_proof(key, client_nonce, server_nonce)))
-            proof = unpack_proof(_recv(sock, PROOF_BYTES, deadline))
-        except ProtocolError:
-            self._count("bad")
-            return None
+            session = accept_session(sock, self._keys.handshake, time.monotonic() + self.handshake_timeout_s)
         except EOFError:
             return None
-        if not auth.same(proof, auth.client_proof(key, client_nonce, server_nonce)):
+        except Refused as r:
+            if r.cause != "denied":
+                self._count("bad")
+                return None
             self._count("denied")
             self._refuse(sock, pack_response(None, Status.DENIED, 0, _NO_KEY))
             return None
         self._count("authenticated")
-        return auth.session_key(key, client_nonce, server_nonce)
+        return session
 
     def _admit(self, conn: _Conn) -> bool:
         """Count an authenticated connection; at the cap, close the least recently used idle one."""
@@ -243,7 +226,7 @@ class StateServer:
     def _answer_busy(self, sock: socket.socket, session: bytes) -> None:
         """Answer the request that came with the proof BUSY (authenticated), then close."""
         try:
-            req = unpack_request(_recv(sock, REQUEST_BYTES, time.monotonic() + self.handshake_timeout_s), session)
+            req = unpack_request(recv_exact(sock, REQUEST_BYTES, time.monotonic() + self.handshake_timeout_s), session)
         except (ProtocolError, EOFError):
             return
         sock.settimeout(self.io_timeout_s)
@@ -322,18 +305,3 @@ class StateServer:
             self.stats.served_bytes += pinned.size
         return True
 
-
-def _recv(sock: socket.socket, n: int, deadline: float) -> bytes:
-    """Exactly `n` bytes before `deadline`: TimeoutError when late, EOFError when the peer closed."""
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError
-        sock.settimeout(left)
-        k = sock.recv_into(view[got:])
-        if k == 0:
-            raise EOFError
-        got += k
-    return bytes(buf)

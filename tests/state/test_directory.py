@@ -3,14 +3,8 @@ import uuid
 
 import pytest
 
-from kvledger.state.directory import (
-    Holder,
-    MemoryDirectory,
-    RedisDirectory,
-    SnapshotEntry,
-    decode_entry,
-    encode_entry,
-)
+from kvledger.state.directory import Holder, MemoryDirectory, SnapshotEntry
+from kvledger.state.redis_directory import RedisDirectory, decode_entry, encode_entry
 
 TTL = 0.8  # seconds; generous, so a loaded machine does not miss a heartbeat
 

@@ -85,3 +85,26 @@ def test_fetch_refuses_bytes_that_do_not_match_the_entry():
             directory.publish([sign(dkey, SnapshotEntry(K1, holder.holder, position, size, 0.0))])
             assert entrypoint.fetch(K1) is None, (size, position)
             assert entrypoint.fetch_into(K1, bytearray(SIZE)) is None, (size, position)
+
+
+def test_the_server_limits_are_set_and_shown_on_the_ledger():
+    """`max_connections`, `handshake_timeout_s`, `idle_timeout_s` reach the state server; silent
+    connections past the cap do not keep another ledger from pulling."""
+    import socket
+
+    from kvledger.state.client import parse_address
+
+    directory = MemoryDirectory()
+    limits = {"max_connections": 2, "handshake_timeout_s": 0.3, "idle_timeout_s": 5.0}
+    with StateLedger(SPEC, token=TOKEN, directory=directory, capacity_bytes=2 * SIZE, **limits) as holder, \
+            StateLedger(SPEC, token=TOKEN, directory=directory, capacity_bytes=0) as entrypoint:
+        for name, value in limits.items():
+            assert getattr(holder, name) == getattr(holder.server, name) == value
+        data = os.urandom(SIZE)
+        assert holder.put(K1, 128, data)
+        silent = [socket.create_connection(parse_address(holder.address), timeout=5) for _ in range(6)]
+        try:
+            assert entrypoint.fetch(K1) == data
+        finally:
+            for s in silent:
+                s.close()

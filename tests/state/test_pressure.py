@@ -15,7 +15,7 @@ def test_many_clients_past_the_cap_all_get_hits(spawn_holder):
     """40 client processes, a holder with 16 connection slots: every client gets hits
     (idle connections make room LRU-first; a BUSY client backs off and retries)."""
     token = uuid.uuid4().hex
-    h = spawn_holder(token=token, seed=9, count=1, size=SIZE, max_connections=16)
+    h = spawn_holder(token=token, seed=9, count=1, size=SIZE, max_connections=16, timeout=120)
     script = Path(__file__).with_name("clients.py")
     out = subprocess.run([sys.executable, str(script), h.address, token, "9", str(SIZE), str(CLIENTS), str(SECONDS)],
                          capture_output=True, text=True, timeout=120)

@@ -21,11 +21,14 @@ TOKEN = "t0ken"
 @pytest.fixture(scope="module")
 def locked_redis():
     """A redis-server with `requirepass` and one ACL user limited to the kvl:* keys."""
-    with RedisServer(password=uuid.uuid4().hex) as server:
+    server = RedisServer(password=uuid.uuid4().hex).start(timeout_s=60)  # a loaded machine starts it slowly
+    try:
         admin = redis.Redis.from_url(server.url)
         admin.acl_setuser("kvl", enabled=True, passwords=["+kvl-secret"], keys=["kvl:*"], commands=["+@all"])
         admin.close()
         yield server
+    finally:
+        server.close()
 
 
 def _two_ledgers_share_a_snapshot(url: str) -> None:
@@ -59,8 +62,9 @@ def test_a_wrong_or_missing_password_is_a_miss_not_an_error(locked_redis):
 def test_a_hung_redis_costs_one_deadline_per_operation():
     """SIGSTOPped Redis: a put (evict → withdraw, publish, re-check) and a lookup each return within
     one deadline, on a kept connection and on a new one that must first AUTH."""
-    with RedisServer(password="pw") as server:
-        url, timeout = server.url, 0.4
+    server = RedisServer(password="pw").start(timeout_s=60)
+    try:
+        url, timeout = server.url, 1.0
         with StateLedger(SPEC, token=TOKEN, capacity_bytes=SLOT, heartbeat=False, directory_timeout_s=timeout,
                          directory=RedisDirectory(url, socket_timeout_s=timeout)) as ledger:
             assert ledger.put(b"\x01" * 16, 128, os.urandom(SIZE)) and ledger.faults == {}
@@ -76,5 +80,7 @@ def test_a_hung_redis_costs_one_deadline_per_operation():
             finally:
                 os.kill(server.proc.pid, signal.SIGCONT)
             assert ledger.faults["directory"] >= 1 and fresh.faults == 1
-            assert timeout * 0.9 < put_s < timeout + 0.3, put_s
-            assert timeout * 0.9 < lookup_s < timeout + 0.3, lookup_s
+            assert timeout * 0.9 < put_s < 1.7 * timeout, put_s  # one deadline, not one per round trip
+            assert timeout * 0.9 < lookup_s < 1.7 * timeout, lookup_s
+    finally:
+        server.close()

@@ -10,7 +10,8 @@ import pytest
 
 from kvledger.core import ModelSpec, chain_keys
 from kvledger.state import RedisDirectory, StateLedger
-from kvledger.state.directory import Holder, SnapshotEntry, encode_entry
+from kvledger.state.directory import Holder, SnapshotEntry
+from kvledger.state.redis_directory import encode_entry
 
 SPEC = ModelSpec.preset("tiny-v4")
 SIZE = SPEC.state_size_to_disk()
