@@ -11,8 +11,8 @@ Read path: blocks of a prefix that lie back to back in a segment are read with o
 mismatch or a short read is a miss (counted), and the entry is dropped.
 
 The jobs live in their own modules: segment_files.py (the directory's I/O), index.py (the
-index and CHECK), file_index.py (index upkeep), file_gc.py (GC, eviction, write-back),
-file_inspect.py (stats and verify). This class ties them together under one lock.
+index and CHECK), file_index.py (index upkeep), file_read.py (reads), file_gc.py (GC,
+eviction, write-back), file_inspect.py (stats and verify). This class ties them together under one lock.
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ from kvledger.store.backend import (
 )
 from kvledger.store.file_gc import Collector
 from kvledger.store.file_index import IndexUpkeep
-from kvledger.store.index import Entry, MemoryIndex, Segment, runs
+from kvledger.store.file_read import BlockReader
+from kvledger.store.index import Entry, MemoryIndex, Segment
 from kvledger.store.segment_files import SegmentFiles, bytes_view
 from kvledger.store.ttl import Clock, wall_clock
 
@@ -83,6 +84,7 @@ class FileStore:
         self.index = MemoryIndex()
         self.upkeep = IndexUpkeep(self.files, self.index, clock)
         self.collector = Collector(self.files, self.index, self.upkeep, self.counters)
+        self.reader = BlockReader(self.files, self.index, self.counters)
         self._lock = threading.RLock()
         self._writer: threading.Thread | None = None
         self._writer_lock = threading.Lock()
@@ -93,6 +95,11 @@ class FileStore:
     @property
     def live_bytes(self) -> int:
         return self.index.live_bytes
+
+    @property
+    def seg_dir(self) -> Path:
+        """The folder of the segment files (`root/segments`)."""
+        return self.files.seg_dir
 
     def refresh(self, force: bool = False) -> None:
         """Load segments other writers added and forget those they removed (one stat when nothing changed).
@@ -192,51 +199,9 @@ class FileStore:
         """Read blocks into `bufs` (each at least the block's size); per key its size, or -1 for a miss."""
         if len(keys) != len(bufs):
             raise ValueError(f"one buffer per key: {len(keys)} keys, {len(bufs)} buffers")
-        out = [-1] * len(keys)
         with self._lock:
             self.refresh()
-            now = self.clock()
-            hits = []
-            for i, k in enumerate(keys):
-                e = self.index.live(k, now)
-                if e is None:
-                    self.counters.misses_absent += 1
-                else:
-                    hits.append((i, e))
-            for run in runs(hits):
-                self.read_run(run, bufs, out)
-        return out
-
-    def read_run(self, run: list[tuple[int, Entry]], bufs: Sequence[Buffer], out: list[int],
-                 drop: bool = True) -> None:
-        """Read blocks that lie back to back in one segment (index.runs) and check each;
-        `out[i]` = its size, or stays -1 for a miss (dropped from the index when `drop`)."""
-        seg = run[0][1].seg
-        views = []
-        for i, e in run:
-            v = bytes_view(bufs[i], writable=True)
-            if v.nbytes < e.size:
-                raise ValueError(f"buffer {i} holds {v.nbytes} bytes, the block {e.size}")
-            views.append(v[:e.size])
-        start = run[0][1].offset
-        try:
-            got = self.files.read_into(seg.name, views, start)
-        except OSError as err:
-            log.warning("read of segment %s failed: %s", seg.name, err)
-            got = 0
-        for (i, e), v in zip(run, views):
-            if e.offset + e.size - start > got:
-                self.counters.misses_truncated += 1
-            elif xxhash.xxh3_64_intdigest(v) != e.xxh:
-                self.counters.misses_corrupt += 1
-                log.warning("block %s of segment %s fails its checksum", e.key.hex(), seg.name)
-            else:
-                out[i] = e.size
-                self.counters.blocks_read += 1
-                self.counters.bytes_read += e.size
-                continue
-            if drop:
-                self.index.remove(e)
+            return self.reader.get_into(keys, bufs, self.clock())
 
     # --- removal, GC, write-back -------------------------------------------------------
 

@@ -45,7 +45,7 @@ def file_verify(store: FileStore, remove: bool) -> VerifyResult:
             bufs = [bytearray(e.size) for e in chunk]
             res = [-1] * len(chunk)
             for run in runs(enumerate(chunk)):
-                store.read_run(run, bufs, res, drop=remove)
+                store.reader.read_run(run, bufs, res, drop=remove)
             checked += len(chunk)
             nbytes += sum(r for r in res if r > 0)
             bad += res.count(-1)

@@ -23,8 +23,8 @@ into a miss (`match` → 0, `get_into` → -1, `put` → failed), never an excep
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import struct
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -44,71 +44,15 @@ from kvledger.store.backend import (
     PutResult,
     StoreStats,
     VerifyResult,
-    read_name,
-    stored_name,
 )
-import contextlib
+from kvledger.store.redis_meta import EXISTS, MATCH, PUT, MetaFields, decode_meta, encode_meta
 
 log = logging.getLogger("kvledger.store")
 
-META = struct.Struct("<16sIIQddHH")  # parent, pos, size, xxh3_64, created, ttl_s, ns_len, cls_len (+ ns, cls)
 PUT_CHUNK_BYTES = 16 << 20           # bytes of one pipelined put/get round trip
 FAULTS = (redis.RedisError, OSError)
-
-_MATCH = """
-local blob, ttl, prefix = ARGV[1], tonumber(ARGV[2]), ARGV[3]
-local n = #blob / 16
-for i = 0, n - 1 do
-  local k = prefix .. string.sub(blob, i * 16 + 1, i * 16 + 16)
-  if redis.call('PEXPIRE', k, ttl - i, 'GT') == 0 and redis.call('EXISTS', k) == 0 then
-    return i
-  end
-end
-return n
-"""
-
-_EXISTS = """
-local blob, prefix = ARGV[1], ARGV[2]
-local out = {}
-for i = 0, #blob / 16 - 1 do
-  out[i + 1] = tostring(redis.call('EXISTS', prefix .. string.sub(blob, i * 16 + 1, i * 16 + 16)))
-end
-return table.concat(out)
-"""
-
-_PUT = """
-if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
-if ARGV[2] == '' then
-  redis.call('HSET', KEYS[1], 'm', ARGV[1])
-else
-  redis.call('HSET', KEYS[1], 'm', ARGV[1], 'd', ARGV[2])
-end
-redis.call('PEXPIREAT', KEYS[1], ARGV[3])
-return 1
-"""
 FILE_TTL_S = 100 * 365 * 86_400.0  # bytes on files in the cluster mode live until Redis forgets their block
 GC_GRACE_S = 60.0                  # cluster-mode GC spares file blocks younger than this (published any moment)
-
-
-def encode_meta(parent: bytes, pos: int, size: int, xxh: int, created: float, ttl_s: float,
-                namespace: str, ttl_class: str) -> bytes:
-    ns, cl = stored_name(namespace), stored_name(ttl_class)
-    return META.pack(parent, pos, size, xxh, created, ttl_s, len(ns), len(cl)) + ns + cl
-
-
-MetaFields = tuple[bytes, int, int, int, float, float, str, str]  # parent, pos, size, xxh, created, ttl_s, ns, cls
-
-
-def decode_meta(raw: bytes) -> MetaFields | None:
-    """The fields of a metadata value, or None when it does not parse."""
-    try:
-        parent, pos, size, xxh, created, ttl_s, ns_len, cls_len = META.unpack_from(raw)
-        rest = raw[META.size:]
-        if len(rest) != ns_len + cls_len:
-            return None
-        return parent, pos, size, xxh, created, ttl_s, read_name(rest[:ns_len]), read_name(rest[ns_len:])
-    except (struct.error, UnicodeDecodeError, TypeError):
-        return None
 
 
 class RedisStore:
@@ -125,9 +69,9 @@ class RedisStore:
         self.counters = Counters()
         self.r = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
                                       retry=Retry(NoBackoff(), 0), health_check_interval=0)
-        self._match = self.r.register_script(_MATCH)
-        self._exists = self.r.register_script(_EXISTS)
-        self._put = self.r.register_script(_PUT)
+        self._match = self.r.register_script(MATCH)
+        self._exists = self.r.register_script(EXISTS)
+        self._put = self.r.register_script(PUT)
         if check:
             self.r.ping()  # raises: for the CLI, which reports an unreachable server as bad input
 
