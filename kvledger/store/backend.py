@@ -14,7 +14,7 @@ or an unreachable server makes `put` return `failed` and `match` answer 0.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple, Protocol
 
@@ -58,6 +58,7 @@ class Counters:
     misses_corrupt: int = 0       # checksum mismatch on read
     misses_truncated: int = 0     # short read: file truncated or removed under us
     match_failures: int = 0       # CHECKs that answered 0 because the store was unreachable
+    exists_failures: int = 0      # exists calls that answered "absent" because the store was unreachable
     gc_expired: int = 0
     gc_evicted: int = 0
 
@@ -99,10 +100,25 @@ class StoreStats:
     oldest_created: float | None = None   # epoch seconds of the oldest live block
     next_expiry: float | None = None      # epoch seconds of the next block to expire
     segments: int = 0
+    snapshots: int = 0               # state-ledger snapshot files beside the store (`kvledger store stats`)
+    snapshot_bytes: int = 0
     counters: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+class BlockInfo(NamedTuple):
+    """Metadata of one stored block, as `BlockStore.blocks` lists it (times in epoch seconds)."""
+
+    key: bytes
+    parent: bytes
+    pos: int
+    size: int
+    created: float
+    expiry: float | None   # None when the store does not know it
+    namespace: str
+    ttl_class: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,7 +149,9 @@ class ChainWrite:
 
 
 class BlockStore(Protocol):
-    """What the ledger needs of a backend. Times are epoch seconds, sizes bytes."""
+    """What the ledger needs of a backend, and all one backend may use of another (the cluster
+    mode's Redis index keeps its bytes in any BlockStore). Times are epoch seconds, sizes bytes.
+    One suite checks every implementation: tests/store/test_contract.py."""
 
     counters: Counters
 
@@ -147,6 +165,12 @@ class BlockStore(Protocol):
         """Read each block into its buffer (at least the block's size); its size, or -1 for a miss."""
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]: ...
+
+    def blocks(self) -> Iterator[BlockInfo]:
+        """Every live block's metadata (no block byte read), in no particular order."""
+
+    def refresh(self, force: bool = False) -> None:
+        """Learn now what other writers stored (a no-op where every reader shares one index)."""
 
     def delete(self, keys: Sequence[bytes]) -> int: ...
 

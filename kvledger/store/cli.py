@@ -86,11 +86,15 @@ def _table(title: str, rows: list[tuple[str, Any]]) -> None:
 
 
 def cmd_stats(args: argparse.Namespace) -> None:
+    from kvledger.store.snapshots import snapshot_stats
+
     store = open_store(args)
     try:
         st = store.stats()
     finally:
         store.close()
+    if args.path is not None:
+        st.snapshots, st.snapshot_bytes = snapshot_stats(args.path)
     if args.json:
         emit_json(st.as_dict())
         return
@@ -100,6 +104,7 @@ def cmd_stats(args: argparse.Namespace) -> None:
         *[(f"class {k}", f"{v:,}") for k, v in sorted(st.per_class.items())],
         *[(f"namespace {k}", f"{v:,}") for k, v in sorted(st.per_namespace.items())],
         ("oldest entry", _when(st.oldest_created)), ("next expiry", _when(st.next_expiry)),
+        ("snapshot files", f"{st.snapshots:,}"), ("snapshot bytes", f"{st.snapshot_bytes:,}"),
     ])
 
 
@@ -109,15 +114,20 @@ def cmd_gc(args: argparse.Namespace) -> None:
     if args.capacity_gb is not None and not 1e-9 <= args.capacity_gb <= 1e9:
         raise CliError("--capacity-gb must lie in [1e-9, 1e9] (one byte to one exabyte)")
     cap = int(args.capacity_gb * 1e9) if args.capacity_gb is not None else None
+    from kvledger.store.snapshots import collect_snapshots
+
     store = open_store(args, capacity_bytes=cap)
     try:
-        res = store.gc(args.batch)
+        res = store.gc(args.batch)._asdict()
+        if args.path is not None:  # snapshot files follow their chain blocks (store/snapshots.py)
+            snaps = collect_snapshots(args.path, store)
+            res |= {"snapshots_removed": snaps.removed, "snapshot_bytes_freed": snaps.freed_bytes}
     finally:
         store.close()
     if args.json:
-        emit_json(res._asdict())
+        emit_json(res)
     else:
-        _table("gc", [(k, f"{v:,}") for k, v in res._asdict().items()])
+        _table("gc", [(k, f"{v:,}") for k, v in res.items()])
 
 
 def cmd_verify(args: argparse.Namespace) -> None:

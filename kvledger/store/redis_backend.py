@@ -23,8 +23,8 @@ into a miss (`match` → 0, `get_into` → -1, `put` → failed), never an excep
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import struct
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -34,8 +34,9 @@ import xxhash
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from kvledger.store.file_backend import FileStore
 from kvledger.store.backend import (
+    BlockInfo,
+    BlockStore,
     Buffer,
     ChainWrite,
     Counters,
@@ -43,71 +44,15 @@ from kvledger.store.backend import (
     PutResult,
     StoreStats,
     VerifyResult,
-    read_name,
-    stored_name,
 )
-import contextlib
+from kvledger.store.redis_meta import EXISTS, MATCH, PUT, MetaFields, decode_meta, encode_meta
 
 log = logging.getLogger("kvledger.store")
 
-META = struct.Struct("<16sIIQddHH")  # parent, pos, size, xxh3_64, created, ttl_s, ns_len, cls_len (+ ns, cls)
 PUT_CHUNK_BYTES = 16 << 20           # bytes of one pipelined put/get round trip
 FAULTS = (redis.RedisError, OSError)
-
-_MATCH = """
-local blob, ttl, prefix = ARGV[1], tonumber(ARGV[2]), ARGV[3]
-local n = #blob / 16
-for i = 0, n - 1 do
-  local k = prefix .. string.sub(blob, i * 16 + 1, i * 16 + 16)
-  if redis.call('PEXPIRE', k, ttl - i, 'GT') == 0 and redis.call('EXISTS', k) == 0 then
-    return i
-  end
-end
-return n
-"""
-
-_EXISTS = """
-local blob, prefix = ARGV[1], ARGV[2]
-local out = {}
-for i = 0, #blob / 16 - 1 do
-  out[i + 1] = tostring(redis.call('EXISTS', prefix .. string.sub(blob, i * 16 + 1, i * 16 + 16)))
-end
-return table.concat(out)
-"""
-
-_PUT = """
-if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
-if ARGV[2] == '' then
-  redis.call('HSET', KEYS[1], 'm', ARGV[1])
-else
-  redis.call('HSET', KEYS[1], 'm', ARGV[1], 'd', ARGV[2])
-end
-redis.call('PEXPIREAT', KEYS[1], ARGV[3])
-return 1
-"""
 FILE_TTL_S = 100 * 365 * 86_400.0  # bytes on files in the cluster mode live until Redis forgets their block
 GC_GRACE_S = 60.0                  # cluster-mode GC spares file blocks younger than this (published any moment)
-
-
-def encode_meta(parent: bytes, pos: int, size: int, xxh: int, created: float, ttl_s: float,
-                namespace: str, ttl_class: str) -> bytes:
-    ns, cl = stored_name(namespace), stored_name(ttl_class)
-    return META.pack(parent, pos, size, xxh, created, ttl_s, len(ns), len(cl)) + ns + cl
-
-
-MetaFields = tuple[bytes, int, int, int, float, float, str, str]  # parent, pos, size, xxh, created, ttl_s, ns, cls
-
-
-def decode_meta(raw: bytes) -> MetaFields | None:
-    """The fields of a metadata value, or None when it does not parse."""
-    try:
-        parent, pos, size, xxh, created, ttl_s, ns_len, cls_len = META.unpack_from(raw)
-        rest = raw[META.size:]
-        if len(rest) != ns_len + cls_len:
-            return None
-        return parent, pos, size, xxh, created, ttl_s, read_name(rest[:ns_len]), read_name(rest[ns_len:])
-    except (struct.error, UnicodeDecodeError, TypeError):
-        return None
 
 
 class RedisStore:
@@ -116,7 +61,7 @@ class RedisStore:
     backend = "redis"
 
     def __init__(self, url: str, *, prefix: str = "kvl:", timeout_s: float = 2.0, check: bool = False,
-                 files: FileStore | None = None) -> None:
+                 files: BlockStore | None = None) -> None:
         self.url = url
         self.files = files
         self.prefix = prefix.encode()
@@ -124,9 +69,9 @@ class RedisStore:
         self.counters = Counters()
         self.r = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
                                       retry=Retry(NoBackoff(), 0), health_check_interval=0)
-        self._match = self.r.register_script(_MATCH)
-        self._exists = self.r.register_script(_EXISTS)
-        self._put = self.r.register_script(_PUT)
+        self._match = self.r.register_script(MATCH)
+        self._exists = self.r.register_script(EXISTS)
+        self._put = self.r.register_script(PUT)
         if check:
             self.r.ping()  # raises: for the CLI, which reports an unreachable server as bad input
 
@@ -152,6 +97,7 @@ class RedisStore:
             bits = self._exists(args=[b"".join(keys), self.bprefix])
         except FAULTS as e:
             log.warning("exists on %s failed: %s", self.url, e)
+            self.counters.exists_failures += 1
             return [False] * len(keys)
         return [c == ord("1") for c in bits]
 
@@ -200,19 +146,10 @@ class RedisStore:
     # --- read ------------------------------------------------------------------
 
     def get_into(self, keys: Sequence[bytes], bufs: Sequence[Buffer]) -> list[int]:
-        assert len(keys) == len(bufs)
+        if len(keys) != len(bufs):
+            raise ValueError(f"one buffer per key: {len(keys)} keys, {len(bufs)} buffers")
         if self.files is not None:
-            out = self.files.get_into(keys, bufs)
-            if min(out, default=0) < 0:  # another machine's segment may be newer than our listing: look again
-                self.files.refresh(force=True)
-                again = [i for i, size in enumerate(out) if size < 0]
-                for i, size in zip(again, self.files.get_into([keys[i] for i in again], [bufs[i] for i in again])):
-                    out[i] = size
-            lost = [self._k(k) for k, size in zip(keys, out) if size < 0]
-            if lost:  # published but unreadable here: unpublish, so the next put writes them again
-                with contextlib.suppress(*FAULTS):
-                    self.r.delete(*lost)
-            return out
+            return self._get_from_files(keys, bufs)
         out = [-1] * len(keys)
         i = 0
         while i < len(keys):
@@ -234,6 +171,27 @@ class RedisStore:
             i = j
         return out
 
+    def _get_from_files(self, keys: Sequence[bytes], bufs: Sequence[Buffer]) -> list[int]:
+        """Cluster mode: Redis decides which blocks are live (the files keep bytes Redis may have expired),
+        the files give the bytes. One EXISTS round trip, then the reads."""
+        out = [-1] * len(keys)
+        live = [i for i, alive in enumerate(self.exists(keys)) if alive]
+        self.counters.misses_absent += len(keys) - len(live)
+        if not live:
+            return out
+        for i, size in zip(live, self.files.get_into([keys[i] for i in live], [bufs[i] for i in live])):
+            out[i] = size
+        again = [i for i in live if out[i] < 0]
+        if again:  # another machine's segment may be newer than our listing: look again
+            self.files.refresh(force=True)
+            for i, size in zip(again, self.files.get_into([keys[i] for i in again], [bufs[i] for i in again])):
+                out[i] = size
+        lost = [self._k(keys[i]) for i in again if out[i] < 0]
+        if lost:  # published but unreadable here: unpublish, so the next put writes them again
+            with contextlib.suppress(*FAULTS):
+                self.r.delete(*lost)
+        return out
+
     def _check_copy(self, key: bytes, m: bytes | None, d: bytes | None, buf: Buffer) -> int:
         if m is None or d is None:
             self.counters.misses_absent += 1
@@ -246,7 +204,8 @@ class RedisStore:
                 self.r.delete(self._k(key))
             return -1
         v = memoryview(buf).cast("B")
-        assert v.nbytes >= len(d), "buffer smaller than the block"
+        if v.nbytes < len(d):
+            raise ValueError(f"a buffer holds {v.nbytes} bytes, the block {len(d)}")
         v[:len(d)] = d
         self.counters.blocks_read += 1
         self.counters.bytes_read += len(d)
@@ -265,21 +224,37 @@ class RedisStore:
             log.warning("delete on %s failed: %s", self.url, e)
             return 0
 
-    def _scan(self, batch: int = 1000) -> Iterator[tuple[bytes, MetaFields | None, int]]:
-        """(redis key, meta fields or None, ms to live) of every block, `batch` keys per round trip."""
+    def _scan_names(self, batch: int) -> Iterator[list[bytes]]:
+        """The Redis keys of every block, `batch` at a time (the one SCAN loop)."""
         cursor = 0
         while True:
             cursor, names = self.r.scan(cursor, match=self.bprefix + b"*", count=batch)
             if names:
-                pipe = self.r.pipeline(transaction=False)
-                for name in names:
-                    pipe.hget(name, "m")
-                    pipe.pttl(name)
-                res = pipe.execute()
-                for name, m, ttl in zip(names, res[0::2], res[1::2]):
-                    yield name, (decode_meta(m) if m is not None else None), ttl
+                yield names
             if cursor == 0:
                 return
+
+    def _scan(self, batch: int = 1000) -> Iterator[tuple[bytes, MetaFields | None, int]]:
+        """(redis key, meta fields or None, ms to live) of every block, `batch` keys per round trip."""
+        for names in self._scan_names(batch):
+            pipe = self.r.pipeline(transaction=False)
+            for name in names:
+                pipe.hget(name, "m")
+                pipe.pttl(name)
+            res = pipe.execute()
+            for name, m, ttl in zip(names, res[0::2], res[1::2]):
+                yield name, (decode_meta(m) if m is not None else None), ttl
+
+    def blocks(self) -> Iterator[BlockInfo]:
+        now = time.time()
+        for name, meta, ttl in self._scan_soft():
+            if meta is not None:
+                parent, pos, size, _, created, _, ns, cls = meta
+                expiry = now + ttl / 1000 if ttl >= 0 else None
+                yield BlockInfo(name[len(self.bprefix):], parent, pos, size, created, expiry, ns, cls)
+
+    def refresh(self, force: bool = False) -> None:
+        """Every reader shares Redis: nothing to learn (the files, in the cluster mode, are refreshed on a miss)."""
 
     def _scan_soft(self, batch: int = 1000) -> Iterator[tuple[bytes, MetaFields | None, int]]:
         try:
@@ -307,14 +282,14 @@ class RedisStore:
     def _gc_files(self, batch: int) -> tuple[int, int, int]:
         files = self.files
         assert files is not None
-        files.refresh()
+        files.refresh(force=True)
         cutoff = time.time() - GC_GRACE_S
-        entries = [e for e in files.index.entries.values() if e.seg.created < cutoff]
+        entries = [b for b in files.blocks() if b.created < cutoff]
         gone = []
         for i in range(0, len(entries), batch):
             chunk = entries[i:i + batch]
-            bits = self._exists(args=[b"".join(e.key for e in chunk), self.bprefix])  # raises: GC stops
-            gone += [e for e, c in zip(chunk, bits) if c != ord("1")]
+            bits = self._exists(args=[b"".join(b.key for b in chunk), self.bprefix])  # raises: GC stops
+            gone += [b for b, c in zip(chunk, bits) if c != ord("1")]
         gone.sort(key=lambda e: -e.pos)
         before = files.stats().disk_bytes
         batches = 0
@@ -328,21 +303,16 @@ class RedisStore:
         st = StoreStats(self.backend, self.url)
         parents: set[bytes] = set()
         keys: list[bytes] = []
-        now = time.time()
-        for name, meta, ttl in self._scan_soft():
-            if meta is None:
-                continue
-            parent, pos, size, xxh, created, ttl_s, ns, cls = meta
-            keys.append(name[len(self.bprefix):])
-            parents.add(parent)
+        for b in self.blocks():
+            keys.append(b.key)
+            parents.add(b.parent)
             st.blocks += 1
-            st.live_bytes += size
-            st.per_class[cls] = st.per_class.get(cls, 0) + 1
-            st.per_namespace[ns] = st.per_namespace.get(ns, 0) + 1
-            st.oldest_created = created if st.oldest_created is None else min(st.oldest_created, created)
-            if ttl >= 0:
-                exp = now + ttl / 1000
-                st.next_expiry = exp if st.next_expiry is None else min(st.next_expiry, exp)
+            st.live_bytes += b.size
+            st.per_class[b.ttl_class] = st.per_class.get(b.ttl_class, 0) + 1
+            st.per_namespace[b.namespace] = st.per_namespace.get(b.namespace, 0) + 1
+            st.oldest_created = b.created if st.oldest_created is None else min(st.oldest_created, b.created)
+            if b.expiry is not None:
+                st.next_expiry = b.expiry if st.next_expiry is None else min(st.next_expiry, b.expiry)
         st.chains = sum(1 for k in keys if k not in parents)
         if self.files is not None:
             fst = self.files.stats()
@@ -356,9 +326,9 @@ class RedisStore:
 
     def verify(self, remove: bool = True) -> VerifyResult:
         if self.files is not None:  # the bytes are on files: check them, and unpublish what was removed
-            before = set(self.files.index.entries)
+            before = {b.key for b in self.files.blocks()}
             res = self.files.verify(remove)
-            lost = list(before - set(self.files.index.entries))
+            lost = list(before - {b.key for b in self.files.blocks()})
             if remove and lost:
                 with contextlib.suppress(*FAULTS):
                     self.r.delete(*[self._k(k) for k in lost])
@@ -372,26 +342,21 @@ class RedisStore:
 
     def _verify(self, remove: bool) -> VerifyResult:
         checked = bad = removed = nbytes = 0
-        cursor = 0
-        while True:
-            cursor, names = self.r.scan(cursor, match=self.bprefix + b"*", count=64)
-            if names:
-                pipe = self.r.pipeline(transaction=False)
-                for name in names:
-                    pipe.hmget(name, "m", "d")
-                for name, (m, d) in zip(names, pipe.execute()):
-                    if m is None and d is None:
-                        continue  # expired between SCAN and HMGET
-                    checked += 1
-                    meta = decode_meta(m) if m is not None else None
-                    if meta is None or d is None or len(d) != meta[2] or xxhash.xxh3_64_intdigest(d) != meta[3]:
-                        bad += 1
-                        if remove:
-                            removed += int(self.r.delete(name))
-                    else:
-                        nbytes += len(d)
-            if cursor == 0:
-                break
+        for names in self._scan_names(64):
+            pipe = self.r.pipeline(transaction=False)
+            for name in names:
+                pipe.hmget(name, "m", "d")
+            for name, (m, d) in zip(names, pipe.execute()):
+                if m is None and d is None:
+                    continue  # expired between SCAN and HMGET
+                checked += 1
+                meta = decode_meta(m) if m is not None else None
+                if meta is None or d is None or len(d) != meta[2] or xxhash.xxh3_64_intdigest(d) != meta[3]:
+                    bad += 1
+                    if remove:
+                        removed += int(self.r.delete(name))
+                else:
+                    nbytes += len(d)
         return VerifyResult(checked, bad, removed, nbytes)
 
     def close(self) -> None:

@@ -39,7 +39,7 @@ def test_gc_removes_file_blocks_redis_forgot_tails_first(tmp_path, redis_server,
     res = led.gc()
     assert res.expired == 4 and res.freed_bytes == 4 * BLOCK
     files: FileStore = led.store.files
-    assert sorted(e.pos for e in files.index.entries.values()) == list(range(6))
+    assert sorted(b.pos for b in files.blocks()) == list(range(6))
     assert led.match(keys) == 6
 
 

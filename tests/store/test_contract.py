@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
 from kvledger.store.ledger import BlockLedger
+from kvledger.store.ttl import DAY_S, TtlPolicy
 
-from .conftest import BLOCK, SPEC, block_of
+from .conftest import BLOCK, SPEC, block_of, chain, root
 
 NAMESPACES = ["tenant-a", "", "x" * (1 << 16), "x" * (1 << 17) + "y", "\ud800 lone", "日本語\U0001F600", "\x00"]
 
@@ -45,3 +48,84 @@ def test_any_namespace_gets_keys_and_puts_never_raise(store, namespace):
     assert st.blocks == 3 and sum(st.per_namespace.values()) == 3
     (recorded,) = st.per_namespace
     assert recorded == namespace if len(namespace) < 1000 else recorded.startswith(namespace[:100])
+
+
+def test_roundtrip_idempotent_and_check_stops_at_the_first_absent_block(store):
+    led = BlockLedger(store)
+    keys, blocks = chain(40)
+    assert led.match(keys) == 0 and led.exists(keys[:2]) == [False, False]
+    assert led.put_chain(keys[:30], blocks[:30]) == (30, 0, 0)
+    assert led.put_chain(keys, blocks) == (10, 30, 0)  # only the missing tail is written
+    assert led.match(keys) == 40
+    bufs = [bytearray(BLOCK + 100) for _ in keys]  # a buffer may be larger than its block
+    assert led.get_into(keys, bufs) == [BLOCK] * 40
+    assert [bytes(b[:BLOCK]) for b in bufs] == blocks
+    other, _ = chain(5, seed=9)
+    assert led.match(other) == 0
+    assert led.match(keys[:3] + other) == 3
+    assert led.exists(keys[38:] + other[:1]) == [True, True, False]
+    assert led.get_into(other[:2] + keys[:1], [bytearray(BLOCK) for _ in range(3)]) == [-1, -1, BLOCK]
+
+
+def test_empty_calls(store):
+    led = BlockLedger(store)
+    assert led.match([]) == 0 and led.get_into([], []) == [] and led.exists([]) == []
+    assert led.put_chain([], []) == (0, 0, 0) and led.delete([]) == 0
+    st = led.stats()
+    assert st.blocks == 0 and st.chains == 0 and st.live_bytes == 0
+
+
+def test_delete_a_tail(store):
+    led = BlockLedger(store)
+    keys, blocks = chain(10)
+    led.put_chain(keys, blocks)
+    assert led.delete(keys[6:]) == 4
+    assert led.match(keys) == 6
+    assert led.get_into(keys[5:7], [bytearray(BLOCK), bytearray(BLOCK)]) == [BLOCK, -1]
+    assert led.put_chain(keys, blocks) == (4, 6, 0)  # what was deleted is written again
+
+
+def test_stats_count_blocks_chains_classes_and_namespaces(store):
+    led = BlockLedger(store, TtlPolicy.parse(namespaces="a=agent"))
+    k1, b1 = chain(5, "a")
+    led.put_chain(k1, b1, namespace="a", parent=root("a"))
+    k2, b2 = chain(3, "b")
+    led.put_chain(k2, b2, namespace="b")
+    st = led.stats()
+    assert (st.blocks, st.chains, st.live_bytes) == (8, 2, 8 * BLOCK)
+    assert st.per_class == {"agent": 5, "chatbot": 3} and st.per_namespace == {"a": 5, "b": 3}
+    assert st.oldest_created is not None and st.next_expiry is not None and st.next_expiry > st.oldest_created
+    assert sorted(b.pos for b in store.blocks()) == [0, 0, 1, 1, 2, 2, 3, 4]
+    assert {b.key for b in store.blocks()} == set(k1) | set(k2)
+
+
+def test_verify_a_clean_store_and_gc_with_nothing_due(store):
+    led = BlockLedger(store)
+    keys, blocks = chain(6)
+    led.put_chain(keys, blocks)
+    assert led.verify() == (6, 0, 0, 6 * BLOCK)
+    res = led.gc()
+    assert res.expired == 0 and res.evicted == 0
+    assert led.match(keys) == 6
+
+
+def test_expired_blocks_are_never_matched_nor_read(store):
+    """Real time: a 1 s class (Redis expires on its own clock; the file store's clock is the wall clock)."""
+    led = BlockLedger(store, TtlPolicy.parse(f"blink={1 / DAY_S}"))
+    keys, blocks = chain(3, seed=4)
+    t0 = time.monotonic()
+    led.put_chain(keys, blocks, ttl_class="blink")
+    assert led.get_into(keys[:1], [bytearray(BLOCK)]) == [BLOCK]
+    time.sleep(max(0.0, 1.2 - (time.monotonic() - t0)))
+    assert led.get_into(keys, [bytearray(BLOCK) for _ in keys]) == [-1] * 3
+    assert led.match(keys, ttl_class="blink") == 0 and led.exists(keys) == [False] * 3
+
+
+def test_a_too_small_buffer_or_a_missing_buffer_is_refused(store):
+    led = BlockLedger(store)
+    keys, blocks = chain(2)
+    led.put_chain(keys, blocks)
+    with pytest.raises(ValueError):
+        led.get_into(keys, [bytearray(BLOCK)])
+    with pytest.raises(ValueError):
+        led.put_chain(keys, blocks[:1])

@@ -117,15 +117,15 @@ def test_kill_9_during_writes_repeated_leaves_nothing_wrong(tmp_path):
     assert torn >= 2, "no kill landed inside a write"
     with FileStore(tmp_path, fsync=False) as store:
         assert not [n for n in os.listdir(segdir) if n.startswith(".tmp-")], "stale temp files were removed"
-        keys = list(store.index.entries)
-        assert len(keys) >= 48 and store.bad_segments == []
+        keys = list(store.index.keys())
+        assert len(keys) >= 48 and store.upkeep.bad_segments == []
         bufs = [bytearray(65536) for _ in keys]
         got = store.get_into(keys, bufs)
         assert got == [65536] * len(keys)  # whole segments or nothing: every indexed block reads back
         assert all(bytes(b) == block_of(k, 65536) for k, b in zip(keys, bufs))
         assert store.verify().bad == 0
         # each writer's chains were written whole: a chain present at all is present from its head
-        assert all(e.pos == 0 or e.parent in store.index.entries for e in store.index.entries.values())
+        assert all(e.pos == 0 or e.parent in store.index for e in store.index.values())
 
 
 def _same_chain(where: str, tmp_path: Path, n_writers: int = 3) -> list[tuple[int, int, int]]:
@@ -160,7 +160,7 @@ def test_concurrent_writers_of_one_chain_file(tmp_path):
         os.close(fd)
     assert len(entries) == len(set(entries)) == 200  # no duplicates on disk
     with FileStore(store_dir) as store:
-        assert store.duplicates == 0 and store.match(chain(200, seed=42)[0], 1.0) == 200
+        assert store.upkeep.duplicates == 0 and store.match(chain(200, seed=42)[0], 1.0) == 200
 
 
 def test_concurrent_writers_of_one_chain_redis(tmp_path, redis_server):

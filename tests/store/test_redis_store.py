@@ -15,25 +15,6 @@ from kvledger.store.ttl import DAY_S, TtlPolicy
 from .conftest import BLOCK, chain
 
 
-def test_roundtrip_match_idempotent_and_stats(redis_server):
-    led = BlockLedger(RedisStore(redis_server.url), TtlPolicy.parse(namespaces="a=agent"))
-    keys, blocks = chain(20, "a")
-    assert led.match(keys, namespace="a") == 0
-    assert led.put_chain(keys[:12], blocks[:12], namespace="a") == (12, 0, 0)
-    assert led.put_chain(keys, blocks, namespace="a") == (8, 12, 0)
-    assert led.match(keys, namespace="a") == 20
-    other, _ = chain(3, "a", seed=5)
-    assert led.match(keys[:4] + other, namespace="a") == 4
-    bufs = [bytearray(BLOCK) for _ in keys]
-    assert led.get_into(keys, bufs) == [BLOCK] * 20 and [bytes(b) for b in bufs] == blocks
-    assert led.exists(keys[18:] + other[:1]) == [True, True, False]
-    st = led.stats()
-    assert (st.blocks, st.chains, st.live_bytes) == (20, 1, 20 * BLOCK)
-    assert st.per_class == {"agent": 20} and st.per_namespace == {"a": 20}
-    assert led.verify() == (20, 0, 0, 20 * BLOCK)
-    assert led.delete(keys[10:]) == 10 and led.match(keys, namespace="a") == 10
-
-
 def test_ttl_tails_expire_first_and_hits_refresh(redis_server):
     r = redis.Redis.from_url(redis_server.url)
     store = RedisStore(redis_server.url)

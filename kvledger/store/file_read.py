@@ -1,0 +1,72 @@
+"""Reads of the embedded store: blocks that lie back to back in a segment are read with one
+`preadv` (through the directory's fd cache, segment_files.py) straight into the caller's
+buffers, and each is checked against its xxh3-64. A short read (a segment cut or removed
+under us) or a mismatch is a miss, counted, and the entry is dropped from the index.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import xxhash
+
+from kvledger.store.backend import Buffer, Counters
+from kvledger.store.index import Entry, MemoryIndex, runs
+from kvledger.store.segment_files import SegmentFiles, bytes_view
+
+log = logging.getLogger("kvledger.store")
+
+
+class BlockReader:
+    """Reads blocks the index knows into caller buffers. The caller holds the store's lock."""
+
+    def __init__(self, files: SegmentFiles, index: MemoryIndex, counters: Counters) -> None:
+        self.files = files
+        self.index = index
+        self.counters = counters
+
+    def get_into(self, keys: Sequence[bytes], bufs: Sequence[Buffer], now: float) -> list[int]:
+        """Per key its size, or -1 for a miss (absent, expired at `now`, truncated, corrupt)."""
+        out = [-1] * len(keys)
+        hits = []
+        for i, k in enumerate(keys):
+            e = self.index.live(k, now)
+            if e is None:
+                self.counters.misses_absent += 1
+            else:
+                hits.append((i, e))
+        for run in runs(hits):
+            self.read_run(run, bufs, out)
+        return out
+
+    def read_run(self, run: list[tuple[int, Entry]], bufs: Sequence[Buffer], out: list[int],
+                 drop: bool = True) -> None:
+        """Read blocks that lie back to back in one segment (index.runs) and check each;
+        `out[i]` = its size, or stays -1 for a miss (dropped from the index when `drop`)."""
+        seg = run[0][1].seg
+        views = []
+        for i, e in run:
+            v = bytes_view(bufs[i], writable=True)
+            if v.nbytes < e.size:
+                raise ValueError(f"buffer {i} holds {v.nbytes} bytes, the block {e.size}")
+            views.append(v[:e.size])
+        start = run[0][1].offset
+        try:
+            got = self.files.read_into(seg.name, views, start)
+        except OSError as err:
+            log.warning("read of segment %s failed: %s", seg.name, err)
+            got = 0
+        for (i, e), v in zip(run, views):
+            if e.offset + e.size - start > got:
+                self.counters.misses_truncated += 1
+            elif xxhash.xxh3_64_intdigest(v) != e.xxh:
+                self.counters.misses_corrupt += 1
+                log.warning("block %s of segment %s fails its checksum", e.key.hex(), seg.name)
+            else:
+                out[i] = e.size
+                self.counters.blocks_read += 1
+                self.counters.bytes_read += e.size
+                continue
+            if drop:
+                self.index.remove(e)

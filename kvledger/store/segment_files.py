@@ -1,0 +1,222 @@
+"""The segment directory of the embedded store: file names, the writers' flock, whole-segment
+writes, reads through a cache of open descriptors, and the in-place mutable arrays.
+
+No index here: this module moves bytes between the caller and `root/segments/*.kvs`
+(format in segment.py). Every method raises `OSError` on a fault; the store decides what a
+fault means (a miss, a failed put).
+
+    write:  .tmp-<host>-<pid>-<rand>  --writev, fsync-->  rename to <ns time>-<host>-<pid>-<rand>.kvs
+    read:   preadv of back-to-back blocks straight into the caller's buffers (IOV_MAX per call)
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import secrets
+import socket
+import time
+from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from pathlib import Path
+from typing import Any
+
+from kvledger.store import segment as sg
+
+IOV_MAX = 1024
+MAX_OPEN_FDS = 128
+STALE_TMP_S = 3600.0  # verify removes temporary files of any host older than this
+HOST = socket.gethostname().replace("-", "_")
+
+
+class SegmentFiles:
+    """The files under `root/segments` (created when missing) and the lock file `root/.lock`."""
+
+    def __init__(self, root: Path, *, fsync: bool = True) -> None:
+        self.root = root
+        self.seg_dir = root / "segments"
+        self.seg_dir.mkdir(parents=True, exist_ok=True)
+        self.fsync = fsync
+        self._fds: OrderedDict[str, int] = OrderedDict()
+        self._lock_path = root / ".lock"
+
+    # --- the directory ---------------------------------------------------------------
+
+    def mtime_ns(self) -> int:
+        return os.stat(self.seg_dir).st_mtime_ns
+
+    def names(self) -> set[str]:
+        return {n for n in os.listdir(self.seg_dir) if n.endswith(sg.SUFFIX)}
+
+    @contextmanager
+    def flock(self) -> Iterator[None]:
+        """Writers of one directory (in any process) take turns: puts, GC, write-backs."""
+        fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    def remove_stale_tmp(self, max_age_s: float | None = None) -> None:
+        """Temporary files of writers that died mid-write (never renamed in): those of dead processes of
+        this host, and with `max_age_s` those of any host older than that (a shared mount)."""
+        for name in os.listdir(self.seg_dir):
+            if not name.startswith(".tmp-"):
+                continue
+            parts = name.split("-")
+            dead = len(parts) >= 4 and parts[1] == HOST and parts[2].isdigit() and not pid_alive(int(parts[2]))
+            with suppress(OSError):
+                old = max_age_s is not None and time.time() - os.stat(self.seg_dir / name).st_mtime > max_age_s
+                if dead or old:
+                    os.unlink(self.seg_dir / name)
+
+    # --- whole segments -----------------------------------------------------------------
+
+    def read_meta(self, name: str) -> tuple[sg.SegmentMeta, int] | None:
+        """(metadata, file size) of a segment; None when it is gone; `sg.BadSegment` when unreadable."""
+        try:
+            fd = os.open(self.seg_dir / name, os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            return sg.read_meta(fd), os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+
+    def write(self, meta: bytes, views: list[memoryview]) -> str:
+        """Write a new segment (metadata, then the blocks) all or nothing; its name."""
+        tag = f"{HOST}-{os.getpid()}-{secrets.token_hex(4)}"
+        name = f"{time.time_ns():020d}-{tag}{sg.SUFFIX}"
+        tmp = self.seg_dir / f".tmp-{tag}"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                writev_all(fd, [memoryview(meta), *views])
+                if self.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(tmp, self.seg_dir / name)  # the directory is not fsynced: losing the rename to a power
+        except OSError:                          # cut loses the segment (a miss), never corrupts it
+            with suppress(OSError):
+                os.unlink(tmp)
+            raise
+        return name
+
+    def cut(self, name: str, end: int) -> None:
+        """Truncate a segment after byte `end` (GC of a chain's tail)."""
+        os.truncate(self.seg_dir / name, end)
+
+    def unlink(self, name: str) -> None:
+        self.close_fd(name)
+        with suppress(FileNotFoundError):
+            os.unlink(self.seg_dir / name)
+
+    def unlink_bad(self, name: str) -> bool:
+        try:
+            os.unlink(self.seg_dir / name)
+        except OSError:
+            return False
+        return True
+
+    # --- block bytes -----------------------------------------------------------------------
+
+    def read_into(self, name: str, views: list[memoryview], offset: int) -> int:
+        """Fill `views` from `offset` of segment `name`; the bytes read (fewer only at end of file)."""
+        return preadv_all(self._fd(name), views, offset)
+
+    def _fd(self, name: str) -> int:
+        fd = self._fds.get(name)
+        if fd is not None:
+            self._fds.move_to_end(name)
+            return fd
+        fd = os.open(self.seg_dir / name, os.O_RDONLY)
+        self._fds[name] = fd
+        while len(self._fds) > MAX_OPEN_FDS:
+            os.close(self._fds.popitem(last=False)[1])
+        return fd
+
+    def close_fd(self, name: str) -> None:
+        fd = self._fds.pop(name, None)
+        if fd is not None:
+            os.close(fd)
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    # --- the mutable arrays (expiry, last hit, flags) ----------------------------------------
+
+    def read_mutable(self, name: str, offset: int, length: int) -> bytes | None:
+        """The mutable region of a segment; None when the segment is gone."""
+        try:
+            fd = os.open(self.seg_dir / name, os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            return os.pread(fd, length, offset)
+        finally:
+            os.close(fd)
+
+    def write_mutable(self, name: str, offset: int, data: bytes | bytearray) -> None:
+        fd = os.open(self.seg_dir / name, os.O_WRONLY)
+        try:
+            os.pwrite(fd, data, offset)
+        finally:
+            os.close(fd)
+
+
+# --- helpers -------------------------------------------------------------------------------
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def bytes_view(buf: Any, writable: bool = False) -> memoryview:
+    """A flat byte view of any buffer (bytearray, memoryview, numpy array)."""
+    v = memoryview(buf)
+    if writable and v.readonly:
+        raise ValueError("read buffers must be writable")
+    return v if v.format == "B" and v.ndim == 1 else v.cast("B")
+
+
+def writev_all(fd: int, views: list[memoryview]) -> None:
+    """Write all of `views` in order, IOV_MAX buffers per syscall, resuming after short writes."""
+    i = 0
+    while i < len(views):
+        chunk = views[i:i + IOV_MAX]
+        n = os.writev(fd, chunk)
+        for v in chunk:
+            if n >= v.nbytes:
+                n -= v.nbytes
+                i += 1
+            else:
+                views[i] = v[n:]
+                break
+
+
+def preadv_all(fd: int, views: list[memoryview], offset: int) -> int:
+    """Fill `views` from `offset`; the number of bytes read (less than asked only at end of file)."""
+    total = 0
+    i = 0
+    views = list(views)
+    while i < len(views):
+        n = os.preadv(fd, views[i:i + IOV_MAX], offset + total)
+        if n == 0:
+            break
+        total += n
+        while i < len(views) and n >= views[i].nbytes:
+            n -= views[i].nbytes
+            i += 1
+        if n:
+            views[i] = views[i][n:]
+    return total
