@@ -8,8 +8,9 @@ Positions of a sequence of `len(tokens)` tokens (prompt + output so far):
     | [recompute_from, computed)     | computed by this engine (recompute_from <= cached_tokens)    |
     | [computed, len(tokens))        | still to compute (the last token of a decoding sequence)     |
 
-Invariants: computed <= len(tokens); len(block_table) * B >= computed; the block table's first
-`len(hit_keys)` blocks hold the chain keys `keys[:len(hit_keys)]`.
+Invariants: computed <= len(tokens); len(block_table) * B >= computed (blocks for prompt +
+max_tokens are reserved at admission); the block table's first `device_hit_blocks` blocks came
+from the device prefix cache and hold the blocks of `keys[:device_hit_blocks]`.
 """
 
 from __future__ import annotations
@@ -47,13 +48,11 @@ class Sequence:
     keep_blocks_until: int = 0             # replay: block KV below this is reused, not rewritten
     truncate_from: int | None = None
     stored_blocks: int = 0                 # leading blocks known to be on the block ledger
-    replica_position: int = 0              # latest decode replica copy (rule 4), 0: none
     fetch_job: object | None = None        # pending fetch (engine.fetcher.FetchJob)
     generator: torch.Generator | None = None
     arrival: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     timings: dict[str, float] = field(default_factory=dict)
-    usage_sent: bool = False
     finish_reason: str | None = None
 
     @classmethod
