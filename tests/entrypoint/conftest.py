@@ -3,7 +3,7 @@ import pytest
 from kvledger.util.serve_process import ServeProcess
 
 # Limits of the shared server: small enough that a fuzzer's request never runs for long.
-LIMITS = ("--max-prompt-tokens", "512", "--max-tokens-limit", "8", "--max-body-bytes", "65536",
+LIMITS = ("--max-prompt-tokens", "320", "--max-tokens-limit", "4", "--max-body-bytes", "65536",
           "--max-concurrent-per-key", "2")
 
 

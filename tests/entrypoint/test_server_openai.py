@@ -12,7 +12,7 @@ KEYS = {ALPHA: "alpha", BETA: {"namespace": "beta", "ttl_class": "agent"}}
 BLOCK = 128
 # a system prompt long enough for a few 128-token blocks; words, so the tokenizer is exercised
 SYSTEM = ("You are the support assistant of a small bookshop. " + " ".join(
-    f"Rule {i}: answer politely, name the shelf of book {i}, and never invent a price." for i in range(40)))
+    f"Rule {i}: answer politely, name the shelf of book {i}, and never invent a price." for i in range(12)))
 MESSAGES = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Where is book 7?"}]
 
 
@@ -21,7 +21,7 @@ def client(server: ServeProcess, key: str) -> openai.OpenAI:
 
 
 def chat(c: openai.OpenAI):
-    return c.chat.completions.create(model="smollm2-135m", messages=MESSAGES, max_tokens=8, temperature=0)
+    return c.chat.completions.create(model="smollm2-135m", messages=MESSAGES, max_tokens=6, temperature=0)
 
 
 def hit_cap(prompt_tokens: int) -> int:
@@ -72,7 +72,7 @@ def _completion_and_streams(server: ServeProcess) -> None:
     last = chunks[-1]
     assert last.choices == [] and last.usage.prompt_tokens == full.usage.prompt_tokens
     assert last.usage.prompt_tokens_details.cached_tokens == hit_cap(full.usage.prompt_tokens)
-    stream = c.chat.completions.create(model="smollm2-135m", messages=MESSAGES, max_tokens=8, temperature=0,
+    stream = c.chat.completions.create(model="smollm2-135m", messages=MESSAGES, max_tokens=6, temperature=0,
                                        stream=True, stream_options={"include_usage": True})
     parts = list(stream)
     text = "".join(p.choices[0].delta.content or "" for p in parts if p.choices)
