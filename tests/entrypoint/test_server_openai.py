@@ -5,7 +5,6 @@ import openai
 import pytest
 
 from kvledger.util.serve_process import ServeProcess
-from tests.entrypoint.conftest import require_engine
 
 ALPHA, BETA = "sk-alpha-0123456789", "sk-beta-9876543210"
 KEYS = {ALPHA: "alpha", BETA: {"namespace": "beta", "ttl_class": "agent"}}
@@ -29,7 +28,6 @@ def hit_cap(prompt_tokens: int) -> int:
 
 
 def test_chat_hits_again_after_restart_and_never_across_keys(tmp_path):
-    require_engine()
     data = tmp_path / "data"
     server = ServeProcess(data, keys=KEYS).start()
     try:
