@@ -106,6 +106,11 @@ def test_the_worker_lives_after_bad_input(open_server):
     status, body = open_server.post("/v1/completions", {"model": MODEL, "prompt": "Hello", "max_tokens": 2,
                                                         "temperature": 0})
     assert status == 200 and body["usage"]["completion_tokens"] >= 1
+    for extreme in ({"temperature": 1e-300}, {"temperature": 2, "top_k": 10**6, "top_p": 1e-9, "seed": 2**64 - 1},
+                    {"temperature": 0.7, "repetition_penalty": 10, "seed": -1}):
+        status, body = open_server.post("/v1/completions", {"model": MODEL, "prompt": "Hello", "max_tokens": 2,
+                                                            **extreme})
+        assert status == 200, (extreme, body)
     text = open_server.get("/metrics")[1].decode()
     assert metric(text, "kvledger_errors_total", kind="invalid_json") >= 2
     assert metric(text, "kvledger_errors_total", kind="model_not_found") >= 1
