@@ -25,6 +25,7 @@ from kvledger.entrypoint.state import ServerState
 
 DEFAULT_TEMPERATURE = 1.0   # OpenAI's default; send 0 for greedy
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+GREEDY_BELOW = 1e-5         # a temperature this small samples as greedy (dividing logits by it would overflow)
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,7 +140,8 @@ def sampling_params(state: ServerState, body: SamplingFields, prompt_len: int) -
         raise bad_request(f"stop_token_ids must lie in [0, {state.vocab_size})", "stop_token_ids",
                           "invalid_token_id")
     try:
-        return SamplingParams(max_tokens=limit, temperature=_or(body.temperature, DEFAULT_TEMPERATURE),
+        temperature = _or(body.temperature, DEFAULT_TEMPERATURE)
+        return SamplingParams(max_tokens=limit, temperature=temperature if temperature >= GREEDY_BELOW else 0.0,
                               top_p=_or(body.top_p, 1.0), top_k=max(_or(body.top_k, 0), 0),
                               repetition_penalty=_or(body.repetition_penalty, 1.0), stop_token_ids=stop_ids,
                               ignore_eos=body.ignore_eos, seed=body.seed)

@@ -162,7 +162,7 @@ def _operator_routes(app: FastAPI) -> None:
         return JSONResponse(dashboard.activity(_state(request)))
 
     @app.post("/dashboard/diff", responses=ERRORS, tags=["operator"])
-    async def diff(request: Request, body: DiffRequest) -> JSONResponse:
+    async def diff(request: Request, body: DiffRequest, tenant: AuthTenant) -> JSONResponse:
         return JSONResponse(await asyncio.to_thread(dashboard.diff, _state(request), body))
 
 

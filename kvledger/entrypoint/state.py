@@ -86,7 +86,9 @@ class ServerState:
 
         from kvledger.engine.engine import Engine
 
-        engine = Engine(self.model, block_ledger=self.block_ledger, state_ledger=self.state_ledger,
+        cache = not self.config.no_cache   # the baseline neither reads nor writes the ledgers
+        engine = Engine(self.model, block_ledger=self.block_ledger if cache else None,
+                        state_ledger=self.state_ledger if cache else None,
                         device=self.config.device, max_num_seqs=self.config.max_num_seqs,
                         replay=self.config.replay)
         self.max_model_len = engine.max_model_len

@@ -17,6 +17,16 @@ KVLEDGER = Path(sys.executable).parent / "kvledger"
 START_TIMEOUT_S = 240.0   # model load on a loaded 2-core machine
 
 
+def _die_with_parent() -> None:
+    """Linux: the server gets SIGTERM when the process that started it dies (a killed test or bench)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -50,7 +60,8 @@ class ServeProcess:
         if self.keys_file is not None:
             cmd += ["--api-keys", str(self.keys_file)]
         with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy(),
+                                         preexec_fn=_die_with_parent)
         self._wait_healthy()
         return self
 

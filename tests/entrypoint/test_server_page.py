@@ -97,3 +97,17 @@ def test_page_renders_offline_screenshot(open_server, tmp_path):
     run = chromium(open_server.url + "/", tmp_path / "profile", f"--screenshot={shot}", "--window-size=1280,1500")
     assert run.returncode == 0, run.stderr[-2000:]
     assert shot.stat().st_size > 10_000
+
+
+def test_diff_form_says_why_a_prompt_missed(open_server):
+    """The page's "why did this miss?" form: `kvledger diff` on two prompts, text or token ids."""
+    a = "Report generated at 10:21:04. " + "The quarterly numbers follow, one line per shop. " * 40
+    status, d = open_server.post("/dashboard/diff", {"a": a, "b": a.replace("10:21:04", "10:25:37")})
+    assert status == 200, d
+    assert d["hit_blocks"] == 0 and 0 < d["first_divergence"] < 128 and d["recoverable_blocks"] > 0
+    assert "21" in d["context"]["a_differs"] and "25" in d["context"]["b_differs"]
+    ids = list(range(1000, 1300))
+    status, d = open_server.post("/dashboard/diff", {"a": ids, "b": ids[:200] + [7] + ids[201:]})
+    assert status == 200 and d["first_divergence"] == 200 and d["hit_blocks"] == 1
+    status, d = open_server.post("/dashboard/diff", {"a": [1, 2], "b": [10**6]})
+    assert status == 400 and d["error"]["code"] == "invalid_token_id"

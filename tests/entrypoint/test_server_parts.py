@@ -170,3 +170,32 @@ def test_body_limit_refuses_large_bodies_with_413():
 
     r = client.post("/", content=chunks())   # no Content-Length: counted as it arrives
     assert r.status_code == 413
+
+
+# --- metrics and the Grafana dashboard ---------------------------------------------------------
+
+
+def test_grafana_dashboard_queries_only_metrics_the_server_exports():
+    import re
+    from pathlib import Path
+
+    from prometheus_client import generate_latest
+
+    from kvledger.entrypoint.metrics import ServeMetrics
+    from kvledger.store.backend import StoreStats
+
+    stats = StoreStats("file", "/x", blocks=3, live_bytes=300, per_class={"chatbot": 2, "agent": 1},
+                       per_namespace={"alpha": 2, "alpha#salt-00ff": 1}, counters={"gc_evicted": 4})
+    m = ServeMetrics(lambda: stats)
+    m.ttft.labels("hit").observe(0.1)
+    m.requests.labels("alpha", "full").inc()
+    text = generate_latest(m.registry).decode()
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
+    exported = {f.name + suffix for f in m.registry.collect() for suffix in suffixes[f.type]}
+    dashboard = json.loads((Path(__file__).parents[2] / "docs/grafana/kvledger-serve.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    queried = {name for e in exprs for name in re.findall(r"kvledger_\w+", e)}
+    assert queried and queried <= exported, queried - exported
+    assert 'kvledger_store_namespace_blocks{namespace="alpha"} 3.0' in text   # salted namespaces fold into the tenant
+    assert 'kvledger_store_bytes{ttl_class="chatbot"} 200.0' in text
+    assert "kvledger_store_evictions_total 4.0" in text

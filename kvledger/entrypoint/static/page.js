@@ -161,7 +161,9 @@ function renderDiff(d) {
 
 $("diff-form").addEventListener("submit", async (ev) => {
   ev.preventDefault();
-  const r = await fetch("/dashboard/diff", { method: "POST", headers: { "Content-Type": "application/json" },
+  const headers = { "Content-Type": "application/json" };
+  if ($("diff-key").value) headers.Authorization = "Bearer " + $("diff-key").value;
+  const r = await fetch("/dashboard/diff", { method: "POST", headers,
     body: JSON.stringify({ a: $("diff-a").value, b: $("diff-b").value }) });
   const d = await r.json();
   if (!r.ok) { $("diff-result").textContent = d.error ? d.error.message : "error " + r.status; return; }
