@@ -128,8 +128,8 @@ class SchedulerSide:
             if run is not None:
                 loads.append(run)
         new = scheduled.get(req_id, 0)
-        first = computed // self.block + (computed % self.block != 0)  # first block ending after `computed`
-        last = (computed + new) // self.block                          # blocks ending at or before the step's end
+        first = computed // self.block       # the first block that ends after `computed`
+        last = (computed + new) // self.block  # blocks that end by the step's end are full
         run = self._run(track, req_id, first, last)
         if run is not None:
             saves.append(run)
