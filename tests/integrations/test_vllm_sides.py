@@ -88,6 +88,17 @@ def test_check_counts_leading_blocks_caps_and_subtracts_the_local_hit(ledger):
     assert side.matched_tokens(request("a", 500, salt="tenantB"), 0) == 0  # another namespace shares nothing
 
 
+def test_requests_whose_kv_token_ids_do_not_name_are_neither_loaded_nor_saved(ledger):
+    side = SchedulerSide(ledger, SPEC)
+    for field, value in (("mm_features", ["image"]), ("lora_request", "adapter"), ("prompt_embeds", object())):
+        req = request("m", 500)
+        store_prefix(ledger, req, 3)
+        setattr(req, field, value)
+        assert side.matched_tokens(req, 0) == 0
+        side.after_alloc(req, 0)
+        assert side.plan_step(step(new=[new_req(req, [1, 2, 3, 4], 0)], scheduled={"m": 500})) == StepPlan()
+
+
 def test_check_stops_at_the_first_missing_block(ledger):
     side = SchedulerSide(ledger, SPEC)
     req = request("a", 700)

@@ -54,6 +54,13 @@ class RequestTrack:
     failed_blocks: int = 0
 
 
+def cacheable(request: Any) -> bool:
+    """Whether token ids alone name the request's KV: not for prompt embeddings, multimodal inputs
+    (placeholder tokens stand for different images) or LoRA adapters (other weights)."""
+    return (request.prompt_token_ids is not None and getattr(request, "prompt_embeds", None) is None
+            and not getattr(request, "mm_features", None) and getattr(request, "lora_request", None) is None)
+
+
 class SchedulerSide:
     """CHECK and step planning; one instance lives in vLLM's scheduler process."""
 
@@ -83,7 +90,9 @@ class SchedulerSide:
 
     def matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
         """Tokens beyond vLLM's local hit the ledger can supply; the last prompt token is always computed."""
-        prompt = request.prompt_token_ids or []
+        if not cacheable(request):
+            return 0
+        prompt = request.prompt_token_ids
         cached = self.cached_blocks(prompt, namespace_of(request.cache_salt))
         hit = decide_hit(len(prompt), cached, (), self.spec).hit_tokens
         return max(hit - num_computed_tokens, 0)
@@ -92,6 +101,9 @@ class SchedulerSide:
 
     def after_alloc(self, request: Any, num_external_tokens: int) -> None:
         """vLLM allocated blocks for `request` and will count `num_external_tokens` as loaded."""
+        if not cacheable(request):
+            assert num_external_tokens == 0, "no hit is offered for a request whose KV the token ids do not name"
+            return
         track = self.tracks.get(request.request_id)
         if track is None:
             track = RequestTrack(request, namespace_of(request.cache_salt))
