@@ -54,6 +54,12 @@ def geometry_of(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> KvGe
 
     groups = kv_cache_config.kv_cache_groups
     spec = groups[0].kv_cache_spec
+    shapes = {(g.kv_cache_spec.num_kv_heads, g.kv_cache_spec.head_size, g.kv_cache_spec.dtype) for g in groups
+              if hasattr(g.kv_cache_spec, "num_kv_heads")}
+    if len(shapes) != 1 or not all(hasattr(g.kv_cache_spec, "num_kv_heads") for g in groups):
+        raise ValueError("kvledger connector: every layer must have the same KV shape (attention layers only; "
+                         f"got {sorted(map(str, shapes))}); for sliding-window models start vLLM with "
+                         "--disable-hybrid-kv-cache-manager")
     if spec.block_size != BLOCK_SIZE:
         raise ValueError(f"kvledger connector needs vLLM's block size {BLOCK_SIZE}; got {spec.block_size} "
                          f"(start vLLM with --block-size {BLOCK_SIZE})")
