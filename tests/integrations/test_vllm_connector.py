@@ -5,6 +5,11 @@ connector on an empty store (it computes and saves); then a fresh vLLM with the 
 same store: it loads the prompt's blocks (vLLM reports them), answers the same greedy tokens; a
 corrupted block file gives a recompute of the lost blocks and again the same tokens; the next
 request hits in full again (the recomputed block was stored anew).
+
+The engines run in float32: a hit computes the last prompt tokens in a batch of another shape
+than a cold prefill, and in bf16 that reordering of sums alone can flip a greedy token after a
+few steps (measured here: token 8 of 16). The plain engine also answers from vLLM's own prefix
+cache, the same computation as a connector hit, which must match exactly.
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ pytestmark = [pytest.mark.vllm, pytest.mark.skipif(not VLLM_PYTHON.exists(), rea
 PROMPT_TOKENS = 4000
 HIT = (PROMPT_TOKENS - 1) // 128 * 128  # 3968: every full block but the last prompt token's
 MAX_TOKENS = 16
-SPEC = connector_spec("smollm2-135m", KvGeometry(30, 3, 64, 2, "cpu", "bfloat16"))
+SPEC = connector_spec("smollm2-135m", KvGeometry(30, 3, 64, 4, "cpu", "float32"))
+DTYPE = "float32"
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +42,7 @@ def model_dir() -> Path:
 
 def kvledger_opts(model_dir: Path, store: Path, events: Path) -> dict:
     return {"model": str(model_dir), "connector": "kvledger", "store": str(store), "events": str(events),
-            "model_name": "smollm2-135m"}
+            "model_name": "smollm2-135m", "dtype": DTYPE}
 
 
 def corrupt_middle_block(store: Path) -> None:
@@ -54,16 +60,18 @@ def events(path: Path) -> list[dict]:
 def test_prompt_saved_by_one_vllm_is_loaded_by_a_fresh_one(tmp_path, model_dir, run_cli):
     store, log = tmp_path / "store", tmp_path / "events.jsonl"
     prompt = long_prompt(PROMPT_TOKENS)
-    plain = VllmProcess({"model": str(model_dir), "connector": None})
+    plain = VllmProcess({"model": str(model_dir), "connector": None, "dtype": DTYPE, "prefix_caching": True})
     first = VllmProcess(kvledger_opts(model_dir, store, log))
     wait_all([plain, first])
     try:
         reference = plain.generate(prompt, max_tokens=MAX_TOKENS)["tokens"]
+        local = plain.generate(prompt, max_tokens=MAX_TOKENS)  # vLLM's own prefix cache: the shape of a hit
         cold = first.generate(prompt, max_tokens=MAX_TOKENS)
     finally:
         plain.__exit__(None, None, None)
         first.__exit__(None, None, None)
     assert len(reference) == MAX_TOKENS and cold["tokens"] == reference
+    assert local["num_cached_tokens"] == HIT
     assert cold["kv_transfer_params"]["kvledger"]["loaded_tokens"] == 0
     assert sum(e["ok"] for e in events(log) if e["event"] == "save") == PROMPT_TOKENS // 128
 
@@ -75,7 +83,7 @@ def test_prompt_saved_by_one_vllm_is_loaded_by_a_fresh_one(tmp_path, model_dir, 
 
     with VllmProcess(kvledger_opts(model_dir, store, log)) as fresh:
         hit = fresh.generate(prompt, max_tokens=MAX_TOKENS)
-        assert hit["tokens"] == reference
+        assert hit["tokens"] == local["tokens"] == reference
         assert hit["num_cached_tokens"] == HIT
         assert hit["kv_transfer_params"]["kvledger"] == {"namespace": "default", "loaded_tokens": HIT,
                                                          "failed_blocks": 0}

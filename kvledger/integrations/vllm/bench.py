@@ -2,10 +2,12 @@
 side by side with vLLM's in-tree ExampleConnector on the same prompts, in the same run.
 
 Each connector gets its own vLLM process (CPU build, `.venv-vllm`), an empty store, and vLLM's own
-prefix cache off, so every hit comes through the connector. After one warm-up request (kernel
-set-up, not counted), each round sends a prompt no earlier round shared a block with (cold: computed
-and saved), then the same prompt again (hit: loaded). TTFT is the wall time of a max_tokens=1
-request. Figures are medians over rounds; `*_spread` gives min and max of the per-round ratios.
+prefix cache off, so every hit comes through the connector. The processes are alive together and
+take requests one at a time, in turn, so a load on the machine falls on both alike. After one
+warm-up request each (kernel set-up, not counted), each round sends every engine a prompt no
+earlier round shared a block with (cold: computed and saved), then the same prompt again (hit:
+loaded). TTFT is the wall time of a max_tokens=1 request. Figures are medians over rounds;
+`*_spread` gives the min and max of the per-round ratios.
 """
 
 from __future__ import annotations
@@ -31,36 +33,40 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dir", metavar="DIR", help="where the stores go (default: the temp dir)")
 
 
-def measure(opts: dict[str, Any], tokens: int, rounds: int) -> dict[str, Any]:
-    """One engine: a warm-up, then `rounds` × (cold, hit) on fresh prompts."""
-    from kvledger.integrations.vllm.client import VllmProcess
+def measure(engines: dict[str, Any], tokens: int, rounds: int) -> dict[str, dict[str, Any]]:
+    """All engines alive at once, one request at a time: a warm-up each, then per round and engine
+    a prompt no earlier round shared a block with (cold), then the same prompt (hit)."""
     from kvledger.integrations.vllm.prompts import long_prompt
 
-    cold, hit, loaded, same = [], [], [], True
-    with VllmProcess(opts) as engine:
+    runs: dict[str, dict[str, list]] = {name: {"cold": [], "hit": [], "loaded": [], "same": []} for name in engines}
+    for engine in engines.values():
         engine.generate(long_prompt(tokens, variant=10_000), max_tokens=1)
-        for r in range(rounds):
-            prompt = long_prompt(tokens, variant=r + 1)
+    for r in range(rounds):
+        prompt = long_prompt(tokens, variant=r + 1)
+        for name, engine in engines.items():
             a = engine.generate(prompt, max_tokens=1)
-            cold.append(a["seconds"])
-            if opts.get("connector") is None:
+            runs[name]["cold"].append(a["seconds"])
+            if engine.opts.get("connector") is None:
                 continue
             b = engine.generate(prompt, max_tokens=1)
-            hit.append(b["seconds"])
-            loaded.append(b["num_cached_tokens"])
-            same = same and a["tokens"] == b["tokens"]
-        start_s = engine.start_s
-    out: dict[str, Any] = {"ttft_cold_s": statistics.median(cold), "cold_s": cold, "start_s": start_s}
-    if hit:
-        ratios = [h / c for h, c in zip(hit, cold)]
-        out.update(ttft_hit_s=statistics.median(hit), hit_s=hit, hit_over_cold=statistics.median(ratios),
-                   spread=[min(ratios), max(ratios)], hit_tokens=min(loaded), same_first_token=same)
+            runs[name]["hit"].append(b["seconds"])
+            runs[name]["loaded"].append(b["num_cached_tokens"])
+            runs[name]["same"].append(a["tokens"] == b["tokens"])
+    return {name: summarize_engine(run, engines[name].start_s) for name, run in runs.items()}
+
+
+def summarize_engine(run: dict[str, list], start_s: float) -> dict[str, Any]:
+    out: dict[str, Any] = {"ttft_cold_s": statistics.median(run["cold"]), "cold_s": run["cold"], "start_s": start_s}
+    if run["hit"]:
+        ratios = [h / c for h, c in zip(run["hit"], run["cold"])]
+        out.update(ttft_hit_s=statistics.median(run["hit"]), hit_s=run["hit"], hit_over_cold=statistics.median(ratios),
+                   spread=[min(ratios), max(ratios)], hit_tokens=min(run["loaded"]), same_first_token=all(run["same"]))
     return out
 
 
 def run(args: argparse.Namespace) -> None:
     from kvledger.engine.models.hf_folder import smollm2_folder
-    from kvledger.integrations.vllm.client import VLLM_PYTHON, EngineError
+    from kvledger.integrations.vllm.client import VLLM_PYTHON, EngineError, VllmProcess, wait_all
 
     if args.tokens < 256 or args.rounds < 1:
         raise CliError("--tokens must be at least 256 and --rounds at least 1")
@@ -68,16 +74,22 @@ def run(args: argparse.Namespace) -> None:
         raise CliError(f"{VLLM_PYTHON} is missing: run `make vllm-venv`")
     model = str(smollm2_folder())
     base = Path(tempfile.mkdtemp(prefix="kvledger-bench-vllm-", dir=args.dir))
+    opts = {"kvledger": {"model": model, "connector": "kvledger", "store": str(base / "kvledger"),
+                         "model_name": "smollm2-135m"},
+            "example": {"model": model, "connector": "example", "store": str(base / "example")}}
+    if args.plain:
+        opts["plain"] = {"model": model, "connector": None}
+    engines = {name: VllmProcess(o) for name, o in opts.items()}
     try:
-        kvl = measure({"model": model, "connector": "kvledger", "store": str(base / "kvledger"),
-                       "model_name": "smollm2-135m"}, args.tokens, args.rounds)
-        ex = measure({"model": model, "connector": "example", "store": str(base / "example")},
-                     args.tokens, args.rounds)
-        plain = measure({"model": model, "connector": None}, args.tokens, args.rounds) if args.plain else None
+        wait_all(list(engines.values()))
+        figures = measure(engines, args.tokens, args.rounds)
     except EngineError as e:
         raise CliError(str(e)) from None
     finally:
+        for engine in engines.values():
+            engine.__exit__(None, None, None)
         shutil.rmtree(base, ignore_errors=True)
+    kvl, ex, plain = figures["kvledger"], figures["example"], figures.get("plain")
     result = summarize(args, kvl, ex, plain)
     if args.out:
         out = Path(args.out)

@@ -52,7 +52,7 @@ def say(obj: dict[str, Any]) -> None:
 def start(opts: dict[str, Any]) -> Any:
     from vllm import LLM
 
-    return LLM(model=opts["model"], dtype="bfloat16", enforce_eager=True, block_size=128,
+    return LLM(model=opts["model"], dtype=opts.get("dtype", "bfloat16"), enforce_eager=True, block_size=128,
                max_model_len=opts.get("max_model_len", 8192), seed=0,
                max_num_batched_tokens=opts.get("max_num_batched_tokens", 2048),
                enable_prefix_caching=opts.get("prefix_caching", False),
