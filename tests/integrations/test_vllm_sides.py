@@ -1,0 +1,220 @@
+"""The connector's two sides without vLLM: a real block ledger on disk, KV caches as torch tensors
+in vLLM's CPU layout, and vLLM's scheduler records as plain namespaces (vLLM itself is exercised
+by test_vllm_connector.py in `.venv-vllm`)."""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvledger.core import chain_keys
+from kvledger.integrations.vllm.config import ConnectorConfig, KvGeometry, connector_spec, namespace_of
+from kvledger.integrations.vllm.layout import KvLayout
+from kvledger.integrations.vllm.records import BlockRun, StepPlan
+from kvledger.integrations.vllm.scheduler import SchedulerSide
+from kvledger.integrations.vllm.worker import WorkerSide
+from kvledger.store.ledger import BlockLedger
+
+B = 128
+GEOMETRY = KvGeometry(n_layers=3, kv_heads=2, head_dim=8, dtype_bytes=2, device="cpu", dtype="bfloat16")
+SPEC = connector_spec("tiny", GEOMETRY)
+NUM_BLOCKS = 16
+
+
+def request(req_id: str, n: int, salt: str | None = None, seed: int = 0) -> SimpleNamespace:
+    rng = random.Random(seed)
+    tokens = [rng.randrange(1, 50_000) for _ in range(n)]
+    return SimpleNamespace(request_id=req_id, prompt_token_ids=tokens, all_token_ids=list(tokens), cache_salt=salt)
+
+
+def new_req(req: SimpleNamespace, block_ids: list[int], computed: int) -> SimpleNamespace:
+    return SimpleNamespace(req_id=req.request_id, block_ids=(block_ids,), num_computed_tokens=computed)
+
+
+def step(new: list | None = None, cached: list | None = None, scheduled: dict | None = None,
+         resumed: set | None = None) -> SimpleNamespace:
+    cached = cached or []
+    return SimpleNamespace(
+        scheduled_new_reqs=new or [], num_scheduled_tokens=scheduled or {},
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[c[0] for c in cached], resumed_req_ids=resumed or set(),
+                                              new_block_ids=[c[1] for c in cached],
+                                              num_computed_tokens=[c[2] for c in cached]))
+
+
+@pytest.fixture
+def ledger(tmp_path: Path) -> BlockLedger:
+    with BlockLedger.open(tmp_path / "store", fsync=False) as led:
+        yield led
+
+
+def store_prefix(ledger: BlockLedger, req: SimpleNamespace, n_blocks: int) -> list[bytes]:
+    keys = chain_keys(req.prompt_token_ids, SPEC, namespace_of(req.cache_salt))[:n_blocks]
+    blocks = [bytes([i]) * SPEC.block_bytes() for i in range(n_blocks)]
+    ledger.put_chain(keys, blocks, namespace=namespace_of(req.cache_salt))
+    return keys
+
+
+def test_spec_names_platform_and_dtype_and_is_full_attention():
+    assert SPEC.name == "vllm-cpu:tiny:bfloat16" and not SPEC.has_swa and SPEC.block_size == B
+    assert SPEC.block_bytes() == B * 3 * 2 * 2 * 8 * 2
+    other = connector_spec("tiny", KvGeometry(3, 2, 8, 4, "cpu", "float32"))
+    assert other.fingerprint() != SPEC.fingerprint()
+
+
+def test_config_rejects_unknown_keys_and_needs_a_store():
+    with pytest.raises(ValueError, match="unknown extra config"):
+        ConnectorConfig.from_extra({"path": "/x", "pth": "/y"})
+    with pytest.raises(ValueError, match="path"):
+        ConnectorConfig(path=None, redis_url=None, model=None)
+    assert ConnectorConfig.from_extra({"path": "/x", "fsync": "false"}).fsync is False
+
+
+def test_check_counts_leading_blocks_caps_and_subtracts_the_local_hit(ledger):
+    side = SchedulerSide(ledger, SPEC)
+    req = request("a", 500)
+    assert side.matched_tokens(req, 0) == 0
+    store_prefix(ledger, req, 3)
+    assert side.matched_tokens(req, 0) == side.matched_tokens(req, 0) == 3 * B  # callable twice, same answer
+    assert side.matched_tokens(req, B) == 2 * B
+    assert side.matched_tokens(req, 3 * B) == 0
+    assert side.tracks == {}  # the CHECK keeps no state
+    exact = request("a", 3 * B)  # the same first 384 tokens: the last block is capped, one token is computed
+    assert side.matched_tokens(exact, 0) == 2 * B
+    assert side.matched_tokens(request("a", 500, salt="tenantB"), 0) == 0  # another namespace shares nothing
+
+
+def test_requests_whose_kv_token_ids_do_not_name_are_neither_loaded_nor_saved(ledger):
+    side = SchedulerSide(ledger, SPEC)
+    for field, value in (("mm_features", ["image"]), ("lora_request", "adapter"), ("prompt_embeds", object())):
+        req = request("m", 500)
+        store_prefix(ledger, req, 3)
+        setattr(req, field, value)
+        assert side.matched_tokens(req, 0) == 0
+        side.after_alloc(req, 0)
+        assert side.plan_step(step(new=[new_req(req, [1, 2, 3, 4], 0)], scheduled={"m": 500})) == StepPlan()
+
+
+def test_check_stops_at_the_first_missing_block(ledger):
+    side = SchedulerSide(ledger, SPEC)
+    req = request("a", 700)
+    keys = store_prefix(ledger, req, 4)
+    ledger.delete([keys[1]])
+    assert side.matched_tokens(req, 0) == B
+
+
+def test_load_then_chunked_prefill_saves_only_newly_completed_blocks(ledger):
+    side = SchedulerSide(ledger, SPEC)
+    req = request("r", 1000)
+    store_prefix(ledger, req, 2)
+    ext = side.matched_tokens(req, 0)
+    assert ext == 2 * B
+    side.after_alloc(req, ext)
+    ids = list(range(10, 18))
+    plan = side.plan_step(step(new=[new_req(req, ids, ext)], scheduled={"r": 300}))
+    (load,) = plan.loads
+    assert (load.start, load.block_ids, load.parent) == (0, (10, 11), None)
+    (save,) = plan.saves  # computed 256 → 556: blocks 2 and 3 end inside this chunk
+    assert (save.start, save.block_ids) == (2, (12, 13))
+    assert save.parent == load.keys[-1] and save.keys == tuple(chain_keys(req.all_token_ids, SPEC)[2:4])
+    plan = side.plan_step(step(cached=[("r", None, 556)], scheduled={"r": 444}))
+    assert plan.loads == () and [(s.start, s.end) for s in plan.saves] == [(4, 7)]  # 556 → 1000
+    req.all_token_ids += [7] * 24  # decode: block 7 ends at 1024
+    plan = side.plan_step(step(cached=[("r", None, 1022)], scheduled={"r": 1}))
+    assert plan.saves == ()
+    plan = side.plan_step(step(cached=[("r", None, 1023)], scheduled={"r": 1}))
+    assert [(s.start, s.block_ids) for s in plan.saves] == [(7, (17,))]
+    assert side.finished("r") == {"kvledger": {"namespace": "default", "loaded_tokens": 2 * B, "failed_blocks": 0}}
+
+
+def test_preempted_request_replaces_its_block_list(ledger):
+    side = SchedulerSide(ledger, SPEC)
+    req = request("p", 600)
+    side.after_alloc(req, 0)
+    side.plan_step(step(new=[new_req(req, [1, 2], 0)], scheduled={"p": 256}))
+    side.after_alloc(req, 0)  # preempted, then scheduled again from 0 with new blocks
+    plan = side.plan_step(step(cached=[("p", ([8, 9, 3, 4, 5],), 0)], scheduled={"p": 600}, resumed={"p"}))
+    assert [s.block_ids for s in plan.saves] == [(8, 9, 3, 4)]
+
+
+def test_reported_failures_count_against_the_load(ledger):
+    side = SchedulerSide(ledger, SPEC)
+    req = request("f", 900)
+    store_prefix(ledger, req, 5)
+    side.after_alloc(req, side.matched_tokens(req, 0))
+    side.plan_step(step(new=[new_req(req, [20, 21, 22, 23, 24, 25, 26, 27], 5 * B)], scheduled={"f": 260}))
+    side.note_failed({23, 24})
+    assert side.finished("f")["kvledger"] == {"namespace": "default", "loaded_tokens": 3 * B, "failed_blocks": 2}
+
+
+def cpu_caches(seed: int) -> dict[str, torch.Tensor]:
+    """KV caches in vLLM's CPU layout: [num_blocks, kv_heads, block_size, 2 × head_dim]."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (NUM_BLOCKS, GEOMETRY.kv_heads, B, 2 * GEOMETRY.head_dim)
+    return {f"model.layers.{i}.self_attn.attn": torch.randn(shape, generator=g).to(torch.bfloat16)
+            for i in (2, 0, 1)}
+
+
+def worker(ledger: BlockLedger, caches: dict[str, torch.Tensor], events: Path | None = None) -> WorkerSide:
+    side = WorkerSide(ledger, str(events) if events else None)
+    side.register(KvLayout(caches, NUM_BLOCKS, B * GEOMETRY.layer_token_bytes))
+    return side
+
+
+def run_of(req: SimpleNamespace, start: int, block_ids: tuple[int, ...]) -> BlockRun:
+    keys = chain_keys(req.all_token_ids, SPEC)
+    end = start + len(block_ids)
+    return BlockRun(req.request_id, "default", start, tuple(keys[start:end]), block_ids,
+                    keys[start - 1] if start else None)
+
+
+def forward(side: WorkerSide, plan: StepPlan, names: list[str]) -> set[int]:
+    """What vLLM does around one forward pass: load, then per layer wait / compute / save, then save."""
+    side.start_step(plan)
+    for name in names:
+        side.layer_loaded(name)
+        side.layer_computed(name)
+    side.finish_step()
+    return side.take_failed()
+
+
+def test_saved_blocks_load_back_into_other_vllm_blocks_layer_by_layer(ledger, tmp_path):
+    src = cpu_caches(1)
+    names = sorted(src)
+    req = request("w", 500)
+    events = tmp_path / "events.jsonl"
+    assert forward(worker(ledger, src, events), StepPlan(saves=(run_of(req, 0, (3, 5, 6)),)), names) == set()
+    assert ledger.match(chain_keys(req.prompt_token_ids, SPEC)) == 3
+    dst = {k: torch.zeros_like(v) for k, v in src.items()}
+    assert forward(worker(ledger, dst, events), StepPlan(loads=(run_of(req, 0, (7, 8, 9)),)), names) == set()
+    for name in names:
+        assert torch.equal(dst[name][7:10], src[name][[3, 5, 6]])
+        assert not dst[name][:7].any()  # nothing else written
+    assert [line.count('"ok": 3') for line in events.read_text().splitlines()] == [1, 1]
+
+
+def test_a_corrupt_block_is_reported_never_copied_and_poisons_later_saves(ledger):
+    src = cpu_caches(2)
+    names = sorted(src)
+    req = request("c", 700)
+    forward(worker(ledger, src), StepPlan(saves=(run_of(req, 0, (0, 1, 2, 3)),)), names)
+    seg = max((p for p in Path(ledger.store.root).rglob("*") if p.is_file() and p.stat().st_size > 4096),
+              key=lambda p: p.stat().st_size)
+    data = bytearray(seg.read_bytes())
+    data[-SPEC.block_bytes() - 100] ^= 0xFF  # inside the third block (the segment ends with the fourth)
+    seg.write_bytes(bytes(data))
+    dst = {k: torch.zeros_like(v) for k, v in src.items()}
+    plan = StepPlan(loads=(run_of(req, 0, (8, 9, 10)),), saves=(run_of(req, 3, (11,)),))
+    assert forward(worker(ledger, dst), plan, names) == {10}
+    for name in names:
+        assert torch.equal(dst[name][8:10], src[name][0:2]) and not dst[name][10:12].any()
+    keys = chain_keys(req.prompt_token_ids, SPEC)
+    assert ledger.exists(keys[:4]) == [True, True, False, True]  # the corrupt block is dropped, not re-saved
+
+
+def test_the_sides_import_no_vllm():
+    assert "vllm" not in sys.modules
