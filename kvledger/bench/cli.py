@@ -12,6 +12,7 @@ BENCHES = {
     "sim": "kvledger.bench.sim",             # cluster simulator driven by a trace
     "serve": "kvledger.bench.serve_bench",   # kvledger serve under multi-turn chats vs --no-cache
     "ttft": "kvledger.bench.ttft_bench",     # reference engine: TTFT cold vs hit vs bounded replay
+    "scale": "kvledger.bench.scale_bench",   # block ledger at node scale: persisted index vs the previous design
 }
 
 
