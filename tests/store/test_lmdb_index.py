@@ -209,3 +209,27 @@ def test_check_is_not_blocked_by_a_writer_holding_the_index(tmp_path):
         holder.kill()
         holder.wait(timeout=10)
         holder.stdout.close()
+
+
+FULL_DISK = """
+import resource, signal, sys
+from kvledger.store.ledger import BlockLedger
+from tests.store.conftest import chain
+led = BlockLedger.open(path=sys.argv[1], fsync=False)
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+resource.setrlimit(resource.RLIMIT_FSIZE, (20000, hard))  # files past 20 kB fail with EFBIG, like a full disk
+keys, blocks = chain(8)
+print(tuple(led.put_chain(keys, blocks)), led.store.counters.put_failures, led.match(keys), flush=True)
+resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))   # space again: the store works on
+print(tuple(led.put_chain(keys, blocks)), led.match(keys), led.read_prefix(keys, [bytearray(4096) for _ in keys]))
+"""
+
+
+def test_full_disk_fails_soft_then_recovers(tmp_path):
+    out = subprocess.run([sys.executable, "-c", FULL_DISK, str(tmp_path)], capture_output=True, text=True,
+                         timeout=60, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:2] == ["(0, 0, 8) 1 0", "(8, 0, 0) 8 8"]
+    assert "put of 8 blocks" in out.stderr  # logged
+    assert not list((tmp_path / "tmp").iterdir())  # the cut-short segment was removed
