@@ -72,7 +72,9 @@ def write_chain(store: Any, keys: list[bytes], per_put: int, block: bytes, ttl_s
 def bulk_chain(store: Any, keys: list[bytes], per_put: int, block: bytes) -> None:
     """The new design's build: the same segments as `write_chain`, a chain's segments indexed in one transaction
     (building only: the measured puts go through `put`)."""
-    if not hasattr(store, "index_rows"):
+    from kvledger.store import lmdb_write
+
+    if not hasattr(store, "refresher"):
         return write_chain(store, keys, per_put, block)
     now = time.time()
     written = []
@@ -80,10 +82,10 @@ def bulk_chain(store: Any, keys: list[bytes], per_put: int, block: bytes) -> Non
         w = ChainWrite(keys[s:s + per_put], [block] * len(keys[s:s + per_put]), s, keys[s - 1] if s else bytes(16),
                        NAMESPACE, "agent", TTL_S)
         sel = list(range(len(w.keys)))
-        written.append((w, *store._write_segment(w, sel, [memoryview(block)] * len(sel), now)))
+        written.append((w, *lmdb_write.write_segment(store, w, sel, [memoryview(block)] * len(sel), now)))
     with store.index.env.begin(write=True) as txn:
         for w, path, rows, size in written:
-            store.index_rows(txn, w, path, rows, size, now)
+            lmdb_write.index_rows(store, txn, w, path, rows, size, now)
 
 
 def role_build(a: dict) -> dict:

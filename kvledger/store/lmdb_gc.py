@@ -120,7 +120,7 @@ def make_room(store: LmdbStore, incoming: int) -> None:
 
 def delete(store: LmdbStore, keys: Sequence[bytes]) -> int:
     """Forget these blocks (one transaction); files left empty are unlinked, sparse ones compacted by gc."""
-    from kvledger.store.lmdb_store import COMPACT_BELOW
+    from kvledger.store.lmdb_write import COMPACT_BELOW
 
     idx = store.index
     n = 0

@@ -23,19 +23,19 @@ from __future__ import annotations
 
 import logging
 import os
-import secrets
+import threading
 from collections.abc import Sequence
 from contextlib import suppress
 from pathlib import Path
 
 import lmdb
+import xxhash
 
-from kvledger.store import lmdb_gc, lmdb_upkeep
-from kvledger.store import segment as seg_format
+from kvledger.store import lmdb_gc, lmdb_upkeep, lmdb_write
 from kvledger.store.backend import Buffer, ChainWrite, Counters, GcResult, PutResult, StoreStats, VerifyResult
 from kvledger.store.chain_check import leading_present
-from kvledger.store.file_backend import _HOST, _bytes_view, _preadv_all, _writev_all
-from kvledger.store.lmdb_index import BlockRec, LmdbIndex, SegRec
+from kvledger.store.file_backend import _HOST, _bytes_view, _preadv_all
+from kvledger.store.lmdb_index import BlockRec, LmdbIndex
 from kvledger.store.refresher import Refresher
 from kvledger.store.ttl import Clock, wall_clock
 
@@ -43,14 +43,7 @@ log = logging.getLogger("kvledger.store")
 
 IOV_MAX = 1024
 MAX_OPEN_FDS = 128
-MAX_NAME_BYTES = 1024
-COMPACT_BELOW = 0.5    # a segment whose live share of its data bytes falls below this is rewritten by gc
 REFRESH_GRAIN_S = 1.0  # a hit refreshes expiry to ≥ now + ttl − this: one walk per chain tail per second
-
-
-def name_bytes(name: str) -> bytes:
-    """A namespace or class name as recorded for stats (keys carry the full name)."""
-    return name.encode("utf-8", "surrogatepass")[:MAX_NAME_BYTES]
 
 
 class LmdbStore:
@@ -78,6 +71,7 @@ class LmdbStore:
         self.index = LmdbIndex(self.root / "index.lmdb", sync=fsync)
         self.refresher = Refresher(self._write_refresh)
         self._fds: dict[int, int] = {}
+        self._io_lock = threading.Lock()        # the descriptor cache is shared by this process's threads
         self._walked: dict[bytes, float] = {}   # chain tail → expiry its last walk noted (this process)
         lmdb_upkeep.remove_dead_tmp(self.root / "tmp", _HOST)
         lmdb_upkeep.migrate(self)
@@ -173,8 +167,8 @@ class LmdbStore:
                     self.counters.put_failures += 1
                     return PutResult(0, skipped, len(sel))
                 lmdb_gc.make_room(self, incoming)
-            path, rows, file_size = self._write_segment(write, sel, views, now)
-            written = self._index_segment(write, path, rows, file_size, now)
+            path, rows, file_size = lmdb_write.write_segment(self, write, sel, views, now)
+            written = lmdb_write.index_segment(self, write, path, rows, file_size, now)
             self.counters.blocks_written += written
             self.counters.blocks_skipped += len(sel) - written
             self.counters.bytes_written += incoming
@@ -183,74 +177,6 @@ class LmdbStore:
             log.warning("put of %d blocks to %s failed: %s", n, self.root, e)
             self.counters.put_failures += 1
             return PutResult(0, 0, n)
-
-    def _write_segment(self, write: ChainWrite, sel: list[int], views: list[memoryview],
-                       now: float) -> tuple[str, list[tuple], int]:
-        """Write, fsync and rename one segment file; (relative path, entry rows, file size)."""
-        import xxhash
-
-        ns, cl = name_bytes(write.namespace), name_bytes(write.ttl_class)
-        offset = seg_format.Layout.of(len(sel), len(ns), len(cl)).data_off
-        rows = []
-        for i, v in zip(sel, views):
-            parent = write.keys[i - 1] if i > 0 else write.parent
-            rows.append((write.keys[i], parent, write.start_pos + i, v.nbytes, xxhash.xxh3_64_intdigest(v), offset))
-            offset += v.nbytes
-        meta = seg_format.encode_meta(write.namespace, write.ttl_class, write.ttl_s, now, rows,
-                                      [now + write.ttl_s] * len(rows))
-        tag = f"{_HOST}-{os.getpid()}-{secrets.token_hex(6)}"
-        rel = f"segments/{tag[-2:]}/{tag}{seg_format.SUFFIX}"
-        tmp = self.root / "tmp" / f".tmp-{tag}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            _writev_all(fd, [memoryview(meta), *views])
-            if self.fsync:
-                os.fsync(fd)
-            final = self.root / rel
-            try:
-                os.rename(tmp, final)
-            except FileNotFoundError:
-                final.parent.mkdir(exist_ok=True)
-                os.rename(tmp, final)
-        except BaseException:
-            os.unlink(tmp)
-            raise
-        finally:
-            os.close(fd)
-        return rel, rows, offset
-
-    def _index_segment(self, write: ChainWrite, path: str, rows: list[tuple], file_size: int, now: float) -> int:
-        """One write transaction: the segment and those of its blocks nobody indexed meanwhile."""
-        with self.index.env.begin(write=True) as w:
-            live, unlink = self.index_rows(w, write, path, rows, file_size, now)
-        self.unlink(unlink)
-        return live
-
-    def index_rows(self, w: lmdb.Transaction, write: ChainWrite, path: str, rows: list[tuple], file_size: int,
-                   now: float) -> tuple[int, list[str]]:
-        """Index a written segment in `w`; (blocks indexed, files to unlink once `w` commits)."""
-        ns, cl = name_bytes(write.namespace), name_bytes(write.ttl_class)
-        seg = SegRec(now + write.ttl_s, now, now, write.ttl_s, rows[0][2], len(rows), 0, 0,
-                     sum(r[3] for r in rows), file_size, rows[0][1], ns, cl, path)
-        unlink = []
-        cache: dict[int, float] = {}
-        seg_id = self.index.add_segment(w, seg, [r[0] for r in rows])
-        for idx, (key, parent, pos, size, xxh, off) in enumerate(rows):
-            old = self.index.block(w, key)
-            if old is not None and self._expiry(w, old.seg, cache) >= now:
-                continue  # another writer indexed it first
-            if old is not None:
-                unlink.append(self.index.drop_block(w, key, old, COMPACT_BELOW))
-            self.index.add_block(w, key, BlockRec(seg_id, idx, pos, size, xxh, off, parent))
-            seg.live += 1
-            seg.live_bytes += size
-        self.index.bump(w, b"blocks", seg.live)
-        self.index.bump(w, b"live_bytes", seg.live_bytes)
-        if seg.live == 0:
-            unlink.append(self.index.remove_segment(w, seg_id, seg)[2])
-        else:
-            self.index.put_seg(w, seg_id, seg)
-        return seg.live, [p for p in unlink if p]
 
     def unlink(self, paths: list[str]) -> None:
         """Remove segment files the index no longer names (after the commit that forgot them)."""
@@ -284,24 +210,23 @@ class LmdbStore:
             return out
         bad: list[tuple[bytes, BlockRec]] = []
         run: list[tuple[int, BlockRec]] = []
-        for i, rec in enumerate(recs):
-            if rec is None:
-                self.counters.misses_absent += 1
-            elif run and (run[-1][1].seg != rec.seg or run[-1][1].offset + run[-1][1].size != rec.offset
-                          or len(run) >= IOV_MAX):
-                self._read_run(run, paths, bufs, out, keys, bad)
-                run = []
-            if rec is not None:
-                run.append((i, rec))
-        self._read_run(run, paths, bufs, out, keys, bad)
+        with self._io_lock:
+            for i, rec in enumerate(recs):
+                if rec is None:
+                    self.counters.misses_absent += 1
+                elif run and (run[-1][1].seg != rec.seg or run[-1][1].offset + run[-1][1].size != rec.offset
+                              or len(run) >= IOV_MAX):
+                    self._read_run(run, paths, bufs, out, keys, bad)
+                    run = []
+                if rec is not None:
+                    run.append((i, rec))
+            self._read_run(run, paths, bufs, out, keys, bad)
         if bad and drop:
             lmdb_upkeep.drop_bad(self, bad)
         return out
 
     def _read_run(self, run: list[tuple[int, BlockRec]], paths: dict[int, str], bufs: Sequence[Buffer],
                   out: list[int], keys: Sequence[bytes], bad: list[tuple[bytes, BlockRec]]) -> None:
-        import xxhash
-
         if not run:
             return
         seg_id, start = run[0][1].seg, run[0][1].offset
@@ -360,9 +285,10 @@ class LmdbStore:
 
     def close(self) -> None:
         self.refresher.close()
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        with self._io_lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
         self.index.close()
 
     def __enter__(self) -> LmdbStore:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import lmdb
 
+from kvledger.store import lmdb_write
 from kvledger.store import segment as seg_format
 from kvledger.store.backend import StoreStats, VerifyResult
 from kvledger.store.file_backend import _pid_alive
@@ -112,7 +113,7 @@ def _migrate_one(store: LmdbStore, w: lmdb.Transaction, name: str) -> None:
 
 def drop_bad(store: LmdbStore, bad: list[tuple[bytes, BlockRec]]) -> None:
     """Forget blocks that failed their read, if the index still names those very bytes."""
-    from kvledger.store.lmdb_store import COMPACT_BELOW
+    from kvledger.store.lmdb_write import COMPACT_BELOW
 
     paths = []
     try:
@@ -139,8 +140,8 @@ def rewrite_segment(store: LmdbStore, seg: SegRec,
         return None
     write = ChainWrite([k for k, _, _ in ok], [b for _, _, b in ok], ok[0][1].pos, ok[0][1].parent,
                        seg.namespace.decode("utf-8", "replace"), seg.ttl_class.decode("utf-8", "replace"), seg.ttl_s)
-    path, rows, file_size = store._write_segment(write, list(range(len(ok))), [memoryview(b) for _, _, b in ok],
-                                                 seg.created)
+    path, rows, file_size = lmdb_write.write_segment(store, write, list(range(len(ok))),
+                                                     [memoryview(b) for _, _, b in ok], seg.created)
     return path, [(k, r, row[5]) for (k, r, _), row in zip(ok, rows)], file_size
 
 
