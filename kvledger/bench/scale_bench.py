@@ -43,7 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--check-reps", type=int, default=21, help="CHECKs of the 1M-token prompt")
     p.add_argument("--puts", type=int, default=300, help="puts timed for put_p99_ms")
     p.add_argument("--gc-blocks", type=int, default=None, help="expired blocks one gc() removes (default N/20)")
-    p.add_argument("--gc-batch", type=int, default=4096, help="blocks per GC batch")
+    p.add_argument("--gc-batch", type=int, default=4096, help="blocks per GC batch (the LMDB store caps it)")
 
 
 def _role(name: str, args: dict, timeout_s: float = 3600) -> dict:

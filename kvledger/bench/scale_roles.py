@@ -144,8 +144,16 @@ def role_probe(a: dict) -> dict:
     out |= {f"put_p99_ms{tag}": float(np.percentile(puts, 99)), f"put_p50_ms{tag}": statistics.median(puts)}
     if not a["fsync"]:
         out["rss_bytes"] = _rss()
+        out["store_blocks"] = _blocks(store)
     store.close()
     return out
+
+
+def _blocks(store: Any) -> int:
+    if hasattr(store, "refresher"):   # the LMDB index keeps its totals: O(1)
+        with store.index.env.begin() as txn:
+            return store.index.total(txn, b"blocks")
+    return len(store.index)
 
 
 def role_fsync(a: dict) -> dict:

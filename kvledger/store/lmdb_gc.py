@@ -32,14 +32,16 @@ if TYPE_CHECKING:
     from kvledger.store.lmdb_store import LmdbStore
 
 log = logging.getLogger("kvledger.store")
+TXN_BLOCKS = 128    # blocks removed per write transaction at most
+UNLINK_EVERY = 64   # segment files forgotten before one sync of the index and their unlinking
 
 
 def _remove_batch(store: LmdbStore, order_db: lmdb._Database, stop: Callable[[float, int], bool],
-                  batch: int) -> tuple[int, int, int]:
+                  batch: int, paths: list[str]) -> tuple[int, int, int]:
     """One write transaction: remove segments in `order_db` order while `stop(time, bytes so far)` is false,
-    about `batch` blocks at most; (segments, blocks, bytes) removed."""
+    about `batch` blocks at most; (segments, blocks, bytes) removed. Their files join `paths` (unlinked by
+    `_unlink_some` once the index is persisted: one sync for many batches)."""
     idx = store.index
-    paths: list[str] = []
     n = nbytes = 0
     with idx.env.begin(write=True) as w:
         due: list[tuple[bytes, int]] = []
@@ -59,19 +61,25 @@ def _remove_batch(store: LmdbStore, order_db: lmdb._Database, stop: Callable[[fl
                 w.delete(raw, db=order_db)  # a stray row
             else:
                 paths.append(idx.remove_segment(w, seg_id, seg)[2])
-    store.unlink(paths)
+    if len(paths) >= UNLINK_EVERY:
+        store.unlink(paths)
+        paths.clear()
     return len(due), n, nbytes
 
 
 def gc(store: LmdbStore, batch: int = 4096) -> GcResult:
-    """Remove expired segments (soonest first, tails first), evict down to capacity, compact sparse segments."""
+    """Remove expired segments (soonest first, tails first), evict down to capacity, compact sparse segments;
+    at most TXN_BLOCKS blocks per transaction whatever `batch` asks (keys are random: each block removed
+    dirties about one page, written at the commit while other writers wait)."""
     assert batch > 0
+    batch = min(batch, TXN_BLOCKS)
     store.flush()  # this process's noted refreshes first
     expired = evicted = freed = batches = 0
+    paths: list[str] = []
     try:
         now = store.clock()
         while True:
-            segs, n, nb = _remove_batch(store, store.index.by_expiry, lambda t, _: t >= now, batch)
+            segs, n, nb = _remove_batch(store, store.index.by_expiry, lambda t, _: t >= now, batch, paths)
             if segs == 0:
                 break
             expired += n
@@ -83,6 +91,8 @@ def gc(store: LmdbStore, batch: int = 4096) -> GcResult:
         batches += compact(store, batch)
     except (OSError, lmdb.Error) as e:
         log.warning("gc of %s stopped: %s", store.root, e)
+    finally:
+        store.unlink(paths)
     store.counters.gc_expired += expired
     store.counters.gc_evicted += evicted
     return GcResult(expired, evicted, freed, batches)
@@ -96,13 +106,18 @@ def _live_bytes(store: LmdbStore) -> int:
 def evict(store: LmdbStore, need_bytes: int, batch: int = 4096) -> tuple[int, int, int]:
     """Remove least recently hit segments (tails first) until `need_bytes` are freed; (blocks, bytes, batches)."""
     n = nbytes = batches = 0
-    while nbytes < need_bytes:
-        left = need_bytes - nbytes
-        segs, got, got_bytes = _remove_batch(store, store.index.by_hit, lambda _, freed, left=left: freed >= left,
-                                             batch)
-        if segs == 0:
-            break
-        n, nbytes, batches = n + got, nbytes + got_bytes, batches + 1
+    batch = min(batch, TXN_BLOCKS)
+    paths: list[str] = []
+    try:
+        while nbytes < need_bytes:
+            left = need_bytes - nbytes
+            segs, got, got_bytes = _remove_batch(store, store.index.by_hit,
+                                                 lambda _, freed, left=left: freed >= left, batch, paths)
+            if segs == 0:
+                break
+            n, nbytes, batches = n + got, nbytes + got_bytes, batches + 1
+    finally:
+        store.unlink(paths)
     return n, nbytes, batches
 
 

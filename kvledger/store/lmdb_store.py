@@ -169,6 +169,7 @@ class LmdbStore:
                 lmdb_gc.make_room(self, incoming)
             path, rows, file_size = lmdb_write.write_segment(self, write, sel, views, now)
             written = lmdb_write.index_segment(self, write, path, rows, file_size, now)
+            self.index.persist()   # acknowledged only once its index entries are durable
             self.counters.blocks_written += written
             self.counters.blocks_skipped += len(sel) - written
             self.counters.bytes_written += incoming
@@ -180,6 +181,8 @@ class LmdbStore:
 
     def unlink(self, paths: list[str]) -> None:
         """Remove segment files the index no longer names (after the commit that forgot them)."""
+        if paths:
+            self.index.persist()   # the commit that forgot them is durable before the files go
         for p in paths:
             with suppress(FileNotFoundError):
                 os.unlink(self.root / p)
