@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Sequence
 from contextlib import suppress
 from pathlib import Path
@@ -44,6 +45,18 @@ log = logging.getLogger("kvledger.store")
 IOV_MAX = 1024
 MAX_OPEN_FDS = 128
 REFRESH_GRAIN_S = 1.0  # a hit refreshes expiry to ≥ now + ttl − this: one walk per chain tail per second
+
+
+def _open_index(root: Path, sync: bool) -> LmdbIndex:
+    """The index; one LMDB cannot read is set aside and rebuilt from the segment files (lmdb_upkeep.migrate)."""
+    path = root / "index.lmdb"
+    try:
+        return LmdbIndex(path, sync=sync)
+    except (lmdb.CorruptedError, lmdb.InvalidError, lmdb.VersionMismatchError) as e:
+        aside = path.with_name(f"index.lmdb.bad-{int(time.time())}")
+        log.warning("index %s unreadable (%s): set aside as %s, rebuilt from the segments", path, e, aside.name)
+        os.rename(path, aside)
+        return LmdbIndex(path, sync=sync)
 
 
 class LmdbStore:
@@ -68,7 +81,7 @@ class LmdbStore:
         self.fsync = fsync
         self.clock = clock
         self.counters = Counters()
-        self.index = LmdbIndex(self.root / "index.lmdb", sync=fsync)
+        self.index = _open_index(self.root, fsync)
         self.refresher = Refresher(self._write_refresh)
         self._fds: dict[int, int] = {}
         self._io_lock = threading.Lock()        # the descriptor cache is shared by this process's threads

@@ -1,10 +1,11 @@
 """Upkeep of an `LmdbStore` off the hot paths: migration, verify, stats, dropping bad blocks, rewriting a segment.
 
-Migration (once per directory, under an flock of DIR/.lock): a directory of the previous design
+Migration (once per index, under an flock of DIR/.lock): a directory of the previous design
 (segment files at DIR/segments/*.kvs, no index) is indexed in batches of segments, each batch one
 transaction; a segment already indexed is skipped, so a crash mid-way resumes. A segment keeps its
 live, unexpired blocks; its expiry and last hit become the latest of its blocks'. Then `meta/format`
-is set and no later open lists the directory again.
+is set and no later open lists the directory again. The same path rebuilds a lost index from every
+segment file (segments/XX/ too): an index LMDB cannot open is set aside as index.lmdb.bad-TIME.
 """
 
 from __future__ import annotations
@@ -55,11 +56,11 @@ def migrate(store: LmdbStore) -> None:
         with idx.env.begin() as txn:
             if idx.total(txn, b"format") >= FORMAT:
                 return
-        names = sorted(n for n in os.listdir(store.root / "segments") if n.endswith(seg_format.SUFFIX))
+        names = _segment_files(store.root)
         for i in range(0, len(names), MIGRATE_BATCH):
             with idx.env.begin(write=True) as w:
                 for name in names[i:i + MIGRATE_BATCH]:
-                    if w.get(f"segments/{name}".encode(), db=idx.paths) is None:
+                    if w.get(name.encode(), db=idx.paths) is None:
                         _migrate_one(store, w, name)
         with idx.env.begin(write=True) as w:
             w.put(b"format", U64.pack(FORMAT), db=idx.meta)
@@ -69,8 +70,18 @@ def migrate(store: LmdbStore) -> None:
         os.close(fd)
 
 
-def _migrate_one(store: LmdbStore, w: lmdb.Transaction, name: str) -> None:
-    rel = f"segments/{name}"
+def _segment_files(root: Path) -> list[str]:
+    """Relative paths of the segment files under root/segments: the previous layout's, and this one's (an index
+    removed or set aside is rebuilt from them, TTL refreshes since their writing lost)."""
+    out = []
+    for dirpath, _, files in os.walk(root / "segments"):
+        rel = os.path.relpath(dirpath, root)
+        out += [f"{rel}/{n}" for n in files if n.endswith(seg_format.SUFFIX)]
+    return sorted(out)
+
+
+def _migrate_one(store: LmdbStore, w: lmdb.Transaction, rel: str) -> None:
+    name = rel
     try:
         fd = os.open(store.root / rel, os.O_RDONLY)
     except OSError:

@@ -233,3 +233,18 @@ def test_full_disk_fails_soft_then_recovers(tmp_path):
     assert out.stdout.split("\n")[:2] == ["(0, 0, 8) 1 0", "(8, 0, 0) 8 8"]
     assert "put of 8 blocks" in out.stderr  # logged
     assert not list((tmp_path / "tmp").iterdir())  # the cut-short segment was removed
+
+
+def test_a_lost_or_unreadable_index_is_rebuilt_from_the_segments(tmp_path, clock):
+    keys, blocks = chain(30)
+    with LmdbStore(tmp_path, fsync=False, clock=clock) as store:
+        put_in_segments(store, keys, blocks, 8, ttl_s=1000)
+    import shutil
+
+    shutil.rmtree(tmp_path / "index.lmdb")
+    with LmdbStore(tmp_path, fsync=False, clock=clock) as store:
+        assert store.match(keys, 1.0) == 30 and read_all(store, keys) == ([BLOCK] * 30, 0)
+    (tmp_path / "index.lmdb" / "data.mdb").write_bytes(b"\x00" * 4096 * 4)   # garbage where the index was
+    with LmdbStore(tmp_path, fsync=False, clock=clock) as store:
+        assert store.match(keys, 1.0) == 30 and store.stats().segments == 4
+    assert len(list(tmp_path.glob("index.lmdb.bad-*"))) == 1
