@@ -13,6 +13,7 @@ BENCHES = {
     "serve": "kvledger.bench.serve_bench",   # kvledger serve under multi-turn chats vs --no-cache
     "ttft": "kvledger.bench.ttft_bench",     # reference engine: TTFT cold vs hit vs bounded replay
     "vllm": "kvledger.integrations.vllm.bench",  # TTFT under vLLM: kvledger's connector vs ExampleConnector
+    "scale": "kvledger.bench.scale_bench",   # block ledger at node scale: persisted index vs the previous design
 }
 
 

@@ -1,6 +1,6 @@
 """`kvledger bench store`: the block ledger against its floors, side by side in one run.
 
-Throughput. Batches of whole blocks (sizes from a ModelSpec) go through `FileStore.put`
+Throughput. Batches of whole blocks (sizes from a ModelSpec) go through the embedded store's `put` (LmdbStore)
 and `get_into`, and the same bytes go through a plain sequential write (one file per
 batch: `write` + `fsync`) and read (`preadv` of the file into the same buffer), on the same
 filesystem, interleaved batch by batch, alternating which side goes first. Page cache, both sides
@@ -9,7 +9,7 @@ alike: every write is fsynced, and before the reads every file of both sides get
 block on write and read, segment metadata, a rename and a directory fsync per batch).
 
 CHECK. The latency of answering "how many leading blocks of this prompt are stored"
-(all present), hashing included, from a numpy uint32 token array: embedded (in-process index)
+(all present), hashing included, from a numpy uint32 token array: embedded (LMDB index)
 and Redis (one Lua call). Baseline: vLLM's default prefix-cache hashing — per block
 sha256(pickle.dumps((parent_hash, tuple(block_tokens)))) over the tokens as a Python list,
 plus one dict lookup per block. Converting a Python list to the array is reported apart.

@@ -55,7 +55,9 @@ def _open_store(path: str | None, redis_url: str | None):  # -> BlockStore
         from kvledger.store.redis_backend import RedisStore
 
         return RedisStore(redis_url, files=FileStore(path, fsync=False) if path else None)
-    return FileStore(path, fsync=False, create=False)
+    from kvledger.store.lmdb_store import LmdbStore
+
+    return LmdbStore(path, fsync=False, create=False)   # the embedded store (BlockLedger.open(path))
 
 
 def serve(sock: socket.socket, shm_name: str, path: str | None, redis_url: str | None) -> None:

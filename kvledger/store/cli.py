@@ -11,6 +11,8 @@ import datetime as dt
 from pathlib import Path
 from typing import Any
 
+import lmdb
+
 from kvledger.store.backend import BlockStore
 from kvledger.util.output import CliError, emit_json
 
@@ -45,18 +47,22 @@ def open_store(args: argparse.Namespace, capacity_bytes: int | None = None) -> B
     files = None
     if args.path is not None:
         from kvledger.store.file_backend import FileStore
+        from kvledger.store.lmdb_store import LmdbStore
 
         root = Path(args.path)
         if not root.is_dir():
             raise CliError(f"{root}: no such directory")
         if not (root / "segments").is_dir():
             raise CliError(f"{root}: not a kvledger block store (no segments/ inside)")
+        if args.redis_url is None:  # the embedded store: a directory of the previous layout is migrated once
+            try:
+                return LmdbStore(root, capacity_bytes=capacity_bytes, create=False)
+            except (OSError, lmdb.Error) as e:
+                raise CliError(f"{root}: cannot open ({getattr(e, 'strerror', None) or e})") from None
         try:
             files = FileStore(root, capacity_bytes=capacity_bytes, create=False)
         except OSError as e:
             raise CliError(f"{root}: cannot open ({e.strerror or e})") from None
-        if args.redis_url is None:
-            return files
     import redis
 
     from kvledger.store.redis_backend import RedisStore

@@ -1,6 +1,6 @@
 """`BlockLedger`: what engines and the entrypoint use of the block ledger.
 
-    ledger = BlockLedger.open(path="/var/lib/kvledger")            # embedded (file backend)
+    ledger = BlockLedger.open(path="/var/lib/kvledger")            # embedded (segment files + LMDB index)
     ledger = BlockLedger.open(redis_url="redis://127.0.0.1:6379/0")  # shared (Redis: index and bytes)
     ledger = BlockLedger.open(path="/mnt/3fs/kvl", redis_url=url)    # cluster (Redis index, shared files)
     keys, n = ledger.match_tokens(tokens, spec, namespace="tenant")  # CHECK, hashing included
@@ -34,13 +34,21 @@ class BlockLedger:
     @classmethod
     def open(cls, path: str | os.PathLike | None = None, redis_url: str | None = None, *,
              policy: TtlPolicy | None = None, capacity_bytes: int | None = None, fsync: bool = True,
-             clock: Clock = wall_clock, timeout_s: float = 2.0) -> BlockLedger:
-        """`path` alone: embedded (file backend); `redis_url` alone: Redis holds metadata and bytes;
-        both: the cluster mode (Redis index, bytes in segment files under `path`, a shared mount)."""
+             clock: Clock = wall_clock, timeout_s: float = 2.0, index: str = "lmdb") -> BlockLedger:
+        """`path` alone: embedded (segment files; `index="lmdb"` the persisted index every process of the node
+        shares, `"scan"` the previous design: an in-process index rebuilt from the segments at open);
+        `redis_url` alone: Redis holds metadata and bytes; both: the cluster mode (Redis index, bytes in
+        segment files under `path`, a shared mount)."""
         from kvledger.store.file_backend import FileStore
 
         if path is None and redis_url is None:
             raise ValueError("give path, redis_url, or both")
+        if index not in ("lmdb", "scan"):
+            raise ValueError(f"index is 'lmdb' or 'scan', got {index!r}")
+        if redis_url is None and index == "lmdb":
+            from kvledger.store.lmdb_store import LmdbStore
+
+            return cls(LmdbStore(path, capacity_bytes=capacity_bytes, fsync=fsync, clock=clock), policy)
         if redis_url is None:
             return cls(FileStore(path, capacity_bytes=capacity_bytes, fsync=fsync, clock=clock), policy)
         from kvledger.store.redis_backend import RedisStore

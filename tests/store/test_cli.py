@@ -27,7 +27,7 @@ def test_stats_gc_verify_file(run_cli, tmp_path):
     r = run_cli("store", "gc", "--path", str(tmp_path), "--json", "--capacity-gb", str(5 * BLOCK / 1e9))
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["evicted"] == 6  # down to 0.9 × 5 blocks, tails first
-    seg = next((tmp_path / "segments").glob("*" + sg.SUFFIX))
+    seg = next((tmp_path / "segments").rglob("*" + sg.SUFFIX))
     meta = sg.read_meta(os.open(seg, os.O_RDONLY))
     with open(seg, "r+b") as f:
         f.seek(meta.entries[0][5])

@@ -25,7 +25,7 @@ WRITER = """
 import sys, time
 from kvledger.store.ledger import BlockLedger
 from tests.store.conftest import chain, block_of
-led = BlockLedger.open(path=sys.argv[1], fsync=True)
+led = BlockLedger.open(path=sys.argv[1], fsync=True, index="scan")  # LmdbStore: test_scale_faults.py
 print("up", flush=True)
 seed = int(sys.argv[2]) * 1000
 deadline = time.time() + 60  # killed from outside long before; never outlive a failed test
@@ -40,7 +40,8 @@ import json, os, sys, time
 from kvledger.store.ledger import BlockLedger
 from tests.store.conftest import chain
 where, go = sys.argv[1], sys.argv[2]
-led = BlockLedger.open(redis_url=where) if where.startswith("redis://") else BlockLedger.open(path=where, fsync=False)
+led = BlockLedger.open(redis_url=where) if where.startswith("redis://") else BlockLedger.open(path=where, fsync=False,
+                                                                                            index="scan")
 keys, blocks = chain(200, seed=42)
 deadline = time.time() + 60  # never outlive a failed test
 while not os.path.exists(go):
@@ -56,7 +57,8 @@ from kvledger.store.ledger import BlockLedger
 from tests.store.conftest import chain, block_of, BLOCK
 where, n_chains, stop = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 until = time.time() + 120  # safety net: the test touches `stop` when it is done
-led = BlockLedger.open(redis_url=where) if where.startswith("redis://") else BlockLedger.open(path=where, fsync=False)
+led = BlockLedger.open(redis_url=where) if where.startswith("redis://") else BlockLedger.open(path=where, fsync=False,
+                                                                                            index="scan")
 keys = [k for s in range(n_chains) for k in chain(20 if n_chains > 1 else 200, seed=s if n_chains > 1 else 42)[0]]
 hits = misses = wrong = rounds = mixed = 0
 while not os.path.exists(stop) and time.time() < until:

@@ -190,7 +190,7 @@ from kvledger.store.ledger import BlockLedger
 from tests.store.conftest import chain
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 resource.setrlimit(resource.RLIMIT_FSIZE, (20000, 20000))  # files past 20 kB fail with EFBIG, like a full disk
-led = BlockLedger.open(path=sys.argv[1], fsync=False)
+led = BlockLedger.open(path=sys.argv[1], fsync=False, index="scan")
 keys, blocks = chain(8)
 print(tuple(led.put_chain(keys, blocks)), led.store.counters.put_failures, led.match(keys))
 print(tuple(led.put_chain(keys[:2], blocks[:2])), led.match(keys))  # a small put still fits

@@ -1,0 +1,246 @@
+"""The processes of `kvledger bench scale`, one role each: `python -m kvledger.bench.scale_roles ROLE JSON`.
+
+Each role opens the store of one design ("new": LmdbStore, "old": the previous FileStore) and
+prints one JSON line of figures. Blocks are `block_bytes` bytes (small, so the disk is not what is
+measured), `per_put` blocks per put; synthetic chains have keys H(chain id, position) — the store
+never derives keys, it only stores them — and the CHECK prompt has real chain keys (hashing included).
+
+    build   grow the store to `blocks` blocks (chains of 8,192 blocks, the 1M-token prompt among them)
+    probe   open_s, rss_bytes, check_ms_1m (median, keys given; hash_ms_1m apart), put_p99_ms (while a
+            `writer` runs; fsync off, or on with put_p99_ms_fsync)
+    fsync   the disk's floor: a small file written and fsynced
+    writer  puts until the stop file appears
+    stall   alternate a put and a CHECK until the stop file appears; the longest of each (ms)
+    victims write `blocks` blocks with a 1-second TTL (for the GC run)
+    gc      one gc(); gc_s, and the counts
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from kvledger.core import ModelSpec
+from kvledger.store.backend import ChainWrite
+from kvledger.store.ledger import BlockLedger
+
+SPEC = ModelSpec.preset("deepseek-v4.1-flash")
+CHAIN_BLOCKS = 8192            # a 1M-token prompt at 128 tokens per block
+CHECK_TOKENS = CHAIN_BLOCKS * SPEC.block_size
+NAMESPACE = "scale"
+TTL_S = 30 * 86400.0
+
+
+def open_store(design: str, root: str, fsync: bool = True) -> Any:
+    if design == "new":
+        from kvledger.store.lmdb_store import LmdbStore
+
+        return LmdbStore(root, fsync=fsync)
+    from kvledger.store.file_backend import FileStore
+
+    return FileStore(root, fsync=fsync)
+
+
+def synthetic_keys(chain_id: int, start: int, n: int) -> list[bytes]:
+    return [hashlib.blake2b(f"{chain_id}:{p}".encode(), digest_size=16).digest() for p in range(start, start + n)]
+
+
+def check_tokens() -> np.ndarray:
+    return np.random.default_rng(12).integers(0, 100_000, CHECK_TOKENS, dtype=np.uint32)
+
+
+def put_chain(store: Any, keys: list[bytes], start: int, parent: bytes, block: bytes, ttl_s: float = TTL_S) -> float:
+    """One put of `keys` at chain positions start..; its latency in ms."""
+    t = time.perf_counter()
+    store.put(ChainWrite(keys, [block] * len(keys), start, parent, NAMESPACE, "agent", ttl_s))
+    return (time.perf_counter() - t) * 1e3
+
+
+def write_chain(store: Any, keys: list[bytes], per_put: int, block: bytes, ttl_s: float = TTL_S) -> None:
+    for s in range(0, len(keys), per_put):
+        put_chain(store, keys[s:s + per_put], s, keys[s - 1] if s else bytes(16), block, ttl_s)
+
+
+def bulk_chain(store: Any, keys: list[bytes], per_put: int, block: bytes) -> None:
+    """The new design's build: the same segments as `write_chain`, a chain's segments indexed in one transaction
+    (building only: the measured puts go through `put`)."""
+    from kvledger.store import lmdb_write
+
+    if not hasattr(store, "refresher"):
+        return write_chain(store, keys, per_put, block)
+    now = time.time()
+    written = []
+    for s in range(0, len(keys), per_put):
+        w = ChainWrite(keys[s:s + per_put], [block] * len(keys[s:s + per_put]), s, keys[s - 1] if s else bytes(16),
+                       NAMESPACE, "agent", TTL_S)
+        sel = list(range(len(w.keys)))
+        written.append((w, *lmdb_write.write_segment(store, w, sel, [memoryview(block)] * len(sel), now)))
+    with store.index.env.begin(write=True) as txn:
+        for w, path, rows, size in written:
+            lmdb_write.index_rows(store, txn, w, path, rows, size, now)
+
+
+def role_build(a: dict) -> dict:
+    store = open_store(a["design"], a["root"], fsync=False)
+    block = bytes(a["block_bytes"])
+    t = time.perf_counter()
+    from kvledger.core import extend_chain, root_key
+
+    keys = extend_chain(root_key(SPEC, NAMESPACE), check_tokens(), SPEC.block_size)
+    bulk_chain(store, keys, a["per_put"], block)
+    have = len(keys)
+    chain_id = 0
+    while have < a["blocks"]:
+        n = min(CHAIN_BLOCKS, a["blocks"] - have)
+        bulk_chain(store, synthetic_keys(chain_id, 0, n), a["per_put"], block)
+        have += n
+        chain_id += 1
+        if chain_id % 100 == 0:
+            print(json.dumps({"progress": have, "s": time.perf_counter() - t}), file=sys.stderr, flush=True)
+    store.close()
+    return {"build_s": time.perf_counter() - t, "blocks": have}
+
+
+def _rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def role_probe(a: dict) -> dict:
+    """open_s, rss_bytes, CHECK of the 1M-token prompt (index only; hashing apart), puts timed."""
+    from kvledger.core import extend_chain, root_key
+
+    tokens = check_tokens()
+    t = time.perf_counter()
+    store = open_store(a["design"], a["root"], fsync=a["fsync"])
+    open_s = time.perf_counter() - t
+    out: dict[str, Any] = {"open_s": open_s} if not a["fsync"] else {}
+    if not a["fsync"]:
+        hashes, checks, found = [], [], 0
+        for _ in range(a["check_reps"]):
+            t = time.perf_counter()
+            keys = extend_chain(root_key(SPEC, NAMESPACE), tokens, SPEC.block_size)
+            hashes.append((time.perf_counter() - t) * 1e3)
+            t = time.perf_counter()
+            found = store.match(keys, TTL_S)
+            checks.append((time.perf_counter() - t) * 1e3)
+        out |= {"check_ms_1m": statistics.median(checks), "check_found_blocks": found,
+                "hash_ms_1m": statistics.median(hashes)}
+    block = bytes(a["block_bytes"])
+    puts = [put_chain(store, synthetic_keys(10**9 + os.getpid() * 10**4 + i, 0, a["per_put"]), 0, bytes(16), block)
+            for i in range(a["puts"])]
+    tag = "_fsync" if a["fsync"] else ""
+    out |= {f"put_p99_ms{tag}": float(np.percentile(puts, 99)), f"put_p50_ms{tag}": statistics.median(puts)}
+    if not a["fsync"]:
+        out["rss_bytes"] = _rss()
+        out["store_blocks"] = _blocks(store)
+    store.close()
+    return out
+
+
+def _blocks(store: Any) -> int:
+    if hasattr(store, "refresher"):   # the LMDB index keeps its totals: O(1)
+        with store.index.env.begin() as txn:
+            return store.index.total(txn, b"blocks")
+    return len(store.index)
+
+
+def role_fsync(a: dict) -> dict:
+    """The disk's own floor: p50/p99 of writing a small file and fsyncing it (no store)."""
+    ts = []
+    for i in range(a.get("n", 100)):
+        path = os.path.join(a["root"], f".fsync-probe-{os.getpid()}-{i}")
+        t = time.perf_counter()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+        os.write(fd, bytes(4096 + a["per_put"] * a["block_bytes"]))
+        os.fsync(fd)
+        os.close(fd)
+        ts.append((time.perf_counter() - t) * 1e3)
+        os.unlink(path)
+    return {"fsync_p50_ms": statistics.median(ts), "fsync_p99_ms": float(np.percentile(ts, 99))}
+
+
+def _until_stop(a: dict, step: Any) -> int:
+    deadline = time.time() + a.get("max_s", 600)
+    i = 0
+    while not os.path.exists(a["stop"]) and time.time() < deadline:
+        step(i)
+        i += 1
+    return i
+
+
+def role_writer(a: dict) -> dict:
+    store = open_store(a["design"], a["root"], fsync=a["fsync"])
+    block = bytes(a["block_bytes"])
+    base = 2 * 10**9 + os.getpid() * 10**5
+    print(json.dumps({"ready": True}), flush=True)
+    n = _until_stop(a, lambda i: put_chain(store, synthetic_keys(base + i, 0, a["per_put"]), 0, bytes(16), block))
+    store.close()
+    return {"puts": n}
+
+
+def role_stall(a: dict) -> dict:
+    store = open_store(a["design"], a["root"], fsync=False)
+    led = BlockLedger(store)
+    tokens = check_tokens()[:a.get("stall_check_tokens", 131072)]
+    block = bytes(a["block_bytes"])
+    base = 3 * 10**9 + os.getpid() * 10**5
+    put_ms, check_ms = [0.0], [0.0]
+
+    def step(i: int) -> None:
+        put_ms.append(put_chain(store, synthetic_keys(base + i, 0, a["per_put"]), 0, bytes(16), block))
+        t = time.perf_counter()
+        led.match_tokens(tokens, SPEC, namespace=NAMESPACE)
+        check_ms.append((time.perf_counter() - t) * 1e3)
+        time.sleep(0.005)
+
+    print(json.dumps({"ready": True}), flush=True)
+    n = _until_stop(a, step)
+    store.close()
+    return {"ops": n, "max_put_ms": max(put_ms), "max_check_ms": max(check_ms)}
+
+
+def role_victims(a: dict) -> dict:
+    store = open_store(a["design"], a["root"], fsync=False)
+    block = bytes(a["block_bytes"])
+    t = time.perf_counter()
+    have, chain_id = 0, 5 * 10**9
+    while have < a["blocks"]:
+        n = min(CHAIN_BLOCKS, a["blocks"] - have)
+        write_chain(store, synthetic_keys(chain_id, 0, n), a["per_put"], block, ttl_s=1.0)
+        have += n
+        chain_id += 1
+    store.close()
+    return {"victims_s": time.perf_counter() - t, "victims": have}
+
+
+def role_gc(a: dict) -> dict:
+    store = open_store(a["design"], a["root"])
+    t = time.perf_counter()
+    res = store.gc(batch=a.get("batch", 4096))
+    gc_s = time.perf_counter() - t
+    t = time.perf_counter()
+    idle = store.gc(batch=a.get("batch", 4096))
+    idle_s = time.perf_counter() - t
+    store.close()
+    return {"gc_s": gc_s, "gc_expired": res.expired, "gc_batches": res.batches, "gc_idle_s": idle_s,
+            "gc_idle_expired": idle.expired}
+
+
+ROLES = {"build": role_build, "probe": role_probe, "fsync": role_fsync, "writer": role_writer, "stall": role_stall,
+         "victims": role_victims, "gc": role_gc}
+
+if __name__ == "__main__":
+    args = json.loads(sys.argv[2])
+    print(json.dumps(ROLES[sys.argv[1]](args)), flush=True)

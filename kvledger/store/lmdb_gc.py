@@ -1,0 +1,224 @@
+"""GC, eviction, deletion and compaction of an `LmdbStore`, in batches with the index's lock released between them.
+
+Each batch is one write transaction over at most about `batch` blocks (whole segments: a
+segment's blocks share its expiry and last hit), so another process's put or CHECK waits at
+most one batch (a CHECK never waits: readers are not blocked by a writer). Files are unlinked
+after the transaction that forgot them commits; a crash in between leaves a file the index does
+not name (`verify` removes it), never an index entry without its bytes.
+
+Order: `by_expiry` and `by_hit` sort by (time, highest chain position first), so within one
+instant tails go before heads; across instants a head is never older than its tail because a
+hit refreshes the whole matched prefix and a put refreshes the chain it extends.
+
+Compaction: a segment whose live bytes fall under COMPACT_BELOW of its data bytes (blocks
+deleted or dropped from its middle) is rewritten with its live blocks only, in a new file
+fsynced before the transaction that moves the blocks to it; the old file goes after.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import lmdb
+
+from kvledger.store.backend import GcResult
+from kvledger.store.lmdb_index import ORDER, SEG_ID, BlockRec, SegRec
+
+if TYPE_CHECKING:
+    from kvledger.store.lmdb_store import LmdbStore
+
+log = logging.getLogger("kvledger.store")
+TXN_BLOCKS = 128    # blocks removed per write transaction at most
+UNLINK_EVERY = 64   # segment files forgotten before one sync of the index and their unlinking
+
+
+def _remove_batch(store: LmdbStore, order_db: lmdb._Database, stop: Callable[[float, int], bool],
+                  batch: int, paths: list[str]) -> tuple[int, int, int]:
+    """One write transaction: remove segments in `order_db` order while `stop(time, bytes so far)` is false,
+    about `batch` blocks at most; (segments, blocks, bytes) removed. Their files join `paths` (unlinked by
+    `_unlink_some` once the index is persisted: one sync for many batches)."""
+    idx = store.index
+    n = nbytes = 0
+    with idx.env.begin(write=True) as w:
+        due: list[tuple[bytes, int]] = []
+        with w.cursor(db=order_db) as cur:
+            for raw in cur.iternext(values=False):
+                ms, _, seg_id = ORDER.unpack(raw)
+                if stop(ms / 1000, nbytes) or n >= batch:
+                    break
+                seg = idx.seg(w, seg_id)
+                due.append((raw, seg_id))
+                if seg is not None:
+                    n += seg.live
+                    nbytes += seg.live_bytes
+        for raw, seg_id in due:
+            seg = idx.seg(w, seg_id)
+            if seg is None:
+                w.delete(raw, db=order_db)  # a stray row
+            else:
+                paths.append(idx.remove_segment(w, seg_id, seg)[2])
+    if len(paths) >= UNLINK_EVERY:
+        store.unlink(paths)
+        paths.clear()
+    return len(due), n, nbytes
+
+
+def gc(store: LmdbStore, batch: int = 4096) -> GcResult:
+    """Remove expired segments (soonest first, tails first), evict down to capacity, compact sparse segments;
+    at most TXN_BLOCKS blocks per transaction whatever `batch` asks (keys are random: each block removed
+    dirties about one page, written at the commit while other writers wait)."""
+    assert batch > 0
+    batch = min(batch, TXN_BLOCKS)
+    store.flush()  # this process's noted refreshes first
+    expired = evicted = freed = batches = 0
+    paths: list[str] = []
+    try:
+        now = store.clock()
+        while True:
+            segs, n, nb = _remove_batch(store, store.index.by_expiry, lambda t, _: t >= now, batch, paths)
+            if segs == 0:
+                break
+            expired += n
+            freed += nb
+            batches += 1
+        if store.capacity_bytes is not None:
+            n, nb, b = evict(store, _live_bytes(store) - int(store.capacity_bytes * store.low_watermark), batch)
+            evicted, freed, batches = n, freed + nb, batches + b
+        batches += compact(store, batch)
+    except (OSError, lmdb.Error) as e:
+        log.warning("gc of %s stopped: %s", store.root, e)
+    finally:
+        store.unlink(paths)
+    store.counters.gc_expired += expired
+    store.counters.gc_evicted += evicted
+    return GcResult(expired, evicted, freed, batches)
+
+
+def _live_bytes(store: LmdbStore) -> int:
+    with store.index.env.begin() as txn:
+        return store.index.total(txn, b"live_bytes")
+
+
+def evict(store: LmdbStore, need_bytes: int, batch: int = 4096) -> tuple[int, int, int]:
+    """Remove least recently hit segments (tails first) until `need_bytes` are freed; (blocks, bytes, batches)."""
+    n = nbytes = batches = 0
+    batch = min(batch, TXN_BLOCKS)
+    paths: list[str] = []
+    try:
+        while nbytes < need_bytes:
+            left = need_bytes - nbytes
+            segs, got, got_bytes = _remove_batch(store, store.index.by_hit,
+                                                 lambda _, freed, left=left: freed >= left, batch, paths)
+            if segs == 0:
+                break
+            n, nbytes, batches = n + got, nbytes + got_bytes, batches + 1
+    finally:
+        store.unlink(paths)
+    return n, nbytes, batches
+
+
+def make_room(store: LmdbStore, incoming: int) -> None:
+    """Before a put of `incoming` bytes: evict down to the low watermark if the put would pass capacity."""
+    cap = store.capacity_bytes
+    assert cap is not None
+    live = _live_bytes(store)
+    if live + incoming > cap:
+        store.flush()  # this process's noted hits count before anything is judged least recently hit
+        target = max(int(cap * store.low_watermark) - incoming, 0)
+        n = evict(store, live - target)[0]
+        store.counters.gc_evicted += n
+
+
+def delete(store: LmdbStore, keys: Sequence[bytes]) -> int:
+    """Forget these blocks (one transaction); files left empty are unlinked, sparse ones compacted by gc."""
+    from kvledger.store.lmdb_write import COMPACT_BELOW
+
+    idx = store.index
+    n = 0
+    paths = []
+    try:
+        with idx.env.begin(write=True) as w:
+            for k in keys:
+                rec = idx.block(w, k)
+                if rec is not None:
+                    paths.append(idx.drop_block(w, k, rec, COMPACT_BELOW))
+                    n += 1
+    except lmdb.Error as e:
+        log.warning("delete on %s failed: %s", store.root, e)
+        return 0
+    store.unlink([p for p in paths if p])
+    return n
+
+
+def compact(store: LmdbStore, batch: int = 4096, most: int = 100_000) -> int:
+    """Rewrite the segments marked sparse (at most `most` per call, each once), about `batch` blocks between
+    pauses; the number of batches."""
+    with store.index.env.begin() as txn, txn.cursor(db=store.index.sparse) as cur:
+        ids = [SEG_ID.unpack(k)[0] for k in itertools.islice(cur.iternext(values=False), most)]
+    batches = done = 0
+    for seg_id in ids:
+        done += _compact_one(store, seg_id)
+        if done >= batch:
+            batches, done = batches + 1, 0
+            time.sleep(0)  # each segment is its own transaction: the lock is free between them
+    return batches + (1 if done else 0)
+
+
+def _compact_one(store: LmdbStore, seg_id: int) -> int:
+    """Move the live blocks of one segment into a new file; blocks moved."""
+    from kvledger.store.lmdb_upkeep import rewrite_segment
+
+    idx = store.index
+    with idx.env.begin() as txn:
+        seg = idx.seg(txn, seg_id)
+        keys = idx.keys_of(txn, seg_id)
+        live = [(k, r) for i, k in enumerate(keys) if (r := idx.block(txn, k)) and r.seg == seg_id and r.idx == i]
+    if seg is None or not live:
+        with idx.env.begin(write=True) as w:
+            w.delete(SEG_ID.pack(seg_id), db=idx.sparse)
+        return 0
+    new = rewrite_segment(store, seg, live)
+    if new is None:
+        return 0
+    path, rows, file_size = new
+    moved = _move_blocks(store, seg_id, seg, path, rows, file_size)
+    return moved
+
+
+def _move_blocks(store: LmdbStore, old_id: int, old: SegRec, path: str, rows: list[tuple[bytes, BlockRec, int]],
+                 file_size: int) -> int:
+    """One transaction: the blocks still in the old segment point to the new one; the old one is forgotten."""
+    idx = store.index
+    unlink = []
+    with idx.env.begin(write=True) as w:
+        cur = idx.seg(w, old_id)
+        if cur is None:
+            unlink.append(path)  # removed meanwhile: the new file is not needed
+        else:
+            new = SegRec(cur.expiry, cur.last_hit, cur.created, cur.ttl_s, rows[0][1].pos, len(rows), 0, 0,
+                         sum(r.size for _, r, _ in rows), file_size, rows[0][1].parent, cur.namespace,
+                         cur.ttl_class, path)
+            new_id = idx.add_segment(w, new, [k for k, _, _ in rows])
+            for i, (key, rec, off) in enumerate(rows):
+                now_rec = idx.block(w, key)
+                if now_rec is None or now_rec.seg != old_id or now_rec.idx != rec.idx:
+                    continue
+                w.put(key, idx_pack(now_rec._replace(seg=new_id, idx=i, offset=off)), db=idx.blocks)
+                new.live += 1
+                new.live_bytes += rec.size
+            idx.put_seg(w, new_id, new)
+            unlink.append(idx.remove_segment(w, old_id, cur)[2])   # holds no block now
+            if new.live == 0:
+                unlink.append(idx.remove_segment(w, new_id, new)[2])
+    store.unlink(unlink)
+    return len(rows)
+
+
+def idx_pack(rec: BlockRec) -> bytes:
+    from kvledger.store.lmdb_index import BLOCK
+
+    return BLOCK.pack(*rec)

@@ -1,0 +1,235 @@
+"""The persisted block index: one LMDB environment per store directory, shared by every process of the node.
+
+LMDB is a memory-mapped B+tree with MVCC: readers never wait (a read transaction is a snapshot),
+one writer at a time (its lock lives in `lock.mdb`, held only for the length of a write
+transaction), opening is O(1) and a process's memory holds only the pages it touches.
+
+    DIR/index.lmdb/data.mdb, lock.mdb
+    blocks     key (16 B) → BlockRec (52 B): segment id, entry index, chain position, size, xxh3-64, offset, parent
+    segs       segment id (u64 BE) → SegRec: expiry, last hit, created, TTL, first position, entries, live
+               count and bytes, file bytes, the parent key of its first block, namespace, class, relative path
+    seg_keys   segment id → the keys of its entries, 16 B each (GC removes a segment without reading its file)
+    by_expiry  (expiry ms, ~first position, segment id) → ''   GC order: soonest first, tails first on ties
+    by_hit     (last hit ms, ~first position, segment id) → ''  eviction order: least recently hit, tails first
+    sparse     segment id → ''                                  live share under the compaction threshold
+    paths      relative path → segment id                       verify: files the index does not know
+    meta       name → u64                                       totals, next segment id, format
+
+Expiry and last hit are per segment (the blocks of one put): a CHECK hit refreshes the few
+segments of the prefix it matched, never one record per block.
+
+Invariants, kept by every write transaction: a block record names a segment record whose
+`seg_keys[idx]` is that key; `live` / `live_bytes` of a segment count the block records naming
+it; the totals in `meta` are the sums over the segments; every segment has one row in
+`by_expiry` and one in `by_hit`. A segment's file is whole and fsynced before its record is
+committed, so a block is in the index only once its bytes are durable.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+import lmdb
+
+FORMAT = 2                    # 1 = segment files only (the previous design), 2 = this index
+MAP_SIZE = 1 << 40            # address space reserved for the index (sparse: the file grows as needed)
+BLOCK = struct.Struct("<QIIIQQ16s")   # seg, idx, pos, size, xxh, offset, parent
+SEG = struct.Struct("<ddddIIIQQQ16sHHH")  # expiry, last_hit, created, ttl_s, first_pos, n, live, live_bytes,
+#                                          data_bytes, file_size, head_parent, ns_len, cls_len, path_len
+ORDER = struct.Struct(">QIQ")         # time ms, ~first_pos, seg id: big-endian so LMDB sorts it
+SEG_ID = struct.Struct(">Q")
+U64 = struct.Struct("<q")
+TOTALS = (b"blocks", b"live_bytes", b"disk_bytes", b"segments")
+assert BLOCK.size == 52
+
+
+class BlockRec(NamedTuple):
+    seg: int
+    idx: int
+    pos: int       # chain position (0 = first block of a prompt)
+    size: int
+    xxh: int
+    offset: int    # byte offset of the block in its segment file
+    parent: bytes
+
+
+@dataclass(slots=True)
+class SegRec:
+    """A segment as the index knows it (times epoch seconds, sizes bytes)."""
+
+    expiry: float
+    last_hit: float
+    created: float
+    ttl_s: float
+    first_pos: int
+    n: int
+    live: int
+    live_bytes: int
+    data_bytes: int
+    file_size: int
+    head_parent: bytes   # parent key of its first entry: the walk to the chain's head goes through it
+    namespace: bytes
+    ttl_class: bytes
+    path: str            # relative to the store's root
+
+    def pack(self) -> bytes:
+        p = self.path.encode()
+        head = SEG.pack(self.expiry, self.last_hit, self.created, self.ttl_s, self.first_pos, self.n, self.live,
+                        self.live_bytes, self.data_bytes, self.file_size, self.head_parent, len(self.namespace),
+                        len(self.ttl_class), len(p))
+        return head + self.namespace + self.ttl_class + p
+
+    @classmethod
+    def unpack(cls, raw: bytes) -> SegRec:
+        *nums, ns_len, cls_len, path_len = SEG.unpack_from(raw)
+        o = SEG.size
+        ns, cl = raw[o:o + ns_len], raw[o + ns_len:o + ns_len + cls_len]
+        path = raw[o + ns_len + cls_len:o + ns_len + cls_len + path_len].decode()
+        return cls(*nums, ns, cl, path)
+
+
+def order_key(t: float, first_pos: int, seg_id: int) -> bytes:
+    return ORDER.pack(max(int(t * 1000), 0), 0xFFFFFFFF - min(first_pos, 0xFFFFFFFF), seg_id)
+
+
+class LmdbIndex:
+    """The named databases of one environment and the few write operations that keep the invariants."""
+
+    def __init__(self, path: Path, *, sync: bool = True) -> None:
+        """`sync`: `persist()` fdatasyncs the index. Commits themselves do not sync, so no writer holds the lock
+        through an fsync (on this machine one fsync takes up to a quarter of a second under load); the store
+        persists after a put's commit and before it returns, and before it unlinks what a commit forgot."""
+        path.mkdir(parents=True, exist_ok=True)
+        self.durable = sync
+        self.env = lmdb.open(str(path), map_size=MAP_SIZE, max_dbs=10, sync=False, metasync=False,
+                             readahead=False, max_readers=1024)
+        dbs = self._open_dbs()
+        self.blocks, self.segs, self.seg_keys = dbs[b"blocks"], dbs[b"segs"], dbs[b"seg_keys"]
+        self.by_expiry, self.by_hit, self.sparse = dbs[b"by_expiry"], dbs[b"by_hit"], dbs[b"sparse"]
+        self.paths, self.meta = dbs[b"paths"], dbs[b"meta"]
+
+    def _open_dbs(self) -> dict[bytes, lmdb._Database]:
+        """The named databases, in one transaction (LMDB opens a name under its writer lock: an open waits for at
+        most the one write transaction in progress, never for a GC run, which commits in small batches)."""
+        names = (b"blocks", b"segs", b"seg_keys", b"by_expiry", b"by_hit", b"sparse", b"paths", b"meta")
+        with self.env.begin(write=True) as txn:
+            return {n: self.env.open_db(n, txn=txn) for n in names}
+
+    def persist(self) -> None:
+        """Make every commit so far durable (all processes': it syncs the file), outside any transaction."""
+        if self.durable:
+            self.env.sync(True)
+
+    def close(self) -> None:
+        self.env.close()
+
+    # --- reads (any transaction) --------------------------------------------------
+
+    def block(self, txn: lmdb.Transaction, key: bytes) -> BlockRec | None:
+        raw = txn.get(key, db=self.blocks)
+        return None if raw is None else BlockRec(*BLOCK.unpack(raw))
+
+    def seg(self, txn: lmdb.Transaction, seg_id: int) -> SegRec | None:
+        raw = txn.get(SEG_ID.pack(seg_id), db=self.segs)
+        return None if raw is None else SegRec.unpack(raw)
+
+    def keys_of(self, txn: lmdb.Transaction, seg_id: int) -> list[bytes]:
+        raw = txn.get(SEG_ID.pack(seg_id), db=self.seg_keys) or b""
+        return [raw[i:i + 16] for i in range(0, len(raw), 16)]
+
+    def total(self, txn: lmdb.Transaction, name: bytes) -> int:
+        raw = txn.get(name, db=self.meta)
+        return 0 if raw is None else U64.unpack(raw)[0]
+
+    def first_due(self, txn: lmdb.Transaction, order_db: lmdb._Database) -> tuple[float, int] | None:
+        """(time s, segment id) of the first row of an order table, or None when it is empty."""
+        with txn.cursor(db=order_db) as cur:
+            if not cur.first():
+                return None
+            ms, _, seg_id = ORDER.unpack(cur.key())
+            return ms / 1000, seg_id
+
+    # --- writes (a write transaction) ----------------------------------------------
+
+    def bump(self, w: lmdb.Transaction, name: bytes, delta: int) -> None:
+        if delta:
+            w.put(name, U64.pack(self.total(w, name) + delta), db=self.meta)
+
+    def new_seg_id(self, w: lmdb.Transaction) -> int:
+        seg_id = self.total(w, b"next_seg") + 1
+        w.put(b"next_seg", U64.pack(seg_id), db=self.meta)
+        return seg_id
+
+    def add_segment(self, w: lmdb.Transaction, seg: SegRec, keys: list[bytes]) -> int:
+        """Record a segment (its blocks are added with `add_block`); its id."""
+        seg_id = self.new_seg_id(w)
+        sid = SEG_ID.pack(seg_id)
+        w.put(sid, seg.pack(), db=self.segs)
+        w.put(sid, b"".join(keys), db=self.seg_keys)
+        w.put(order_key(seg.expiry, seg.first_pos, seg_id), b"", db=self.by_expiry)
+        w.put(order_key(seg.last_hit, seg.first_pos, seg_id), b"", db=self.by_hit)
+        w.put(seg.path.encode(), sid, db=self.paths)
+        self.bump(w, b"segments", 1)
+        self.bump(w, b"disk_bytes", seg.file_size)
+        return seg_id
+
+    def put_seg(self, w: lmdb.Transaction, seg_id: int, seg: SegRec) -> None:
+        w.put(SEG_ID.pack(seg_id), seg.pack(), db=self.segs)
+
+    def set_times(self, w: lmdb.Transaction, seg_id: int, seg: SegRec, expiry: float, last_hit: float) -> None:
+        """Move a segment's expiry and last hit forward (never back)."""
+        expiry, last_hit = max(seg.expiry, expiry), max(seg.last_hit, last_hit)
+        if expiry == seg.expiry and last_hit == seg.last_hit:
+            return
+        w.delete(order_key(seg.expiry, seg.first_pos, seg_id), db=self.by_expiry)
+        w.delete(order_key(seg.last_hit, seg.first_pos, seg_id), db=self.by_hit)
+        seg.expiry, seg.last_hit = expiry, last_hit
+        w.put(order_key(expiry, seg.first_pos, seg_id), b"", db=self.by_expiry)
+        w.put(order_key(last_hit, seg.first_pos, seg_id), b"", db=self.by_hit)
+        self.put_seg(w, seg_id, seg)
+
+    def add_block(self, w: lmdb.Transaction, key: bytes, rec: BlockRec) -> None:
+        """Index a block of a segment already recorded (the caller has dropped any older record of the key, and
+        adds the block to the totals `blocks` and `live_bytes` once per transaction)."""
+        w.put(key, BLOCK.pack(*rec), db=self.blocks)
+
+    def drop_block(self, w: lmdb.Transaction, key: bytes, rec: BlockRec, sparse_below: float) -> str | None:
+        """Forget one block; the path of its segment when that segment is now empty (removed: unlink it)."""
+        w.delete(key, db=self.blocks)
+        self.bump(w, b"blocks", -1)
+        self.bump(w, b"live_bytes", -rec.size)
+        seg = self.seg(w, rec.seg)
+        if seg is None:
+            return None
+        seg.live -= 1
+        seg.live_bytes -= rec.size
+        if seg.live <= 0:
+            return self.remove_segment(w, rec.seg, seg)[2]
+        self.put_seg(w, rec.seg, seg)
+        if seg.live_bytes < sparse_below * seg.data_bytes:
+            w.put(SEG_ID.pack(rec.seg), b"", db=self.sparse)
+        return None
+
+    def remove_segment(self, w: lmdb.Transaction, seg_id: int, seg: SegRec) -> tuple[int, int, str]:
+        """Forget a segment and every block it still holds: (blocks, bytes, path to unlink)."""
+        sid = SEG_ID.pack(seg_id)
+        n = nbytes = 0
+        for idx, key in enumerate(self.keys_of(w, seg_id)):
+            rec = self.block(w, key)
+            if rec is not None and rec.seg == seg_id and rec.idx == idx:
+                w.delete(key, db=self.blocks)
+                n += 1
+                nbytes += rec.size
+        self.bump(w, b"blocks", -n)
+        self.bump(w, b"live_bytes", -nbytes)
+        self.bump(w, b"segments", -1)
+        self.bump(w, b"disk_bytes", -seg.file_size)
+        for db in (self.segs, self.seg_keys, self.sparse):
+            w.delete(sid, db=db)
+        w.delete(order_key(seg.expiry, seg.first_pos, seg_id), db=self.by_expiry)
+        w.delete(order_key(seg.last_hit, seg.first_pos, seg_id), db=self.by_hit)
+        w.delete(seg.path.encode(), db=self.paths)
+        return n, nbytes, seg.path

@@ -1,0 +1,314 @@
+"""`LmdbStore`: segment files indexed by a persisted LMDB index (lmdb_index.py) that every process shares.
+
+    DIR/index.lmdb/            the index (open in O(1); memory: the pages a process touches)
+    DIR/segments/XX/NAME.kvs   segment files (segment.py format), 256 folders; the previous design's
+                               segments stay at DIR/segments/NAME.kvs, indexed by the migration
+    DIR/tmp/                   segments being written (a crash leaves them here: removed at open)
+
+Write path: dedupe against the index (a read snapshot), write the segment to tmp/, fsync, rename
+into segments/XX/, then one write transaction indexes its blocks (a key another process indexed
+meanwhile is skipped). No directory is ever listed on this path. A crash before the commit
+leaves a file the index does not know (`verify` removes it); never an index entry without bytes.
+
+CHECK: a binary search over the prompt's keys (chain_check.py) in one read snapshot, then a
+walk from the found tail to the chain's head through the segments' `head_parent`, one step per
+segment, to note the refresh of those segments (refresher.py): no write on the CHECK path.
+
+Read path: blocks back to back in one segment are read with one `preadv` into the caller's
+buffers and checked against their xxh3-64; a mismatch or short read is a miss, and the block is
+dropped from the index (if the index still names those bytes).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+from contextlib import suppress
+from pathlib import Path
+
+import lmdb
+import xxhash
+
+from kvledger.store import lmdb_gc, lmdb_upkeep, lmdb_write
+from kvledger.store.backend import Buffer, ChainWrite, Counters, GcResult, PutResult, StoreStats, VerifyResult
+from kvledger.store.chain_check import leading_present
+from kvledger.store.file_backend import _HOST, _bytes_view, _preadv_all
+from kvledger.store.lmdb_index import BlockRec, LmdbIndex
+from kvledger.store.refresher import Refresher
+from kvledger.store.ttl import Clock, wall_clock
+
+log = logging.getLogger("kvledger.store")
+
+IOV_MAX = 1024
+MAX_OPEN_FDS = 128
+REFRESH_GRAIN_S = 1.0  # a hit refreshes expiry to ≥ now + ttl − this: one walk per chain tail per second
+
+
+def _open_index(root: Path, sync: bool) -> LmdbIndex:
+    """The index; one LMDB cannot read is set aside and rebuilt from the segment files (lmdb_upkeep.migrate)."""
+    path = root / "index.lmdb"
+    try:
+        return LmdbIndex(path, sync=sync)
+    except (lmdb.CorruptedError, lmdb.InvalidError, lmdb.VersionMismatchError) as e:
+        aside = path.with_name(f"index.lmdb.bad-{int(time.time())}")
+        log.warning("index %s unreadable (%s): set aside as %s, rebuilt from the segments", path, e, aside.name)
+        os.rename(path, aside)
+        return LmdbIndex(path, sync=sync)
+
+
+class LmdbStore:
+    """The embedded block store at production scale; see the module docstring.
+
+    `capacity_bytes`: when live bytes would exceed it, put evicts least recently hit segments
+    (tails first) down to `low_watermark` × capacity. `fsync=False` skips fsyncs (tests, bench builds)."""
+
+    backend = "file"
+
+    def __init__(self, root: str | os.PathLike, *, capacity_bytes: int | None = None, fsync: bool = True,
+                 clock: Clock = wall_clock, create: bool = True, low_watermark: float = 0.9) -> None:
+        self.root = Path(root)
+        if not create and not self.root.is_dir():
+            raise FileNotFoundError(f"{self.root}: no such directory")
+        assert capacity_bytes is None or capacity_bytes > 0
+        assert 0 < low_watermark <= 1
+        (self.root / "segments").mkdir(parents=True, exist_ok=True)
+        (self.root / "tmp").mkdir(exist_ok=True)
+        self.capacity_bytes = capacity_bytes
+        self.low_watermark = low_watermark
+        self.fsync = fsync
+        self.clock = clock
+        self.counters = Counters()
+        self.index = _open_index(self.root, fsync)
+        self.refresher = Refresher(self._write_refresh)
+        self._fds: dict[int, int] = {}
+        self._io_lock = threading.Lock()        # the descriptor cache is shared by this process's threads
+        self._walked: dict[bytes, float] = {}   # chain tail → expiry its last walk noted (this process)
+        lmdb_upkeep.remove_dead_tmp(self.root / "tmp", _HOST)
+        lmdb_upkeep.migrate(self)
+
+    # --- CHECK -----------------------------------------------------------------
+
+    def _expiry(self, txn: lmdb.Transaction, seg_id: int, cache: dict[int, float]) -> float:
+        exp = cache.get(seg_id)
+        if exp is None:
+            seg = self.index.seg(txn, seg_id)
+            exp = -1.0 if seg is None else max(seg.expiry, self.refresher.expiry(seg_id))
+            cache[seg_id] = exp
+        return exp
+
+    def _live(self, txn: lmdb.Transaction, key: bytes, now: float, cache: dict[int, float]) -> BlockRec | None:
+        rec = self.index.block(txn, key)
+        if rec is None or self._expiry(txn, rec.seg, cache) < now:
+            return None
+        return rec
+
+    def match(self, keys: Sequence[bytes], ttl_s: float) -> int:
+        """Leading blocks present and unexpired (binary search, chain_check.py); notes their refresh."""
+        now = self.clock()
+        try:
+            with self.index.env.begin() as txn:
+                cache: dict[int, float] = {}
+
+                def present(i: int) -> bool:
+                    rec = self._live(txn, keys[i], now, cache)
+                    return rec is not None and rec.pos == i
+
+                b = leading_present(len(keys), present)
+                if b:
+                    self._refresh(txn, keys[b - 1], now + ttl_s, now)
+                return b
+        except lmdb.Error as e:
+            log.warning("CHECK on %s failed: %s", self.root, e)
+            self.counters.match_failures += 1
+            return 0
+
+    def _refresh(self, txn: lmdb.Transaction, tail: bytes, expiry: float, now: float) -> None:
+        """Note the refresh of the chain ending at `tail`, unless this process did so under REFRESH_GRAIN_S ago."""
+        if self._walked.get(tail, -1.0) >= expiry - REFRESH_GRAIN_S:
+            return
+        if len(self._walked) > 65536:
+            self._walked.clear()
+        self._walked[tail] = expiry
+        self.refresher.note(self._walk(txn, tail, expiry, now))
+
+    def _walk(self, txn: lmdb.Transaction, key: bytes, expiry: float, now: float) -> dict[int, tuple[float, float]]:
+        """Segment id → (expiry, now) for the segments from `key`'s back to its chain's head."""
+        out: dict[int, tuple[float, float]] = {}
+        while True:
+            rec = self.index.block(txn, key)
+            if rec is None or rec.seg in out:
+                return out
+            out[rec.seg] = (expiry, now)
+            seg = self.index.seg(txn, rec.seg)
+            if seg is None or seg.first_pos == 0:
+                return out
+            key = seg.head_parent
+
+    def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        now = self.clock()
+        try:
+            with self.index.env.begin() as txn:
+                cache: dict[int, float] = {}
+                return [self._live(txn, k, now, cache) is not None for k in keys]
+        except lmdb.Error as e:
+            log.warning("exists on %s failed: %s", self.root, e)
+            return [False] * len(keys)
+
+    # --- write -----------------------------------------------------------------
+
+    def put(self, write: ChainWrite) -> PutResult:
+        n = len(write.keys)
+        try:
+            now = self.clock()
+            with self.index.env.begin() as txn:
+                cache: dict[int, float] = {}
+                sel = [i for i, k in enumerate(write.keys) if self._live(txn, k, now, cache) is None]
+                if write.start_pos > 0:
+                    self._refresh(txn, write.parent, now + write.ttl_s, now)
+            skipped = n - len(sel)
+            self.counters.blocks_skipped += skipped
+            if not sel:
+                return PutResult(0, skipped, 0)
+            views = [_bytes_view(write.blocks[i]) for i in sel]
+            incoming = sum(v.nbytes for v in views)
+            if self.capacity_bytes is not None:
+                if incoming > self.capacity_bytes:
+                    log.warning("put of %d bytes exceeds the store's capacity %d", incoming, self.capacity_bytes)
+                    self.counters.put_failures += 1
+                    return PutResult(0, skipped, len(sel))
+                lmdb_gc.make_room(self, incoming)
+            path, rows, file_size = lmdb_write.write_segment(self, write, sel, views, now)
+            written = lmdb_write.index_segment(self, write, path, rows, file_size, now)
+            self.index.persist()   # acknowledged only once its index entries are durable
+            self.counters.blocks_written += written
+            self.counters.blocks_skipped += len(sel) - written
+            self.counters.bytes_written += incoming
+            return PutResult(written, n - written, 0)
+        except (OSError, lmdb.Error) as e:
+            log.warning("put of %d blocks to %s failed: %s", n, self.root, e)
+            self.counters.put_failures += 1
+            return PutResult(0, 0, n)
+
+    def unlink(self, paths: list[str]) -> None:
+        """Remove segment files the index no longer names (after the commit that forgot them)."""
+        if paths:
+            self.index.persist()   # the commit that forgot them is durable before the files go
+        for p in paths:
+            with suppress(FileNotFoundError):
+                os.unlink(self.root / p)
+
+    def _write_refresh(self, batch: dict[int, tuple[float, float]]) -> None:
+        with self.index.env.begin(write=True) as w:
+            for seg_id in sorted(batch):
+                seg = self.index.seg(w, seg_id)
+                if seg is not None:
+                    self.index.set_times(w, seg_id, seg, *batch[seg_id])
+
+    # --- read ------------------------------------------------------------------
+
+    def get_into(self, keys: Sequence[bytes], bufs: Sequence[Buffer], *, drop: bool = True) -> list[int]:
+        """Read blocks into `bufs` (each at least the block's size); per key its size, or -1 for a miss.
+        A block that fails its read is forgotten by the index unless `drop` is false."""
+        assert len(keys) == len(bufs)
+        out = [-1] * len(keys)
+        now = self.clock()
+        try:
+            with self.index.env.begin() as txn:
+                cache: dict[int, float] = {}
+                recs = [self._live(txn, k, now, cache) for k in keys]
+                paths = {r.seg: s.path for r in recs if r is not None and (s := self.index.seg(txn, r.seg))}
+        except lmdb.Error as e:
+            log.warning("read of %s failed: %s", self.root, e)
+            self.counters.misses_absent += len(keys)
+            return out
+        bad: list[tuple[bytes, BlockRec]] = []
+        run: list[tuple[int, BlockRec]] = []
+        with self._io_lock:
+            for i, rec in enumerate(recs):
+                if rec is None:
+                    self.counters.misses_absent += 1
+                elif run and (run[-1][1].seg != rec.seg or run[-1][1].offset + run[-1][1].size != rec.offset
+                              or len(run) >= IOV_MAX):
+                    self._read_run(run, paths, bufs, out, keys, bad)
+                    run = []
+                if rec is not None:
+                    run.append((i, rec))
+            self._read_run(run, paths, bufs, out, keys, bad)
+        if bad and drop:
+            lmdb_upkeep.drop_bad(self, bad)
+        return out
+
+    def _read_run(self, run: list[tuple[int, BlockRec]], paths: dict[int, str], bufs: Sequence[Buffer],
+                  out: list[int], keys: Sequence[bytes], bad: list[tuple[bytes, BlockRec]]) -> None:
+        if not run:
+            return
+        seg_id, start = run[0][1].seg, run[0][1].offset
+        views = []
+        for i, rec in run:
+            v = _bytes_view(bufs[i], writable=True)
+            assert v.nbytes >= rec.size, "buffer smaller than the block"
+            views.append(v[:rec.size])
+        try:
+            got = _preadv_all(self._fd(seg_id, paths.get(seg_id)), views, start)
+        except OSError as err:
+            log.info("read of segment %d failed: %s", seg_id, err)
+            got = 0
+        for (i, rec), v in zip(run, views):
+            if rec.offset + rec.size - start > got:
+                self.counters.misses_truncated += 1
+                bad.append((keys[i], rec))
+            elif xxhash.xxh3_64_intdigest(v) != rec.xxh:
+                self.counters.misses_corrupt += 1
+                log.warning("block %s of segment %d fails its checksum", keys[i].hex(), seg_id)
+                bad.append((keys[i], rec))
+            else:
+                out[i] = rec.size
+                self.counters.blocks_read += 1
+                self.counters.bytes_read += rec.size
+
+    def _fd(self, seg_id: int, path: str | None) -> int:
+        """An open descriptor of a segment (ids are never reused and files never change: cached safely)."""
+        fd = self._fds.pop(seg_id, None)
+        if fd is None:
+            if path is None:
+                raise FileNotFoundError(f"segment {seg_id} has no record")
+            fd = os.open(self.root / path, os.O_RDONLY)
+        self._fds[seg_id] = fd   # most recently used last
+        while len(self._fds) > MAX_OPEN_FDS:
+            os.close(self._fds.pop(next(iter(self._fds))))
+        return fd
+
+    # --- removal, upkeep, views ------------------------------------------------------
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        return lmdb_gc.delete(self, keys)
+
+    def gc(self, batch: int = 4096) -> GcResult:
+        return lmdb_gc.gc(self, batch)
+
+    def stats(self) -> StoreStats:
+        return lmdb_upkeep.stats(self)
+
+    def verify(self, remove: bool = True, orphan_age_s: float = lmdb_upkeep.ORPHAN_AGE_S) -> VerifyResult:
+        return lmdb_upkeep.verify(self, remove, orphan_age_s)
+
+    def flush(self) -> None:
+        """Write this process's noted TTL refreshes now."""
+        self.refresher.flush()
+
+    def close(self) -> None:
+        self.refresher.close()
+        with self._io_lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+        self.index.close()
+
+    def __enter__(self) -> LmdbStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,242 @@
+"""Upkeep of an `LmdbStore` off the hot paths: migration, verify, stats, dropping bad blocks, rewriting a segment.
+
+Migration (once per index, under an flock of DIR/.lock): a directory of the previous design
+(segment files at DIR/segments/*.kvs, no index) is indexed in batches of segments, each batch one
+transaction; a segment already indexed is skipped, so a crash mid-way resumes. A segment keeps its
+live, unexpired blocks; its expiry and last hit become the latest of its blocks'. Then `meta/format`
+is set and no later open lists the directory again. The same path rebuilds a lost index from every
+segment file (segments/XX/ too): an index LMDB cannot open is set aside as index.lmdb.bad-TIME.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import math
+import os
+from collections.abc import Iterator
+from contextlib import suppress
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import lmdb
+
+from kvledger.store import lmdb_write
+from kvledger.store import segment as seg_format
+from kvledger.store.backend import StoreStats, VerifyResult
+from kvledger.store.file_backend import _pid_alive
+from kvledger.store.lmdb_index import FORMAT, SEG_ID, U64, BlockRec, SegRec
+
+if TYPE_CHECKING:
+    from kvledger.store.lmdb_store import LmdbStore
+
+log = logging.getLogger("kvledger.store")
+MIGRATE_BATCH = 256     # segments per transaction
+ORPHAN_AGE_S = 3600.0   # verify removes segment files the index does not name once they are this old
+EXACT_CHAINS_UP_TO = 1_000_000  # stats counts chains (a scan of every block) up to this many blocks
+
+
+def remove_dead_tmp(tmp_dir: Path, host: str) -> None:
+    """Segments of writers of this host that died mid-write (never renamed in)."""
+    for name in os.listdir(tmp_dir):
+        parts = name.split("-")
+        if len(parts) >= 4 and parts[1] == host and parts[2].isdigit() and not _pid_alive(int(parts[2])):
+            with suppress(OSError):
+                os.unlink(tmp_dir / name)
+
+
+def migrate(store: LmdbStore) -> None:
+    idx = store.index
+    with idx.env.begin() as txn:
+        if idx.total(txn, b"format") >= FORMAT:
+            return
+    fd = os.open(store.root / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        with idx.env.begin() as txn:
+            if idx.total(txn, b"format") >= FORMAT:
+                return
+        names = _segment_files(store.root)
+        for i in range(0, len(names), MIGRATE_BATCH):
+            with idx.env.begin(write=True) as w:
+                for name in names[i:i + MIGRATE_BATCH]:
+                    if w.get(name.encode(), db=idx.paths) is None:
+                        _migrate_one(store, w, name)
+        with idx.env.begin(write=True) as w:
+            w.put(b"format", U64.pack(FORMAT), db=idx.meta)
+        if names:
+            log.info("indexed %d segments of %s (the previous layout)", len(names), store.root)
+    finally:
+        os.close(fd)
+
+
+def _segment_files(root: Path) -> list[str]:
+    """Relative paths of the segment files under root/segments: the previous layout's, and this one's (an index
+    removed or set aside is rebuilt from them, TTL refreshes since their writing lost)."""
+    out = []
+    for dirpath, _, files in os.walk(root / "segments"):
+        rel = os.path.relpath(dirpath, root)
+        out += [f"{rel}/{n}" for n in files if n.endswith(seg_format.SUFFIX)]
+    return sorted(out)
+
+
+def _migrate_one(store: LmdbStore, w: lmdb.Transaction, rel: str) -> None:
+    name = rel
+    try:
+        fd = os.open(store.root / rel, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        meta = seg_format.read_meta(fd)
+        file_size = os.fstat(fd).st_size
+    except (seg_format.BadSegment, OSError) as e:
+        log.warning("segment %s is unreadable (%s): left for `kvledger store verify`", name, e)
+        return
+    finally:
+        os.close(fd)
+    now = store.clock()
+    keep = []
+    for i, (key, parent, pos, size, xxh, offset) in enumerate(meta.entries):
+        exp, hit = meta.expiry[i], meta.last_hit[i]
+        exp = exp if math.isfinite(exp) and exp >= meta.created + meta.ttl_s else meta.created + meta.ttl_s
+        hit = hit if math.isfinite(hit) and meta.created <= hit <= exp else meta.created
+        if meta.flags[i] == seg_format.FLAG_LIVE and offset + size <= file_size and exp >= now:
+            keep.append((i, key, BlockRec(0, i, pos, size, xxh, offset, parent), exp, hit))
+    if not keep:
+        return
+    ns, cl = meta.namespace.encode("utf-8", "surrogatepass"), meta.ttl_class.encode("utf-8", "surrogatepass")
+    e0 = meta.entries[0]
+    seg = SegRec(max(k[3] for k in keep), max(k[4] for k in keep), meta.created, meta.ttl_s, e0[2], meta.layout.n,
+                 0, 0, sum(e[3] for e in meta.entries), file_size, e0[1], ns, cl, rel)
+    seg_id = store.index.add_segment(w, seg, [e[0] for e in meta.entries])
+    for _, key, rec, _, _ in keep:
+        if w.get(key, db=store.index.blocks) is None:
+            store.index.add_block(w, key, rec._replace(seg=seg_id))
+            seg.live += 1
+            seg.live_bytes += rec.size
+    store.index.bump(w, b"blocks", seg.live)
+    store.index.bump(w, b"live_bytes", seg.live_bytes)
+    if seg.live == 0:
+        store.index.remove_segment(w, seg_id, seg)   # every block a duplicate: the file is left to verify
+    else:
+        store.index.put_seg(w, seg_id, seg)
+
+
+def drop_bad(store: LmdbStore, bad: list[tuple[bytes, BlockRec]]) -> None:
+    """Forget blocks that failed their read, if the index still names those very bytes."""
+    from kvledger.store.lmdb_write import COMPACT_BELOW
+
+    paths = []
+    try:
+        with store.index.env.begin(write=True) as w:
+            for key, rec in bad:
+                now_rec = store.index.block(w, key)
+                if now_rec is not None and now_rec.seg == rec.seg and now_rec.idx == rec.idx:
+                    paths.append(store.index.drop_block(w, key, now_rec, COMPACT_BELOW))
+    except lmdb.Error as e:
+        log.warning("cannot drop %d bad blocks of %s: %s", len(bad), store.root, e)
+    store.unlink([p for p in paths if p])
+
+
+def rewrite_segment(store: LmdbStore, seg: SegRec,
+                    live: list[tuple[bytes, BlockRec]]) -> tuple[str, list[tuple[bytes, BlockRec, int]], int] | None:
+    """A new segment file holding the blocks `live` of `seg` (checked on the way); None if none read back."""
+    from kvledger.store.backend import ChainWrite
+
+    live.sort(key=lambda kr: kr[1].pos)
+    bufs = [bytearray(r.size) for _, r in live]
+    sizes = store.get_into([k for k, _ in live], bufs)
+    ok = [(k, r, b) for (k, r), b, s in zip(live, bufs, sizes) if s >= 0]
+    if not ok:
+        return None
+    write = ChainWrite([k for k, _, _ in ok], [b for _, _, b in ok], ok[0][1].pos, ok[0][1].parent,
+                       seg.namespace.decode("utf-8", "replace"), seg.ttl_class.decode("utf-8", "replace"), seg.ttl_s)
+    path, rows, file_size = lmdb_write.write_segment(store, write, list(range(len(ok))),
+                                                     [memoryview(b) for _, _, b in ok], seg.created)
+    return path, [(k, r, row[5]) for (k, r, _), row in zip(ok, rows)], file_size
+
+
+def _iter_segs(txn: lmdb.Transaction, store: LmdbStore) -> Iterator[tuple[int, SegRec]]:
+    with txn.cursor(db=store.index.segs) as cur:
+        for k, v in cur:
+            yield SEG_ID.unpack(k)[0], SegRec.unpack(v)
+
+
+def stats(store: LmdbStore) -> StoreStats:
+    """Totals in O(1); per class / namespace a scan of the segment records; chains a scan of the blocks
+    (only up to EXACT_CHAINS_UP_TO blocks, else reported as 0)."""
+    idx = store.index
+    store.flush()
+    st = StoreStats(store.backend, str(store.root), capacity_bytes=store.capacity_bytes)
+    with idx.env.begin() as txn:
+        st.blocks, st.live_bytes = idx.total(txn, b"blocks"), idx.total(txn, b"live_bytes")
+        st.disk_bytes, st.segments = idx.total(txn, b"disk_bytes"), idx.total(txn, b"segments")
+        for _, seg in _iter_segs(txn, store):
+            ns, cl = seg.namespace.decode("utf-8", "surrogatepass"), seg.ttl_class.decode("utf-8", "surrogatepass")
+            st.per_class[cl] = st.per_class.get(cl, 0) + seg.live
+            st.per_namespace[ns] = st.per_namespace.get(ns, 0) + seg.live
+            st.oldest_created = seg.created if st.oldest_created is None else min(st.oldest_created, seg.created)
+        first = idx.first_due(txn, idx.by_expiry)
+        st.next_expiry = None if first is None else first[0]
+        if st.blocks <= EXACT_CHAINS_UP_TO:
+            with txn.cursor(db=idx.blocks) as cur:
+                recs = {k: BlockRec(*idx_unpack(v)) for k, v in cur}
+            parents = {r.parent for r in recs.values()}
+            st.chains = sum(1 for k in recs if k not in parents)
+    st.counters = store.counters.as_dict()
+    return st
+
+
+def idx_unpack(raw: bytes) -> tuple:
+    from kvledger.store.lmdb_index import BLOCK
+
+    return BLOCK.unpack(raw)
+
+
+def verify(store: LmdbStore, remove: bool = True, orphan_age_s: float = ORPHAN_AGE_S) -> VerifyResult:
+    """Index against segments: every indexed block is read and checked (bad ones dropped when `remove`), and
+    segment files the index does not name, older than `orphan_age_s` (a younger one may be a put between its
+    rename and its commit), count as bad (removed when `remove`)."""
+    store.flush()
+    checked = bad = removed = nbytes = 0
+    with store.index.env.begin() as txn:
+        seg_ids = [seg_id for seg_id, _ in _iter_segs(txn, store)]
+    for seg_id in seg_ids:
+        with store.index.env.begin() as txn:
+            live = [(k, r) for i, k in enumerate(store.index.keys_of(txn, seg_id))
+                    if (r := store.index.block(txn, k)) is not None and r.seg == seg_id and r.idx == i]
+        for i in range(0, len(live), 256):
+            chunk = live[i:i + 256]
+            sizes = store.get_into([k for k, _ in chunk], [bytearray(r.size) for _, r in chunk], drop=remove)
+            checked += len(chunk)
+            nbytes += sum(s for s in sizes if s > 0)
+            bad += sizes.count(-1)
+    removed = bad if remove else 0
+    for path, age in _orphans(store):
+        if age > orphan_age_s:
+            bad += 1
+            if remove:
+                store.unlink([path])
+                removed += 1
+    return VerifyResult(checked, bad, removed, nbytes)
+
+
+def _orphans(store: LmdbStore) -> list[tuple[str, float]]:
+    """(relative path, age s) of segment files the index does not name."""
+    import time
+
+    out = []
+    seg_root = store.root / "segments"
+    with store.index.env.begin() as txn:
+        for dirpath, _, files in os.walk(seg_root):
+            for name in files:
+                if not name.endswith(seg_format.SUFFIX):
+                    continue
+                rel = os.path.relpath(os.path.join(dirpath, name), store.root)
+                if txn.get(rel.encode(), db=store.index.paths) is None:
+                    try:
+                        age = time.time() - os.stat(store.root / rel).st_mtime
+                    except OSError:
+                        continue
+                    out.append((rel, age))
+    return out

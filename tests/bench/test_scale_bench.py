@@ -1,0 +1,29 @@
+"""`kvledger bench scale`: a small run gives every contract key for both designs, and reuses its stores."""
+
+import json
+
+import pytest
+
+KEYS = ("open_s", "rss_bytes", "check_ms_1m", "put_p99_ms", "gc_s", "max_stall_ms")
+
+
+def test_bad_input_exits_2(run_cli, tmp_path):
+    r = run_cli("bench", "scale", "--blocks", "100", "--dir", str(tmp_path), "--json")
+    assert r.returncode == 2 and r.stdout == "" and "--blocks" in r.stderr
+
+
+@pytest.mark.slow
+def test_small_run_both_designs_side_by_side(run_cli, tmp_path):
+    args = ("bench", "scale", "--json", "--blocks", "8192", "--old-blocks", "8192", "--dir", str(tmp_path),
+            "--puts", "20", "--check-reps", "3", "--gc-blocks", "640")
+    r = run_cli(*args, timeout=900)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+    for design in (res, res["old"]):
+        for k in KEYS:
+            assert isinstance(design[k], float | int) and design[k] >= 0, k
+        assert design["check_found_blocks"] == 8192 and design["build_reused"] is False
+    assert res["gc_expired"] == 640 and res["gc_idle_expired"] == 0   # the victims, and nothing else
+    assert res["old"]["blocks"] == 8192 and res["fsync_p99_ms"] > 0
+    again = json.loads(run_cli(*args, timeout=900).stdout)
+    assert again["build_reused"] is True and again["old"]["build_reused"] is True
