@@ -145,6 +145,8 @@ def role_probe(a: dict) -> dict:
     if not a["fsync"]:
         out["rss_bytes"] = _rss()
         out["store_blocks"] = _blocks(store)
+        if hasattr(store, "refresher"):
+            out["index_bytes"] = os.path.getsize(os.path.join(a["root"], "index.lmdb", "data.mdb"))
     store.close()
     return out
 
