@@ -122,6 +122,9 @@ def role_probe(a: dict) -> dict:
     from kvledger.core import extend_chain, root_key
 
     tokens = check_tokens()
+    import kvledger.store.file_backend
+    import kvledger.store.lmdb_store  # noqa: F401  (imports are not the open)
+
     t = time.perf_counter()
     store = open_store(a["design"], a["root"], fsync=a["fsync"])
     open_s = time.perf_counter() - t

@@ -62,7 +62,7 @@ def test_next_turn_hits_decode_blocks(cold, smollm2, ledger):
 def test_corrupt_block_recomputes(cold, smollm2, ledger):
     out, _ = cold
     _copy_namespace(ledger, smollm2, "corrupt")
-    seg = next(p for p in ledger.store.seg_dir.iterdir() if b"corrupt" in p.read_bytes()[:4096])
+    seg = next(p for p in (ledger.store.root / "segments").rglob("*.kvs") if b"corrupt" in p.read_bytes()[:4096])
     size, bb = seg.stat().st_size, smollm2.spec.block_bytes()
     with open(seg, "r+b") as f:  # damage block 1 of 3
         f.seek(size - 2 * bb + 1000)
