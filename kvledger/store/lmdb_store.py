@@ -25,7 +25,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import suppress
 from pathlib import Path
 
@@ -33,10 +33,11 @@ import lmdb
 import xxhash
 
 from kvledger.store import lmdb_gc, lmdb_upkeep, lmdb_write
-from kvledger.store.backend import Buffer, ChainWrite, Counters, GcResult, PutResult, StoreStats, VerifyResult
+from kvledger.store.backend import (BlockInfo, Buffer, ChainWrite, Counters, GcResult, PutResult, StoreStats,
+                                    VerifyResult)
 from kvledger.store.chain_check import leading_present
-from kvledger.store.file_backend import _HOST, _bytes_view, _preadv_all
-from kvledger.store.lmdb_index import BlockRec, LmdbIndex
+from kvledger.store.lmdb_index import BLOCK, BlockRec, LmdbIndex, SegRec
+from kvledger.store.segment_files import HOST, bytes_view, preadv_all
 from kvledger.store.refresher import Refresher
 from kvledger.store.ttl import Clock, wall_clock
 
@@ -86,7 +87,7 @@ class LmdbStore:
         self._fds: dict[int, int] = {}
         self._io_lock = threading.Lock()        # the descriptor cache is shared by this process's threads
         self._walked: dict[bytes, float] = {}   # chain tail → expiry its last walk noted (this process)
-        lmdb_upkeep.remove_dead_tmp(self.root / "tmp", _HOST)
+        lmdb_upkeep.remove_dead_tmp(self.root / "tmp", HOST)
         lmdb_upkeep.migrate(self)
 
     # --- CHECK -----------------------------------------------------------------
@@ -172,7 +173,7 @@ class LmdbStore:
             self.counters.blocks_skipped += skipped
             if not sel:
                 return PutResult(0, skipped, 0)
-            views = [_bytes_view(write.blocks[i]) for i in sel]
+            views = [bytes_view(write.blocks[i]) for i in sel]
             incoming = sum(v.nbytes for v in views)
             if self.capacity_bytes is not None:
                 if incoming > self.capacity_bytes:
@@ -212,7 +213,8 @@ class LmdbStore:
     def get_into(self, keys: Sequence[bytes], bufs: Sequence[Buffer], *, drop: bool = True) -> list[int]:
         """Read blocks into `bufs` (each at least the block's size); per key its size, or -1 for a miss.
         A block that fails its read is forgotten by the index unless `drop` is false."""
-        assert len(keys) == len(bufs)
+        if len(keys) != len(bufs):
+            raise ValueError(f"one buffer per key: {len(keys)} keys, {len(bufs)} buffers")
         out = [-1] * len(keys)
         now = self.clock()
         try:
@@ -248,11 +250,12 @@ class LmdbStore:
         seg_id, start = run[0][1].seg, run[0][1].offset
         views = []
         for i, rec in run:
-            v = _bytes_view(bufs[i], writable=True)
-            assert v.nbytes >= rec.size, "buffer smaller than the block"
+            v = bytes_view(bufs[i], writable=True)
+            if v.nbytes < rec.size:
+                raise ValueError(f"buffer {i} holds {v.nbytes} bytes, the block {rec.size}")
             views.append(v[:rec.size])
         try:
-            got = _preadv_all(self._fd(seg_id, paths.get(seg_id)), views, start)
+            got = preadv_all(self._fd(seg_id, paths.get(seg_id)), views, start)
         except OSError as err:
             log.info("read of segment %d failed: %s", seg_id, err)
             got = 0
@@ -280,6 +283,27 @@ class LmdbStore:
         while len(self._fds) > MAX_OPEN_FDS:
             os.close(self._fds.pop(next(iter(self._fds))))
         return fd
+
+    def blocks(self) -> Iterator[BlockInfo]:
+        """Every live block's metadata (no block byte read), in key order, from one read snapshot."""
+        now = self.clock()
+        with self.index.env.begin() as txn, txn.cursor(db=self.index.blocks) as cur:
+            segs: dict[int, SegRec | None] = {}
+            for key, raw in cur:
+                rec = BlockRec(*BLOCK.unpack(raw))
+                if rec.seg not in segs:
+                    segs[rec.seg] = self.index.seg(txn, rec.seg)
+                seg = segs[rec.seg]
+                if seg is None:
+                    continue
+                expiry = max(seg.expiry, self.refresher.expiry(rec.seg))
+                if expiry >= now:
+                    yield BlockInfo(bytes(key), rec.parent, rec.pos, rec.size, seg.created, expiry,
+                                    seg.namespace.decode("utf-8", "surrogatepass"),
+                                    seg.ttl_class.decode("utf-8", "surrogatepass"))
+
+    def refresh(self, force: bool = False) -> None:
+        """A no-op: every process reads the one shared index."""
 
     # --- removal, upkeep, views ------------------------------------------------------
 

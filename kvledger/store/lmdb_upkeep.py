@@ -24,8 +24,8 @@ import lmdb
 from kvledger.store import lmdb_write
 from kvledger.store import segment as seg_format
 from kvledger.store.backend import StoreStats, VerifyResult
-from kvledger.store.file_backend import _pid_alive
 from kvledger.store.lmdb_index import FORMAT, SEG_ID, U64, BlockRec, SegRec
+from kvledger.store.segment_files import pid_alive
 
 if TYPE_CHECKING:
     from kvledger.store.lmdb_store import LmdbStore
@@ -40,7 +40,7 @@ def remove_dead_tmp(tmp_dir: Path, host: str) -> None:
     """Segments of writers of this host that died mid-write (never renamed in)."""
     for name in os.listdir(tmp_dir):
         parts = name.split("-")
-        if len(parts) >= 4 and parts[1] == host and parts[2].isdigit() and not _pid_alive(int(parts[2])):
+        if len(parts) >= 4 and parts[1] == host and parts[2].isdigit() and not pid_alive(int(parts[2])):
             with suppress(OSError):
                 os.unlink(tmp_dir / name)
 

@@ -20,8 +20,8 @@ import xxhash
 
 from kvledger.store import segment as seg_format
 from kvledger.store.backend import ChainWrite
-from kvledger.store.file_backend import _HOST, _writev_all
 from kvledger.store.lmdb_index import BlockRec, SegRec
+from kvledger.store.segment_files import HOST, writev_all
 
 if TYPE_CHECKING:
     from kvledger.store.lmdb_store import LmdbStore
@@ -48,12 +48,12 @@ def write_segment(store: LmdbStore, write: ChainWrite, sel: list[int], views: li
         offset += v.nbytes
     meta = seg_format.encode_meta(ns.decode("utf-8", "replace"), cl.decode("utf-8", "replace"), write.ttl_s,
                                   now, rows, [now + write.ttl_s] * len(rows))  # names for people: see the index
-    tag = f"{_HOST}-{os.getpid()}-{secrets.token_hex(6)}"
+    tag = f"{HOST}-{os.getpid()}-{secrets.token_hex(6)}"
     rel = f"segments/{tag[-2:]}/{tag}{seg_format.SUFFIX}"
     tmp = store.root / "tmp" / f".tmp-{tag}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        _writev_all(fd, [memoryview(meta), *views])
+        writev_all(fd, [memoryview(meta), *views])
         if store.fsync:
             os.fsync(fd)
         final = store.root / rel

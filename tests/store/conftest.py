@@ -46,21 +46,26 @@ def clock() -> FakeClock:
     return FakeClock()
 
 
-BACKENDS = ("file", "redis", "cluster")
+BACKENDS = ("lmdb", "file", "redis", "cluster")
 
 
 @pytest.fixture(params=BACKENDS)
 def store(request, tmp_path, shared_redis):
     """Each block store the ledger can run on, one test run per backend (the one contract suite).
 
-    file: segment files under tmp_path; redis: metadata and bytes on Redis; cluster: a Redis
+    lmdb: segment files with the persisted LMDB index (the embedded default); file: segment files with
+    the previous in-process index; redis: metadata and bytes on Redis; cluster: a Redis
     index with the bytes in segment files. The Redis ones share one server, each test under its
     own key prefix."""
     from kvledger.store.file_backend import FileStore
     from kvledger.store.redis_backend import RedisStore
 
     prefix = f"t{secrets.token_hex(6)}:"
-    if request.param == "file":
+    if request.param == "lmdb":
+        from kvledger.store.lmdb_store import LmdbStore
+
+        st = LmdbStore(tmp_path, fsync=False)
+    elif request.param == "file":
         st = FileStore(tmp_path, fsync=False)
     elif request.param == "redis":
         st = RedisStore(shared_redis.url, prefix=prefix)
