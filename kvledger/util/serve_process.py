@@ -14,7 +14,7 @@ import urllib.request
 from pathlib import Path
 
 KVLEDGER = Path(sys.executable).parent / "kvledger"
-START_TIMEOUT_S = 240.0   # model load on a loaded 2-core machine
+START_TIMEOUT_S = 600.0   # model load: ~50 s at load average 25 on a 2-core machine, minutes at 35
 
 
 def _die_with_parent() -> None:
