@@ -34,10 +34,12 @@ def free_port() -> int:
 
 
 class ServeProcess:
-    """Start with `start()`, stop with `stop()` (SIGTERM: a graceful shutdown, as an operator does)."""
+    """Start with `start()`, stop with `stop()` (SIGTERM: a graceful shutdown, as an operator does).
+    `get` and `post` send `api_key` as a bearer token when it is set."""
 
     def __init__(self, data_dir: Path, *args: str, model: str = "smollm2-135m",
-                 keys: dict | None = None) -> None:
+                 keys: dict | None = None, api_key: str | None = None) -> None:
+        self.api_key = api_key
         self.data_dir = Path(data_dir)
         self.args = list(args)
         self.model = model
@@ -97,12 +99,16 @@ class ServeProcess:
             self.proc.kill()
             return self.proc.wait(timeout=10)
 
+    def _headers(self, headers: dict | None) -> dict:
+        auth = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        return {**auth, **(headers or {})}
+
     def get(self, path: str, headers: dict | None = None) -> tuple[int, bytes]:
-        return request(self.url + path, headers=headers)
+        return request(self.url + path, headers=self._headers(headers))
 
     def post(self, path: str, body: bytes | dict, headers: dict | None = None) -> tuple[int, dict]:
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
-        status, raw = request(self.url + path, data, {"Content-Type": "application/json", **(headers or {})})
+        status, raw = request(self.url + path, data, {"Content-Type": "application/json", **self._headers(headers)})
         try:
             return status, json.loads(raw)
         except json.JSONDecodeError:

@@ -2,17 +2,44 @@ import pytest
 
 from kvledger.util.serve_process import ServeProcess
 
+ALPHA, BETA = "sk-alpha-0123456789", "sk-beta-9876543210"
+KEYS = {ALPHA: "alpha", BETA: {"namespace": "beta", "ttl_class": "agent"}}
 # Limits of the shared server: small enough that a fuzzer's request never runs for long.
-LIMITS = ("--max-prompt-tokens", "320", "--max-tokens-limit", "4", "--max-body-bytes", "65536",
+LIMITS = ("--max-prompt-tokens", "320", "--max-tokens-limit", "8", "--max-body-bytes", "65536",
           "--max-concurrent-per-key", "2")
 
 
-@pytest.fixture(scope="session")
-def open_server(tmp_path_factory):
-    """One `kvledger serve` (SmolLM2, no key file: open, loopback) for the error, fuzz and page tests."""
-    server = ServeProcess(tmp_path_factory.mktemp("serve-open") / "data", *LIMITS).start()
-    try:
-        yield server
-    finally:
-        server.stop()
+class SharedServer:
+    """One `kvledger serve` (SmolLM2, two API keys) for all the server tests: starting one costs
+    tens of seconds of model load. `restart()` stops it and starts it again on the same data
+    directory (the restart test); later tests use the new process."""
 
+    def __init__(self, data_dir) -> None:
+        self.data_dir = data_dir
+        self.server = self._new().start()
+
+    def _new(self) -> ServeProcess:
+        return ServeProcess(self.data_dir, *LIMITS, keys=KEYS, api_key=ALPHA)
+
+    def restart(self) -> ServeProcess:
+        self.server.stop()
+        self.server = self._new().start()
+        return self.server
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+@pytest.fixture(scope="session")
+def shared_server(tmp_path_factory):
+    holder = SharedServer(tmp_path_factory.mktemp("serve") / "data")
+    try:
+        yield holder
+    finally:
+        holder.stop()
+
+
+@pytest.fixture
+def open_server(shared_server):
+    """The shared server as it runs now (its `get`/`post` send the key of tenant alpha)."""
+    return shared_server.server

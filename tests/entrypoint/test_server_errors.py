@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis.checks import not_a_server_error
 
+from tests.entrypoint.conftest import ALPHA
 from tests.entrypoint.metrics_text import metric
 
 MODEL = "smollm2-135m"
@@ -65,6 +66,15 @@ BAD_CHAT = [
 @pytest.mark.parametrize("body,code", BAD_CHAT, ids=range(len(BAD_CHAT)))
 def test_bad_chat_requests_are_4xx_errors(open_server, body, code):
     _error(*open_server.post("/v1/chat/completions", body), 400, code)
+
+
+def test_missing_or_wrong_key_is_401(open_server):
+    for headers in ({"Authorization": "Bearer sk-nope-0000000000"}, {"Authorization": "Basic " + ALPHA},
+                    {"Authorization": ""}):
+        status, body = open_server.post("/v1/completions", {"model": MODEL, "prompt": "hi"}, headers)
+        _error(status, body, 401, "invalid_api_key")
+    status, raw = open_server.get("/v1/models", {"Authorization": "Bearer sk-nope-0000000000"})
+    _error(status, json.loads(raw), 401, "invalid_api_key")
 
 
 def test_oversized_body_is_413(open_server):
@@ -130,7 +140,7 @@ def test_fuzz_openapi_never_5xx(open_server):
         @settings(max_examples=FUZZ_CASES, deadline=None, derandomize=True, database=None,
                   suppress_health_check=list(HealthCheck))
         def check(case) -> None:
-            response = case.call(timeout=60)
+            response = case.call(timeout=60, headers={"Authorization": f"Bearer {ALPHA}"})
             calls.append(response.status_code)
             case.validate_response(response, checks=[not_a_server_error])
 

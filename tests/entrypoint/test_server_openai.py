@@ -8,9 +8,8 @@ import openai
 import pytest
 
 from kvledger.util.serve_process import ServeProcess
+from tests.entrypoint.conftest import ALPHA, BETA
 
-ALPHA, BETA = "sk-alpha-0123456789", "sk-beta-9876543210"
-KEYS = {ALPHA: "alpha", BETA: {"namespace": "beta", "ttl_class": "agent"}}
 BLOCK = 128
 # a system prompt long enough for a few 128-token blocks; words, so the tokenizer is exercised
 SYSTEM = ("You are the support assistant of a small bookshop. " + " ".join(
@@ -30,36 +29,29 @@ def hit_cap(prompt_tokens: int) -> int:
     return (prompt_tokens - 1) // BLOCK * BLOCK   # SmolLM2: full attention, R = 1
 
 
-def test_chat_hits_again_after_restart_and_never_across_keys(tmp_path):
-    data = tmp_path / "data"
-    server = ServeProcess(data, keys=KEYS).start()
-    try:
-        first = _while_polling_health(server, lambda: chat(client(server, ALPHA)))
-        assert first.usage.prompt_tokens > 2 * BLOCK
-        assert first.usage.prompt_tokens_details.cached_tokens == 0
-        second = chat(client(server, ALPHA))
-        cap = hit_cap(second.usage.prompt_tokens)
-        assert second.usage.prompt_tokens_details.cached_tokens == cap > 0
-        u = second.usage.model_dump()
-        assert u["prompt_cache_hit_tokens"] == cap
-        assert u["prompt_cache_hit_tokens"] + u["prompt_cache_miss_tokens"] == u["prompt_tokens"]
-        assert second.choices[0].message.content == first.choices[0].message.content
-        other = chat(client(server, BETA))
-        assert other.usage.prompt_tokens_details.cached_tokens == 0
-        assert other.choices[0].message.content == first.choices[0].message.content
-        with pytest.raises(openai.AuthenticationError) as e:
-            chat(client(server, "sk-wrong-0000000000"))
-        assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
-    finally:
-        server.stop()
-    server = ServeProcess(data, keys=KEYS).start()
-    try:
-        again = chat(client(server, ALPHA))
-        assert again.usage.prompt_tokens_details.cached_tokens == cap
-        assert again.choices[0].message.content == first.choices[0].message.content
-        _completion_and_streams(server)
-    finally:
-        server.stop()
+def test_chat_hits_again_after_restart_and_never_across_keys(shared_server):
+    server = shared_server.server
+    first = _while_polling_health(server, lambda: chat(client(server, ALPHA)))
+    assert first.usage.prompt_tokens > 2 * BLOCK
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    second = chat(client(server, ALPHA))
+    cap = hit_cap(second.usage.prompt_tokens)
+    assert second.usage.prompt_tokens_details.cached_tokens == cap > 0
+    u = second.usage.model_dump()
+    assert u["prompt_cache_hit_tokens"] == cap
+    assert u["prompt_cache_hit_tokens"] + u["prompt_cache_miss_tokens"] == u["prompt_tokens"]
+    assert second.choices[0].message.content == first.choices[0].message.content
+    other = chat(client(server, BETA))
+    assert other.usage.prompt_tokens_details.cached_tokens == 0
+    assert other.choices[0].message.content == first.choices[0].message.content
+    with pytest.raises(openai.AuthenticationError) as e:
+        chat(client(server, "sk-wrong-0000000000"))
+    assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
+    server = shared_server.restart()   # SIGTERM, then a new process on the same data directory
+    again = chat(client(server, ALPHA))
+    assert again.usage.prompt_tokens_details.cached_tokens == cap
+    assert again.choices[0].message.content == first.choices[0].message.content
+    _completion_and_streams(server)
 
 
 def _while_polling_health(server: ServeProcess, call):

@@ -111,3 +111,5 @@ def test_diff_form_says_why_a_prompt_missed(open_server):
     assert status == 200 and d["first_divergence"] == 200 and d["hit_blocks"] == 1
     status, d = open_server.post("/dashboard/diff", {"a": [1, 2], "b": [10**6]})
     assert status == 400 and d["error"]["code"] == "invalid_token_id"
+    status, d = open_server.post("/dashboard/diff", {"a": [1], "b": [2]}, {"Authorization": "Bearer sk-nope-00000"})
+    assert status == 401   # with a key file, the form needs a key (the page has a field for it)
