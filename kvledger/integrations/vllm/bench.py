@@ -23,6 +23,8 @@ from typing import Any
 
 from kvledger.util.output import CliError, emit_json
 
+WARMUP_TOKENS = 512
+TIMEOUT_S = 1800.0  # one request on a loaded 2-core machine
 HELP = "TTFT cold vs hit under vLLM: kvledger's connector beside vLLM's ExampleConnector"
 
 
@@ -39,16 +41,16 @@ def measure(engines: dict[str, Any], tokens: int, rounds: int) -> dict[str, dict
     from kvledger.integrations.vllm.prompts import long_prompt
 
     runs: dict[str, dict[str, list]] = {name: {"cold": [], "hit": [], "loaded": [], "same": []} for name in engines}
-    for engine in engines.values():
-        engine.generate(long_prompt(tokens, variant=10_000), max_tokens=1)
+    for engine in engines.values():  # kernel set-up on a short prompt (not counted)
+        engine.generate(long_prompt(min(tokens, WARMUP_TOKENS), variant=10_000), max_tokens=1, timeout_s=TIMEOUT_S)
     for r in range(rounds):
         prompt = long_prompt(tokens, variant=r + 1)
         for name, engine in engines.items():
-            a = engine.generate(prompt, max_tokens=1)
+            a = engine.generate(prompt, max_tokens=1, timeout_s=TIMEOUT_S)
             runs[name]["cold"].append(a["seconds"])
             if engine.opts.get("connector") is None:
                 continue
-            b = engine.generate(prompt, max_tokens=1)
+            b = engine.generate(prompt, max_tokens=1, timeout_s=TIMEOUT_S)
             runs[name]["hit"].append(b["seconds"])
             runs[name]["loaded"].append(b["num_cached_tokens"])
             runs[name]["same"].append(a["tokens"] == b["tokens"])
