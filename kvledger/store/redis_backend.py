@@ -9,7 +9,7 @@ every tail expires before its head and a reader never sees a block whose parent 
 its head; it cannot be matched (CHECK walks from the head) and expires on its own.
 
 CHECK is one Lua call: the keys travel as one concatenated argument; the script walks them,
-refreshes each present block's expiry (`PEXPIRE … GT`, never shortening it) and stops at the
+refreshes each present block's expiry (`PEXPIREAT … GT` from one `TIME`, never shortening it) and stops at the
 first absent one. One round trip, one integer back, no block byte touched.
 
 Cluster mode (`files=` a FileStore on a shared mount: 3FS, CephFS, NFS): Redis holds only the

@@ -13,9 +13,11 @@ META = struct.Struct("<16sIIQddHH")  # parent, pos, size, xxh3_64, created, ttl_
 MATCH = """
 local blob, ttl, prefix = ARGV[1], tonumber(ARGV[2]), ARGV[3]
 local n = #blob / 16
+local t = redis.call('TIME')  -- one instant for the whole walk: the refreshed chain stays ordered tails first
+local at = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + ttl
 for i = 0, n - 1 do
   local k = prefix .. string.sub(blob, i * 16 + 1, i * 16 + 16)
-  if redis.call('PEXPIRE', k, ttl - i, 'GT') == 0 and redis.call('EXISTS', k) == 0 then
+  if redis.call('PEXPIREAT', k, at - i, 'GT') == 0 and redis.call('EXISTS', k) == 0 then
     return i
   end
 end
