@@ -76,11 +76,15 @@ def run(args: argparse.Namespace) -> None:
         raise CliError(f"{VLLM_PYTHON} is missing: run `make vllm-venv`")
     model = str(smollm2_folder())
     base = Path(tempfile.mkdtemp(prefix="kvledger-bench-vllm-", dir=args.dir))
-    opts = {"kvledger": {"model": model, "connector": "kvledger", "store": str(base / "kvledger"),
+    # One prefill chunk for the whole prompt, for every engine: vLLM 0.32's ExampleConnector saves
+    # only a prompt's first chunk and then fails its load with a shape mismatch (seen here with
+    # max_num_batched_tokens=2048 on a 4,096-token prompt); kvledger's connector saves every chunk.
+    common = {"model": model, "max_num_batched_tokens": max(8192, args.tokens), "max_model_len": args.tokens + 1024}
+    opts = {"kvledger": {**common, "connector": "kvledger", "store": str(base / "kvledger"),
                          "model_name": "smollm2-135m"},
-            "example": {"model": model, "connector": "example", "store": str(base / "example")}}
+            "example": {**common, "connector": "example", "store": str(base / "example")}}
     if args.plain:
-        opts["plain"] = {"model": model, "connector": None}
+        opts["plain"] = {**common, "connector": None}
     engines = {name: VllmProcess(o) for name, o in opts.items()}
     try:
         wait_all(list(engines.values()))
