@@ -3,7 +3,8 @@
 Migration (once per index, under an flock of DIR/.lock): a directory of the previous design
 (segment files at DIR/segments/*.kvs, no index) is indexed in batches of segments, each batch one
 transaction; a segment already indexed is skipped, so a crash mid-way resumes. A segment keeps its
-live, unexpired blocks; its expiry and last hit become the latest of its blocks'. Then `meta/format`
+live blocks (expired ones are left to the next gc, which counts them); its expiry and last hit become
+the latest of its blocks'. Then `meta/format`
 is set and no later open lists the directory again. The same path rebuilds a lost index from every
 segment file (segments/XX/ too): an index LMDB cannot open is set aside as index.lmdb.bad-TIME.
 """
@@ -94,13 +95,12 @@ def _migrate_one(store: LmdbStore, w: lmdb.Transaction, rel: str) -> None:
         return
     finally:
         os.close(fd)
-    now = store.clock()
     keep = []
     for i, (key, parent, pos, size, xxh, offset) in enumerate(meta.entries):
         exp, hit = meta.expiry[i], meta.last_hit[i]
         exp = exp if math.isfinite(exp) and exp >= meta.created + meta.ttl_s else meta.created + meta.ttl_s
         hit = hit if math.isfinite(hit) and meta.created <= hit <= exp else meta.created
-        if meta.flags[i] == seg_format.FLAG_LIVE and offset + size <= file_size and exp >= now:
+        if meta.flags[i] == seg_format.FLAG_LIVE and offset + size <= file_size:  # expired ones too: gc counts them
             keep.append((i, key, BlockRec(0, i, pos, size, xxh, offset, parent), exp, hit))
     if not keep:
         return

@@ -171,6 +171,7 @@ def test_migration_keeps_the_blocks_of_the_previous_layout(tmp_path, clock):
         assert read_all(store, live[0]) == ([BLOCK] * 30, 0)
         clock.advance(600)                        # at 850: beyond 700, within the refreshed 1050
         assert store.exists(live[0][-1:]) == [True]
+        assert store.gc().expired == 10   # indexed as they were, then counted by gc
         assert store.stats().per_namespace == {"tenant": 30}
         assert store.verify(orphan_age_s=1e9).bad == 0
 
