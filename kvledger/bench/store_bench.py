@@ -129,7 +129,7 @@ def throughput(spec: ModelSpec, base: Path, total_bytes: int, per_put: int, reps
         # interleaved batch by batch, alternating which side goes first, so both see the same disk
         for pair in (("kvl_write", "plain_write"), ("kvl_read", "plain_read")):
             if pair[0] == "kvl_read":
-                _drop_cache(sorted((d / "store" / "segments").glob("*.kvs")) + plain)
+                _drop_cache(sorted((d / "store" / "segments").rglob("*.kvs")) + plain)
             for i in range(n_batches):
                 for name in (pair if (i + rep) % 2 == 0 else pair[::-1]):
                     t0 = time.perf_counter()
