@@ -110,16 +110,17 @@ class HitLoader:
         dev, decision = seq.device_hit_blocks, seq.decision
         if job.intact < job.n:
             decision = self._lower(seq, dev + job.intact, "block")
-            self._unshare(seq, decision.recompute_from)
+            self._unshare(seq, decision.hit_tokens)  # block KV is written from the hit on (replay included)
         take = max(decision.hit_tokens // self.spec.block_size - dev, 0)
         self._start(seq, decision)
         if take == 0:
             return None
         return SwapItem(self.fetcher.view(job)[:take], seq.block_table[dev:dev + take])
 
-    def _unshare(self, seq: Sequence, recompute_from: int) -> None:
-        """Blocks from the device prefix cache that a lowered decision recomputes → the spare."""
-        first = recompute_from // self.spec.block_size
+    def _unshare(self, seq: Sequence, written_from: int) -> None:
+        """Blocks from the device prefix cache whose block KV a lowered decision rewrites → the spare.
+        (A replay reads the block before its hit and never writes it: that one stays shared.)"""
+        first = written_from // self.spec.block_size
         for i in range(first, seq.device_hit_blocks):
             assert self.spec.has_swa and i == seq.device_hit_blocks - 1, "a lowered hit recomputes one block at most"
             spare = seq.block_table.pop()

@@ -97,3 +97,36 @@ def test_unreachable_holder_falls_back(cold, ledger, holder, directory):
             assert _rel(engine.first_logits["gone"], engine.first_logits["fb"]) <= 1e-4
         finally:
             engine.close()
+
+
+@pytest.mark.parametrize("replay", [False, True])
+def test_lowered_hit_on_device_blocks(cold, tiny, ledger, holder, replay):
+    """Blocks 0-1 come from the device prefix cache and the fetch of blocks 2-3 dies: the decision is
+    lowered to L1 = 256. A fallback recomputes block 1 into the spare (the cached one stays intact);
+    a replay reads block 1 as cached. Either way the answer is the one of that decision made upfront."""
+    import os
+    import signal
+
+    from kvledger.core import chain_keys, decide_hit
+    from kvledger.engine.api import EngineRequest, SamplingParams
+
+    tiny.loader.replay = replay
+    try:
+        tiny.clear_device_cache()
+        run_request(tiny, ledger, PROMPT[:300], request_id=f"short-{replay}", max_tokens=1, state_ledger=None)
+        os.kill(tiny.fetcher.pid, signal.SIGKILL)
+        time.sleep(0.2)
+        rid = f"lowered-{replay}"
+        _, usage, d = run_request(tiny, ledger, PROMPT, request_id=rid, max_tokens=1, state_ledger=holder)
+        assert d.kind is HitKind.SNAPSHOT and usage.hit_kind == ("replay" if replay else "fallback")
+        assert usage.cached_tokens == (256 if replay else 128)
+        tiny.clear_device_cache()
+        upfront = decide_hit(len(PROMPT), 2, set(), SPEC, replay=replay)
+        tiny.add_request(EngineRequest(f"upfront-{replay}", PROMPT, chain_keys(PROMPT, SPEC), upfront,
+                                       SamplingParams(max_tokens=1)))
+        while tiny.has_unfinished():
+            tiny.step()
+        tiny.check_integrity()
+        assert _rel(tiny.first_logits[rid], tiny.first_logits[f"upfront-{replay}"]) <= 1e-4
+    finally:
+        tiny.loader.replay = False
