@@ -27,7 +27,9 @@ committed, so a block is in the index only once its bytes are durable.
 
 from __future__ import annotations
 
+import os
 import struct
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -91,12 +93,35 @@ class SegRec:
         return cls(*nums, ns, cl, path)
 
 
+def _open_dbs(env: lmdb.Environment) -> dict[bytes, lmdb._Database]:
+    """The named databases, in one transaction (LMDB opens a name under its writer lock: an open waits for at
+    most the one write transaction in progress, never for a GC run, which commits in small batches)."""
+    names = (b"blocks", b"segs", b"seg_keys", b"by_expiry", b"by_hit", b"sparse", b"paths", b"meta")
+    with env.begin(write=True) as txn:
+        return {n: env.open_db(n, txn=txn) for n in names}
+
+
 def order_key(t: float, first_pos: int, seg_id: int) -> bytes:
     return ORDER.pack(max(int(t * 1000), 0), 0xFFFFFFFF - min(first_pos, 0xFFFFFFFF), seg_id)
 
 
+class _SharedEnv(NamedTuple):
+    env: lmdb.Environment
+    dbs: dict[bytes, lmdb._Database]
+
+
+# LMDB refuses a second open of one environment in one process ("already open in this process"), and two
+# stores on one directory in one process are normal (the vLLM connector's scheduler and worker sides, an
+# entrypoint and an engine): they share the environment, which closes with its last user.
+_SHARED: dict[str, _SharedEnv] = {}
+_USERS: dict[str, int] = {}
+_SHARED_LOCK = threading.Lock()
+
+
 class LmdbIndex:
-    """The named databases of one environment and the few write operations that keep the invariants."""
+    """The named databases of one environment and the few write operations that keep the invariants.
+
+    Every `LmdbIndex` of one path in one process shares one environment (see `_SHARED`)."""
 
     def __init__(self, path: Path, *, sync: bool = True) -> None:
         """`sync`: `persist()` fdatasyncs the index. Commits themselves do not sync, so no writer holds the lock
@@ -104,19 +129,18 @@ class LmdbIndex:
         persists after a put's commit and before it returns, and before it unlinks what a commit forgot."""
         path.mkdir(parents=True, exist_ok=True)
         self.durable = sync
-        self.env = lmdb.open(str(path), map_size=MAP_SIZE, max_dbs=10, sync=False, metasync=False,
-                             readahead=False, max_readers=1024)
-        dbs = self._open_dbs()
+        self._name: str | None = os.path.realpath(path)
+        with _SHARED_LOCK:
+            shared = _SHARED.get(self._name)
+            if shared is None:
+                env = lmdb.open(self._name, map_size=MAP_SIZE, max_dbs=10, sync=False, metasync=False,
+                                readahead=False, max_readers=1024)
+                shared = _SHARED[self._name] = _SharedEnv(env, _open_dbs(env))
+            _USERS[self._name] = _USERS.get(self._name, 0) + 1
+        self.env, dbs = shared
         self.blocks, self.segs, self.seg_keys = dbs[b"blocks"], dbs[b"segs"], dbs[b"seg_keys"]
         self.by_expiry, self.by_hit, self.sparse = dbs[b"by_expiry"], dbs[b"by_hit"], dbs[b"sparse"]
         self.paths, self.meta = dbs[b"paths"], dbs[b"meta"]
-
-    def _open_dbs(self) -> dict[bytes, lmdb._Database]:
-        """The named databases, in one transaction (LMDB opens a name under its writer lock: an open waits for at
-        most the one write transaction in progress, never for a GC run, which commits in small batches)."""
-        names = (b"blocks", b"segs", b"seg_keys", b"by_expiry", b"by_hit", b"sparse", b"paths", b"meta")
-        with self.env.begin(write=True) as txn:
-            return {n: self.env.open_db(n, txn=txn) for n in names}
 
     def persist(self) -> None:
         """Make every commit so far durable (all processes': it syncs the file), outside any transaction."""
@@ -124,7 +148,15 @@ class LmdbIndex:
             self.env.sync(True)
 
     def close(self) -> None:
-        self.env.close()
+        """Idempotent; the shared environment closes with its last user in this process."""
+        with _SHARED_LOCK:
+            name, self._name = self._name, None
+            if name is None:
+                return
+            _USERS[name] -= 1
+            if _USERS[name] == 0:
+                del _USERS[name]
+                _SHARED.pop(name).env.close()
 
     # --- reads (any transaction) --------------------------------------------------
 

@@ -249,3 +249,20 @@ def test_a_lost_or_unreadable_index_is_rebuilt_from_the_segments(tmp_path, clock
     with LmdbStore(tmp_path, fsync=False, clock=clock) as store:
         assert store.match(keys, 1.0) == 30 and store.stats().segments == 4
     assert len(list(tmp_path.glob("index.lmdb.bad-*"))) == 1
+
+
+def test_two_stores_on_one_directory_in_one_process_share_the_index(tmp_path, clock):
+    # LMDB refuses to open one environment twice in a process; the vLLM connector's scheduler and
+    # worker sides (or an entrypoint beside an engine) open the same store: both must work.
+    keys, blocks = chain(6)
+    first = LmdbStore(tmp_path, clock=clock, fsync=False)
+    second = LmdbStore(tmp_path, clock=clock, fsync=False)
+    put(first, keys, blocks)
+    assert second.match(keys, 100.0) == 6
+    first.close()  # the other user keeps the environment open
+    first.index.close()  # idempotent
+    assert second.match(keys, 100.0) == 6 and read_all(second, keys) == ([BLOCK] * 6, 0)
+    second.close()
+    third = LmdbStore(tmp_path, clock=clock, fsync=False)  # reopened after the last user closed it
+    assert third.match(keys, 100.0) == 6
+    third.close()
