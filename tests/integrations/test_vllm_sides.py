@@ -74,6 +74,18 @@ def test_config_rejects_unknown_keys_and_needs_a_store():
     assert ConnectorConfig.from_extra({"path": "/x", "fsync": "false"}).fsync is False
 
 
+def test_the_scheduler_and_worker_sides_of_one_process_share_one_open_store(tmp_path):
+    from kvledger.integrations.vllm.config import shared_ledger
+
+    config = ConnectorConfig.from_extra({"path": str(tmp_path / "shared"), "fsync": False})
+    scheduler, worker = shared_ledger(config), shared_ledger(ConnectorConfig.from_extra({**{
+        "path": str(tmp_path / "shared")}, "fsync": False}))
+    assert scheduler is worker
+    req = request("s", 300)
+    store_prefix(worker, req, 2)
+    assert SchedulerSide(scheduler, SPEC).matched_tokens(req, 0) == 2 * B
+
+
 def test_check_counts_leading_blocks_caps_and_subtracts_the_local_hit(ledger):
     side = SchedulerSide(ledger, SPEC)
     req = request("a", 500)

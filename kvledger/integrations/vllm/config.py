@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvledger.core import LayerKind, ModelSpec
+from kvledger.store.ledger import BlockLedger
 from kvledger.store.ttl import DEFAULT_CLASS, TtlPolicy
 
 BLOCK_SIZE = 128  # vLLM's block size under this connector: one vLLM block is one ledger block
@@ -69,6 +70,19 @@ class ConnectorConfig:
 
     def policy(self) -> TtlPolicy:
         return TtlPolicy.parse(self.ttl_classes, self.namespaces, self.ttl_class)
+
+
+_LEDGERS: dict[ConnectorConfig, BlockLedger] = {}
+
+
+def shared_ledger(config: ConnectorConfig) -> BlockLedger:
+    """One open ledger per store and process: vLLM's scheduler-side and worker-side connectors
+    often live in one process (the CPU build's engine core), and a store's index opens once per process."""
+    ledger = _LEDGERS.get(config)
+    if ledger is None:
+        ledger = BlockLedger.open(config.path, config.redis_url, policy=config.policy(), fsync=config.fsync)
+        _LEDGERS[config] = ledger
+    return ledger
 
 
 @dataclass(frozen=True, slots=True)

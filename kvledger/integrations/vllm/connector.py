@@ -22,12 +22,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from kvledger.integrations.vllm.config import BLOCK_SIZE, ConnectorConfig, KvGeometry, connector_spec
+from kvledger.integrations.vllm.config import BLOCK_SIZE, ConnectorConfig, KvGeometry, connector_spec, shared_ledger
 from kvledger.integrations.vllm.layout import KvLayout
 from kvledger.integrations.vllm.records import StepPlan
 from kvledger.integrations.vllm.scheduler import SchedulerSide
 from kvledger.integrations.vllm.worker import WorkerSide
-from kvledger.store.ledger import BlockLedger
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -80,8 +79,7 @@ class KvledgerConnector(KVConnectorBase_V1):
         model = self.config.model or vllm_config.model_config.served_model_name
         self.geometry = geometry_of(vllm_config, kv_cache_config)
         self.spec = connector_spec(str(model), self.geometry)
-        ledger = BlockLedger.open(self.config.path, self.config.redis_url, policy=self.config.policy(),
-                                  fsync=self.config.fsync)
+        ledger = shared_ledger(self.config)
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
