@@ -13,7 +13,7 @@ import xxhash
 
 from kvledger.store.backend import Buffer, Counters
 from kvledger.store.index import Entry, MemoryIndex, runs
-from kvledger.store.segment_files import SegmentFiles, bytes_view
+from kvledger.store.segment_files import SegmentFiles, read_views
 
 log = logging.getLogger("kvledger.store")
 
@@ -45,12 +45,7 @@ class BlockReader:
         """Read blocks that lie back to back in one segment (index.runs) and check each;
         `out[i]` = its size, or stays -1 for a miss (dropped from the index when `drop`)."""
         seg = run[0][1].seg
-        views = []
-        for i, e in run:
-            v = bytes_view(bufs[i], writable=True)
-            if v.nbytes < e.size:
-                raise ValueError(f"buffer {i} holds {v.nbytes} bytes, the block {e.size}")
-            views.append(v[:e.size])
+        views = read_views(run, bufs)
         start = run[0][1].offset
         try:
             got = self.files.read_into(seg.name, views, start)

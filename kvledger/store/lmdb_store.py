@@ -37,7 +37,7 @@ from kvledger.store.backend import (BlockInfo, Buffer, ChainWrite, Counters, GcR
                                     VerifyResult)
 from kvledger.store.chain_check import leading_present
 from kvledger.store.lmdb_index import BLOCK, BlockRec, LmdbIndex, SegRec
-from kvledger.store.segment_files import HOST, bytes_view, preadv_all
+from kvledger.store.segment_files import HOST, bytes_view, preadv_all, read_views
 from kvledger.store.refresher import Refresher
 from kvledger.store.ttl import Clock, wall_clock
 
@@ -248,12 +248,7 @@ class LmdbStore:
         if not run:
             return
         seg_id, start = run[0][1].seg, run[0][1].offset
-        views = []
-        for i, rec in run:
-            v = bytes_view(bufs[i], writable=True)
-            if v.nbytes < rec.size:
-                raise ValueError(f"buffer {i} holds {v.nbytes} bytes, the block {rec.size}")
-            views.append(v[:rec.size])
+        views = read_views(run, bufs)
         try:
             got = preadv_all(self._fd(seg_id, paths.get(seg_id)), views, start)
         except OSError as err:

@@ -17,7 +17,7 @@ import secrets
 import socket
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
@@ -187,6 +187,18 @@ def bytes_view(buf: Any, writable: bool = False) -> memoryview:
     if writable and v.readonly:
         raise ValueError("read buffers must be writable")
     return v if v.format == "B" and v.ndim == 1 else v.cast("B")
+
+
+def read_views(run: Sequence[tuple[int, Any]], bufs: Sequence[Any]) -> list[memoryview]:
+    """The destinations of a run of blocks read back to back: for each (i, record), the first
+    `record.size` bytes of `bufs[i]`; `ValueError` when a buffer is smaller than its block."""
+    views = []
+    for i, rec in run:
+        v = bytes_view(bufs[i], writable=True)
+        if v.nbytes < rec.size:
+            raise ValueError(f"buffer {i} holds {v.nbytes} bytes, the block {rec.size}")
+        views.append(v[:rec.size])
+    return views
 
 
 def writev_all(fd: int, views: list[memoryview]) -> None:
