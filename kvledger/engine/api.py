@@ -70,6 +70,9 @@ class RequestUsage:
     hit_kind: str                # HitKind value actually used ("snapshot", "fallback", "replay", "full", "miss")
     ttft_s: float | None         # admission → first token
     timings: dict[str, float] = field(default_factory=dict)  # check_s, fetch_s, swapin_s, compute_s, ...
+    device_cached_tokens: int = 0  # of cached_tokens, those found in the engine's own device prefix cache
+                                   # (the rest came from the ledgers)
+    engine: str | None = None      # the engine that served the prompt (cluster mode; None in one process)
 
 
 @dataclass(frozen=True, slots=True)

@@ -87,8 +87,12 @@ def _tick(state: ServerState, out: Outcome) -> None:
 
 
 def usage_of(prep: Prepared, out: Outcome) -> Usage:
-    cached = out.usage.cached_tokens if out.usage is not None else 0
-    return Usage.of(prep.prompt_tokens, min(cached, prep.prompt_tokens), len(out.token_ids))
+    u = out.usage
+    if u is None:
+        return Usage.of(prep.prompt_tokens, 0, len(out.token_ids))
+    cached = min(u.cached_tokens, prep.prompt_tokens)
+    return Usage.of(prep.prompt_tokens, cached, len(out.token_ids), hit_kind=u.hit_kind,
+                    device_cached=min(u.device_cached_tokens, cached), engine=u.engine)
 
 
 def record(state: ServerState, prep: Prepared, out: Outcome) -> None:

@@ -121,6 +121,16 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int
 
 
+class CacheDetails(BaseModel):
+    """kvledger's own usage field: where the cached prompt tokens came from.
+    device_cached_tokens + store_cached_tokens = prompt_cache_hit_tokens."""
+
+    hit_kind: str                 # core.HitKind value actually used ("snapshot", "fallback", "full", "miss", ...)
+    device_cached_tokens: int     # found in the serving engine's own device prefix cache
+    store_cached_tokens: int      # read from the block ledger (and the state ledger)
+    engine: str | None = None     # the engine that served the prompt (cluster mode)
+
+
 class Usage(BaseModel):
     """OpenAI's usage plus DeepSeek's names: hit + miss = prompt_tokens; cached_tokens = hit."""
 
@@ -130,13 +140,17 @@ class Usage(BaseModel):
     prompt_cache_hit_tokens: int
     prompt_cache_miss_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    kvledger: CacheDetails | None = None
 
     @classmethod
-    def of(cls, prompt: int, cached: int, completion: int) -> Usage:
-        assert 0 <= cached <= prompt
+    def of(cls, prompt: int, cached: int, completion: int, *, hit_kind: str = "miss", device_cached: int = 0,
+           engine: str | None = None) -> Usage:
+        assert 0 <= device_cached <= cached <= prompt
         return cls(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                    prompt_cache_hit_tokens=cached, prompt_cache_miss_tokens=prompt - cached,
-                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+                   kvledger=CacheDetails(hit_kind=hit_kind, device_cached_tokens=device_cached,
+                                         store_cached_tokens=cached - device_cached, engine=engine))
 
 
 class CompletionChoice(BaseModel):

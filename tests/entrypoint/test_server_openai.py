@@ -40,6 +40,7 @@ def test_chat_hits_again_after_restart_and_never_across_keys(shared_server):
     u = second.usage.model_dump()
     assert u["prompt_cache_hit_tokens"] == cap
     assert u["prompt_cache_hit_tokens"] + u["prompt_cache_miss_tokens"] == u["prompt_tokens"]
+    assert u["kvledger"]["device_cached_tokens"] == cap and u["kvledger"]["store_cached_tokens"] == 0
     assert second.choices[0].message.content == first.choices[0].message.content
     other = chat(client(server, BETA))
     assert other.usage.prompt_tokens_details.cached_tokens == 0
@@ -50,6 +51,8 @@ def test_chat_hits_again_after_restart_and_never_across_keys(shared_server):
     server = shared_server.restart()   # SIGTERM, then a new process on the same data directory
     again = chat(client(server, ALPHA))
     assert again.usage.prompt_tokens_details.cached_tokens == cap
+    assert again.usage.model_dump()["kvledger"] == {"hit_kind": "full", "device_cached_tokens": 0,
+                                                     "store_cached_tokens": cap, "engine": None}
     assert again.choices[0].message.content == first.choices[0].message.content
     _completion_and_streams(server)
 
