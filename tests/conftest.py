@@ -33,3 +33,13 @@ def shared_redis():
 
     with RedisServer() as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def redis_cluster():
+    """One real 3-master Redis Cluster for the whole session (`.url` is a redis+cluster:// URL); tests
+    keep apart by key prefix. Tests that kill a node start their own RedisCluster."""
+    from kvledger.util.redis_cluster import RedisCluster
+
+    with RedisCluster() as cluster:
+        yield cluster

@@ -25,7 +25,7 @@ class RedisServer:
     """
 
     def __init__(self, port: int | None = None, data_dir: str | Path | None = None, *, persist: bool = False,
-                 password: str | None = None) -> None:
+                 password: str | None = None, extra_args: tuple[str, ...] = ()) -> None:
         self.binary = shutil.which("redis-server")
         if self.binary is None:
             raise RuntimeError("redis-server is not installed (make setup installs Debian's redis-server)")
@@ -34,6 +34,7 @@ class RedisServer:
         self.dir = Path(data_dir or self._tmp.name)
         self.persist = persist
         self.password = password
+        self.extra_args = tuple(extra_args)  # more redis-server options, e.g. the cluster ones (RedisCluster)
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -48,6 +49,7 @@ class RedisServer:
                 "--daemonize", "no", "--loglevel", "warning", "--logfile", str(self.dir / "redis.log")]
         if self.password:
             args += ["--requirepass", self.password]
+        args += list(self.extra_args)
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
