@@ -23,7 +23,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     def common(p: argparse.ArgumentParser) -> None:
         p.add_argument("--path", metavar="DIR", help="a file block store (directory); with --redis-url: its bytes")
-        p.add_argument("--redis-url", metavar="URL", help="a Redis block store, e.g. redis://127.0.0.1:6379/0")
+        p.add_argument("--redis-url", metavar="URL", help="a Redis block store, e.g. redis://127.0.0.1:6379/0 "
+                       "(a Redis Cluster: redis+cluster://HOST:PORT[,HOST:PORT...])")
         p.add_argument("--json", action="store_true", help="print one JSON object")
 
     st = cmds.add_parser("stats", help="size, blocks, chains, per-class counts, oldest entry")

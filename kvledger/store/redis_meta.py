@@ -1,6 +1,6 @@
-"""What the Redis block store keeps on the server: one hash per block, `{prefix}b:<16-byte key>`,
+"""What the Redis block store keeps on the server: one hash per block (named as `redis_keys` says),
 field `m` the packed metadata below (never pickle), field `d` the bytes (absent in the cluster
-mode); and the Lua scripts of CHECK, exists and put (one round trip each)."""
+mode); and the Lua scripts of CHECK, exists and put (one round trip per node touched)."""
 
 from __future__ import annotations
 
@@ -10,25 +10,34 @@ from kvledger.store.backend import read_name, stored_name
 
 META = struct.Struct("<16sIIQddHH")  # parent, pos, size, xxh3_64, created, ttl_s, ns_len, cls_len (+ ns, cls)
 
+# Every key a script touches is in KEYS (Redis Cluster refuses anything else), all of one hash slot.
+# KEYS: blocks in chain order. ARGV[1]: TTL ms; ARGV[2]: the expiry instant in unix ms ('': this server's
+# TIME + TTL); ARGV[3]: each key's chain position, u32 little-endian ('': 0, 1, 2, …). Block at chain
+# position c expires at `at - c` (tails first), `GT` so a hit never shortens a TTL. Returns how many
+# leading KEYS are present.
 MATCH = """
-local blob, ttl, prefix = ARGV[1], tonumber(ARGV[2]), ARGV[3]
-local n = #blob / 16
-local t = redis.call('TIME')  -- one instant for the whole walk: the refreshed chain stays ordered tails first
-local at = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + ttl
-for i = 0, n - 1 do
-  local k = prefix .. string.sub(blob, i * 16 + 1, i * 16 + 16)
-  if redis.call('PEXPIREAT', k, at - i, 'GT') == 0 and redis.call('EXISTS', k) == 0 then
-    return i
+local ttl, at, pos = tonumber(ARGV[1]), ARGV[2], ARGV[3]
+if at == '' then  -- one instant for the whole walk: the refreshed chain stays ordered tails first
+  local t = redis.call('TIME')
+  at = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + ttl
+else
+  at = tonumber(at)
+end
+for i, k in ipairs(KEYS) do
+  local c = i - 1
+  if pos ~= '' then c = struct.unpack('<I4', pos, 4 * i - 3) end
+  if redis.call('PEXPIREAT', k, at - c, 'GT') == 0 and redis.call('EXISTS', k) == 0 then
+    return i - 1
   end
 end
-return n
+return #KEYS
 """
 
+# One '0' / '1' per KEYS entry.
 EXISTS = """
-local blob, prefix = ARGV[1], ARGV[2]
 local out = {}
-for i = 0, #blob / 16 - 1 do
-  out[i + 1] = tostring(redis.call('EXISTS', prefix .. string.sub(blob, i * 16 + 1, i * 16 + 16)))
+for i, k in ipairs(KEYS) do
+  out[i] = tostring(redis.call('EXISTS', k))
 end
 return table.concat(out)
 """

@@ -53,19 +53,25 @@ def parse_cluster_url(url: str) -> ClusterUrl:
     return ClusterUrl(tuple(nodes), unquote(user) or None, unquote(password) or None)
 
 
-def cluster_client(url: str, timeout_s: float):  # -> redis.cluster.RedisCluster
+def cluster_client(url: str, timeout_s: float, **kwargs: object):  # -> redis.cluster.RedisCluster
     """A redis-py RedisCluster for `url`: socket timeouts `timeout_s`, no retries of its own (a fault is a
-    miss for the caller), slots served while another master is down. Connects (learns the slot map) now:
-    raises redis.RedisError / OSError when no startup node answers."""
+    miss for the caller), slots served while another master is down; `kwargs` go to every node's client
+    (e.g. `connection_class`). Connects (learns the slot map) now: redis.ConnectionError when no startup
+    node answers."""
     from redis.backoff import NoBackoff
     from redis.cluster import ClusterNode
     from redis.cluster import RedisCluster as Client
     from redis.retry import Retry
 
+    from redis.exceptions import ConnectionError, RedisClusterException
+
     parsed = parse_cluster_url(url)
-    return Client(startup_nodes=[ClusterNode(h, p) for h, p in parsed.nodes], username=parsed.username,
-                  password=parsed.password, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                  require_full_coverage=False, retry=Retry(NoBackoff(), 0), health_check_interval=0)
+    try:
+        return Client(startup_nodes=[ClusterNode(h, p) for h, p in parsed.nodes], username=parsed.username,
+                      password=parsed.password, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                      require_full_coverage=False, retry=Retry(NoBackoff(), 0), health_check_interval=0, **kwargs)
+    except RedisClusterException as e:  # not a RedisError: said as the connection fault it is
+        raise ConnectionError(f"no startup node of {url} gives the slot map: {e}") from None
 
 
 class RedisCluster:

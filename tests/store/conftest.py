@@ -46,7 +46,7 @@ def clock() -> FakeClock:
     return FakeClock()
 
 
-BACKENDS = ("lmdb", "file", "redis", "cluster")
+BACKENDS = ("lmdb", "file", "redis", "cluster", "redis-cluster", "cluster-on-redis-cluster")
 
 
 @pytest.fixture(params=BACKENDS)
@@ -55,8 +55,9 @@ def store(request, tmp_path, shared_redis):
 
     lmdb: segment files with the persisted LMDB index (the embedded default); file: segment files with
     the previous in-process index; redis: metadata and bytes on Redis; cluster: a Redis
-    index with the bytes in segment files. The Redis ones share one server, each test under its
-    own key prefix."""
+    index with the bytes in segment files; redis-cluster and cluster-on-redis-cluster: the same two
+    on a real 3-master Redis Cluster. The Redis ones share one server (one cluster), each test
+    under its own key prefix."""
     from kvledger.store.file_backend import FileStore
     from kvledger.store.redis_backend import RedisStore
 
@@ -69,7 +70,12 @@ def store(request, tmp_path, shared_redis):
         st = FileStore(tmp_path, fsync=False)
     elif request.param == "redis":
         st = RedisStore(shared_redis.url, prefix=prefix)
-    else:
+    elif request.param == "cluster":
         st = RedisStore(shared_redis.url, prefix=prefix, files=FileStore(tmp_path, fsync=False))
+    elif request.param == "redis-cluster":
+        st = RedisStore(request.getfixturevalue("redis_cluster").url, prefix=prefix)
+    else:
+        url = request.getfixturevalue("redis_cluster").url
+        st = RedisStore(url, prefix=prefix, files=FileStore(tmp_path, fsync=False))
     yield st
     st.close()

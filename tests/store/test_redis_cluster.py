@@ -2,9 +2,21 @@
 
 from __future__ import annotations
 
-import pytest
+import json
+import secrets
+import time
+from collections import Counter
 
-from kvledger.util.redis_cluster import ClusterUrl, cluster_client, parse_cluster_url
+import pytest
+import redis
+
+from kvledger.store.ledger import BlockLedger
+from kvledger.store.redis_backend import RedisStore
+from kvledger.util.redis_cluster import ClusterUrl, RedisCluster, cluster_client, parse_cluster_url
+
+from kvledger.util.redis_server import free_port
+
+from .conftest import BLOCK, chain
 
 
 def test_cluster_url_parses_nodes_and_credentials():
@@ -23,3 +35,148 @@ def test_launcher_starts_three_masters_covering_every_slot(redis_cluster):
     info = client.cluster_info(target_nodes=client.get_random_node())
     assert info["cluster_state"] == "ok" and int(info["cluster_slots_assigned"]) == 16384
     client.close()
+
+
+# The CHECK script before Redis Cluster support: it builds key names inside the script (prefix .. key).
+OLD_MATCH = """
+local blob, ttl, prefix = ARGV[1], tonumber(ARGV[2]), ARGV[3]
+local n = #blob / 16
+local t = redis.call('TIME')
+local at = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + ttl
+for i = 0, n - 1 do
+  local k = prefix .. string.sub(blob, i * 16 + 1, i * 16 + 16)
+  if redis.call('PEXPIREAT', k, at - i, 'GT') == 0 and redis.call('EXISTS', k) == 0 then
+    return i
+  end
+end
+return n
+"""
+
+
+@pytest.fixture
+def prefix() -> str:
+    return f"t{secrets.token_hex(6)}:"
+
+
+def test_old_check_script_is_refused_by_every_master_the_new_one_answers(redis_cluster, prefix):
+    """The old script reads keys it was not given: Redis Cluster refuses it on every node."""
+    client = cluster_client(redis_cluster.url, 2.0)
+    keys, blocks = chain(64)
+    for k in keys:  # the old layout's names, present: each node's walk reaches a key another node serves
+        client.hset(prefix.encode() + b"b:" + k, "m", b"x")
+    for node in client.get_primaries():
+        with pytest.raises(redis.ResponseError, match="non local key"):
+            client.get_redis_connection(node).eval(OLD_MATCH, 0, b"".join(keys), 1000, prefix.encode() + b"b:")
+    led = BlockLedger(RedisStore(redis_cluster.url, prefix=prefix))
+    assert led.match(keys) == 0 and led.put_chain(keys, blocks) == (64, 0, 0) and led.match(keys) == 64
+    client.close()
+    led.close()
+
+
+def test_store_cli_and_ledger_open_take_a_cluster_url(redis_cluster, run_cli):
+    """The one test on this cluster under the default prefix `kvl:`."""
+    with BlockLedger.open(redis_url=redis_cluster.url) as led:
+        keys, blocks = chain(5, seed=11)
+        assert led.put_chain(keys, blocks, ttl_class="agent").written == 5
+    r = run_cli("store", "stats", "--redis-url", redis_cluster.url, "--json")
+    assert r.returncode == 0, r.stderr
+    st = json.loads(r.stdout)
+    assert (st["blocks"], st["chains"], st["per_class"]) == (5, 1, {"agent": 5})
+    for cmd in ("gc", "verify"):
+        r = run_cli("store", cmd, "--redis-url", redis_cluster.url, "--json")
+        assert r.returncode == 0 and len(r.stdout.splitlines()) == 1, r.stderr
+    assert json.loads(r.stdout)["checked"] == 5
+    for url in (f"redis+cluster://127.0.0.1:{free_port()}", "redis+cluster://nohostport"):
+        r = run_cli("store", "stats", "--redis-url", url, "--json")
+        assert r.returncode == 2 and r.stdout == "" and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_blocks_spread_over_the_three_masters(redis_cluster, prefix):
+    store = RedisStore(redis_cluster.url, prefix=prefix)
+    keys, blocks = chain(600, seed=3)
+    assert BlockLedger(store).put_chain(keys, blocks).written == 600
+    per_master = [len(list(n.scan_iter(match=prefix + "b:*", count=1000))) for n in store.nodes.masters()]
+    assert sum(per_master) == 600 and len(per_master) == 3
+    assert all(150 <= c <= 250 for c in per_master), per_master  # 64 groups, about 21 per master
+    assert store.stats().blocks == 600 and len(list(store.blocks())) == 600
+    store.close()
+
+
+def _port_of(store: RedisStore, key: bytes) -> int:
+    """The port of the master serving `key`'s block."""
+    return store.nodes.node_of(store.place.slot(key)).connection_pool.connection_kwargs["port"]
+
+
+def _count_sends(monkeypatch) -> Counter:
+    """Every batch written to a Redis socket, by port (one per round trip)."""
+    sends: Counter = Counter()
+    original = redis.connection.Connection.send_packed_command
+
+    def counted(self, command, check_health=True):  # noqa: ANN001, ANN202
+        sends[self.port] += 1
+        return original(self, command, check_health)
+
+    monkeypatch.setattr(redis.connection.Connection, "send_packed_command", counted)
+    return sends
+
+
+@pytest.mark.parametrize("n_blocks", [1, 64, 2048])
+def test_check_is_one_round_trip_per_master_touched(redis_cluster, prefix, monkeypatch, n_blocks):
+    store = RedisStore(redis_cluster.url, prefix=prefix)
+    led = BlockLedger(store)
+    keys, blocks = chain(n_blocks, seed=n_blocks)
+    led.put_chain(keys, blocks)
+    assert led.match(keys) == n_blocks  # scripts loaded, slot map learned
+    sends = _count_sends(monkeypatch)
+    assert led.match(keys) == n_blocks
+    touched = {_port_of(store, k) for k in keys}
+    assert set(sends) == touched and all(v == 1 for v in sends.values()), sends
+    assert n_blocks < 64 or len(touched) == 3
+    store.close()
+
+
+def test_check_stops_at_the_first_absent_block_whatever_node_holds_it(redis_cluster, prefix):
+    store = RedisStore(redis_cluster.url, prefix=prefix)
+    led = BlockLedger(store)
+    keys, blocks = chain(200, seed=5)
+    led.put_chain(keys, blocks)
+    client = cluster_client(redis_cluster.url, 2.0)
+    for hole in (150, 37, 0):
+        client.delete(store._k(keys[hole]))
+        assert led.match(keys) == hole
+    at = [client.pexpiretime(store._k(k)) for k in keys[1:37]]
+    assert at == [at[0] - p for p in range(36)]  # one client instant over every master: tails first
+    client.close()
+    store.close()
+
+
+def test_a_dead_master_costs_only_its_blocks_then_recovers(tmp_path):
+    """Kill one master of three: CHECK answers the blocks before the first one it held, reads of its
+    blocks miss, puts fail soft, views do not raise; nothing hangs. Restarted (empty), it serves again."""
+    with RedisCluster() as cluster:
+        store = RedisStore(cluster.url, timeout_s=0.5)
+        led = BlockLedger(store)
+        keys, blocks = chain(96, seed=8)
+        assert led.put_chain(keys, blocks).written == 96
+        victim = cluster.nodes[1]
+        on_victim = [i for i, k in enumerate(keys) if _port_of(store, k) == victim.port]
+        assert on_victim
+        victim.kill()
+        t0 = time.monotonic()
+        assert led.match(keys) == on_victim[0]
+        got = led.get_into(keys, [bytearray(BLOCK) for _ in keys])
+        assert [i for i, n in enumerate(got) if n < 0] == on_victim and all(n == BLOCK for n in got if n >= 0)
+        other, other_blocks = chain(32, seed=9)
+        res = led.put_chain(other, other_blocks)
+        assert res.failed > 0 and res.written + res.failed == 32
+        assert led.exists(keys[:1]) == [on_victim[0] != 0]
+        assert led.stats().blocks == 96 - len(on_victim) + res.written  # the views cover the live masters
+        assert time.monotonic() - t0 < 10
+        assert store.counters.match_failures == 1 and store.counters.put_failures == 1
+        victim.start()
+        deadline = time.monotonic() + 20
+        while led.match(keys) != on_victim[0] or led.put_chain(keys, blocks).failed:
+            assert time.monotonic() < deadline, "the restarted master never served again"
+            time.sleep(0.2)
+        assert led.match(keys) == 96
+        store.close()

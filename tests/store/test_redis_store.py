@@ -3,21 +3,37 @@
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import time
 
+import pytest
 import redis
 
 from kvledger.store.ledger import BlockLedger
 from kvledger.store.redis_backend import RedisStore
 from kvledger.store.ttl import DAY_S, TtlPolicy
+from kvledger.util.redis_cluster import cluster_client
 
 from .conftest import BLOCK, chain
 
 
-def test_ttl_tails_expire_first_and_hits_refresh(redis_server):
-    r = redis.Redis.from_url(redis_server.url)
-    store = RedisStore(redis_server.url)
+@pytest.fixture(params=["server", "redis-cluster"])
+def redis_at(request) -> tuple[str, str, object]:
+    """(url, key prefix, a raw client) of a Redis of this test's own, or of the session's Redis Cluster."""
+    if request.param == "server":
+        server = request.getfixturevalue("redis_server")
+        yield server.url, "kvl:", redis.Redis.from_url(server.url)
+        return
+    url = request.getfixturevalue("redis_cluster").url
+    client = cluster_client(url, 2.0)
+    yield url, f"t{secrets.token_hex(6)}:", client
+    client.close()
+
+
+def test_ttl_tails_expire_first_and_hits_refresh(redis_at):
+    url, prefix, r = redis_at
+    store = RedisStore(url, prefix=prefix)
     led = BlockLedger(store)
     keys, blocks = chain(5)
     led.put_chain(keys, blocks, ttl_class="agent")
@@ -42,11 +58,11 @@ def test_ttl_tails_expire_first_and_hits_refresh(redis_server):
     assert short.match(k2, ttl_class="blink") == 0 and short.get_into(k2[:1], [bytearray(BLOCK)]) == [-1]
 
 
-def test_corrupt_block_is_a_miss_counted_and_removed(redis_server):
-    store = RedisStore(redis_server.url)
+def test_corrupt_block_is_a_miss_counted_and_removed(redis_at):
+    url, prefix, r = redis_at
+    store = RedisStore(url, prefix=prefix)
     keys, blocks = chain(4)
     BlockLedger(store).put_chain(keys, blocks)
-    r = redis.Redis.from_url(redis_server.url)
     bad = bytearray(blocks[1])
     bad[100] ^= 0xFF
     r.hset(store._k(keys[1]), "d", bytes(bad))

@@ -1,0 +1,100 @@
+"""Where the blocks of a RedisStore live: their key names and hash slots.
+
+One Redis server: `{prefix}b:<16-byte key>`, as always. Redis Cluster:
+`{prefix}b:{<tag>}<16-byte key>`, the tag one of TAGS = 64 group tags picked by the key's first byte
+(`key[0] % 64`; chain keys are hashes, so the groups are even). Redis hashes only the tag, so a
+group is one hash slot; the tags are chosen so the 64 slots sit one in each 256-slot window of
+the 16,384 (`group_tags`), and every master serves about the same number of groups whatever
+contiguous ranges `redis-cli --cluster create` (or a reshard) gave it.
+
+Why 64 groups, not a tag per chain root nor a slot per key. A Redis script may touch keys of one
+slot only, so CHECK runs one script per slot among the prompt's keys, batched per node (one round
+trip per node touched). A tag per chain root (all of a prompt family in one slot) makes CHECK one
+script on one node, but a hot system prompt, or a whole tenant, then loads one node and fills its
+memory; nor can the store name a block by its root (get, exists and delete see only the key). A
+slot per key spreads best but makes a CHECK of 8,192 keys ~8,000 scripts of one key, each
+refreshing its block even past the first miss (a cold prompt: 8,000 commands where one server
+stops at the first). 64 groups keep the load even (±1 group in 21 per master of three; a
+cluster grows to ~64 masters before a node holds no group) and a CHECK of n keys runs
+min(n, 64) scripts, each walking its group's keys in chain order and stopping at its own first
+absent key. The price: a group can refresh a few present blocks past the chain's first absent
+one (blocks after a hole, which a later put of the hole makes reachable again), and a slot
+holds 1/64 of the blocks (a reshard moves whole groups). A `{` in `prefix` overrides the tag
+(Redis hashes the first `{…}`): `prefix="kvl:{tenant}:"` puts every block in one slot, on purpose.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+from redis.crc import key_slot
+
+from kvledger.core import KEY_BYTES
+
+TAGS = 64
+SLOTS = 16384
+
+
+@functools.cache
+def group_tags() -> tuple[bytes, ...]:
+    """The tag of group g: the first `b"g.j"` (j = 0, 1, …) whose hash slot lies in window g of
+    16384 / 64 = 256 slots. Part of the key layout: every client of a cluster computes the same."""
+    width = SLOTS // TAGS
+    tags = []
+    for g in range(TAGS):
+        j = 0
+        while key_slot(b"%d.%d" % (g, j)) // width != g:
+            j += 1
+        tags.append(b"%d.%d" % (g, j))
+    return tuple(tags)
+
+
+def _tag_is_fixed(head: bytes) -> bool:
+    """Whether Redis hashes a tag that ends inside `head` (so every `head + key` shares one slot)."""
+    start = head.find(b"{")
+    end = head.find(b"}", start + 1)
+    return start >= 0 and end > start + 1
+
+
+class Placement:
+    """Names and slots of blocks under `bprefix` (`{prefix}b:`); `cluster` False: one server, one slot 0."""
+
+    def __init__(self, bprefix: bytes, cluster: bool) -> None:
+        self.bprefix = bprefix
+        self.cluster = cluster
+        self.heads = [bprefix + b"{" + t + b"}" for t in group_tags()] if cluster else [bprefix] * TAGS
+        fixed = cluster and all(_tag_is_fixed(h) for h in self.heads)
+        self.slots: list[int] | None = [key_slot(h) for h in self.heads] if fixed else None
+
+    def name(self, key: bytes) -> bytes:
+        return self.heads[key[0] % TAGS] + key
+
+    def names(self, keys: Sequence[bytes]) -> list[bytes]:
+        heads = self.heads
+        return [heads[k[0] % TAGS] + k for k in keys]
+
+    def key_of(self, name: bytes) -> bytes:
+        """The block key a Redis key name holds (its last KEY_BYTES bytes in the cluster layout)."""
+        return name[-KEY_BYTES:] if self.cluster else name[len(self.bprefix):]
+
+    def slot(self, key: bytes) -> int:
+        if not self.cluster:
+            return 0
+        if self.slots is not None:
+            return self.slots[key[0] % TAGS]
+        return key_slot(self.name(key))
+
+    def groups(self, keys: Sequence[bytes]) -> dict[int, list[int]]:
+        """slot → indexes into `keys` (ascending) of the keys in that slot; one group on one server."""
+        if not self.cluster:
+            return {0: list(range(len(keys)))}
+        out: dict[int, list[int]] = {}
+        if self.slots is not None:
+            slots = self.slots
+            for i, k in enumerate(keys):
+                out.setdefault(slots[k[0] % TAGS], []).append(i)
+        else:
+            for i, k in enumerate(keys):
+                out.setdefault(key_slot(self.name(k)), []).append(i)
+        return out

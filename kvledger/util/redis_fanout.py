@@ -1,0 +1,206 @@
+"""Batches of Redis commands sent to one Redis server, or spread over the masters of a Redis Cluster
+by hash slot: one round trip per node touched, every node's batch on the wire before any reply is
+read (so the nodes work at the same time), a node's fault confined to that node's commands.
+
+`RedisNodes(url)`: `redis://…` is one server; `redis+cluster://…` (kvledger.util.redis_cluster) a
+cluster, whose slot map is learned on first use (and again after a MOVED reply). Commands are
+RESP-encoded here (`command`, `script_call`): redis-py's encoder costs ~1 µs per argument, too much
+for a CHECK of 8,192 keys; names of one length are joined in one pass.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import redis
+from redis.backoff import NoBackoff
+from redis.crc import key_slot
+from redis.retry import Retry
+
+from kvledger.util.redis_cluster import cluster_client, is_cluster_url
+
+log = logging.getLogger("kvledger.redis")
+
+FAULTS = (redis.RedisError, redis.exceptions.RedisClusterException, OSError)  # RedisClusterException: no slot map
+FORGET_S = 5.0  # seconds between two re-learnings of the slot map after connection faults
+BIG = 1 << 16  # an argument at least this long travels as its own buffer (not copied into the batch)
+
+Wire = list[bytes | memoryview]
+
+
+class Call(NamedTuple):
+    """One command: the hash slot that routes it (ignored on a single server) and its RESP bytes."""
+
+    slot: int
+    wire: Wire
+
+
+def _arg(a: bytes | memoryview | str | int | float) -> bytes | memoryview:
+    if isinstance(a, (bytes, memoryview)):
+        return a
+    return str(a).encode()
+
+
+def _bulk(a: bytes | memoryview | str | int | float) -> bytes:
+    a = _arg(a)
+    return b"$%d\r\n%b\r\n" % (len(a) if isinstance(a, bytes) else a.nbytes, a)
+
+
+def command(*args: bytes | memoryview | str | int | float) -> Wire:
+    """One command as RESP: `command("HMGET", name, "m", "d")`; a big argument is not copied."""
+    out: Wire = []
+    head = [b"*%d\r\n" % len(args)]
+    for a in map(_arg, args):
+        n = a.nbytes if isinstance(a, memoryview) else len(a)
+        if n >= BIG:
+            out += [b"".join(head) + b"$%d\r\n" % n, a]
+            head = [b"\r\n"]
+        else:
+            head.append(b"$%d\r\n%b\r\n" % (n, a))
+    return [*out, b"".join(head)]
+
+
+def script_call(sha: str, names: Sequence[bytes], *argv: bytes | str | int) -> Wire:
+    """`EVALSHA sha len(names) *names *argv`; names of one length are joined in one pass (the CHECK path)."""
+    size = len(names[0]) if names else 0
+    if any(len(x) != size for x in names):
+        return command("EVALSHA", sha, len(names), *names, *argv)
+    body = b"$%d\r\n" % size + (b"\r\n$%d\r\n" % size).join(names) + b"\r\n" if names else b""
+    head = b"*%d\r\n" % (3 + len(names) + len(argv)) + _bulk("EVALSHA") + _bulk(sha) + _bulk(len(names))
+    return [head + body + b"".join(map(_bulk, argv))]
+
+
+class RedisNodes:
+    """Where a batch goes: the one server of a `redis://` URL, or the master serving each call's slot."""
+
+    def __init__(self, url: str, timeout_s: float, *, connection_class: type | None = None) -> None:
+        self.url = url
+        self.timeout_s = timeout_s
+        self.cluster = is_cluster_url(url)
+        self.scripts: dict[str, bytes] = {}  # sha → body, loaded again on a node that answers NOSCRIPT
+        self._extra = {"connection_class": connection_class} if connection_class else {}
+        self._client: Any = None
+        self._forgot = -FORGET_S
+        if not self.cluster:
+            pool = redis.ConnectionPool.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                                                 retry=Retry(NoBackoff(), 0), health_check_interval=0,
+                                                 **self._extra)
+            self._client = redis.Redis(connection_pool=pool)
+
+    def script(self, body: str) -> str:
+        """Register a Lua script; its sha1 (for `script_call`)."""
+        sha = hashlib.sha1(body.encode()).hexdigest()
+        self.scripts[sha] = body.encode()
+        return sha
+
+    def client(self) -> Any:
+        """redis.Redis (one server) or redis.cluster.RedisCluster (learning the slot map now if it must)."""
+        if self._client is None:
+            self._client = cluster_client(self.url, self.timeout_s, **self._extra)
+        return self._client
+
+    def masters(self) -> list[redis.Redis]:
+        """One plain client per master (SCAN, INFO, PING go to each)."""
+        c = self.client()
+        if not self.cluster:
+            return [c]
+        return [c.get_redis_connection(n) for n in c.get_primaries()]
+
+    def node_of(self, slot: int) -> redis.Redis:
+        c = self.client()
+        if not self.cluster:
+            return c
+        return c.get_redis_connection(c.nodes_manager.get_node_from_slot(slot))
+
+    def run(self, calls: Sequence[Call]) -> list[Any]:
+        """The replies in order; a reply that is an error, or every reply of a node that failed, is the
+        exception (never raised). One round trip per node touched (two where a script was not loaded)."""
+        out: list[Any] = [None] * len(calls)
+        groups: dict[int, tuple[redis.Redis, list[int]]] = {}
+        try:
+            for i, call in enumerate(calls):
+                node = self.node_of(call.slot)
+                groups.setdefault(id(node), (node, []))[1].append(i)
+        except FAULTS as e:  # no slot map (no startup node answers) or a slot no master serves
+            self._forget(e)
+            return [e] * len(calls)
+        sent = [(node, idx, self._send(node, [calls[i].wire for i in idx])) for node, idx in groups.values()]
+        for node, idx, conn in sent:  # every batch is on the wire: read them in turn
+            replies = self._read(node, conn, len(idx))
+            again = [j for j, r in enumerate(replies) if isinstance(r, redis.exceptions.NoScriptError)]
+            if again:  # the node restarted or flushed its scripts: load them, run those calls once more
+                retry = self._load_and_run(node, [calls[idx[j]].wire for j in again])
+                for j, r in zip(again, retry):
+                    replies[j] = r
+            for i, r in zip(idx, replies):
+                out[i] = r
+        for e in {type(r): r for r in out if isinstance(r, BaseException)}.values():
+            self._forget(e)
+        return out
+
+    def _send(self, node: redis.Redis, wires: list[Wire]) -> Any:
+        try:
+            conn = node.connection_pool.get_connection()  # connects if it must; the pool keeps a failed one
+        except FAULTS as e:
+            return e
+        try:
+            conn.send_packed_command([piece for w in wires for piece in w], check_health=False)
+        except FAULTS as e:
+            node.connection_pool.release(conn)
+            return e
+        return conn
+
+    def _read(self, node: redis.Redis, conn: Any, n: int) -> list[Any]:
+        if isinstance(conn, BaseException):
+            return [conn] * n
+        replies: list[Any] = []
+        try:
+            for _ in range(n):
+                try:
+                    replies.append(conn.read_response())
+                except redis.ResponseError as e:
+                    replies.append(e)
+        except FAULTS as e:
+            conn.disconnect()
+            replies += [e] * (n - len(replies))
+        finally:
+            node.connection_pool.release(conn)
+        return replies
+
+    def _load_and_run(self, node: redis.Redis, wires: list[Wire]) -> list[Any]:
+        try:
+            for body in self.scripts.values():
+                node.script_load(body)
+        except FAULTS as e:
+            return [e] * len(wires)
+        return self._read(node, self._send(node, wires), len(wires))
+
+    def _forget(self, e: BaseException) -> None:
+        """After a fault, a cluster learns its slot map again on the next call (a node may have moved):
+        at once after MOVED / ASK, at most every FORGET_S after a connection fault (a dead node stays dead).
+        The old client is dropped, not closed: another thread may be reading from its connections."""
+        if isinstance(e, redis.ResponseError) and not str(e).startswith(("MOVED", "ASK")):
+            return  # an ordinary error reply: the map is fine
+        moved = isinstance(e, redis.ResponseError)
+        if not moved and time.monotonic() - self._forgot < FORGET_S:
+            return
+        if self.cluster and self._client is not None:
+            self._forgot = time.monotonic()
+            log.debug("Redis Cluster %s: %s; slot map to be learned again", self.url, e)
+            self._client = None
+
+    def close(self) -> None:
+        if self._client is not None:
+            with contextlib.suppress(*FAULTS):
+                self._client.close()
+        if self.cluster:
+            self._client = None
+
+
+def slot_of(name: bytes) -> int:
+    return key_slot(name)
