@@ -134,11 +134,11 @@ class RedisStore:
     # --- write -----------------------------------------------------------------
 
     def put(self, write: ChainWrite) -> PutResult:
+        now = time.time()  # the TTL runs from the call (a first call on a cluster learns the slot map first)
         n = len(write.keys)
         present = self.exists(write.keys)
         sel = [i for i in range(n) if not present[i]]
         skipped = n - len(sel)
-        now = time.time()
         if self.files is not None and sel:
             on_files = self.files.put(ChainWrite(write.keys, write.blocks, write.start_pos, write.parent,
                                                  write.namespace, write.ttl_class, FILE_TTL_S))
