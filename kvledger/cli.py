@@ -19,7 +19,8 @@ from kvledger.util.output import CliError, emit_json, finite_float, loads_strict
 
 EXIT_USAGE = 2
 # Command groups that live with their packages; each module has `register(subparsers)`.
-COMMAND_GROUPS = ("kvledger.store.cli", "kvledger.bench.cli", "kvledger.entrypoint.cli")
+COMMAND_GROUPS = ("kvledger.store.cli", "kvledger.bench.cli", "kvledger.entrypoint.cli", "kvledger.entrypoint.up",
+                  "kvledger.engine.cli")
 
 
 class _Parser(argparse.ArgumentParser):

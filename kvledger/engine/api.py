@@ -11,7 +11,7 @@ from typing import Any
 
 from kvledger.core import HitDecision
 
-FINISH_REASONS = ("stop", "length", "abort")
+FINISH_REASONS = ("stop", "length", "abort", "handoff")  # "handoff": continued elsewhere (cluster mode)
 
 
 @dataclass(frozen=True, slots=True)

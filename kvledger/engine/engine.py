@@ -120,6 +120,20 @@ class Engine:
             self._finish(seq, "abort", store=False)
             self.pending.append(TokenEvent(seq.request_id, (), True, "abort", self._usage(seq)))
 
+    def hand_off(self, request_id: str) -> None:
+        """End a request now, keeping its KV: the blocks computed so far go to the block ledger and
+        the latest decode window to the state ledger (as at a normal end, rule 7), so another engine
+        continues it from prompt + output with a hit. Its last event (finish_reason "handoff") comes
+        with the next step; `wait_stored()` then makes the blocks findable."""
+        seq = self.scheduler.find(request_id)
+        if seq is not None:
+            self._finish(seq, "handoff", store=True)
+            self.pending.append(TokenEvent(seq.request_id, (), True, "handoff", self._usage(seq)))
+
+    def request_ids(self) -> list[str]:
+        """Requests added and not finished, running first."""
+        return [s.request_id for s in list(self.scheduler.running) + list(self.scheduler.waiting)]
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self.pending)
 

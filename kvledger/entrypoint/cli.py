@@ -12,6 +12,7 @@ import os
 import sys
 from pathlib import Path
 
+from kvledger.entrypoint.router import POLICIES
 from kvledger.util.output import CliError
 
 MODELS = ("smollm2-135m", "tiny-v4")
@@ -25,20 +26,32 @@ def default_data_dir() -> Path:
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="the OpenAI-compatible server on the embedded store")
+    http_args(p)
+    p.add_argument("--data-dir", type=Path, default=None, help=f"block ledger folder (default {default_data_dir()})")
+    p.add_argument("--no-cache", action="store_true", help="compute every prompt in full (a baseline)")
+    p.add_argument("--max-num-seqs", type=int, default=8, help="requests the engine batches at once")
+    p.set_defaults(func=cmd_serve, redis_url=None, token_file=None, routing="cache-aware")
+
+    p = sub.add_parser("entrypoint", help="a cluster's HTTP front: tokenizer, CHECK, router (no model weights)")
+    http_args(p)
+    p.add_argument("--redis-url", required=True, help="the cluster's Redis: index, directory, engine registry")
+    p.add_argument("--data-dir", type=Path, required=True, help="the shared store folder (blocks under it)")
+    p.add_argument("--token-file", type=Path, default=None, help="the cluster token (or $KVLEDGER_CLUSTER_TOKEN)")
+    p.add_argument("--routing", default="cache-aware", choices=POLICIES, help="how prefill engines are chosen")
+    p.set_defaults(func=cmd_serve, no_cache=False, max_num_seqs=8)
+
+
+def http_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (non-loopback needs --api-keys)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--data-dir", type=Path, default=None, help=f"block ledger folder (default {default_data_dir()})")
     p.add_argument("--api-keys", type=Path, default=None, metavar="FILE",
                    help='JSON: {"KEY": "namespace"} or {"KEY": {"namespace": ..., "ttl_class": ...}}')
     p.add_argument("--model", default="smollm2-135m", choices=MODELS)
-    p.add_argument("--no-cache", action="store_true", help="compute every prompt in full (a baseline)")
     p.add_argument("--max-concurrent-per-key", type=int, default=16, help="more at once → 429")
     p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies → 413")
     p.add_argument("--max-prompt-tokens", type=int, default=None, help="longer prompts → 400 (default: the context)")
     p.add_argument("--max-tokens-limit", type=int, default=None, help="larger max_tokens → 400 (default: the context)")
-    p.add_argument("--max-num-seqs", type=int, default=8, help="requests the engine batches at once")
     p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
-    p.set_defaults(func=cmd_serve)
 
 
 def is_loopback(host: str) -> bool:
@@ -65,17 +78,27 @@ def cmd_serve(args: argparse.Namespace) -> None:
     for flag in ("max_concurrent_per_key", "max_body_bytes", "max_num_seqs", "max_prompt_tokens", "max_tokens_limit"):
         if getattr(args, flag) is not None and getattr(args, flag) <= 0:
             raise CliError(f"--{flag.replace('_', '-')} must be > 0")
+    token = None
+    if args.redis_url is not None:
+        from kvledger.util.cluster_token import load_token
+
+        try:
+            token = load_token(args.token_file)
+        except ValueError as e:
+            raise CliError(str(e)) from None
     config = ServeConfig(model=args.model, host=args.host, port=args.port, data_dir=args.data_dir or default_data_dir(),
                          api_keys=args.api_keys, no_cache=args.no_cache, max_body_bytes=args.max_body_bytes,
                          max_concurrent_per_key=args.max_concurrent_per_key, max_num_seqs=args.max_num_seqs,
-                         max_prompt_tokens=args.max_prompt_tokens, max_tokens_limit=args.max_tokens_limit)
+                         max_prompt_tokens=args.max_prompt_tokens, max_tokens_limit=args.max_tokens_limit,
+                         redis_url=args.redis_url, cluster_token=token, routing=args.routing)
     try:
         state = ServerState(config)
     except (KeyFileError, OSError) as e:
         raise CliError(str(e)) from None
     tenants = "open: no --api-keys, every request is tenant 'default' (loopback only)" if state.keys is None \
         else f"{len(state.keys)} API keys, {len({t.namespace for t in state.keys.values()})} namespaces"
-    print(f"kvledger serve: {config.model} on http://{_url_host(config.host)}:{config.port}  "
+    mode = "serve" if args.redis_url is None else f"entrypoint ({args.routing} routing)"
+    print(f"kvledger {mode}: {config.model} on http://{_url_host(config.host)}:{config.port}  "
           f"data {config.data_dir}  {tenants}{'  cache disabled' if config.no_cache else ''}",
           file=sys.stderr, flush=True)
     uvicorn.run(build_app(config, state), host=config.host, port=config.port, log_level=args.log_level,

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from kvledger.engine.api import RequestUsage
 from kvledger.entrypoint.activity import RequestRecord
-from kvledger.entrypoint.async_engine import EngineFailed, EngineRejected
+from kvledger.engine.async_engine import EngineFailed, EngineRejected
 from kvledger.entrypoint.detokenize import TextStream
 from kvledger.entrypoint.errors import ApiError
 from kvledger.entrypoint.metrics import tenant_of

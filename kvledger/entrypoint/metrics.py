@@ -58,6 +58,8 @@ class ServeMetrics:
                                    ["cause"], registry=r)
         self.errors = Counter("kvledger_errors", "Requests answered with an error, by kind", ["kind"], registry=r)
         self.running = Gauge("kvledger_requests_running", "Requests in the engine now", registry=r)
+        self.legs = Counter("kvledger_engine_legs", "Engine legs of requests (cluster mode), by kind and engine",
+                            ["kind", "engine"], registry=r)
         r.register(StoreCollector(stats))
 
     def error(self, kind: str) -> None:

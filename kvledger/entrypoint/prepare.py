@@ -58,6 +58,9 @@ async def prepare(state: ServerState, tenant: Tenant, body: SamplingFields, endp
     arrival = time.perf_counter()
     if body.model != state.model:
         raise model_not_found(body.model, state.model)
+    if state.max_model_len == 0:   # cluster mode: no engine has registered yet
+        raise ApiError(503, "No engine serves this model yet; retry in a few seconds.", "server_error",
+                       code="no_engine")
     tokens = chat_tokens(state, body) if isinstance(body, ChatCompletionRequest) else completion_tokens(state, body)
     sampling = sampling_params(state, body, len(tokens))
     namespace = salted_namespace(tenant.namespace, body.cache_salt)

@@ -15,7 +15,8 @@ from typing import Any
 
 from kvledger.core import ModelSpec
 from kvledger.entrypoint.activity import Activity
-from kvledger.entrypoint.async_engine import AsyncEngine
+from kvledger.engine.async_engine import AsyncEngine
+from kvledger.entrypoint.remote import RemoteEngines
 from kvledger.entrypoint.auth import Tenant, load_keys
 from kvledger.entrypoint.cli import MODELS, default_data_dir
 from kvledger.entrypoint.metrics import ServeMetrics
@@ -43,10 +44,16 @@ class ServeConfig:
     max_num_seqs: int = 8
     device: str = "cpu"
     replay: bool = False
+    # cluster mode (`kvledger entrypoint`): no engine here; Redis holds the index, the directory and
+    # the engine registry, and the engines are reached with the cluster token
+    redis_url: str | None = None
+    cluster_token: str | None = field(default=None, repr=False)
+    routing: str = "cache-aware"
 
     def __post_init__(self) -> None:
         if self.model not in MODELS:
             raise ValueError(f"unknown model {self.model!r}; known: {', '.join(MODELS)}")
+        assert (self.redis_url is None) == (self.cluster_token is None), "the cluster mode needs both"
         assert self.max_body_bytes > 0 and self.max_concurrent_per_key > 0 and self.default_max_tokens > 0
 
 
@@ -62,13 +69,14 @@ class ServerState:
         self.policy = TtlPolicy()
         self.keys: dict[str, Tenant] | None = (load_keys(config.api_keys, set(self.policy.classes))
                                                if config.api_keys is not None else None)
-        self.block_ledger = BlockLedger.open(path=Path(config.data_dir) / "blocks", policy=self.policy)
+        self.block_ledger = BlockLedger.open(path=Path(config.data_dir) / "blocks", redis_url=config.redis_url,
+                                             policy=self.policy)
         self.state_ledger = self._open_state_ledger()
         self.tokenizer, self.chat_template = _text_side(config.model)
         self.metrics = ServeMetrics(self.store_stats)
         self.activity = Activity()
         self.in_flight: dict[str, int] = {}   # tenant label → requests admitted and not finished
-        self.engine: AsyncEngine | None = None
+        self.engine: AsyncEngine | RemoteEngines | None = None
         self.max_model_len = 0
         self.vocab_size = 0
         self.eos_token_ids: tuple[int, ...] = ()
@@ -78,12 +86,21 @@ class ServerState:
             return None
         from kvledger.state.ledger import StateLedger
 
-        return StateLedger(self.spec, token=secrets.token_hex(16), serve=False, heartbeat=False).start()
+        if self.config.redis_url is None:
+            return StateLedger(self.spec, token=secrets.token_hex(16), serve=False, heartbeat=False).start()
+        from kvledger.state.redis_directory import RedisDirectory
 
-    def start_engine(self) -> AsyncEngine:
-        """Load the model (seconds) and start its step loop; call from the event loop's thread."""
+        # the entrypoint holds no snapshot: it only looks positions up (CHECK)
+        return StateLedger(self.spec, token=self.config.cluster_token, directory=RedisDirectory(self.config.redis_url),
+                           capacity_bytes=0, serve=False, heartbeat=False).start()
+
+    def start_engine(self) -> AsyncEngine | RemoteEngines:
+        """Embedded: load the model (seconds) and start its step loop. Cluster: start following the
+        engine registry. Call from the event loop's thread."""
         import asyncio
 
+        if self.config.redis_url is not None:
+            return self._start_remote(asyncio.get_running_loop())
         from kvledger.engine.engine import Engine
 
         cache = not self.config.no_cache   # the baseline neither reads nor writes the ledgers
@@ -97,6 +114,30 @@ class ServerState:
         self.engine = AsyncEngine(engine)
         self.engine.start(asyncio.get_running_loop())
         return self.engine
+
+    def _start_remote(self, loop: Any) -> RemoteEngines:
+        from kvledger.engine.registry import Registry
+        from kvledger.entrypoint.check import check_prompt
+        from kvledger.entrypoint.router import Router
+
+        def check(tokens: Any, namespace: str, ttl_class: str | None) -> Any:
+            return check_prompt(tokens, self.spec, block_ledger=self.block_ledger, state_ledger=self.state_ledger,
+                                namespace=namespace, ttl_class=ttl_class, replay=self.config.replay)
+
+        assert self.config.redis_url is not None and self.config.cluster_token is not None
+        self.engine = RemoteEngines(Registry.from_url(self.config.redis_url), Router(self.config.routing),
+                                    self.config.cluster_token, check, self.spec, on_engine=self._learn_model,
+                                    on_leg=lambda kind, engine: self.metrics.legs.labels(kind, engine).inc())
+        self.engine.start(loop)
+        return self.engine
+
+    def _learn_model(self, info: Any) -> None:
+        """The model's limits, from a registered engine (the entrypoint loads no weights)."""
+        if info.model != self.model:
+            return
+        self.max_model_len = info.max_model_len
+        self.eos_token_ids = tuple(info.eos_token_ids)
+        self.vocab_size = info.vocab_size
 
     def store_stats(self) -> Any:
         try:

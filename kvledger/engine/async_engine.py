@@ -34,6 +34,8 @@ class StepEngine(Protocol):
     def add_request(self, req: EngineRequest) -> None: ...
     def step(self) -> list[TokenEvent]: ...
     def abort(self, request_id: str) -> None: ...
+    def hand_off(self, request_id: str) -> None: ...
+    def request_ids(self) -> list[str]: ...
     def has_unfinished(self) -> bool: ...
     def close(self) -> None: ...
 
@@ -71,6 +73,15 @@ class AsyncEngine:
         if self._thread is not None:
             self._thread.join(timeout=30)
         self.engine.close()
+
+    def hand_off_all(self) -> None:
+        """Every running request ends with finish_reason "handoff", its KV stored (cluster scale-down)."""
+        self._inbox.put(("handoff", None))
+
+    @property
+    def running(self) -> int:
+        """Requests added and not finished (seen from the event loop's side)."""
+        return len(self._streams)
 
     @property
     def alive(self) -> bool:
@@ -138,6 +149,12 @@ class AsyncEngine:
             except Exception as e:
                 log.exception("engine add_request failed")
                 self._post(arg.request_id, EngineFailed(f"the engine failed to admit the request: {e}"))
+        elif op == "handoff":
+            for rid in self.engine.request_ids():
+                try:
+                    self.engine.hand_off(rid)
+                except Exception:
+                    log.exception("engine hand-off failed")
         elif op == "abort":
             try:
                 self.engine.abort(arg)

@@ -1,0 +1,86 @@
+"""`kvledger engine --role prefill|decode|both`: one engine process of a cluster (see server.py)."""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+from kvledger.util.output import CliError
+
+MODELS = ("smollm2-135m", "tiny-v4")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("engine", help="one engine of a cluster (prefill, decode or both) on a shared Redis")
+    p.add_argument("--role", required=True, choices=("prefill", "decode", "both"))
+    p.add_argument("--redis-url", required=True, help="the cluster's Redis: index, directory, registry")
+    p.add_argument("--data-dir", type=Path, required=True, help="the shared store folder (blocks under it)")
+    p.add_argument("--token-file", type=Path, default=None, help="the cluster token (or $KVLEDGER_CLUSTER_TOKEN)")
+    p.add_argument("--model", default="smollm2-135m", choices=MODELS)
+    p.add_argument("--host", default="127.0.0.1", help="address of the internal API and the state server")
+    p.add_argument("--port", type=int, default=0, help="internal API port (0: any free one)")
+    p.add_argument("--engine-id", default=None, help="default: <role>-<random>")
+    p.add_argument("--max-num-seqs", type=int, default=8)
+    p.add_argument("--grace-s", type=float, default=60.0, help="on SIGTERM: seconds to hand off and drain")
+    p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
+    p.set_defaults(func=cmd_engine)
+
+
+def cmd_engine(args: argparse.Namespace) -> None:
+    from kvledger.engine.server import EngineConfig, EngineProcess, build_engine_app
+    from kvledger.util.cluster_token import load_token
+
+    if not 0 <= args.port < 65536:
+        raise CliError("--port must lie in [0, 65535]")
+    if args.max_num_seqs <= 0 or args.grace_s < 0:
+        raise CliError("--max-num-seqs must be > 0 and --grace-s >= 0")
+    try:
+        token = load_token(args.token_file)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    engine_id = args.engine_id or f"{args.role}-{uuid.uuid4().hex[:6]}"
+    config = EngineConfig(model=args.model, role=args.role, redis_url=args.redis_url, token=token,
+                          data_dir=args.data_dir, engine_id=engine_id, host=args.host,
+                          max_num_seqs=args.max_num_seqs, grace_s=args.grace_s)
+    sock = _listen(args.host, args.port)
+    url = f"http://{args.host}:{sock.getsockname()[1]}"
+    try:
+        proc = EngineProcess(config)
+    except (OSError, ValueError) as e:
+        raise CliError(f"cannot open the cluster's ledgers: {e}") from None
+    run_draining(build_engine_app(proc, url), sock, proc.drain, grace_s=args.grace_s, log_level=args.log_level)
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        raise CliError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    sock.listen(128)
+    return sock
+
+
+def run_draining(app: Any, sock: socket.socket, on_exit: Any, *, grace_s: float, log_level: str) -> None:
+    """uvicorn on an already bound socket; the first SIGTERM/SIGINT calls `on_exit()` (hand-off), then
+    uvicorn stops accepting and waits up to `grace_s` for open streams before it shuts down."""
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if not self.should_exit:
+                try:
+                    on_exit()
+                except Exception as e:  # noqa: BLE001 - shutting down anyway
+                    print(f"kvledger engine: hand-off failed: {e}", file=sys.stderr, flush=True)
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(app, log_level=log_level, access_log=log_level in ("debug", "info"),
+                            timeout_graceful_shutdown=int(max(grace_s, 1)))
+    DrainingServer(config).run(sockets=[sock])

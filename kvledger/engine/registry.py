@@ -1,0 +1,145 @@
+"""The engine registry of the cluster mode, on Redis: who serves, in which role, how loaded.
+
+    {prefix}{engines}:set        SET of engine ids
+    {prefix}{engines}:e:<id>     JSON of `EngineInfo`, expiring `ttl_s` after its last heartbeat
+
+Both keys share the hash tag `{engines}`, so on a Redis Cluster they live in one slot and a
+listing is one SMEMBERS + one MGET. An engine re-announces itself every `ttl_s / 3`; one that
+dies stops doing so and leaves the listing within `ttl_s` (ids whose entry expired are pruned
+from the set by the next listing). Every call has a socket timeout; a fault raises
+`redis.RedisError` / `OSError` to the caller (the heartbeat logs it and tries again).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+
+import redis
+
+log = logging.getLogger("kvledger.cluster")
+ROLES = ("prefill", "decode", "both")
+DEFAULT_TTL_S = 3.0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    """One engine as the entrypoints see it. Loads are counts at the last heartbeat."""
+
+    engine_id: str
+    role: str                      # "prefill" | "decode" | "both"
+    url: str                       # its internal API, http://host:port
+    model: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    pid: int
+    draining: bool = False         # shutting down: takes no new request
+    running: int = 0               # requests in the engine
+    queued_prefill_tokens: int = 0  # prompt tokens admitted and not yet computed
+
+    def __post_init__(self) -> None:
+        assert self.role in ROLES, f"role must be one of {ROLES}"
+
+    def prefills(self) -> bool:
+        return self.role in ("prefill", "both") and not self.draining
+
+    def decodes(self) -> bool:
+        return self.role in ("decode", "both") and not self.draining
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> EngineInfo:
+        d = json.loads(raw)
+        d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
+        return cls(**d)
+
+
+class Registry:
+    def __init__(self, client: redis.Redis, *, prefix: str = "kvl:", ttl_s: float = DEFAULT_TTL_S) -> None:
+        assert ttl_s > 0
+        self.r = client
+        self.set_key = f"{prefix}{{engines}}:set"
+        self.entry_prefix = f"{prefix}{{engines}}:e:"
+        self.ttl_ms = int(ttl_s * 1000)
+
+    @classmethod
+    def from_url(cls, url: str, *, timeout_s: float = 2.0, **kw: object) -> Registry:
+        from kvledger.util.redis_client import redis_client
+
+        return cls(redis_client(url, timeout_s=timeout_s), **kw)
+
+    def announce(self, info: EngineInfo) -> None:
+        pipe = self.r.pipeline(transaction=False)
+        pipe.sadd(self.set_key, info.engine_id)
+        pipe.set(self.entry_prefix + info.engine_id, info.to_json(), px=self.ttl_ms)
+        pipe.execute()
+
+    def withdraw(self, engine_id: str) -> None:
+        pipe = self.r.pipeline(transaction=False)
+        pipe.srem(self.set_key, engine_id)
+        pipe.delete(self.entry_prefix + engine_id)
+        pipe.execute()
+
+    def members(self) -> list[EngineInfo]:
+        """Live engines, sorted by id; entries that do not parse are skipped (and logged)."""
+        ids = sorted(i.decode() if isinstance(i, bytes) else i for i in self.r.smembers(self.set_key))
+        if not ids:
+            return []
+        raws = self.r.mget([self.entry_prefix + i for i in ids])
+        out, gone = [], []
+        for engine_id, raw in zip(ids, raws):
+            if raw is None:
+                gone.append(engine_id)
+                continue
+            try:
+                out.append(EngineInfo.from_json(raw))
+            except (ValueError, TypeError, AssertionError):
+                log.warning("registry entry of %s does not parse; skipped", engine_id)
+        if gone:
+            self.r.srem(self.set_key, *gone)
+        return out
+
+
+class Heartbeat:
+    """Re-announces `info()` every ttl/3 seconds on a daemon thread until `stop()`; then withdraws."""
+
+    def __init__(self, registry: Registry, info: Callable[[], EngineInfo]) -> None:
+        self.registry, self.info = registry, info
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvledger-heartbeat", daemon=True)
+
+    def start(self) -> Heartbeat:
+        self.registry.announce(self.info())   # raises: an engine that cannot register does not start
+        self._thread.start()
+        return self
+
+    def beat(self) -> None:
+        """Announce now (a state change such as draining should not wait for the next beat)."""
+        try:
+            self.registry.announce(self.info())
+        except (redis.RedisError, OSError) as e:
+            log.warning("heartbeat failed: %s", e)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.registry.ttl_ms / 3000):
+            self.beat()
+
+    def stop(self, withdraw: bool = True) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(5)
+        if withdraw:
+            try:
+                self.registry.withdraw(self.info().engine_id)
+            except (redis.RedisError, OSError) as e:
+                log.warning("could not withdraw from the registry: %s", e)
+
+
+def draining(info: EngineInfo) -> EngineInfo:
+    return replace(info, draining=True)

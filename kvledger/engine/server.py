@@ -1,0 +1,216 @@
+"""`kvledger engine`: one engine as its own process in the cluster mode (DESIGN.md "Layout").
+
+It opens the cluster's shared parts — the block ledger in its cluster mode (Redis index, segment
+files under `<data_dir>/blocks`, the shared mount) and, for models with sliding-window layers, the
+state ledger (its own slot pool and state server, the Redis directory) — loads the model, serves
+the internal API of `wire.py` behind the cluster token, and heartbeats its `EngineInfo` into the
+registry.
+
+Shutdown (SIGTERM or SIGINT): the engine marks itself draining at once (no new request reaches
+it), hands every request it runs back to the entrypoint with its KV stored (finish_reason
+"handoff"; the entrypoint continues each on another engine), then waits up to `grace_s` for its
+streams to end before it exits and leaves the registry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from kvledger.engine.api import EngineRequest
+from kvledger.engine.async_engine import AsyncEngine, EngineFailed, EngineRejected
+from kvledger.engine.registry import EngineInfo, Heartbeat, Registry
+from kvledger.engine.wire import KEEPALIVE_S, GenerateBody, WireEvent
+
+log = logging.getLogger("kvledger.cluster")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: str
+    role: str
+    redis_url: str
+    token: str
+    data_dir: Path
+    engine_id: str
+    host: str = "127.0.0.1"
+    max_num_seqs: int = 8
+    device: str = "cpu"
+    replay: bool = False
+    grace_s: float = 60.0
+    heartbeat_ttl_s: float = 3.0
+
+
+class EngineProcess:
+    """Ledgers, engine, heartbeat and in-flight accounting of one engine process."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        from kvledger.core import ModelSpec
+        from kvledger.store.ledger import BlockLedger
+
+        self.config = config
+        self.spec = ModelSpec.preset(config.model)
+        self.block_ledger = BlockLedger.open(path=Path(config.data_dir) / "blocks", redis_url=config.redis_url)
+        self.state_ledger = self._open_state_ledger()
+        self.registry = Registry.from_url(config.redis_url, ttl_s=config.heartbeat_ttl_s)
+        self.engine: AsyncEngine | None = None
+        self.heartbeat: Heartbeat | None = None
+        self.url = ""
+        self.draining = False
+        self.prefill_left: dict[str, int] = {}   # request id → prompt tokens not yet computed
+
+    def _open_state_ledger(self) -> Any:
+        if not self.spec.has_swa:
+            return None
+        from kvledger.state.ledger import StateLedger
+        from kvledger.state.redis_directory import RedisDirectory
+
+        return StateLedger(self.spec, token=self.config.token, directory=RedisDirectory(self.config.redis_url),
+                           engine_id=self.config.engine_id, host=self.config.host).start()
+
+    def start(self, url: str) -> None:
+        """Load the model (seconds), start the step loop, then register (from the event loop)."""
+        from kvledger.engine.engine import Engine
+
+        engine = Engine(self.config.model, block_ledger=self.block_ledger, state_ledger=self.state_ledger,
+                        device=self.config.device, max_num_seqs=self.config.max_num_seqs, replay=self.config.replay)
+        self.info0 = EngineInfo(self.config.engine_id, self.config.role, url, self.config.model,
+                                engine.max_model_len, int(engine.model.vocab_size), tuple(engine.eos_token_ids),
+                                os.getpid())
+        self.url = url
+        self.engine = AsyncEngine(engine)
+        self.engine.start(asyncio.get_running_loop())
+        self.heartbeat = Heartbeat(self.registry, self.info).start()
+
+    def info(self) -> EngineInfo:
+        running = self.engine.running if self.engine is not None else 0
+        return replace(self.info0, draining=self.draining, running=running,
+                       queued_prefill_tokens=sum(self.prefill_left.values()))
+
+    def drain(self) -> None:
+        """Stop taking requests and hand the running ones back (their KV stored)."""
+        if self.draining:
+            return
+        self.draining = True
+        if self.heartbeat is not None:
+            self.heartbeat.beat()
+        if self.engine is not None:
+            self.engine.hand_off_all()
+
+    def close(self) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
+        if self.engine is not None:
+            self.engine.close()
+        if self.state_ledger is not None:
+            self.state_ledger.close()
+        self.block_ledger.close()
+
+    async def stream(self, body: GenerateBody, req: EngineRequest) -> AsyncIterator[bytes]:
+        """The NDJSON lines of one leg: events, keepalives while computing, a last finished line."""
+        assert self.engine is not None
+        self.prefill_left[req.request_id] = len(body.tokens) - req.decision.hit_tokens
+        events = self.engine.generate(req)
+        try:
+            async for ev in _with_keepalive(events, KEEPALIVE_S):
+                if ev is None:
+                    yield b"\n"
+                    continue
+                self.prefill_left.pop(req.request_id, None)
+                if ev.finished and (body.wait_stored or ev.finish_reason == "handoff"):
+                    await asyncio.to_thread(self.engine.engine.wait_stored)
+                yield WireEvent.of(ev, self.config.engine_id).line()
+        except EngineRejected as e:
+            yield WireEvent(finished=True, finish_reason="abort", error=f"rejected: {e}").line()
+        except EngineFailed as e:
+            yield WireEvent(finished=True, finish_reason="abort", error=f"failed: {e}").line()
+        finally:
+            self.prefill_left.pop(req.request_id, None)
+            await events.aclose()
+
+
+async def _with_keepalive(events: AsyncIterator[Any], interval_s: float) -> AsyncIterator[Any]:
+    """The items of `events`, with None whenever `interval_s` passes without one."""
+    it = events.__aiter__()
+    next_item: asyncio.Task | None = None
+    try:
+        while True:
+            if next_item is None:
+                next_item = asyncio.ensure_future(it.__anext__())
+            done, _ = await asyncio.wait({next_item}, timeout=interval_s)
+            if not done:
+                yield None
+                continue
+            try:
+                item = next_item.result()
+            except StopAsyncIteration:
+                return
+            finally:
+                next_item = None
+            yield item
+    finally:
+        if next_item is not None:
+            next_item.cancel()
+
+
+def build_engine_app(proc: EngineProcess, url: str) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        proc.start(url)   # the model loads here (seconds); then the engine registers
+        print(f"kvledger engine: {proc.config.engine_id} ({proc.config.role}, {proc.config.model}) ready at {url}",
+              flush=True)
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(proc.close)
+
+    app = FastAPI(title="kvledger engine", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    token = proc.config.token.encode()
+
+    @app.middleware("http")
+    async def cluster_token(request: Request, call_next):
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), b"Bearer " + token):
+            return JSONResponse({"error": {"message": "this is an engine's internal API: the cluster token is "
+                                           "required", "type": "authentication_error"}}, status_code=401)
+        return await call_next(request)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+        first = (e.errors() or [{}])[0]
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        return JSONResponse({"error": {"message": f"{where}: {first.get('msg', 'invalid')}",
+                                       "type": "invalid_request_error"}}, status_code=400)
+
+    @app.post("/engine/v1/generate")
+    async def generate(body: GenerateBody) -> Any:
+        if proc.draining:
+            return JSONResponse({"error": {"message": "draining", "type": "unavailable"}}, status_code=503)
+        try:
+            req = body.engine_request(proc.spec)   # keys and decision: a ValueError is the caller's mistake
+        except ValueError as e:
+            return JSONResponse({"error": {"message": str(e), "type": "invalid_request_error"}}, status_code=400)
+        return StreamingResponse(proc.stream(body, req), media_type="application/x-ndjson")
+
+    @app.get("/engine/v1/health")
+    async def health() -> JSONResponse:
+        alive = proc.engine is not None and proc.engine.alive
+        info = proc.info() if proc.engine is not None else None
+        return JSONResponse({"status": "ok" if alive else "down", "engine": proc.config.engine_id,
+                             "role": proc.config.role, "draining": proc.draining,
+                             "running": info.running if info else 0, "time": time.time()},
+                            status_code=200 if alive else 503)
+
+    return app

@@ -1,0 +1,251 @@
+"""The cluster's engines behind the entrypoint: routing, prefill/decode legs, hand-off and retry.
+
+`RemoteEngines.generate(req)` yields the same `TokenEvent`s as the embedded `AsyncEngine`, so the
+HTTP side (generate.py) is one code path for both modes. A request runs as one or more *legs*,
+each one `POST /engine/v1/generate` on one engine (wire.py):
+
+| leg      | engine                        | tokens sent            | max_tokens    | then                  |
+|----------|-------------------------------|------------------------|---------------|-----------------------|
+| whole    | prefill-capable (router)      | prompt                 | the request's | done                  |
+| prefill  | prefill engine (router), P/D  | prompt                 | 1             | decode leg            |
+| decode   | decode engine (least loaded)  | prompt + output so far | what is left  | done                  |
+| continue | another engine, after a       | prompt + output so far | what is left  | as the leg it replaces|
+|          | hand-off, a death or a failure|                        |               |                       |
+
+Every leg after the first is CHECKed again (rule 5) on prompt + output: the blocks the previous
+leg stored hit, and only the tail is recomputed (less than one block for full-attention models;
+at most R + B tokens for windowed ones). The client sees one stream: tokens are passed on as they
+come, none is repeated (a continuation starts after the last token the client got) and none is
+lost (greedy decoding continues exactly; a seeded sampler is re-seeded per leg).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
+
+import httpx
+import numpy as np
+
+from kvledger.core import HitDecision, ModelSpec
+from kvledger.engine.api import EngineRequest, RequestUsage, TokenEvent
+from kvledger.engine.async_engine import EngineFailed, EngineRejected
+from kvledger.engine.registry import EngineInfo, Registry
+from kvledger.engine.wire import GenerateBody, WireEvent, WireSampling
+from kvledger.entrypoint.router import Load, PromptView, Router
+
+log = logging.getLogger("kvledger.cluster")
+CheckFn = Callable[[np.ndarray, str, "str | None"], tuple[list[bytes], HitDecision]]
+MAX_LEGS = 8
+NO_ENGINE_WAIT_S = 15.0
+SUSPECT_S = 5.0   # a broken stream keeps other requests off its engine this long (> the registry's TTL)
+
+
+class LegBroken(Exception):
+    """A leg ended without its last event: the engine died, hung, drained or failed."""
+
+
+class RemoteEngines:
+    def __init__(self, registry: Registry, router: Router, token: str, check: CheckFn, spec: ModelSpec, *,
+                 poll_s: float = 0.5, read_timeout_s: float = 15.0,
+                 on_engine: Callable[[EngineInfo], None] | None = None,
+                 on_leg: Callable[[str, str], None] | None = None) -> None:
+        self.registry, self.router, self.check, self.spec = registry, router, check, spec
+        self.headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
+        self.poll_s = poll_s
+        self.timeout = httpx.Timeout(connect=2.0, read=read_timeout_s, write=10.0, pool=5.0)
+        self.on_engine = on_engine
+        self.on_leg = on_leg or (lambda kind, engine_id: None)   # (leg kind, engine id), once per leg started
+        self.engines: dict[str, EngineInfo] = {}
+        self.loads: dict[str, Load] = {}
+        self.suspect: dict[str, float] = {}    # engine id → monotonic time its stream broke
+        self.client: httpx.AsyncClient | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._poller: asyncio.Task | None = None
+
+    # --- lifetime -----------------------------------------------------------------
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self.client = httpx.AsyncClient(timeout=self.timeout, limits=httpx.Limits(max_connections=256))
+        self._poller = loop.create_task(self._poll())
+
+    def close(self) -> None:
+        """From any thread but the loop's own (the server's lifespan runs it in a worker thread)."""
+        if self._loop is None or self._loop.is_closed():
+            return
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(self._aclose(), self._loop).result(timeout=5)
+
+    async def _aclose(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+        if self.client is not None:
+            await self.client.aclose()
+
+    @property
+    def alive(self) -> bool:
+        """At least one engine can take a prompt."""
+        return any(e.prefills() for e in self.engines.values())
+
+    async def _poll(self) -> None:
+        while True:
+            try:
+                members = await asyncio.to_thread(self.registry.members)
+                self.engines = {e.engine_id: e for e in members}
+                if members and self.on_engine is not None:
+                    self.on_engine(members[0])
+            except Exception as e:  # noqa: BLE001 - the last view serves until Redis answers again
+                log.warning("engine registry unreachable: %s", e)
+            await asyncio.sleep(self.poll_s)
+
+    async def refresh(self) -> None:
+        self.engines = {e.engine_id: e for e in await asyncio.to_thread(self.registry.members)}
+
+    # --- a request ------------------------------------------------------------------
+
+    async def generate(self, req: EngineRequest) -> AsyncIterator[TokenEvent]:
+        prompt = [int(t) for t in np.asarray(req.tokens).tolist()]
+        output: list[int] = []
+        budget = req.sampling.max_tokens
+        first: RequestUsage | None = None
+        decision, failed = req.decision, set[str]()
+        phase = "prefill" if budget > 1 and self._disaggregated() else "whole"
+        kind = phase   # what this leg is, for the metrics: whole | prefill | decode | continue
+        for leg in range(1, MAX_LEGS + 1):
+            if leg > 1:
+                tokens = np.asarray(prompt + output, dtype=np.uint32)
+                _, decision = await asyncio.to_thread(self.check, tokens, req.namespace, req.ttl_class)
+            engine = await self._pick(phase, prompt + output, decision, req, failed)
+            left = budget - len(output)
+            sampling = replace(req.sampling, max_tokens=1 if phase == "prefill" else left)
+            body = GenerateBody(request_id=f"{req.request_id}.{leg}", tokens=prompt + output, namespace=req.namespace,
+                                ttl_class=req.ttl_class,
+                                cached_blocks=decision.block_hit_tokens // self.spec.block_size,
+                                snapshots=[decision.block_hit_tokens] if decision.swa_hit else [],
+                                replay=decision.replay, sampling=WireSampling.of(sampling),
+                                wait_stored=phase == "prefill")
+            self.on_leg(kind, engine.engine_id)
+            reason = None
+            events = self._leg(engine, body, decision.hit_tokens, leg == 1 and not output)
+            try:
+                async for ev in events:
+                    if first is None and ev.usage is not None:
+                        first = ev.usage
+                    output.extend(ev.token_ids)
+                    reason = ev.finish_reason if ev.finished else None
+                    done = reason in ("stop", "length") and (phase != "prefill" or reason == "stop"
+                                                             or len(output) >= budget)
+                    if done:
+                        yield TokenEvent(req.request_id, ev.token_ids, True, reason, self._usage(first, prompt, output))
+                        return
+                    if ev.token_ids:
+                        yield TokenEvent(req.request_id, ev.token_ids, False, None,
+                                         first if len(output) == len(ev.token_ids) else None)
+            except LegBroken as e:
+                self.suspect[engine.engine_id] = time.monotonic()
+                log.warning("leg %d of %s on %s broke (%s); continuing elsewhere", leg, req.request_id,
+                            engine.engine_id, e)
+            finally:
+                await events.aclose()
+            if reason == "length" and phase == "prefill":
+                phase = kind = "decode"
+            else:   # handed off, aborted or broken: continue on another engine
+                failed.add(engine.engine_id)
+                kind = "continue"
+        raise EngineFailed(f"the request did not finish within {MAX_LEGS} engine legs")
+
+    def _usage(self, first: RequestUsage | None, prompt: list[int], output: list[int]) -> RequestUsage:
+        """The client's usage: the prompt's hit as the first leg found it, the output of all legs."""
+        if first is None:
+            return RequestUsage(len(prompt), 0, len(output), "miss", None)
+        return replace(first, prompt_tokens=len(prompt), completion_tokens=len(output))
+
+    def _disaggregated(self) -> bool:
+        live = [e for e in self.engines.values() if not e.draining]
+        return any(e.role == "decode" for e in live) and any(e.role == "prefill" for e in live)
+
+    def _candidates(self, phase: str, failed: set[str]) -> list[EngineInfo]:
+        """Engines for a leg: live, not draining, not failed for this request, and (while others
+        exist) not one whose stream broke in the last SUSPECT_S (the registry drops a dead one by then)."""
+        now = time.monotonic()
+        broken = {i for i, t in self.suspect.items() if now - t < SUSPECT_S}
+        live = [e for e in self.engines.values() if not e.draining and e.engine_id not in failed]
+        live = [e for e in live if e.engine_id not in broken] or live
+        if phase == "decode":
+            pool = [e for e in live if e.role == "decode"] or [e for e in live if e.decodes()]
+        elif phase == "prefill":
+            pool = [e for e in live if e.role == "prefill"] or [e for e in live if e.prefills()]
+        else:
+            pool = [e for e in live if e.role == "both"] or [e for e in live if e.prefills()]
+        return pool or live
+
+    async def _pick(self, phase: str, tokens: list[int], decision: HitDecision, req: EngineRequest,
+                    failed: set[str]) -> EngineInfo:
+        deadline = time.monotonic() + NO_ENGINE_WAIT_S
+        while True:
+            pool = self._candidates(phase, failed) or self._candidates(phase, set())
+            if pool:
+                break
+            if time.monotonic() > deadline:
+                raise EngineFailed("no engine is available to serve the request")
+            await asyncio.sleep(self.poll_s)
+            with contextlib.suppress(Exception):
+                await self.refresh()
+        if phase == "decode":
+            return self.router.pick_decode(pool, self.loads)
+        key = req.keys[0] if req.keys else bytes(16)
+        view = PromptView(len(tokens), len(tokens) - decision.hit_tokens, key)
+        return self.router.pick_prefill(view, pool, self.loads)
+
+    async def _leg(self, engine: EngineInfo, body: GenerateBody, hit: int, rejectable: bool
+                   ) -> AsyncIterator[TokenEvent]:
+        """The events of one leg; LegBroken when it ends without a last event. The first leg of a
+        request may be refused (EngineRejected: the client's mistake); a later one never is."""
+        assert self.client is not None
+        load = self.loads.setdefault(engine.engine_id, Load())
+        queued = len(body.tokens) - hit
+        load.running += 1
+        load.queued_prefill_tokens += queued
+        try:
+            async with self.client.stream("POST", engine.url + "/engine/v1/generate", headers=self.headers,
+                                          content=body.model_dump_json()) as r:
+                if r.status_code == 400 and rejectable:
+                    raise EngineRejected(_message(await r.aread()))
+                if r.status_code != 200:
+                    raise LegBroken(f"HTTP {r.status_code}: {_message(await r.aread())}")
+                async for line in r.aiter_lines():
+                    if not line.strip():
+                        continue   # keepalive
+                    ev = WireEvent.model_validate_json(line)
+                    if queued:
+                        load.queued_prefill_tokens -= queued
+                        queued = 0
+                    if ev.error is not None:
+                        if ev.error.startswith("rejected") and rejectable:
+                            raise EngineRejected(ev.error.removeprefix("rejected: "))
+                        raise LegBroken(ev.error)
+                    yield ev.token_event(body.request_id)
+                    if ev.finished:
+                        return
+            raise LegBroken("the stream ended without its last event")
+        except (httpx.HTTPError, ValueError) as e:
+            if isinstance(e, EngineRejected):
+                raise
+            raise LegBroken(f"{type(e).__name__}: {e}") from None
+        finally:
+            load.running -= 1
+            load.queued_prefill_tokens -= queued
+
+
+def _message(raw: bytes) -> str:
+    try:
+        import json
+
+        return str(json.loads(raw)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return raw[:200].decode(errors="replace")

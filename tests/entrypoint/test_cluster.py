@@ -1,0 +1,169 @@
+"""Cluster mode end to end: `kvledger up` (Redis, 2 prefill + 2 decode engines, an entrypoint) as real
+processes, driven with the real `openai` client, against a single-process `kvledger serve`.
+
+One cluster for the module (four model loads cost a minute); the tests run in file order and the
+last ones take engines away (a SIGTERM hand-off, then a SIGKILL)."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import openai
+import pytest
+
+from kvledger.util.cluster_process import ClusterProcess
+from kvledger.util.serve_process import ServeProcess, request
+
+BLOCK = 128
+SYSTEM = "You are a careful librarian. " + " ".join(f"Book {i} stands on shelf {i * 7 % 13}." for i in range(70))
+
+
+def messages(question: str) -> list[dict]:
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    with ClusterProcess(tmp_path_factory.mktemp("cluster") / "data", prefill=2, decode=2,
+                        routing="round-robin") as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    server = ServeProcess(tmp_path_factory.mktemp("single") / "data").start()
+    yield server
+    server.stop()
+
+
+def chat(url: str, question: str, max_tokens: int = 10, **kw):
+    return client(url).chat.completions.create(model="smollm2-135m", messages=messages(question),
+                                               max_tokens=max_tokens, temperature=0, **kw)
+
+
+def test_prefill_on_one_engine_hits_on_the_other_through_the_decode_engine(cluster, single):
+    reference = chat(single.url, "Where is book 12?")
+    first = chat(cluster.url, "Where is book 12?")
+    second = chat(cluster.url, "Where is book 12?")
+    a, b = first.usage.model_dump()["kvledger"], second.usage.model_dump()["kvledger"]
+    assert {a["engine"], b["engine"]} == {"prefill-0", "prefill-1"}   # round-robin: one each
+    cap = (second.usage.prompt_tokens - 1) // BLOCK * BLOCK
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens == cap > 0
+    assert b["store_cached_tokens"] == cap and b["device_cached_tokens"] == 0   # from the shared store
+    assert first.choices[0].message.content == second.choices[0].message.content == \
+        reference.choices[0].message.content
+    assert second.usage.completion_tokens == reference.usage.completion_tokens
+
+
+def test_stream_through_the_cluster_matches_single_process(cluster, single):
+    kw = {"stream": True, "stream_options": {"include_usage": True}}
+    parts = list(chat(cluster.url, "Where is book 40?", max_tokens=12, **kw))
+    text = "".join(p.choices[0].delta.content or "" for p in parts if p.choices)
+    assert parts[0].choices[0].delta.role == "assistant"
+    assert parts[-1].choices == [] and parts[-1].usage.completion_tokens >= 1
+    assert text == chat(single.url, "Where is book 40?", max_tokens=12).choices[0].message.content
+
+
+def test_engine_api_needs_the_cluster_token(cluster):
+    url = cluster.members["prefill-0"].url
+    status, _ = request(url + "/engine/v1/health")
+    assert status == 401
+    status, _ = request(url + "/engine/v1/health", headers={"Authorization": "Bearer not-the-token-000000"})
+    assert status == 401
+    status, body = cluster.engine_get("prefill-0", "/engine/v1/health")
+    assert status == 200 and body["role"] == "prefill"
+
+
+def _stream_and_act(url: str, question: str, n: int, after: int, act) -> tuple[list[int], object]:
+    """Stream a completion of exactly n tokens; call act() once `after` tokens have arrived."""
+    ids: list[int] = []
+    last = None
+    stream = client(url).completions.create(model="smollm2-135m", prompt=SYSTEM + "\n" + question, max_tokens=n,
+                                            temperature=0, stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True})
+    acted = False
+    for chunk in stream:
+        if chunk.choices:
+            ids.extend(chunk.model_dump().get("choices")[0].get("token_ids") or [])
+        else:
+            last = chunk
+        if not acted and len(ids) >= after:
+            act()
+            acted = True
+    assert acted
+    return ids, last
+
+
+def _busy_decode_engine(cluster: ClusterProcess) -> str:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        for name in [n for n in cluster.members if n.startswith("decode")]:
+            try:
+                status, body = cluster.engine_get(name, "/engine/v1/health")
+            except OSError:   # one stopped by an earlier test
+                continue
+            if status == 200 and body["running"] > 0:
+                return name
+        time.sleep(0.05)
+    raise AssertionError("no decode engine is running the request")
+
+
+def test_decode_engine_sigterm_hands_off_with_the_stream_intact(cluster, single):
+    n = 40
+    reference = client(single.url).completions.create(model="smollm2-135m", prompt=SYSTEM + "\nBook 5 is", max_tokens=n,
+                                                      temperature=0, extra_body={"ignore_eos": True})
+    ref_ids = reference.model_dump()["choices"][0]["token_ids"]
+    stopped: dict[str, str] = {}
+
+    def sigterm_the_busy_decoder() -> None:
+        name = _busy_decode_engine(cluster)
+        stopped["name"] = name
+        cluster.signal(name, signal.SIGTERM)
+
+    ids, last = _stream_and_act(cluster.url, "Book 5 is", n, 8, sigterm_the_busy_decoder)
+    assert len(ids) == n and last.usage.completion_tokens == n    # no token lost or repeated
+    assert ids == ref_ids                                         # greedy continues exactly
+    assert cluster.wait_exit(stopped["name"])                     # it drained and exited
+    status, metrics = request(cluster.url + "/metrics")
+    continued = [ln for ln in metrics.decode().splitlines() if ln.startswith("kvledger_engine_legs_total")
+                 and 'kind="continue"' in ln]
+    assert status == 200 and continued and float(continued[0].split()[-1]) >= 1   # a hand-off happened
+
+
+def test_killed_engine_mid_stream_is_retried_elsewhere(cluster, single):
+    """SIGKILL (no hand-off): the stream breaks, the entrypoint continues from the tokens it has."""
+    n = 24
+    ref = client(single.url).completions.create(model="smollm2-135m", prompt=SYSTEM + "\nBook 9 is", max_tokens=n,
+                                                temperature=0, extra_body={"ignore_eos": True})
+    killed: dict[str, str] = {}
+
+    def kill() -> None:
+        name = _busy_decode_engine(cluster)
+        killed["name"] = name
+        cluster.signal(name, signal.SIGKILL)
+
+    ids, last = _stream_and_act(cluster.url, "Book 9 is", n, 6, kill)
+    assert ids == ref.model_dump()["choices"][0]["token_ids"] and last.usage.completion_tokens == n
+    time.sleep(4)   # the registry forgets it within its heartbeat TTL (3 s)
+    after = chat(cluster.url, "Where is book 3?")
+    assert after.choices[0].finish_reason in ("stop", "length")
+
+
+def test_health_stays_up_while_requests_run(cluster):
+    box: dict = {}
+    worker = threading.Thread(target=lambda: box.setdefault("r", chat(cluster.url, "Where is book 60?")))
+    worker.start()
+    while worker.is_alive():
+        t = time.monotonic()
+        status, _ = request(cluster.url + "/health", timeout=10)
+        assert status == 200 and time.monotonic() - t < 2.0
+        time.sleep(0.1)
+    worker.join()
+    assert box["r"].usage.completion_tokens >= 1
