@@ -2,8 +2,12 @@
 
 `{prefix}snap:{key hex}` → entry (binary, `encode_entry`), `{prefix}live:{engine id}` →
 incarnation, both with server-side TTLs, so no clocks of different machines are compared.
-A batch lookup is one round trip (a Lua script checks liveness next to the data; on Redis
-Cluster, two MGETs). Every operation has one deadline for all its round trips (`deadline`).
+A batch lookup is one round trip on one server (a Lua script checks liveness next to the data).
+On a Redis Cluster (a `redis+cluster://` URL) it is two rounds of MGETs — the entries, then the
+liveness records of their holders — each one MGET per hash slot, batched per master, every master
+at once (kvledger.util.redis_fanout): two round trips per master touched; the same key names, and
+every key a command or script touches is one it was given. Every operation has one deadline for
+all its round trips (`deadline`).
 """
 
 from __future__ import annotations
@@ -88,7 +92,7 @@ _ENTRY_BODY = struct.Struct("<QQdH")    # position, size, stored_at, length of t
 
 # One round trip for a batch: each entry (KEYS) whose holder's liveness record
 # (ARGV[1] .. engine id) names the entry's incarnation, else false. Single Redis only: it
-# reads keys it was not given, which Redis Cluster forbids (there lookups take two MGETs).
+# reads keys it was not given, which Redis Cluster forbids (there lookups take two rounds of MGETs).
 _LOOKUP_LUA = """
 local out, live = {}, {}
 for i, k in ipairs(KEYS) do
@@ -117,6 +121,10 @@ for i, k in ipairs(KEYS) do
 end
 return n
 """
+
+
+# Delete KEYS[1] if it still names incarnation ARGV[1] (a restarted holder's record stays).
+_RETIRE_LUA = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
 
 
 def _holder_id(holder: Holder) -> bytes:
@@ -158,9 +166,10 @@ class RedisDirectory:
 
     Both carry server-side TTLs (entries `entry_ttl_s`, liveness `holder_ttl_s`). `url` is a
     redis:// URL, with a password (`redis://:PASSWORD@host:port/db`, Redis `requirepass`) or an
-    ACL user (`redis://USER:PASSWORD@host:port/db`) where the server wants one; `client` may
-    be given instead (e.g. a RedisCluster: lookups then use `mget_nonatomic`, and withdrawals
-    are one-key scripts so no command spans two hash slots). With a url, each operation has
+    ACL user (`redis://USER:PASSWORD@host:port/db`) where the server wants one, or a Redis Cluster's
+    `redis+cluster://[[USER]:PASSWORD@]HOST:PORT[,HOST:PORT...]`; `client` may be given instead
+    (a redis.Redis, or a redis-py RedisCluster: then lookups take two rounds of MGETs and
+    withdrawals are one-key scripts, so no command spans two hash slots). With a url, each operation has
     one deadline, `socket_timeout_s`, for all its round trips (connect, AUTH, script load,
     commands; redis-py's retries are off), and a caller's `deadline` block can shorten it; a
     given client keeps its own per-command timeouts. A Redis fault during a lookup reads as "absent".
@@ -173,24 +182,36 @@ class RedisDirectory:
         from redis.backoff import NoBackoff
         from redis.retry import Retry
 
+        from kvledger.util.redis_cluster import is_cluster_url
+        from kvledger.util.redis_fanout import FAULTS, RedisNodes
+
         assert (url is None) != (client is None), "give a url or a client"
         assert holder_ttl_s > 0 and entry_ttl_s > 0 and socket_timeout_s > 0
         self.holder_ttl_s = holder_ttl_s
         self.entry_ttl_s = entry_ttl_s
         self.timeout_s = socket_timeout_s
         self.prefix = prefix
-        if client is None:
-            pool = redis.ConnectionPool.from_url(
-                url, connection_class=_deadline_connection(), socket_timeout=socket_timeout_s,
-                socket_connect_timeout=socket_timeout_s, retry=Retry(NoBackoff(), 0))
-            client = redis.Redis(connection_pool=pool)
-        self._r = client
-        self._cluster = type(self._r).__name__ == "RedisCluster"
-        self._withdraw = self._r.register_script(_WITHDRAW_LUA)
-        self._lookup = self._r.register_script(_LOOKUP_LUA)
-        self._errors = (redis.RedisError, OSError)
+        self._nodes = None  # the cluster path (kvledger.util.redis_fanout)
+        if (url is not None and is_cluster_url(url)) or type(client).__name__ == "RedisCluster":
+            self._nodes = RedisNodes(url, socket_timeout_s, connection_class=_deadline_connection(), client=client)
+            self._withdraw_sha = self._nodes.script(_WITHDRAW_LUA)
+            self._retire_sha = self._nodes.script(_RETIRE_LUA)
+        else:
+            if client is None:
+                pool = redis.ConnectionPool.from_url(
+                    url, connection_class=_deadline_connection(), socket_timeout=socket_timeout_s,
+                    socket_connect_timeout=socket_timeout_s, retry=Retry(NoBackoff(), 0))
+                client = redis.Redis(connection_pool=pool)
+            self._single = client
+            self._withdraw = client.register_script(_WITHDRAW_LUA)
+            self._lookup = client.register_script(_LOOKUP_LUA)
+        self._errors = FAULTS
         self.faults = 0  # lookups answered "absent" because Redis failed
         self._logged: set[type] = set()
+
+    @property
+    def _r(self):  # noqa: ANN202 - redis.Redis or redis.cluster.RedisCluster: for tests and benchmarks
+        return self._nodes.client() if self._nodes is not None else self._single
 
     def _snap(self, key: bytes) -> str:
         return f"{self.prefix}snap:{key.hex()}"
@@ -203,7 +224,11 @@ class RedisDirectory:
             return
         px = int(self.entry_ttl_s * 1000)
         with deadline(self.timeout_s):
-            pipe = self._r.pipeline(transaction=False)
+            if self._nodes is not None:
+                self._each([(self._snap(e.key), ("SET", self._snap(e.key), encode_entry(e), "PX", px))
+                            for e in entries])
+                return
+            pipe = self._single.pipeline(transaction=False)
             for e in entries:
                 pipe.set(self._snap(e.key), encode_entry(e), px=px)
             pipe.execute()
@@ -213,56 +238,75 @@ class RedisDirectory:
             return
         hid = _ENTRY_HEAD.pack(len(_holder_id(holder))) + _holder_id(holder)  # how its entries begin
         with deadline(self.timeout_s):
-            if self._cluster:
-                pipe = self._r.pipeline(transaction=False)
-                for k in keys:
-                    self._withdraw(keys=[self._snap(k)], args=[hid], client=pipe)
-                pipe.execute()
+            if self._nodes is not None:  # one script per key: no script spans two hash slots
+                sha = self._withdraw_sha
+                self._each([(self._snap(k), ("EVALSHA", sha, 1, self._snap(k), hid)) for k in keys])
             else:
                 self._withdraw(keys=[self._snap(k) for k in keys], args=[hid])
 
-    def _mget(self, names: list[str]) -> list[bytes | None]:
-        if self._cluster:
-            return self._r.mget_nonatomic(names)
-        return self._r.mget(names)
+    def _each(self, commands: list[tuple[str, tuple]]) -> list:
+        """Cluster: run (key name, command) pairs, batched per master; raise the first fault, as one server would."""
+        from kvledger.util.redis_fanout import Call, command
+
+        replies = self._nodes.run([Call(self._nodes.slot(name), command(*cmd)) for name, cmd in commands])
+        fault = next((r for r in replies if isinstance(r, BaseException)), None)
+        if fault is not None:
+            raise fault
+        return replies
 
     def lookup(self, keys: Sequence[bytes]) -> list[SnapshotEntry | None]:
         if not keys:
             return []
         try:
             with deadline(self.timeout_s):
-                return self._lookup_raw(keys)
+                if self._nodes is not None:
+                    return self._lookup_cluster(keys)
+                raws = self._lookup(keys=[self._snap(k) for k in keys], args=[f"{self.prefix}live:"])
+                return [decode_entry(k, raw) if raw else None for k, raw in zip(keys, raws)]
         except self._errors as e:
-            self.faults += 1
-            if type(e) not in self._logged:  # the first fault of each type, with its traceback
-                self._logged.add(type(e))
-                log.warning("state directory on Redis: lookup fault (counted in faults; later ones of this "
-                            "type are not logged)", exc_info=True)
+            self._fault(e)
             return [None] * len(keys)
 
-    def _lookup_raw(self, keys: Sequence[bytes]) -> list[SnapshotEntry | None]:
-        if not self._cluster:  # one round trip: the liveness check runs in Redis
-            raws = self._lookup(keys=[self._snap(k) for k in keys], args=[f"{self.prefix}live:"])
-            return [decode_entry(k, raw) if raw else None for k, raw in zip(keys, raws)]
-        raws = self._mget([self._snap(k) for k in keys])
-        entries = [decode_entry(k, raw) if raw is not None else None for k, raw in zip(keys, raws)]
+    def _fault(self, e: BaseException) -> None:
+        self.faults += 1
+        if type(e) not in self._logged:  # the first fault of each type, with its traceback
+            self._logged.add(type(e))
+            log.warning("state directory on Redis: lookup fault (counted in faults; later ones of this "
+                        "type are not logged)", exc_info=e)
+
+    def _lookup_cluster(self, keys: Sequence[bytes]) -> list[SnapshotEntry | None]:
+        """Two rounds: the entries, then their holders' liveness. A master that fails costs only its
+        keys (they read as absent; the lookup counts one fault)."""
+        raws = self._nodes.mget([self._snap(k) for k in keys])
+        entries = [decode_entry(k, raw) if isinstance(raw, bytes) else None for k, raw in zip(keys, raws)]
         engines = sorted({e.holder.engine_id for e in entries if e is not None})
-        if not engines:
-            return entries
-        live = dict(zip(engines, self._mget([self._live(x) for x in engines])))
+        lives = self._nodes.mget([self._live(x) for x in engines]) if engines else []
+        live = dict(zip(engines, lives))
+        fault = next((r for r in [*raws, *lives] if isinstance(r, BaseException)), None)
+        if fault is not None:
+            self._fault(fault)
         return [e if e is not None and live.get(e.holder.engine_id) == e.holder.incarnation.encode() else None
                 for e in entries]
 
     def heartbeat(self, holder: Holder) -> None:
+        name, px = self._live(holder.engine_id), int(self.holder_ttl_s * 1000)
         with deadline(self.timeout_s):
-            self._r.set(self._live(holder.engine_id), holder.incarnation, px=int(self.holder_ttl_s * 1000))
+            if self._nodes is not None:
+                self._each([(name, ("SET", name, holder.incarnation, "PX", px))])
+            else:
+                self._single.set(name, holder.incarnation, px=px)
 
     def retire(self, holder: Holder) -> None:
         name = self._live(holder.engine_id)
         # only this incarnation's record: a restarted holder with the same id stays live
         with deadline(self.timeout_s):
-            self._r.eval("if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end "
-                         "return 0", 1, name, holder.incarnation)
+            if self._nodes is not None:
+                self._each([(name, ("EVALSHA", self._retire_sha, 1, name, holder.incarnation))])
+            else:
+                self._single.eval(_RETIRE_LUA, 1, name, holder.incarnation)
 
     def close(self) -> None:
-        self._r.close()
+        if self._nodes is not None:
+            self._nodes.close()
+        else:
+            self._single.close()

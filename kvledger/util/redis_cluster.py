@@ -67,9 +67,12 @@ def cluster_client(url: str, timeout_s: float, **kwargs: object):  # -> redis.cl
 
     parsed = parse_cluster_url(url)
     try:
-        return Client(startup_nodes=[ClusterNode(h, p) for h, p in parsed.nodes], username=parsed.username,
-                      password=parsed.password, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                      require_full_coverage=False, retry=Retry(NoBackoff(), 0), health_check_interval=0, **kwargs)
+        (host, port), *more = parsed.nodes  # the first as a url: node pools then take `connection_class`
+        first = f"redis://{f'[{host}]' if ':' in host else host}:{port}"
+        return Client(url=first, startup_nodes=[ClusterNode(h, p) for h, p in more],
+                      username=parsed.username, password=parsed.password, socket_timeout=timeout_s,
+                      socket_connect_timeout=timeout_s, require_full_coverage=False, retry=Retry(NoBackoff(), 0),
+                      health_check_interval=0, **kwargs)
     except RedisClusterException as e:  # not a RedisError: said as the connection fault it is
         raise ConnectionError(f"no startup node of {url} gives the slot map: {e}") from None
 

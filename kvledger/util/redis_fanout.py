@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import redis
+import redis.cluster
 from redis.backoff import NoBackoff
 from redis.crc import key_slot
 from redis.retry import Retry
@@ -78,15 +79,19 @@ def script_call(sha: str, names: Sequence[bytes], *argv: bytes | str | int) -> W
 class RedisNodes:
     """Where a batch goes: the one server of a `redis://` URL, or the master serving each call's slot."""
 
-    def __init__(self, url: str, timeout_s: float, *, connection_class: type | None = None) -> None:
-        self.url = url
+    def __init__(self, url: str | None, timeout_s: float, *, connection_class: type | None = None,
+                 client: Any = None) -> None:
+        """`url`, or `client` (a redis.Redis or redis.cluster.RedisCluster of the caller's, kept as it is)."""
+        assert (url is None) != (client is None), "give a url or a client"
+        self.url = url or repr(client)
         self.timeout_s = timeout_s
-        self.cluster = is_cluster_url(url)
+        self.cluster = is_cluster_url(url) if url else isinstance(client, redis.cluster.RedisCluster)
         self.scripts: dict[str, bytes] = {}  # sha → body, loaded again on a node that answers NOSCRIPT
         self._extra = {"connection_class": connection_class} if connection_class else {}
-        self._client: Any = None
+        self._client: Any = client
+        self._given = client is not None
         self._forgot = -FORGET_S
-        if not self.cluster:
+        if not self.cluster and client is None:
             pool = redis.ConnectionPool.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
                                                  retry=Retry(NoBackoff(), 0), health_check_interval=0,
                                                  **self._extra)
@@ -110,6 +115,24 @@ class RedisNodes:
         if not self.cluster:
             return [c]
         return [c.get_redis_connection(n) for n in c.get_primaries()]
+
+    def slot(self, name: bytes | str) -> int:
+        """The hash slot of a key name (0 on one server)."""
+        return key_slot(name.encode() if isinstance(name, str) else name) if self.cluster else 0
+
+    def mget(self, names: Sequence[bytes | str]) -> list[Any]:
+        """GET of each name: one MGET per hash slot, one round trip per node touched; a failed node's
+        names give its exception."""
+        by_slot: dict[int, list[int]] = {}
+        for i, name in enumerate(names):
+            by_slot.setdefault(self.slot(name), []).append(i)
+        groups = list(by_slot.items())
+        out: list[Any] = [None] * len(names)
+        for (_, idx), reply in zip(groups, self.run([Call(s, command("MGET", *[names[i] for i in idx]))
+                                                    for s, idx in groups])):
+            for j, i in enumerate(idx):
+                out[i] = reply if isinstance(reply, BaseException) else reply[j]
+        return out
 
     def node_of(self, slot: int) -> redis.Redis:
         c = self.client()
@@ -189,7 +212,7 @@ class RedisNodes:
         moved = isinstance(e, redis.ResponseError)
         if not moved and time.monotonic() - self._forgot < FORGET_S:
             return
-        if self.cluster and self._client is not None:
+        if self.cluster and self._client is not None and not self._given:
             self._forgot = time.monotonic()
             log.debug("Redis Cluster %s: %s; slot map to be learned again", self.url, e)
             self._client = None
@@ -198,9 +221,5 @@ class RedisNodes:
         if self._client is not None:
             with contextlib.suppress(*FAULTS):
                 self._client.close()
-        if self.cluster:
+        if self.cluster and not self._given:
             self._client = None
-
-
-def slot_of(name: bytes) -> int:
-    return key_slot(name)

@@ -1,20 +1,25 @@
+import os
+import signal
 import time
 import uuid
+from collections import Counter
 
 import pytest
+import redis
 
 from kvledger.state.directory import Holder, MemoryDirectory, SnapshotEntry
 from kvledger.state.redis_directory import RedisDirectory, decode_entry, encode_entry
+from kvledger.util.redis_cluster import RedisCluster
 
 TTL = 0.8  # seconds; generous, so a loaded machine does not miss a heartbeat
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "redis", "redis-cluster"])
 def directory(request):
     if request.param == "memory":
         d = MemoryDirectory(holder_ttl_s=TTL)
     else:
-        server = request.getfixturevalue("shared_redis")
+        server = request.getfixturevalue("shared_redis" if request.param == "redis" else "redis_cluster")
         d = RedisDirectory(server.url, prefix=f"kvl:test:{uuid.uuid4().hex[:8]}:", holder_ttl_s=TTL)
     yield d
     d.close()
@@ -81,8 +86,9 @@ def test_entry_encoding_round_trip_and_corruption():
         assert decode_entry(e.key, bad) is None
 
 
-def test_redis_entries_carry_ttls_and_garbage_values_read_as_absent(shared_redis):
-    d = RedisDirectory(shared_redis.url, prefix=f"kvl:test:{uuid.uuid4().hex[:8]}:", holder_ttl_s=5,
+@pytest.mark.parametrize("where", ["shared_redis", "redis_cluster"])
+def test_redis_entries_carry_ttls_and_garbage_values_read_as_absent(request, where):
+    d = RedisDirectory(request.getfixturevalue(where).url, prefix=f"kvl:test:{uuid.uuid4().hex[:8]}:", holder_ttl_s=5,
                        entry_ttl_s=60)
     h = Holder("e1", "127.0.0.1:1")
     d.heartbeat(h)
@@ -103,3 +109,52 @@ def test_redis_down_reads_as_absent_not_an_error(redis_server):
     t0 = time.monotonic()
     assert d.lookup([(0).to_bytes(16, "big")]) == [None]
     assert time.monotonic() - t0 < 2 and d.faults == 1
+
+
+def test_cluster_lookup_is_two_rounds_and_a_dead_master_costs_only_its_keys():
+    """On a 3-master Redis Cluster: a batch lookup sends two batches to each master it touches
+    (entries, then liveness); with one master killed, the entries the others hold still resolve."""
+    with RedisCluster() as cluster:
+        d = RedisDirectory(cluster.url, holder_ttl_s=30, socket_timeout_s=0.5)
+        holders = [Holder(f"e{i}", f"127.0.0.1:{5000 + i}") for i in range(4)]
+        for h in holders:
+            d.heartbeat(h)
+        entries = [_entry(holders[i % 4], i) for i in range(60)]
+        d.publish(entries)
+        keys = [e.key for e in entries]
+        assert d.lookup(keys) == entries
+        sends = Counter()
+        original = redis.connection.Connection.send_packed_command
+
+        def counted(self, command, check_health=True):  # noqa: ANN001, ANN202
+            sends[self.port] += 1
+            return original(self, command, check_health)
+
+        redis.connection.Connection.send_packed_command = counted
+        try:
+            assert d.lookup(keys) == entries
+        finally:
+            redis.connection.Connection.send_packed_command = original
+        assert sorted(sends) == sorted(n.port for n in cluster.nodes) and set(sends.values()) <= {1, 2}, sends
+        assert sum(sends.values()) <= 6
+        victim = cluster.nodes[2].port
+        holds = d._nodes.node_of
+        on_victim = [holds(d._nodes.slot(d._snap(k))).connection_pool.connection_kwargs["port"] == victim
+                     for k in keys]
+        live_on_victim = {h.engine_id for h in holders
+                          if holds(d._nodes.slot(d._live(h.engine_id))).connection_pool.connection_kwargs["port"]
+                          == victim}
+        os.kill(cluster.nodes[2].proc.pid, signal.SIGSTOP)  # hung: the one deadline bounds the whole lookup
+        try:
+            t0 = time.monotonic()
+            hung = d.lookup(keys)
+            assert time.monotonic() - t0 < 1.5 and all(g is None or g == e for g, e in zip(hung, entries))
+        finally:
+            os.kill(cluster.nodes[2].proc.pid, signal.SIGCONT)
+        cluster.nodes[2].kill()
+        t0 = time.monotonic()
+        got = d.lookup(keys)
+        assert time.monotonic() - t0 < 3 and d.faults >= 1
+        want = [None if dead or e.holder.engine_id in live_on_victim else e for e, dead in zip(entries, on_victim)]
+        assert got == want and any(got)
+        d.close()
