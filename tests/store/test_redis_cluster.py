@@ -180,3 +180,16 @@ def test_a_dead_master_costs_only_its_blocks_then_recovers(tmp_path):
             time.sleep(0.2)
         assert led.match(keys) == 96
         store.close()
+
+
+def test_redis_client_gives_the_engine_registry_a_cluster(redis_cluster, prefix):
+    """The registry's keys share the `{engines}` tag: on a cluster it runs unchanged (one slot)."""
+    from kvledger.engine.registry import EngineInfo, Registry
+
+    reg = Registry.from_url(redis_cluster.url, prefix=prefix, ttl_s=30)
+    infos = [EngineInfo(f"e{i}", "prefill", f"http://127.0.0.1:{9000 + i}", "m", 128, 10, (0,), 1) for i in range(3)]
+    for info in infos:
+        reg.announce(info)
+    assert reg.members() == infos
+    reg.withdraw("e1")
+    assert [m.engine_id for m in reg.members()] == ["e0", "e2"]
