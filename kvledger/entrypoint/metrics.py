@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kvledger.engine.api import RequestUsage
 from kvledger.store.backend import StoreStats
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 120.0)
@@ -47,6 +48,7 @@ class ServeMetrics:
                                    ["namespace", "hit_kind"], registry=r)
         self.generation_tokens = Counter("kvledger_generation_tokens", "Generated tokens", ["namespace"],
                                          registry=r)
+        r.register(StoreCollector(stats))
         self.ttft = Histogram("kvledger_time_to_first_token_seconds", "Arrival to first token, by cache outcome",
                               ["cache"], buckets=TTFT_BUCKETS, registry=r)
         self.itl = Histogram("kvledger_inter_token_latency_seconds", "Time between two streamed tokens",
@@ -58,9 +60,17 @@ class ServeMetrics:
                                    ["cause"], registry=r)
         self.errors = Counter("kvledger_errors", "Requests answered with an error, by kind", ["kind"], registry=r)
         self.running = Gauge("kvledger_requests_running", "Requests in the engine now", registry=r)
-        self.legs = Counter("kvledger_engine_legs", "Engine legs of requests (cluster mode), by kind and engine",
-                            ["kind", "engine"], registry=r)
-        r.register(StoreCollector(stats))
+        self.legs = Counter("kvledger_engine_legs", "Engine legs of requests (cluster mode): whole, prefill, "
+                            "decode, continue", ["kind", "engine", "hit_kind"], registry=r)
+        self.leg_cached_tokens = Counter("kvledger_engine_leg_cached_tokens", "Tokens a leg did not compute, by "
+                                         "where they came from (device cache or the ledgers)", ["kind", "source"],
+                                         registry=r)
+
+    def leg(self, kind: str, engine: str, usage: RequestUsage | None) -> None:
+        self.legs.labels(kind, engine, usage.hit_kind if usage is not None else "broken").inc()
+        if usage is not None:
+            self.leg_cached_tokens.labels(kind, "device").inc(usage.device_cached_tokens)
+            self.leg_cached_tokens.labels(kind, "store").inc(usage.cached_tokens - usage.device_cached_tokens)
 
     def error(self, kind: str) -> None:
         self.errors.labels(kind=kind).inc()

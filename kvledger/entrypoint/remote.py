@@ -53,13 +53,13 @@ class RemoteEngines:
     def __init__(self, registry: Registry, router: Router, token: str, check: CheckFn, spec: ModelSpec, *,
                  poll_s: float = 0.5, read_timeout_s: float = 15.0,
                  on_engine: Callable[[EngineInfo], None] | None = None,
-                 on_leg: Callable[[str, str], None] | None = None) -> None:
+                 on_leg: Callable[[str, str, RequestUsage | None], None] | None = None) -> None:
         self.registry, self.router, self.check, self.spec = registry, router, check, spec
         self.headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
         self.poll_s = poll_s
         self.timeout = httpx.Timeout(connect=2.0, read=read_timeout_s, write=10.0, pool=5.0)
         self.on_engine = on_engine
-        self.on_leg = on_leg or (lambda kind, engine_id: None)   # (leg kind, engine id), once per leg started
+        self.on_leg = on_leg or (lambda kind, engine_id, usage: None)   # at each leg's end
         self.engines: dict[str, EngineInfo] = {}
         self.loads: dict[str, Load] = {}
         self.suspect: dict[str, float] = {}    # engine id → monotonic time its stream broke
@@ -129,11 +129,11 @@ class RemoteEngines:
                                 snapshots=[decision.block_hit_tokens] if decision.swa_hit else [],
                                 replay=decision.replay, sampling=WireSampling.of(sampling),
                                 wait_stored=phase == "prefill")
-            self.on_leg(kind, engine.engine_id)
-            reason = None
+            reason, leg_usage = None, None
             events = self._leg(engine, body, decision.hit_tokens, leg == 1 and not output)
             try:
                 async for ev in events:
+                    leg_usage = ev.usage or leg_usage
                     if first is None and ev.usage is not None:
                         first = ev.usage
                     output.extend(ev.token_ids)
@@ -141,6 +141,7 @@ class RemoteEngines:
                     done = reason in ("stop", "length") and (phase != "prefill" or reason == "stop"
                                                              or len(output) >= budget)
                     if done:
+                        self.on_leg(kind, engine.engine_id, leg_usage)
                         yield TokenEvent(req.request_id, ev.token_ids, True, reason, self._usage(first, prompt, output))
                         return
                     if ev.token_ids:
@@ -152,6 +153,7 @@ class RemoteEngines:
                             engine.engine_id, e)
             finally:
                 await events.aclose()
+            self.on_leg(kind, engine.engine_id, leg_usage)
             if reason == "length" and phase == "prefill":
                 phase = kind = "decode"
             else:   # handed off, aborted or broken: continue on another engine

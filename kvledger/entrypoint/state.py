@@ -127,7 +127,7 @@ class ServerState:
         assert self.config.redis_url is not None and self.config.cluster_token is not None
         self.engine = RemoteEngines(Registry.from_url(self.config.redis_url), Router(self.config.routing),
                                     self.config.cluster_token, check, self.spec, on_engine=self._learn_model,
-                                    on_leg=lambda kind, engine: self.metrics.legs.labels(kind, engine).inc())
+                                    on_leg=self.metrics.leg)
         self.engine.start(loop)
         return self.engine
 

@@ -103,7 +103,7 @@ class Cluster:
         self.redis = RedisServer(data_dir=self.data / "redis", persist=True)
         (self.data / "redis").mkdir(parents=True, exist_ok=True)
         self.redis.start()
-        _status("redis", f"pid {self.redis.proc.pid}", f"{self.redis.url}  (data {self.data / 'redis'})")
+        _status("redis", f"pid {self.redis.proc.pid}", f"ready at {self.redis.url}  (data {self.data / 'redis'})")
         return self.redis.url
 
     def _plan(self, redis_url: str, token_file: Path) -> list[Child]:

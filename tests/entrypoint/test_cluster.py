@@ -6,6 +6,7 @@ last ones take engines away (a SIGTERM hand-off, then a SIGKILL)."""
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
@@ -167,3 +168,50 @@ def test_health_stays_up_while_requests_run(cluster):
         time.sleep(0.1)
     worker.join()
     assert box["r"].usage.completion_tokens >= 1
+
+
+def test_windowed_model_decode_engine_pulls_the_snapshot_from_the_prefill_host(tmp_path):
+    """tiny-v4 (sliding-window layers), 1 prefill + 1 decode engine: the decode leg resumes from the
+    window snapshot the prefill engine holds (state ledger pull between processes, rule 3's exact
+    hit), and the output equals a single-process server's."""
+    import random
+
+    rng = random.Random(7)
+    prompt = [rng.randrange(1, 20_000) for _ in range(700)]
+    single = ServeProcess(tmp_path / "single", model="tiny-v4").start()
+    try:
+        ref = single.post("/v1/completions", {"model": "tiny-v4", "prompt": prompt, "max_tokens": 8,
+                                              "temperature": 0})[1]["choices"][0]["token_ids"]
+    finally:
+        single.stop()
+    c = ClusterProcess(tmp_path / "cluster", prefill=1, decode=1, model="tiny-v4").start()
+    try:
+        status, body = request_json(c.url + "/v1/completions", {"model": "tiny-v4", "prompt": prompt,
+                                                                "max_tokens": 8, "temperature": 0})
+        assert status == 200 and body["choices"][0]["token_ids"] == ref
+        text = request(c.url + "/metrics")[1].decode()
+        c.proc.send_signal(signal.SIGINT)    # Ctrl-C: everything stops, Redis included
+        assert c.proc.wait(timeout=120) == 0
+    finally:
+        c.stop()
+    assert set(c.members) == {"redis", "prefill-0", "decode-0", "entrypoint"}
+    for member in c.members.values():
+        with pytest.raises(ProcessLookupError):
+            os.kill(member.pid, 0)
+    decode_snapshot = _sample(text, 'kvledger_engine_legs_total{engine="decode-0",hit_kind="snapshot",kind="decode"}')
+    store_tokens = _sample(text, 'kvledger_engine_leg_cached_tokens_total{kind="decode",source="store"}')
+    assert decode_snapshot == 1 and store_tokens > 0
+
+
+def request_json(url: str, body: dict) -> tuple[int, dict]:
+    import json
+
+    status, raw = request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    return status, json.loads(raw)
+
+
+def _sample(metrics: str, name: str) -> float:
+    for line in metrics.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    return 0.0
