@@ -78,6 +78,15 @@ class BlockPool:
             out.append(block_id)
         return out
 
+    def cached_prefix(self, keys: list[bytes]) -> int:
+        """How many leading blocks of `keys` the device holds (no reference taken)."""
+        n = 0
+        for key in keys:
+            if key not in self.by_key:
+                break
+            n += 1
+        return n
+
     def cache(self, block_id: int, key: bytes) -> None:
         """Record that `block_id` (in use, full) holds the block of chain key `key`."""
         block = self.blocks[block_id]

@@ -57,7 +57,8 @@ class Engine:
         if block_ledger is not None and fetcher == "process":
             staging = -(-self.max_model_len // self.spec.block_size)
             self.fetcher = Fetcher(block_ledger, block_bytes, staging, timeout_s=fetch_timeout_s)
-        self.loader = HitLoader(self.model, self.pool, self.slots, self.fetcher, state_ledger, replay=replay)
+        self.loader = HitLoader(self.model, self.pool, self.slots, self.fetcher, state_ledger, replay=replay,
+                                device_hits=block_ledger is not None)
         self.writer = LedgerWriter(self.model, block_ledger, state_ledger, self.slots)
         self.scheduler = Scheduler(max_num_seqs, max_num_batched_tokens)
         self.runner = ModelRunner(self.model)

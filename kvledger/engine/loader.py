@@ -38,9 +38,10 @@ from kvledger.engine.swapin import SwapItem
 
 class HitLoader:
     def __init__(self, model: Model, pool: BlockPool, slots: StateSlots, fetcher: Fetcher | None,
-                 state_ledger: object | None, *, replay: bool) -> None:
+                 state_ledger: object | None, *, replay: bool, device_hits: bool = True) -> None:
         self.model, self.spec, self.pool, self.slots = model, model.spec, pool, slots
         self.fetcher, self.state_ledger, self.replay = fetcher, state_ledger, replay
+        self.device_hits = device_hits   # False: a no-cache baseline, every prompt computed as decided
         self.faults: Counter[str] = Counter()
 
     def blocks_needed(self, seq: Sequence) -> int:
@@ -57,6 +58,8 @@ class HitLoader:
             slot = self.slots.allocate()
             if slot is None:
                 return False
+        if self.device_hits:
+            seq.decision = self._with_device_cache(seq)
         decision = self._snapshot(seq, slot)
         b = self.spec.block_size
         hit_blocks = decision.hit_tokens // b
@@ -80,6 +83,20 @@ class HitLoader:
             decision = self._lower(seq, len(on_device), "no_fetcher")
         self._start(seq, decision)
         return True
+
+    def _with_device_cache(self, seq: Sequence) -> HitDecision:
+        """The device prefix cache may hold more leading blocks than the CHECK found: blocks this engine
+        computed whose write to the block ledger is still queued. Taking them reads no KV from anywhere,
+        so the decision is raised to them (the snapshot, for windowed models, looked up as the CHECK does)."""
+        d, b = seq.decision, self.spec.block_size
+        held = self.pool.cached_prefix(seq.keys[:max(d.cap, 0) // b])
+        if held * b <= d.block_hit_tokens:
+            return d
+        snapshots: set[int] = set()
+        if self.spec.has_swa and self.state_ledger is not None:
+            snapshots = self.state_ledger.positions(seq.keys, at={held * b})
+        better = decide_hit(seq.prompt_len, held, snapshots, self.spec, replay=self.replay)
+        return better if better.hit_tokens > d.hit_tokens else d
 
     def _snapshot(self, seq: Sequence, slot: int) -> HitDecision:
         d = seq.decision

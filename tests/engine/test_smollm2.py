@@ -136,3 +136,27 @@ def test_rejects_bad_requests(smollm2):
                                           decide_hit(len(long), 0, set(), smollm2.spec), sp))
     assert not smollm2.has_unfinished()
     assert Path(smollm2.fetcher.shm.name)  # the staging area is still ours
+
+
+def test_device_cache_raises_a_stale_check(cold, smollm2, ledger):
+    """A CHECK made before the previous request's blocks reached the ledger says miss; the engine
+    still takes the blocks its own device cache holds (no KV read), and reports them as device hits."""
+    import numpy as np
+
+    from kvledger.core import chain_keys, decide_hit
+    from kvledger.engine.api import EngineRequest, SamplingParams
+
+    out, _ = cold
+    run_request(smollm2, ledger, PROMPT, request_id="warm-dev", max_tokens=1, namespace="dev")
+    stale = decide_hit(len(PROMPT), 0, set(), smollm2.spec)   # what a CHECK before the write answered
+    keys = chain_keys(np.asarray(PROMPT, dtype=np.uint32), smollm2.spec, "dev")
+    smollm2.add_request(EngineRequest("stale", PROMPT, keys, stale, SamplingParams(max_tokens=32, ignore_eos=True),
+                                      namespace="dev"))
+    got, usage = [], None
+    while smollm2.has_unfinished():
+        for event in smollm2.step():
+            got += event.token_ids
+            usage = event.usage or usage
+    smollm2.check_integrity()
+    assert usage.cached_tokens == 384 == usage.device_cached_tokens and usage.hit_kind == "full"
+    assert got == out
