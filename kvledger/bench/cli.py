@@ -14,6 +14,7 @@ BENCHES = {
     "ttft": "kvledger.bench.ttft_bench",     # reference engine: TTFT cold vs hit vs bounded replay
     "vllm": "kvledger.integrations.vllm.bench",  # TTFT under vLLM: kvledger's connector vs ExampleConnector
     "scale": "kvledger.bench.scale_bench",   # block ledger at node scale: persisted index vs the previous design
+    "redis-cluster": "kvledger.bench.redis_cluster_bench",  # CHECK on a 3-master Redis Cluster vs one server
 }
 
 

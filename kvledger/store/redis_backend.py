@@ -89,16 +89,15 @@ class RedisStore:
         if not keys:
             return 0
         ttl_ms = int(ttl_s * 1000)
-        groups = list(self.place.groups(keys).items())
-        names = self.place.names(keys)
+        groups = self.place.groups(keys)
         if self.nodes.cluster:  # one instant for every master (their clocks would not order a chain)
             at = int(time.time() * 1000) + ttl_ms
-            calls = [Call(slot, script_call(self._match, [names[i] for i in idx], ttl_ms, at,
-                                            array("I", idx).tobytes())) for slot, idx in groups]
+            calls = [Call(slot, script_call(self._match, self.place.names_of(keys, head, idx), ttl_ms, at,
+                                            array("I", idx).tobytes(), head=head)) for slot, head, idx in groups]
         else:
-            calls = [Call(0, script_call(self._match, names, ttl_ms, "", ""))]
+            calls = [Call(0, script_call(self._match, keys, ttl_ms, "", "", head=self.bprefix))]
         n, fault = len(keys), None
-        for (_, idx), reply in zip(groups, self.nodes.run(calls)):
+        for (_, _, idx), reply in zip(groups, self.nodes.run(calls)):
             if isinstance(reply, BaseException):
                 fault, n = reply, min(n, idx[0])
             elif int(reply) < len(idx):
@@ -120,11 +119,11 @@ class RedisStore:
         """Presence of each key; raises the first Redis fault (GC must not read a fault as "absent")."""
         if not keys:
             return []
-        names = self.place.names(keys)
-        groups = list(self.place.groups(keys).items())
-        calls = [Call(slot, script_call(self._exists, [names[i] for i in idx])) for slot, idx in groups]
+        groups = self.place.groups(keys)
+        calls = [Call(slot, script_call(self._exists, self.place.names_of(keys, head, idx), head=head))
+                 for slot, head, idx in groups]
         out = [False] * len(keys)
-        for (_, idx), bits in zip(groups, self.nodes.run(calls)):
+        for (_, _, idx), bits in zip(groups, self.nodes.run(calls)):
             if isinstance(bits, BaseException):
                 raise bits
             for i, c in zip(idx, bits):
@@ -251,10 +250,10 @@ class RedisStore:
     # --- removal and operator views ----------------------------------------------
 
     def _unpublish(self, keys: Sequence[bytes]) -> int:
-        """DEL the Redis keys of `keys` (one DEL per hash slot); how many existed (a fault is logged)."""
-        names = self.place.names(keys)
-        groups = self.place.groups(keys).items()
-        replies = self.nodes.run([Call(slot, command("DEL", *[names[i] for i in idx])) for slot, idx in groups])
+        """DEL the Redis keys of `keys` (one DEL per group of one slot); how many existed (a fault is logged)."""
+        groups = self.place.groups(keys)
+        calls = [Call(slot, command("DEL", *[self._k(keys[i]) for i in idx])) for slot, _, idx in groups]
+        replies = self.nodes.run(calls)
         fault = next((r for r in replies if isinstance(r, BaseException)), None)
         if fault is not None:
             log.warning("delete on %s failed: %s", self.url, fault)

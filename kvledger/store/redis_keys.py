@@ -85,16 +85,21 @@ class Placement:
             return self.slots[key[0] % TAGS]
         return key_slot(self.name(key))
 
-    def groups(self, keys: Sequence[bytes]) -> dict[int, list[int]]:
-        """slot → indexes into `keys` (ascending) of the keys in that slot; one group on one server."""
+    def groups(self, keys: Sequence[bytes]) -> list[tuple[int, bytes, list[int]]]:
+        """(slot, head, indexes into `keys` ascending) per group of keys sharing one slot and one name
+        head (`head + key` is each one's name; head b"" when names differ): one group on one server, one
+        per tag on a cluster."""
         if not self.cluster:
-            return {0: list(range(len(keys)))}
-        out: dict[int, list[int]] = {}
+            return [(0, self.bprefix, list(range(len(keys))))]
+        by: dict[int, list[int]] = {}
         if self.slots is not None:
-            slots = self.slots
             for i, k in enumerate(keys):
-                out.setdefault(slots[k[0] % TAGS], []).append(i)
-        else:
-            for i, k in enumerate(keys):
-                out.setdefault(key_slot(self.name(k)), []).append(i)
-        return out
+                by.setdefault(k[0] % TAGS, []).append(i)
+            return [(self.slots[g], self.heads[g], idx) for g, idx in by.items()]
+        for i, k in enumerate(keys):  # a prefix that makes Redis hash the whole name: slot by slot
+            by.setdefault(key_slot(self.name(k)), []).append(i)
+        return [(slot, b"", idx) for slot, idx in by.items()]
+
+    def names_of(self, keys: Sequence[bytes], head: bytes, idx: Sequence[int]) -> list[bytes]:
+        """What to send for `keys[idx]` in a group with this head: bare keys, or whole names (head b"")."""
+        return [keys[i] for i in idx] if head else [self.name(keys[i]) for i in idx]

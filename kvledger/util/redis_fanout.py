@@ -66,14 +66,17 @@ def command(*args: bytes | memoryview | str | int | float) -> Wire:
     return [*out, b"".join(head)]
 
 
-def script_call(sha: str, names: Sequence[bytes], *argv: bytes | str | int) -> Wire:
-    """`EVALSHA sha len(names) *names *argv`; names of one length are joined in one pass (the CHECK path)."""
-    size = len(names[0]) if names else 0
-    if any(len(x) != size for x in names):
-        return command("EVALSHA", sha, len(names), *names, *argv)
-    body = b"$%d\r\n" % size + (b"\r\n$%d\r\n" % size).join(names) + b"\r\n" if names else b""
-    head = b"*%d\r\n" % (3 + len(names) + len(argv)) + _bulk("EVALSHA") + _bulk(sha) + _bulk(len(names))
-    return [head + body + b"".join(map(_bulk, argv))]
+def script_call(sha: str, names: Sequence[bytes], *argv: bytes | str | int, head: bytes = b"") -> Wire:
+    """`EVALSHA sha len(names) *(head + name) *argv`. Names of one length are joined in one pass, the
+    common `head` (a key prefix) with them, so the CHECK of 8,192 keys builds no name one by one."""
+    lengths = set(map(len, names))
+    if len(lengths) > 1:
+        return command("EVALSHA", sha, len(names), *[head + x for x in names], *argv)
+    size = len(head) + (lengths.pop() if lengths else 0)
+    sep = b"\r\n$%d\r\n%b" % (size, head)
+    body = b"$%d\r\n%b" % (size, head) + sep.join(names) + b"\r\n" if names else b""
+    top = b"*%d\r\n" % (3 + len(names) + len(argv)) + _bulk("EVALSHA") + _bulk(sha) + _bulk(len(names))
+    return [top + body + b"".join(map(_bulk, argv))]
 
 
 class RedisNodes:

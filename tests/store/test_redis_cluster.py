@@ -193,3 +193,19 @@ def test_redis_client_gives_the_engine_registry_a_cluster(redis_cluster, prefix)
     assert reg.members() == infos
     reg.withdraw("e1")
     assert [m.engine_id for m in reg.members()] == ["e0", "e2"]
+
+
+@pytest.mark.parametrize("brace", ["{tenant}:", "{}:"])
+def test_a_prefix_with_braces_still_keeps_each_script_in_one_slot(redis_cluster, brace):
+    """`{tenant}` pins every block to one slot on purpose; `{}` makes Redis hash whole names (groups
+    by slot, not by tag): both still answer as one server does."""
+    store = RedisStore(redis_cluster.url, prefix=f"t{secrets.token_hex(4)}{brace}")
+    led = BlockLedger(store)
+    keys, blocks = chain(150, seed=12)
+    assert led.put_chain(keys, blocks) == (150, 0, 0) and led.match(keys) == 150
+    assert led.delete(keys[70:71]) == 1 and led.match(keys) == 70
+    assert led.exists(keys[69:72]) == [True, False, True]
+    bufs = [bytearray(BLOCK) for _ in range(3)]
+    assert led.get_into(keys[:3], bufs) == [BLOCK] * 3 and [bytes(b) for b in bufs] == blocks[:3]
+    assert led.stats().blocks == 149
+    store.close()
