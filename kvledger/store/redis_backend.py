@@ -91,8 +91,8 @@ class RedisStore:
         ttl_ms = int(ttl_s * 1000)
         groups = self.place.groups(keys)
         if self.nodes.cluster:  # one instant for every master (their clocks would not order a chain)
-            at = int(time.time() * 1000) + ttl_ms
-            calls = [Call(slot, script_call(self._match, self.place.names_of(keys, head, idx), ttl_ms, at,
+            ttl, at = b"%d" % ttl_ms, b"%d" % (int(time.time() * 1000) + ttl_ms)
+            calls = [Call(slot, script_call(self._match, self.place.names_of(keys, head, idx), ttl, at,
                                             array("I", idx).tobytes(), head=head)) for slot, head, idx in groups]
         else:
             calls = [Call(0, script_call(self._match, keys, ttl_ms, "", "", head=self.bprefix))]

@@ -48,8 +48,27 @@ def _arg(a: bytes | memoryview | str | int | float) -> bytes | memoryview:
 
 
 def _bulk(a: bytes | memoryview | str | int | float) -> bytes:
-    a = _arg(a)
-    return b"$%d\r\n%b\r\n" % (len(a) if isinstance(a, bytes) else a.nbytes, a)
+    if type(a) is not bytes:
+        a = _arg(a)
+        return b"$%d\r\n%b\r\n" % (len(a) if isinstance(a, bytes) else a.nbytes, a)
+    return b"$%d\r\n%b\r\n" % (len(a), a)
+
+
+def _coalesce(pieces: Wire) -> Wire:
+    """Runs of small pieces joined into one buffer (one sendall each), big ones kept as they are."""
+    out: Wire = []
+    run: list[bytes] = []
+    for piece in pieces:
+        if isinstance(piece, bytes) and len(piece) < BIG:
+            run.append(piece)
+            continue
+        if run:
+            out.append(b"".join(run))
+            run = []
+        out.append(piece)
+    if run:
+        out.append(b"".join(run))
+    return out
 
 
 def command(*args: bytes | memoryview | str | int | float) -> Wire:
@@ -75,7 +94,8 @@ def script_call(sha: str, names: Sequence[bytes], *argv: bytes | str | int, head
     size = len(head) + (lengths.pop() if lengths else 0)
     sep = b"\r\n$%d\r\n%b" % (size, head)
     body = b"$%d\r\n%b" % (size, head) + sep.join(names) + b"\r\n" if names else b""
-    top = b"*%d\r\n" % (3 + len(names) + len(argv)) + _bulk("EVALSHA") + _bulk(sha) + _bulk(len(names))
+    top = b"*%d\r\n$7\r\nEVALSHA\r\n$%d\r\n%s\r\n" % (3 + len(names) + len(argv), len(sha), sha.encode())
+    top += _bulk(b"%d" % len(names))
     return [top + body + b"".join(map(_bulk, argv))]
 
 
@@ -94,6 +114,8 @@ class RedisNodes:
         self._client: Any = client
         self._given = client is not None
         self._forgot = -FORGET_S
+        self._slot_node: dict[int, redis.Redis] = {}  # slot → master, for the client `_slot_node_of`
+        self._slot_node_of: Any = None
         if not self.cluster and client is None:
             pool = redis.ConnectionPool.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
                                                  retry=Retry(NoBackoff(), 0), health_check_interval=0,
@@ -141,7 +163,12 @@ class RedisNodes:
         c = self.client()
         if not self.cluster:
             return c
-        return c.get_redis_connection(c.nodes_manager.get_node_from_slot(slot))
+        node = self._slot_node.get(slot) if self._slot_node_of is c else None
+        if node is None:
+            if self._slot_node_of is not c:  # a new slot map: the old answers may be stale
+                self._slot_node, self._slot_node_of = {}, c
+            node = self._slot_node[slot] = c.get_redis_connection(c.nodes_manager.get_node_from_slot(slot))
+        return node
 
     def run(self, calls: Sequence[Call]) -> list[Any]:
         """The replies in order; a reply that is an error, or every reply of a node that failed, is the
@@ -175,7 +202,7 @@ class RedisNodes:
         except FAULTS as e:
             return e
         try:
-            conn.send_packed_command([piece for w in wires for piece in w], check_health=False)
+            conn.send_packed_command(_coalesce([piece for w in wires for piece in w]), check_health=False)
         except FAULTS as e:
             node.connection_pool.release(conn)
             return e

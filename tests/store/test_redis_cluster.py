@@ -209,3 +209,20 @@ def test_a_prefix_with_braces_still_keeps_each_script_in_one_slot(redis_cluster,
     assert led.get_into(keys[:3], bufs) == [BLOCK] * 3 and [bytes(b) for b in bufs] == blocks[:3]
     assert led.stats().blocks == 149
     store.close()
+
+
+def test_our_resp_encoding_is_what_redis_py_sends():
+    """The fan-out packs commands itself (the CHECK of 8,192 keys is one join): byte for byte redis-py's."""
+    from kvledger.util.redis_fanout import command, script_call
+
+    packer = redis.Connection()
+
+    def ref(*args: object) -> bytes:
+        return b"".join(bytes(x) for x in packer.pack_commands([args]))
+
+    want = ref("EVALSHA", "ab", 2, b"p:k1", b"p:k2", 5, "")
+    assert b"".join(script_call("ab", [b"k1", b"k2"], 5, "", head=b"p:")) == want
+    assert b"".join(script_call("ab", [b"k1", b"k22"], b"7")) == ref("EVALSHA", "ab", 2, b"k1", b"k22", 7)
+    assert b"".join(script_call("ab", [])) == ref("EVALSHA", "ab", 0)
+    big = memoryview(bytes(range(256)) * 1024)
+    assert b"".join(bytes(x) for x in command("HSET", b"n", "d", big, 3.5)) == ref("HSET", b"n", "d", big, 3.5)
