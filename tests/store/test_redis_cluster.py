@@ -226,3 +226,14 @@ def test_our_resp_encoding_is_what_redis_py_sends():
     assert b"".join(script_call("ab", [])) == ref("EVALSHA", "ab", 0)
     big = memoryview(bytes(range(256)) * 1024)
     assert b"".join(bytes(x) for x in command("HSET", b"n", "d", big, 3.5)) == ref("HSET", b"n", "d", big, 3.5)
+
+
+def test_bench_redis_cluster_reports_both_side_by_side(run_cli, shared_redis, redis_cluster):
+    r = run_cli("bench", "redis-cluster", "--json", "--reps", "3", "--keys", "16,300", "--lookup", "8",
+                "--redis-url", shared_redis.url, "--cluster-url", redis_cluster.url)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+    for tag in ("check_16_hit", "check_300_hit", "check_300_cold", "lookup_8"):
+        assert res[f"{tag}_single_ms"] > 0 and res[f"{tag}_cluster_ms"] > 0 and res[f"{tag}_ratio"] > 0
+    r = run_cli("bench", "redis-cluster", "--keys", "0", "--json")
+    assert r.returncode == 2 and r.stdout == ""
