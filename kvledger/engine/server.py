@@ -129,9 +129,13 @@ class EngineProcess:
                     yield b"\n"
                     continue
                 self.prefill_left.pop(req.request_id, None)
+                wire = WireEvent.of(ev, self.config.engine_id)
                 if ev.finished and (body.wait_stored or ev.finish_reason == "handoff"):
+                    if wire.token_ids:   # the client gets the token now; the end once the KV is stored
+                        yield wire.model_copy(update={"finished": False, "finish_reason": None}).line()
+                        wire = wire.model_copy(update={"token_ids": []})
                     await asyncio.to_thread(self.engine.engine.wait_stored)
-                yield WireEvent.of(ev, self.config.engine_id).line()
+                yield wire.line()
         except EngineRejected as e:
             yield WireEvent(finished=True, finish_reason="abort", error=f"rejected: {e}").line()
         except EngineFailed as e:

@@ -47,7 +47,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--decode", type=int, default=1, help="decode engines")
     p.add_argument("--both", type=int, default=0, help="engines that prefill and decode")
     p.add_argument("--data-dir", type=Path, default=None, help="store, Redis data, logs (default: XDG data dir)")
-    p.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
+    p.add_argument("--redis-url", default=None, help="use this Redis (redis:// or redis+cluster://) instead of "
+                   "starting one")
+    p.add_argument("--redis-cluster", action="store_true", help="start a 3-master Redis Cluster (data in temp "
+                   "dirs, gone at exit) instead of one redis-server")
     p.add_argument("--routing", default="cache-aware", choices=POLICIES)
     p.add_argument("--max-num-seqs", type=int, default=8, help="requests each engine batches at once")
     p.set_defaults(func=cmd_up)
@@ -58,6 +61,8 @@ def cmd_up(args: argparse.Namespace) -> None:
 
     if min(args.prefill, args.decode, args.both) < 0 or args.prefill + args.both == 0:
         raise CliError("--prefill/--decode/--both must be >= 0, with at least one engine that prefills")
+    if args.redis_url and args.redis_cluster:
+        raise CliError("give --redis-url or --redis-cluster, not both")
     if args.api_keys is None and not is_loopback(args.host):
         raise CliError(f"--host {args.host}: without --api-keys the entrypoint binds to loopback only")
     data = (args.data_dir or default_data_dir().with_name("cluster")).resolve()
@@ -100,6 +105,12 @@ class Cluster:
     def _start_redis(self) -> str:
         from kvledger.util.redis_server import RedisServer
 
+        if self.args.redis_cluster:
+            from kvledger.util.redis_cluster import RedisCluster
+
+            self.redis = RedisCluster().start()
+            _status("redis", f"pid {self.redis.nodes[0].proc.pid}", f"ready at {self.redis.url}  (3 masters)")
+            return self.redis.url
         self.redis = RedisServer(data_dir=self.data / "redis", persist=True)
         (self.data / "redis").mkdir(parents=True, exist_ok=True)
         self.redis.start()

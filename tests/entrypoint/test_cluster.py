@@ -173,17 +173,12 @@ def test_health_stays_up_while_requests_run(cluster):
 def test_windowed_model_decode_engine_pulls_the_snapshot_from_the_prefill_host(tmp_path):
     """tiny-v4 (sliding-window layers), 1 prefill + 1 decode engine: the decode leg resumes from the
     window snapshot the prefill engine holds (state ledger pull between processes, rule 3's exact
-    hit), and the output equals a single-process server's."""
+    hit), and the output equals a single-process server's along the same legs (`tiny_reference`)."""
     import random
 
     rng = random.Random(7)
     prompt = [rng.randrange(1, 20_000) for _ in range(700)]
-    single = ServeProcess(tmp_path / "single", model="tiny-v4").start()
-    try:
-        ref = single.post("/v1/completions", {"model": "tiny-v4", "prompt": prompt, "max_tokens": 8,
-                                              "temperature": 0})[1]["choices"][0]["token_ids"]
-    finally:
-        single.stop()
+    ref = tiny_reference(tmp_path, prompt, 8)
     c = ClusterProcess(tmp_path / "cluster", prefill=1, decode=1, model="tiny-v4").start()
     try:
         status, body = request_json(c.url + "/v1/completions", {"model": "tiny-v4", "prompt": prompt,
@@ -203,6 +198,22 @@ def test_windowed_model_decode_engine_pulls_the_snapshot_from_the_prefill_host(t
     assert decode_snapshot == 1 and store_tokens > 0
 
 
+def tiny_reference(tmp_path, prompt: list[int], n: int) -> list[int]:
+    """What a single-process tiny-v4 server answers along the legs of P/D: the first token from the
+    prompt, the rest from prompt + first token. (tiny-v4's random weights leave near-ties between
+    logits; position L computed inside a prefill chunk rather than as a decode step moves them by
+    float rounding, so this is the exact reference for the cluster; SmolLM2's tests above compare
+    against a plain single-process run.)"""
+    single = ServeProcess(tmp_path / "single", model="tiny-v4").start()
+    try:
+        body = {"model": "tiny-v4", "prompt": prompt, "max_tokens": 1, "temperature": 0}
+        first = single.post("/v1/completions", body)[1]["choices"][0]["token_ids"]
+        body |= {"prompt": prompt + first, "max_tokens": n - 1}
+        return first + single.post("/v1/completions", body)[1]["choices"][0]["token_ids"]
+    finally:
+        single.stop()
+
+
 def request_json(url: str, body: dict) -> tuple[int, dict]:
     import json
 
@@ -215,3 +226,25 @@ def _sample(metrics: str, name: str) -> float:
         if line.startswith(name + " "):
             return float(line.split()[-1])
     return 0.0
+
+
+def test_on_a_redis_cluster_a_prefix_prefilled_on_one_engine_hits_on_the_other(tmp_path):
+    """The same cluster on a real 3-master Redis Cluster (`kvledger up --redis-cluster`): the index,
+    the snapshot directory and the registry all on it. tiny-v4, round-robin over 2 prefill engines,
+    1 decode engine: the second request's prefill engine hits from the store (blocks) and pulls the
+    snapshot from the first one's state server; outputs equal a single-process server's (`tiny_reference`)."""
+    import random
+
+    rng = random.Random(11)
+    prompt = [rng.randrange(1, 20_000) for _ in range(600)]
+    body = {"model": "tiny-v4", "prompt": prompt, "max_tokens": 6, "temperature": 0}
+    ref = tiny_reference(tmp_path, prompt, 6)
+    with ClusterProcess(tmp_path / "cluster", "--redis-cluster", prefill=2, decode=1, routing="round-robin",
+                        model="tiny-v4") as c:
+        assert c.members["redis"].url.startswith("redis+cluster://")
+        first = request_json(c.url + "/v1/completions", body)[1]
+        second = request_json(c.url + "/v1/completions", body)[1]
+    assert first["choices"][0]["token_ids"] == second["choices"][0]["token_ids"] == ref
+    a, b = first["usage"]["kvledger"], second["usage"]["kvledger"]
+    assert {a["engine"], b["engine"]} == {"prefill-0", "prefill-1"}
+    assert b["hit_kind"] == "snapshot" and b["store_cached_tokens"] == second["usage"]["prompt_cache_hit_tokens"] > 0
