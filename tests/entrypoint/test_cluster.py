@@ -6,6 +6,7 @@ last ones take engines away (a SIGTERM hand-off, then a SIGKILL)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -80,6 +81,12 @@ def test_engine_api_needs_the_cluster_token(cluster):
     assert status == 401
     status, body = cluster.engine_get("prefill-0", "/engine/v1/health")
     assert status == 200 and body["role"] == "prefill"
+    auth = {"Authorization": f"Bearer {cluster.token}", "Content-Type": "application/json"}
+    ok = {"request_id": "x", "tokens": [1], "sampling": {"max_tokens": 1}}
+    for bad in (b"{not json", json.dumps(ok | {"tokens": [-1]}).encode(), json.dumps(ok | {"pickle": "x"}).encode(),
+                json.dumps(ok | {"tokens": [99_999_999]}).encode(), json.dumps(ok | {"tokens": []}).encode()):
+        status, raw = request(url + "/engine/v1/generate", bad, auth)
+        assert status == 400 and "message" in json.loads(raw)["error"], raw
 
 
 def _stream_and_act(url: str, question: str, n: int, after: int, act) -> tuple[list[int], object]:
