@@ -13,14 +13,20 @@ def run_request(engine, ledger, tokens, *, request_id, max_tokens=8, namespace="
                                   namespace=namespace, replay=replay)
     sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     engine.add_request(EngineRequest(request_id, tokens, keys, decision, sampling, namespace=namespace))
+    out, usage = drain(engine)
+    engine.wait_stored()
+    return out, usage, decision
+
+
+def drain(engine):
+    """Step until nothing runs; (every token produced, the last usage seen). Checks the pools after."""
     out, usage = [], None
     while engine.has_unfinished():
         for event in engine.step():
             out += event.token_ids
             usage = event.usage or usage
-    engine.wait_stored()
     engine.check_integrity()
-    return out, usage, decision
+    return out, usage
 
 
 def prompt(n, seed=0):

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvledger.core import HitKind
-from tests.engine.helpers import prompt, run_request
+from tests.engine.helpers import drain, prompt, run_request
 
 PROMPT = prompt(500)
 B = 128
@@ -152,11 +152,6 @@ def test_device_cache_raises_a_stale_check(cold, smollm2, ledger):
     keys = chain_keys(np.asarray(PROMPT, dtype=np.uint32), smollm2.spec, "dev")
     smollm2.add_request(EngineRequest("stale", PROMPT, keys, stale, SamplingParams(max_tokens=32, ignore_eos=True),
                                       namespace="dev"))
-    got, usage = [], None
-    while smollm2.has_unfinished():
-        for event in smollm2.step():
-            got += event.token_ids
-            usage = event.usage or usage
-    smollm2.check_integrity()
+    got, usage = drain(smollm2)
     assert usage.cached_tokens == 384 == usage.device_cached_tokens and usage.hit_kind == "full"
     assert got == out

@@ -123,22 +123,26 @@ def _busy_decode_engine(cluster: ClusterProcess) -> str:
     raise AssertionError("no decode engine is running the request")
 
 
+def _interrupted(cluster: ClusterProcess, single: ServeProcess, question: str, n: int, after: int, sig: int):
+    """A stream of n greedy tokens from the cluster whose decode engine gets `sig` once `after` tokens
+    have arrived; (its token ids, its usage chunk, the single-process ids, the engine signalled)."""
+    ref = client(single.url).completions.create(model="smollm2-135m", prompt=SYSTEM + "\n" + question, max_tokens=n,
+                                                temperature=0, extra_body={"ignore_eos": True})
+    signalled: dict[str, str] = {}
+
+    def act() -> None:
+        signalled["name"] = _busy_decode_engine(cluster)
+        cluster.signal(signalled["name"], sig)
+
+    ids, last = _stream_and_act(cluster.url, question, n, after, act)
+    return ids, last, ref.model_dump()["choices"][0]["token_ids"], signalled["name"]
+
+
 def test_decode_engine_sigterm_hands_off_with_the_stream_intact(cluster, single):
-    n = 40
-    reference = client(single.url).completions.create(model="smollm2-135m", prompt=SYSTEM + "\nBook 5 is", max_tokens=n,
-                                                      temperature=0, extra_body={"ignore_eos": True})
-    ref_ids = reference.model_dump()["choices"][0]["token_ids"]
-    stopped: dict[str, str] = {}
-
-    def sigterm_the_busy_decoder() -> None:
-        name = _busy_decode_engine(cluster)
-        stopped["name"] = name
-        cluster.signal(name, signal.SIGTERM)
-
-    ids, last = _stream_and_act(cluster.url, "Book 5 is", n, 8, sigterm_the_busy_decoder)
-    assert len(ids) == n and last.usage.completion_tokens == n    # no token lost or repeated
+    ids, last, ref_ids, name = _interrupted(cluster, single, "Book 5 is", 40, 8, signal.SIGTERM)
+    assert len(ids) == 40 and last.usage.completion_tokens == 40  # no token lost or repeated
     assert ids == ref_ids                                         # greedy continues exactly
-    assert cluster.wait_exit(stopped["name"])                     # it drained and exited
+    assert cluster.wait_exit(name)                                # it drained and exited
     status, metrics = request(cluster.url + "/metrics")
     continued = [ln for ln in metrics.decode().splitlines() if ln.startswith("kvledger_engine_legs_total")
                  and 'kind="continue"' in ln]
@@ -147,18 +151,8 @@ def test_decode_engine_sigterm_hands_off_with_the_stream_intact(cluster, single)
 
 def test_killed_engine_mid_stream_is_retried_elsewhere(cluster, single):
     """SIGKILL (no hand-off): the stream breaks, the entrypoint continues from the tokens it has."""
-    n = 24
-    ref = client(single.url).completions.create(model="smollm2-135m", prompt=SYSTEM + "\nBook 9 is", max_tokens=n,
-                                                temperature=0, extra_body={"ignore_eos": True})
-    killed: dict[str, str] = {}
-
-    def kill() -> None:
-        name = _busy_decode_engine(cluster)
-        killed["name"] = name
-        cluster.signal(name, signal.SIGKILL)
-
-    ids, last = _stream_and_act(cluster.url, "Book 9 is", n, 6, kill)
-    assert ids == ref.model_dump()["choices"][0]["token_ids"] and last.usage.completion_tokens == n
+    ids, last, ref_ids, _ = _interrupted(cluster, single, "Book 9 is", 24, 6, signal.SIGKILL)
+    assert ids == ref_ids and last.usage.completion_tokens == 24
     time.sleep(4)   # the registry forgets it within its heartbeat TTL (3 s)
     after = chat(cluster.url, "Where is book 3?")
     assert after.choices[0].finish_reason in ("stop", "length")
