@@ -76,9 +76,22 @@ class RedisStore:
         self._match = self.nodes.script(MATCH)
         self._exists = self.nodes.script(EXISTS)
         self._put = self.nodes.script(PUT)
-        if check:  # raises: for the CLI, which reports an unreachable server as bad input
-            for node in self.nodes.masters():
+        if check:  # raises: for the CLI, which reports an unreachable server (every master down) as bad input
+            self._ping_any()
+
+    def _ping_any(self) -> None:
+        """PING every master; raise a fault when none answers (a dead master of a cluster is logged)."""
+        masters = self.nodes.masters()
+        faults = []
+        for node in masters:
+            try:
                 node.ping()
+            except FAULTS as e:
+                faults.append(e)
+        if len(faults) == len(masters):
+            raise faults[0]
+        if faults:
+            log.warning("%d of %d masters of %s do not answer: %s", len(faults), len(masters), self.url, faults[0])
 
     def _k(self, key: bytes) -> bytes:
         return self.place.name(key)
