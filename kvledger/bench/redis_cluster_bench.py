@@ -4,7 +4,8 @@ side by side with one Redis server, both started here on loopback (or given by U
 For each length (keys = blocks of a prompt), a chain of tiny blocks is stored on both (CHECK
 reads metadata only), then CHECK runs `--reps` times per backend, interleaved, all present
 (`hit`) and all absent (`cold`, another chain): median and min wall ms, the median of the
-per-rep ratios cluster / single. Also a batch lookup of `--lookup` snapshot entries in the
+per-rep ratios cluster / single. On the one server the CHECK script of before (`OLD_MATCH`,
+`single_old`) runs beside them, on the same blocks. Also a batch lookup of `--lookup` snapshot entries in the
 RedisDirectory (one round trip on one server, two rounds on the cluster).
 """
 
@@ -26,6 +27,22 @@ from kvledger.util.output import CliError, emit_json
 
 HELP = "CHECK and directory lookups on a 3-master Redis Cluster vs one Redis server"
 MAX_KEYS = 1 << 20
+
+# The baseline `single_old`: the CHECK script before Redis Cluster support (one server only): it builds
+# key names inside Lua (prefix .. key), which Redis Cluster refuses; its keys travel as one blob.
+OLD_MATCH = """
+local blob, ttl, prefix = ARGV[1], tonumber(ARGV[2]), ARGV[3]
+local n = #blob / 16
+local t = redis.call('TIME')
+local at = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + ttl
+for i = 0, n - 1 do
+  local k = prefix .. string.sub(blob, i * 16 + 1, i * 16 + 16)
+  if redis.call('PEXPIREAT', k, at - i, 'GT') == 0 and redis.call('EXISTS', k) == 0 then
+    return i
+  end
+end
+return n
+"""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -83,16 +100,26 @@ def check_latency(urls: dict[str, str], spec: ModelSpec, n_keys: int, reps: int)
         for led in leds.values():
             led.put_chain(keys, [b"\0"] * n_keys)  # CHECK reads metadata only: block bytes do not matter
             assert led.match(keys) == n_keys and led.match(cold) == 0  # warm: scripts loaded, slot map learned
-        res = _summary(_interleaved({k: (lambda led=led: led.match(keys)) for k, led in leds.items()},
-                                    n_keys, reps), f"check_{n_keys}_hit")
-        res |= _summary(_interleaved({k: (lambda led=led: led.match(cold)) for k, led in leds.items()},
-                                     0, reps), f"check_{n_keys}_cold")
+        old = _old_check(urls["single"], prefix, leds["single"].policy.resolve("default")[1])
+        res: dict[str, float] = {}
+        for case, chain, want in (("hit", keys, n_keys), ("cold", cold, 0)):
+            fns = {k: (lambda led=led, chain=chain: led.match(chain)) for k, led in leds.items()}
+            fns["single_old"] = lambda chain=chain: old(chain)
+            res |= _summary(_interleaved(fns, want, reps), f"check_{n_keys}_{case}")
         for led in leds.values():
             led.delete(keys)
     finally:
         for led in leds.values():
             led.close()
     return res
+
+
+def _old_check(url: str, prefix: str, ttl_s: float) -> Callable[[list[bytes]], int]:
+    """CHECK with the script of before, on one server (the TTL of the ledger's default class, as its CHECK)."""
+    import redis
+
+    script = redis.Redis.from_url(url, socket_timeout=10.0).register_script(OLD_MATCH)
+    return lambda chain: int(script(args=[b"".join(chain), int(ttl_s * 1000), prefix.encode() + b"b:"]))
 
 
 def lookup_latency(urls: dict[str, str], n: int, reps: int) -> dict[str, float]:
@@ -146,8 +173,10 @@ def run(args: argparse.Namespace) -> None:
 
 
 def _print(r: dict[str, Any], sizes: list[int], lookup: int) -> None:
-    print(f"{'':28} {'single ms':>10} {'cluster ms':>11} {'cluster/single':>15}")
+    print(f"{'':28} {'single ms':>10} {'cluster ms':>11} {'cluster/single':>15} {'old script ms':>14}")
     rows = [(f"CHECK {n:,} keys, {case}", f"check_{n}_{case}") for n in sizes for case in ("hit", "cold")]
     rows += [(f"directory lookup of {lookup}", f"lookup_{lookup}")] if lookup else []
     for label, tag in rows:
-        print(f"{label:28} {r[tag + '_single_ms']:>10.3f} {r[tag + '_cluster_ms']:>11.3f} {r[tag + '_ratio']:>15.2f}")
+        old = r.get(tag + "_single_old_ms")
+        print(f"{label:28} {r[tag + '_single_ms']:>10.3f} {r[tag + '_cluster_ms']:>11.3f} {r[tag + '_ratio']:>15.2f} "
+              f"{'-' if old is None else format(old, '.3f'):>14}")

@@ -10,6 +10,7 @@ from collections import Counter
 import pytest
 import redis
 
+from kvledger.bench.redis_cluster_bench import OLD_MATCH
 from kvledger.store.ledger import BlockLedger
 from kvledger.store.redis_backend import RedisStore
 from kvledger.util.redis_cluster import ClusterUrl, RedisCluster, cluster_client, parse_cluster_url
@@ -37,20 +38,6 @@ def test_launcher_starts_three_masters_covering_every_slot(redis_cluster):
     client.close()
 
 
-# The CHECK script before Redis Cluster support: it builds key names inside the script (prefix .. key).
-OLD_MATCH = """
-local blob, ttl, prefix = ARGV[1], tonumber(ARGV[2]), ARGV[3]
-local n = #blob / 16
-local t = redis.call('TIME')
-local at = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + ttl
-for i = 0, n - 1 do
-  local k = prefix .. string.sub(blob, i * 16 + 1, i * 16 + 16)
-  if redis.call('PEXPIREAT', k, at - i, 'GT') == 0 and redis.call('EXISTS', k) == 0 then
-    return i
-  end
-end
-return n
-"""
 
 
 @pytest.fixture
@@ -235,5 +222,6 @@ def test_bench_redis_cluster_reports_both_side_by_side(run_cli, shared_redis, re
     res = json.loads(r.stdout)
     for tag in ("check_16_hit", "check_300_hit", "check_300_cold", "lookup_8"):
         assert res[f"{tag}_single_ms"] > 0 and res[f"{tag}_cluster_ms"] > 0 and res[f"{tag}_ratio"] > 0
+    assert res["check_300_hit_single_old_ms"] > 0  # the script of before, on the same blocks (it asserts 300)
     r = run_cli("bench", "redis-cluster", "--keys", "0", "--json")
     assert r.returncode == 2 and r.stdout == ""
