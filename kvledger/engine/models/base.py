@@ -105,6 +105,10 @@ class LayerCache(ABC):
     def block_view(self, block: int) -> torch.Tensor:
         return self.blocks_u8()[block]
 
+    def write_blocks(self, ids: torch.Tensor, src: torch.Tensor) -> None:
+        """Blocks `ids` ← `src` (uint8 [len(ids), block_bytes]): the swap-in's copy (swapin.BlockSink)."""
+        self.blocks_u8().index_copy_(0, ids, src)
+
     def export_window(self, slot: int, position: int, out: torch.Tensor) -> None:
         """Window ending at `position` into `out` (uint8 [window_bytes], host)."""
         raise NotImplementedError(f"{type(self).__name__} keeps no window")

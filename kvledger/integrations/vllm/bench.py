@@ -3,17 +3,22 @@ side by side with vLLM's in-tree ExampleConnector on the same prompts, in the sa
 
 Each connector gets its own vLLM process (CPU build, `.venv-vllm`), an empty store, and vLLM's own
 prefix cache off, so every hit comes through the connector. The processes are alive together and
-take requests one at a time, in turn, so a load on the machine falls on both alike. After one
-warm-up request each (kernel set-up, not counted), each round sends every engine a prompt no
-earlier round shared a block with (cold: computed and saved), then the same prompt again (hit:
-loaded). TTFT is the wall time of a max_tokens=1 request. Figures are medians over rounds;
-`*_spread` gives the min and max of the per-round ratios.
+take requests one at a time, so a load on the machine falls on both alike; an idle engine uses
+almost no CPU (measured in every run: `idle_engine_cpu_share`, the CPU the waiting engines used
+over the wall time of the other's requests). After one warm-up request each (kernel set-up, not
+counted), each round sends every engine a prompt no earlier round shared a block with (cold:
+computed and saved), then the same prompt `--hits` times (hit: loaded), the engines alternating
+request by request (A B B A …, and B first in every other round), so both connectors' hits of a
+round lie within seconds of each other. TTFT is the wall time of a max_tokens=1 request; `*_cpu_s`
+is the engine's CPU time for it (wall ≫ CPU means the machine was busy with other work). A round's
+ratio is its median hit over its cold; figures are medians (`*_spread`: min and max of the rounds).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import tempfile
@@ -30,39 +35,65 @@ HELP = "TTFT cold vs hit under vLLM: kvledger's connector beside vLLM's ExampleC
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=int, default=4096, help="prompt length in tokens (default 4096)")
-    p.add_argument("--rounds", type=int, default=3, help="cold/hit pairs per connector (default 3)")
+    p.add_argument("--rounds", type=int, default=3, help="prompts per connector, each cold then hit (default 3)")
+    p.add_argument("--hits", type=int, default=3, help="hit requests per round and connector (default 3)")
     p.add_argument("--plain", action="store_true", help="also time cold prompts on a vLLM without connector")
     p.add_argument("--dir", metavar="DIR", help="where the stores go (default: the temp dir)")
 
 
-def measure(engines: dict[str, Any], tokens: int, rounds: int) -> dict[str, dict[str, Any]]:
-    """All engines alive at once, one request at a time: a warm-up each, then per round and engine
-    a prompt no earlier round shared a block with (cold), then the same prompt (hit)."""
+def measure(engines: dict[str, Any], tokens: int, rounds: int, hits: int) -> dict[str, dict[str, Any]]:
+    """All engines alive at once, one request at a time, alternating (see the module docstring)."""
     from kvledger.integrations.vllm.prompts import long_prompt
 
-    runs: dict[str, dict[str, list]] = {name: {"cold": [], "hit": [], "loaded": [], "same": []} for name in engines}
+    runs: dict[str, dict[str, list]] = {name: {"cold": [], "cold_cpu": [], "hit": [], "hit_cpu": [], "loaded": [],
+                                               "same": []} for name in engines}
+    idle = [0.0, 0.0]  # CPU the waiting engines used, wall time of the requests they waited through
     for engine in engines.values():  # kernel set-up on a short prompt (not counted)
         engine.generate(long_prompt(min(tokens, WARMUP_TOKENS), variant=10_000), max_tokens=1, timeout_s=TIMEOUT_S)
     for r in range(rounds):
         prompt = long_prompt(tokens, variant=r + 1)
-        for name, engine in engines.items():
-            a = engine.generate(prompt, max_tokens=1, timeout_s=TIMEOUT_S)
-            runs[name]["cold"].append(a["seconds"])
-            if engine.opts.get("connector") is None:
-                continue
-            b = engine.generate(prompt, max_tokens=1, timeout_s=TIMEOUT_S)
-            runs[name]["hit"].append(b["seconds"])
-            runs[name]["loaded"].append(b["num_cached_tokens"])
-            runs[name]["same"].append(a["tokens"] == b["tokens"])
-    return {name: summarize_engine(run, engines[name].start_s) for name, run in runs.items()}
+        order = list(engines) if r % 2 == 0 else list(engines)[::-1]
+        first: dict[str, dict[str, Any]] = {}
+        for name in order:
+            first[name] = timed(engines, name, prompt, idle)
+            runs[name]["cold"].append(first[name]["seconds"])
+            runs[name]["cold_cpu"].append(first[name]["cpu_s"])
+            runs[name]["hit"].append([])
+            runs[name]["hit_cpu"].append([])
+        hitters = [name for name in order if engines[name].opts.get("connector") is not None]
+        for h in range(hits):
+            for name in hitters if h % 2 else hitters[::-1]:
+                b = timed(engines, name, prompt, idle)
+                runs[name]["hit"][-1].append(b["seconds"])
+                runs[name]["hit_cpu"][-1].append(b["cpu_s"])
+                runs[name]["loaded"].append(b["num_cached_tokens"])
+                runs[name]["same"].append(first[name]["tokens"] == b["tokens"])
+    share = idle[0] / idle[1] if idle[1] else 0.0
+    return {name: summarize_engine(run, engines[name].start_s) | {"idle_engine_cpu_share": share}
+            for name, run in runs.items()}
+
+
+def timed(engines: dict[str, Any], name: str, prompt: list[int], idle: list[float]) -> dict[str, Any]:
+    """One max_tokens=1 request to engine `name`: its result, with the engine's CPU seconds for it;
+    adds the other engines' CPU over that time to `idle`."""
+    before = {n: e.cpu_s() for n, e in engines.items()}
+    out = engines[name].generate(prompt, max_tokens=1, timeout_s=TIMEOUT_S)
+    used = {n: e.cpu_s() - before[n] for n, e in engines.items()}
+    idle[0] += sum(v for n, v in used.items() if n != name)
+    idle[1] += out["seconds"] * (len(engines) - 1)
+    return out | {"cpu_s": used[name]}
 
 
 def summarize_engine(run: dict[str, list], start_s: float) -> dict[str, Any]:
-    out: dict[str, Any] = {"ttft_cold_s": statistics.median(run["cold"]), "cold_s": run["cold"], "start_s": start_s}
-    if run["hit"]:
-        ratios = [h / c for h, c in zip(run["hit"], run["cold"])]
-        out.update(ttft_hit_s=statistics.median(run["hit"]), hit_s=run["hit"], hit_over_cold=statistics.median(ratios),
-                   spread=[min(ratios), max(ratios)], hit_tokens=min(run["loaded"]), same_first_token=all(run["same"]))
+    out: dict[str, Any] = {"ttft_cold_s": statistics.median(run["cold"]), "cold_s": run["cold"],
+                           "cold_cpu_s": run["cold_cpu"], "start_s": start_s}
+    if run["loaded"]:
+        ratios = [statistics.median(h) / c for h, c in zip(run["hit"], run["cold"])]
+        flat = [x for h in run["hit"] for x in h]
+        out.update(ttft_hit_s=statistics.median(flat), hit_s=run["hit"], hit_cpu_s=run["hit_cpu"],
+                   ttft_hit_cpu_s=statistics.median(x for h in run["hit_cpu"] for x in h),
+                   hit_over_cold=statistics.median(ratios), spread=[min(ratios), max(ratios)],
+                   hit_tokens=min(run["loaded"]), same_first_token=all(run["same"]))
     return out
 
 
@@ -70,8 +101,8 @@ def run(args: argparse.Namespace) -> None:
     from kvledger.engine.models.hf_folder import smollm2_folder
     from kvledger.integrations.vllm.client import VLLM_PYTHON, EngineError, VllmProcess, wait_all
 
-    if args.tokens < 256 or args.rounds < 1:
-        raise CliError("--tokens must be at least 256 and --rounds at least 1")
+    if args.tokens < 256 or args.rounds < 1 or args.hits < 1:
+        raise CliError("--tokens must be at least 256, --rounds and --hits at least 1")
     if not VLLM_PYTHON.exists():
         raise CliError(f"{VLLM_PYTHON} is missing: run `make vllm-venv`")
     model = str(smollm2_folder())
@@ -86,9 +117,10 @@ def run(args: argparse.Namespace) -> None:
     if args.plain:
         opts["plain"] = {**common, "connector": None}
     engines = {name: VllmProcess(o) for name, o in opts.items()}
+    args.load_before = os.getloadavg()[0]
     try:
         wait_all(list(engines.values()))
-        figures = measure(engines, args.tokens, args.rounds)
+        figures = measure(engines, args.tokens, args.rounds, args.hits)
     except EngineError as e:
         raise CliError(str(e)) from None
     finally:
@@ -111,7 +143,10 @@ def summarize(args: argparse.Namespace, kvl: dict[str, Any], ex: dict[str, Any],
               plain: dict[str, Any] | None) -> dict[str, Any]:
     result: dict[str, Any] = {
         "bench": "vllm", "model": "SmolLM2-135M-Instruct (bf16, vLLM CPU)", "prompt_tokens": args.tokens,
-        "rounds": args.rounds, "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "rounds": args.rounds, "hits": args.hits, "date": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()),
+        "load_avg_1m": [round(args.load_before, 2), round(os.getloadavg()[0], 2)],
+        "idle_engine_cpu_share": kvl["idle_engine_cpu_share"],
+        "ttft_hit_cpu_s": kvl["ttft_hit_cpu_s"], "example_connector_ttft_hit_cpu_s": ex["ttft_hit_cpu_s"],
         "ttft_cold_s": kvl["ttft_cold_s"], "ttft_hit_s": kvl["ttft_hit_s"], "hit_over_cold": kvl["hit_over_cold"],
         "hit_over_cold_spread": kvl["spread"], "hit_tokens": kvl["hit_tokens"],
         "example_connector_ttft_cold_s": ex["ttft_cold_s"], "example_connector_ttft_hit_s": ex["ttft_hit_s"],

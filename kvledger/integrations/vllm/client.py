@@ -80,6 +80,15 @@ class VllmProcess:
         self.proc.stdin.flush()
         return self._next(timeout_s)
 
+    def cpu_s(self) -> float:
+        """CPU seconds the engine process has used so far (user + system; Linux /proc)."""
+        assert self.proc is not None
+        try:
+            fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return 0.0
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def __exit__(self, *exc: object) -> None:
         if self.proc is None:
             return

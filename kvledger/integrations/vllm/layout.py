@@ -25,8 +25,44 @@ def layer_index(name: str) -> tuple[int, str]:
     return (int(found[0]) if found else -1, name)
 
 
+class VllmLayer:
+    """One layer's registered KV tensor, blocks first (a view); the swap-in's `BlockSink`.
+
+    `blocks` is uint8 [num_blocks, block_bytes] over the same memory when each block's slice is
+    contiguous (vLLM's CPU layout): a block then moves as one flat copy, no staging copy between.
+    """
+
+    def __init__(self, name: str, tensor: torch.Tensor, num_blocks: int, block_bytes: int) -> None:
+        assert num_blocks in tensor.shape, f"{name}: no dimension of {num_blocks} blocks in {tuple(tensor.shape)}"
+        per_block = tensor.numel() // num_blocks * tensor.element_size()
+        if per_block != block_bytes:
+            raise ValueError(f"{name}: {per_block} bytes per block, expected {block_bytes} "
+                             f"(shape {tuple(tensor.shape)}, {tensor.dtype})")
+        self.name = name
+        self.block_bytes = block_bytes
+        self.cache = tensor.movedim(tensor.shape.index(num_blocks), 0)
+        flat = self.cache.is_contiguous()
+        self.blocks = self.cache.view(num_blocks, -1).view(torch.uint8) if flat else None
+
+    def write_blocks(self, ids: torch.Tensor, src: torch.Tensor) -> None:
+        """Blocks `ids` ← `src` (uint8 [len(ids), block_bytes], rows may be strided)."""
+        if self.blocks is not None:
+            self.blocks.index_copy_(0, ids, src)
+            return
+        n = len(ids)
+        typed = src.contiguous().view(self.cache.dtype).reshape(n, *self.cache.shape[1:])
+        self.cache.index_copy_(0, ids, typed)
+
+    def read_blocks(self, ids: torch.Tensor, out: torch.Tensor) -> None:
+        """`out` (uint8 [len(ids), block_bytes], rows may be strided) ← blocks `ids`."""
+        if self.blocks is not None:
+            out.copy_(self.blocks.index_select(0, ids))
+            return
+        out.copy_(self.cache.index_select(0, ids).contiguous().view(torch.uint8).reshape(len(ids), -1))
+
+
 class KvLayout:
-    """The registered KV caches of one worker, and the copies between them and block rows.
+    """The registered KV caches of one worker, in model order, and the host rows of whole blocks.
 
     Invariant: every layer's tensor holds `num_blocks` blocks of `layer_bytes` bytes each.
     """
@@ -34,39 +70,28 @@ class KvLayout:
     def __init__(self, kv_caches: dict[str, torch.Tensor], num_blocks: int, layer_bytes: int) -> None:
         self.names = sorted(kv_caches, key=layer_index)
         self.layer_bytes = layer_bytes
-        self.caches: dict[str, torch.Tensor] = {}
-        for name in self.names:
-            t = kv_caches[name]
-            assert num_blocks in t.shape, f"{name}: no dimension of {num_blocks} blocks in {tuple(t.shape)}"
-            per_block = t.numel() // num_blocks * t.element_size()
-            if per_block != layer_bytes:
-                raise ValueError(f"{name}: {per_block} bytes per block, expected {layer_bytes} "
-                                 f"(shape {tuple(t.shape)}, {t.dtype})")
-            self.caches[name] = t.movedim(t.shape.index(num_blocks), 0)  # a view: blocks first
+        self.layers = [VllmLayer(name, kv_caches[name], num_blocks, layer_bytes) for name in self.names]
+        self.index = {name: i for i, name in enumerate(self.names)}
         self.offsets = {name: i * layer_bytes for i, name in enumerate(self.names)}
 
     @property
     def block_bytes(self) -> int:
         return len(self.names) * self.layer_bytes
 
-    def new_rows(self, n: int) -> torch.Tensor:
-        """Host rows for `n` whole blocks (uint8, one row per block)."""
-        return torch.empty((n, self.block_bytes), dtype=torch.uint8)
+    @property
+    def device(self) -> torch.device:
+        return self.layers[0].cache.device if self.layers else torch.device("cpu")
 
     def gather(self, name: str, block_ids: tuple[int, ...], rows: torch.Tensor) -> None:
         """Copy layer `name` of vLLM blocks `block_ids` into its column span of `rows`."""
-        cache = self.caches[name]
-        ids = torch.tensor(block_ids, dtype=torch.long)
-        raw = cache.index_select(0, ids).contiguous().view(torch.uint8).reshape(len(block_ids), -1)
         off = self.offsets[name]
-        rows[:len(block_ids), off:off + self.layer_bytes].copy_(raw)
+        ids = torch.tensor(block_ids, dtype=torch.long)
+        self.layers[self.index[name]].read_blocks(ids, rows[:len(block_ids), off:off + self.layer_bytes])
 
     def scatter(self, name: str, rows: torch.Tensor, block_ids: tuple[int, ...]) -> None:
         """Copy layer `name`'s column span of `rows` into vLLM blocks `block_ids`."""
         if not block_ids:
             return
-        cache = self.caches[name]
         off = self.offsets[name]
-        n = len(block_ids)
-        src = rows[:n, off:off + self.layer_bytes].contiguous().view(cache.dtype).reshape(n, *cache.shape[1:])
-        cache.index_copy_(0, torch.tensor(block_ids, dtype=torch.long), src)
+        ids = torch.tensor(block_ids, dtype=torch.long)
+        self.layers[self.index[name]].write_blocks(ids, rows[:len(block_ids), off:off + self.layer_bytes])

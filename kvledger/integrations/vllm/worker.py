@@ -2,16 +2,20 @@
 
 One step, as vLLM drives it:
 
-    start_load_kv        read every load's blocks into host rows (checksums verified); a block
-                         that does not arrive intact, and every later block of its run, is failed
-    wait_for_layer_load  before layer i computes: copy layer i of the loaded rows into vLLM blocks
+    start_load_kv        hand this step's loads to a copier thread (engine/swapin.py) and return:
+                         the thread reads each run into reused host rows (one read per segment
+                         run, each block's xxh3 checked once), then copies layer 0 of every intact
+                         block into vLLM's blocks, signals, copies layer 1, … while the model computes
+    wait_for_layer_load  before layer i's attention: wait until layer i is copied (usually done)
     save_kv_layer        after layer i computes: copy layer i of the blocks to save into host rows
-    wait_for_save        put the saved rows as chains (one segment per run), then the step ends
+    wait_for_save        the copier has ended; put the saved rows as chains (one segment per run)
     get_block_ids_with_load_errors   the failed vLLM blocks: vLLM recomputes from the first one
 
-Rule 8: a failed read never reaches attention (the block is reported, and vLLM discards the
-step's output for that request and recomputes it); nothing computed after a failed block in the
-same step is saved; a failed save is logged and the step goes on.
+Rule 8: a block that does not arrive intact, and every later block of its run, is never copied
+and is reported (vLLM discards the step's output for that request and recomputes it); nothing
+computed after a failed block in the same step is saved; a load that does not finish within
+`LOAD_WAIT_S` is abandoned whole (its copier cancelled: it writes no vLLM block once the step
+has moved on) and reported; a failed save is logged and the step goes on.
 
 torch only (no vLLM import): the main suite drives it with plain tensors and records.
 """
@@ -26,21 +30,49 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvledger.engine.swapin import SwapIn, SwapItem
 from kvledger.integrations.vllm.layout import KvLayout
 from kvledger.integrations.vllm.records import BlockRun, StepPlan
 from kvledger.store.ledger import BlockLedger
 
 log = logging.getLogger("kvledger.vllm")
 
+LOAD_WAIT_S = 30.0                 # a load not read and copied by then is abandoned (rule 8: a miss, never a hang)
+KEEP_STAGING_BYTES = 512 << 20     # host rows up to this size are kept for the next step (no page faults)
+
 
 @dataclass(slots=True)
 class Transfer:
-    """One run and its host rows; `ok` blocks of a load arrived intact; `layers` copied so far."""
+    """One run and its host rows; `ok` leading blocks arrived intact (loads) or are to be put (saves);
+    `seconds` the read's wall time; `layers` the layers staged so far (saves)."""
 
     run: BlockRun
     rows: torch.Tensor
     ok: int
+    seconds: float = 0.0
     layers: set[str] = field(default_factory=set)
+
+
+class Staging:
+    """Reused host rows of whole blocks (uint8, one row per block), pinned when the KV is on a GPU."""
+
+    def __init__(self, block_bytes: int, pin: bool) -> None:
+        self.block_bytes, self.pin = block_bytes, pin
+        self.buf = torch.empty((0, block_bytes), dtype=torch.uint8)
+
+    def rows(self, counts: list[int]) -> list[torch.Tensor]:
+        """One slice of rows per count, back to back; valid until the next call."""
+        total = sum(counts)
+        buf = self.buf
+        if buf.shape[0] < total:
+            buf = torch.empty((total, self.block_bytes), dtype=torch.uint8, pin_memory=self.pin)
+            if total * self.block_bytes <= KEEP_STAGING_BYTES:
+                self.buf = buf
+        out, at = [], 0
+        for n in counts:
+            out.append(buf[at:at + n])
+            at += n
+        return out
 
 
 class WorkerSide:
@@ -51,6 +83,8 @@ class WorkerSide:
         self.events = events
         self.layout: KvLayout | None = None
         self.loads: list[Transfer] = []
+        self.swap: SwapIn | None = None
+        self.settled = True        # this step's load outcomes are in `failed` and `poisoned`
         self.saves: list[Transfer] | None = None  # None until this step's saves are prepared
         self.plan = StepPlan()
         self.failed: set[int] = set()
@@ -58,40 +92,86 @@ class WorkerSide:
 
     def register(self, layout: KvLayout) -> None:
         self.layout = layout
+        pin = layout.device.type == "cuda"
+        self.load_rows, self.save_rows = Staging(layout.block_bytes, pin), Staging(layout.block_bytes, pin)
 
     # --- loads -------------------------------------------------------------------
 
     def start_step(self, plan: StepPlan) -> None:
-        """Read this step's loads; blocks that fail are recorded, never copied."""
-        self.plan, self.loads, self.saves = plan, [], None
+        """Start this step's loads in the copier thread; returns at once."""
+        self._end_loads()  # a step vLLM did not finish (no wait_for_save) ends here
+        self.plan, self.saves = plan, None
         self.failed, self.poisoned = set(), {}
-        for run in plan.loads:
-            t0 = time.perf_counter()
-            transfer = self._read(run)
-            self.loads.append(transfer)
-            if transfer.ok < len(run.keys):
-                self.failed.update(run.block_ids[transfer.ok:])
-                self.poisoned[run.req_id] = run.start + transfer.ok
-            self._event("load", run, ok=transfer.ok, seconds=time.perf_counter() - t0)
-
-    def _read(self, run: BlockRun) -> Transfer:
+        if not plan.loads:
+            self.loads, self.settled = [], True
+            return
         assert self.layout is not None, "KV caches are registered before the first step"
-        rows = self.layout.new_rows(len(run.keys))
-        try:
-            ok = self.ledger.read_prefix(run.keys, [rows[i].numpy() for i in range(len(run.keys))])
-        except Exception as e:  # rule 8: an unreadable store is a miss
-            log.warning("kvledger: load of %d blocks failed (%s); vLLM recomputes", len(run.keys), e)
-            ok = 0
-        return Transfer(run, rows, ok)
+        rows = self.load_rows.rows([len(run.keys) for run in plan.loads])
+        self.loads = [Transfer(run, r, 0) for run, r in zip(plan.loads, rows)]
+        self.settled = False
+        self.swap = SwapIn(self.layout.layers, [], self.layout.device, fetch=self._fetch).start()
+
+    def _fetch(self) -> list[SwapItem]:
+        """In the copier thread: read every load; what arrived intact is copied, layer by layer."""
+        items = []
+        for t in self.loads:
+            t0 = time.perf_counter()
+            try:
+                t.ok = self.ledger.read_prefix(t.run.keys, [t.rows[i].numpy() for i in range(len(t.run.keys))])
+            except Exception as e:  # rule 8: an unreadable store is a miss
+                log.warning("kvledger: load of %d blocks failed (%s); vLLM recomputes", len(t.run.keys), e)
+                t.ok = 0
+            t.seconds = time.perf_counter() - t0
+            items.append(SwapItem(t.rows[:t.ok].numpy(), list(t.run.block_ids[:t.ok])))
+        return items
 
     def layer_loaded(self, name: str) -> None:
-        """Copy layer `name` of every intact loaded block into vLLM's cache (before it computes)."""
-        if self.layout is None or name not in self.layout.caches:
+        """Before layer `name` computes: wait until its loaded blocks are in vLLM's cache."""
+        if self.swap is None or self.layout is None or name not in self.layout.index:
             return
+        try:
+            self.swap.before_layer(self.layout.index[name], LOAD_WAIT_S)
+        except RuntimeError as e:
+            self._abandon(f"layer {name}: {e}")
+
+    def _abandon(self, why: str) -> None:
+        """Give up this step's loads: the copier writes nothing more; every block of them is reported."""
+        if self.swap is not None:
+            self.swap.cancel()
+        self.swap = None
+        log.warning("kvledger: load abandoned (%s); vLLM recomputes its %d blocks", why,
+                    sum(len(t.run.keys) for t in self.loads))
         for t in self.loads:
-            if name not in t.layers:
-                self.layout.scatter(name, t.rows, t.run.block_ids[:t.ok])
-                t.layers.add(name)
+            self.failed.update(t.run.block_ids)
+            self.poisoned[t.run.req_id] = t.run.start
+            if not self.settled:
+                self._event("load", t.run, ok=0, seconds=t.seconds)
+        self.settled = True
+
+    def _settle(self) -> None:
+        """Wait until the reads have ended, then note the failed blocks (once per step)."""
+        if self.settled:
+            return
+        assert self.swap is not None, "an unsettled step has a copier"
+        if not self.swap.fetched.wait(LOAD_WAIT_S):
+            self._abandon(f"no read in {LOAD_WAIT_S:.0f} s")
+            return
+        self.settled = True
+        for t in self.loads:
+            if t.ok < len(t.run.keys):
+                self.failed.update(t.run.block_ids[t.ok:])
+                self.poisoned[t.run.req_id] = t.run.start + t.ok
+            self._event("load", t.run, ok=t.ok, seconds=t.seconds)
+
+    def _end_loads(self) -> None:
+        """The step ends: outcomes noted, and the copier has ended (or is cancelled and reported)."""
+        self._settle()
+        if self.swap is None:
+            return
+        self.swap.thread.join(LOAD_WAIT_S)
+        if self.swap.thread.is_alive() or self.swap.error is not None:
+            self._abandon(f"copy: {self.swap.error or 'timeout'}")
+        self.swap = None
 
     # --- saves -------------------------------------------------------------------
 
@@ -100,12 +180,14 @@ class WorkerSide:
         if self.saves is not None:
             return self.saves
         assert self.layout is not None
-        self.saves = []
+        self._settle()
+        parts = []
         for run in self.plan.saves:
             stop = self.poisoned.get(run.req_id)
             n = len(run.keys) if stop is None else max(min(stop - run.start, len(run.keys)), 0)
-            for part in self._missing(run, n):
-                self.saves.append(Transfer(part, self.layout.new_rows(len(part.keys)), len(part.keys)))
+            parts += self._missing(run, n)
+        rows = self.save_rows.rows([len(p.keys) for p in parts])
+        self.saves = [Transfer(p, r, len(p.keys)) for p, r in zip(parts, rows)]
         return self.saves
 
     def _missing(self, run: BlockRun, n: int) -> list[BlockRun]:
@@ -134,7 +216,7 @@ class WorkerSide:
 
     def layer_computed(self, name: str) -> None:
         """Copy layer `name` of the blocks to save out of vLLM's cache (after it computed)."""
-        if self.layout is None or name not in self.layout.caches or not self.plan.saves:
+        if self.layout is None or name not in self.layout.index or not self.plan.saves:
             return
         for t in self._prepare_saves():
             if name not in t.layers:
@@ -142,15 +224,13 @@ class WorkerSide:
                 t.layers.add(name)
 
     def finish_step(self) -> None:
-        """Stage the layers not seen yet, then put each run as one chain."""
+        """End the loads, stage the layers not seen yet, then put each save run as one chain."""
+        self._end_loads()
         if self.layout is not None and self.plan.saves:
             for name in self.layout.names:
                 self.layer_computed(name)
             for t in self._prepare_saves():
                 self._put(t)
-        for t in self.loads:
-            missing = set(self.layout.names) - t.layers if self.layout is not None else set()
-            assert t.ok == 0 or not missing, f"layers never loaded: {sorted(missing)[:3]}"
         self.loads, self.saves, self.plan = [], None, StepPlan()
 
     def _put(self, t: Transfer) -> None:
@@ -166,6 +246,7 @@ class WorkerSide:
         self._event("save", run, ok=len(run.keys) if ok else 0, seconds=time.perf_counter() - t0)
 
     def take_failed(self) -> set[int]:
+        self._end_loads()
         return set(self.failed)
 
     def _event(self, kind: str, run: BlockRun, *, ok: int, seconds: float) -> None:
