@@ -71,15 +71,20 @@ def test_start_load_returns_before_the_read_and_each_layer_waits_for_its_copy(le
 def test_a_load_that_never_arrives_is_reported_not_waited_for_nor_copied_late(ledger, monkeypatch):
     monkeypatch.setattr(worker_mod, "LOAD_WAIT_S", 0.3, raising=False)
     src, req = saved(ledger, 2, (0, 1))
-    gated = GatedLedger(ledger, hold_s=1.5)  # the store answers, but long after the layer gave up
+    gated = GatedLedger(ledger, hold_s=3.0)  # the store answers, but long after the layer gave up
     dst = {k: torch.zeros_like(v) for k, v in src.items()}
     side = worker(gated, dst)
     plan = StepPlan(loads=(run_of(req, 0, (4, 5)),), saves=(run_of(req, 2, (6,)),))
+    staging = side.load_rows
     t0 = time.perf_counter()
     failed = forward(side, plan, sorted(src))
-    assert failed == {4, 5} and time.perf_counter() - t0 < 1.4
-    time.sleep(1.5)  # the read ends now: its blocks must not reach vLLM's cache after the step
+    assert failed == {4, 5} and time.perf_counter() - t0 < 2.5
+    assert side.load_rows is not staging  # the next step reads into rows the late read cannot touch
+    time.sleep(3.0)  # the read ends now: its blocks must not reach vLLM's cache after the step
     assert not any(t.any() for t in dst.values())
+    gated.hold_s = 0
+    assert forward(side, StepPlan(loads=(run_of(req, 0, (4, 5)),)), sorted(src)) == set()  # the next step loads
+    assert all(torch.equal(dst[name][4:6], src[name][0:2]) for name in src)
     assert ledger.exists(run_of(req, 2, (6,)).keys) == [False]  # computed on lost KV: not saved
 
 

@@ -24,6 +24,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from kvledger.util.output import CliError, emit_json
@@ -41,17 +42,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dir", metavar="DIR", help="where the stores go (default: the temp dir)")
 
 
-def measure(engines: dict[str, Any], tokens: int, rounds: int, hits: int) -> dict[str, dict[str, Any]]:
-    """All engines alive at once, one request at a time, alternating (see the module docstring)."""
-    from kvledger.integrations.vllm.prompts import long_prompt
-
+def measure(engines: dict[str, Any], tokens: int, rounds: int, hits: int,
+            prompt_of: Callable[[int, int], list[int]] | None = None) -> dict[str, dict[str, Any]]:
+    """All engines alive at once, one request at a time, alternating (see the module docstring).
+    `prompt_of(tokens, variant)`: the prompts (default `prompts.long_prompt`)."""
+    if prompt_of is None:
+        from kvledger.integrations.vllm.prompts import long_prompt as prompt_of
     runs: dict[str, dict[str, list]] = {name: {"cold": [], "cold_cpu": [], "hit": [], "hit_cpu": [], "loaded": [],
                                                "same": []} for name in engines}
     idle = [0.0, 0.0]  # CPU the waiting engines used, wall time of the requests they waited through
     for engine in engines.values():  # kernel set-up on a short prompt (not counted)
-        engine.generate(long_prompt(min(tokens, WARMUP_TOKENS), variant=10_000), max_tokens=1, timeout_s=TIMEOUT_S)
+        engine.generate(prompt_of(min(tokens, WARMUP_TOKENS), 10_000), max_tokens=1, timeout_s=TIMEOUT_S)
     for r in range(rounds):
-        prompt = long_prompt(tokens, variant=r + 1)
+        prompt = prompt_of(tokens, r + 1)
         order = list(engines) if r % 2 == 0 else list(engines)[::-1]
         first: dict[str, dict[str, Any]] = {}
         for name in order:

@@ -138,6 +138,8 @@ class WorkerSide:
         """Give up this step's loads: the copier writes nothing more; every block of them is reported."""
         if self.swap is not None:
             self.swap.cancel()
+            if self.swap.thread.is_alive():  # a read may still land in these rows: the next step gets others
+                self.load_rows = Staging(self.load_rows.block_bytes, self.load_rows.pin)
         self.swap = None
         log.warning("kvledger: load abandoned (%s); vLLM recomputes its %d blocks", why,
                     sum(len(t.run.keys) for t in self.loads))
