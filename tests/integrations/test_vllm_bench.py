@@ -7,7 +7,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvledger.integrations.vllm.bench import measure
+import json
+
+import pytest
+
+from kvledger.integrations.vllm.bench import load_events, measure
 
 
 class StandIn:
@@ -56,3 +60,13 @@ def test_an_engine_without_connector_is_only_timed_cold():
     out = measure(engines, tokens=256, rounds=1, hits=2, prompt_of=prompt_of)
     assert log.count("ph") == 0 and log.count("kh") == 2
     assert "hit_over_cold" not in out["plain"] and out["plain"]["ttft_cold_s"] == 10.0
+
+
+def test_load_figures_come_from_hits_in_the_event_log(tmp_path):
+    lines = [{"event": "save", "ok": 4, "seconds": 9.0}, {"event": "load", "ok": 0, "seconds": 5.0, "waited_s": 5.0},
+             {"event": "load", "ok": 31, "seconds": 0.2, "waited_s": 0.01},
+             {"event": "load", "ok": 31, "seconds": 0.4, "waited_s": 0.03}]
+    path = tmp_path / "events.jsonl"
+    path.write_text("".join(json.dumps(e) + "\n" for e in lines))
+    assert load_events(path) == {"load_read_s": pytest.approx(0.3), "load_waited_s": pytest.approx(0.02)}
+    assert load_events(tmp_path / "none.jsonl") == {}

@@ -87,6 +87,17 @@ def timed(engines: dict[str, Any], name: str, prompt: list[int], idle: list[floa
     return out | {"cpu_s": used[name]}
 
 
+def load_events(path: Path) -> dict[str, float]:
+    """From the connector's event log: the median wall time of a hit's read (in the copier thread)
+    and the median time the forward blocked on it (`waited_s`: the load compute did not hide)."""
+    lines = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    loads = [e for e in lines if e["event"] == "load" and e["ok"] > 0]
+    if not loads:
+        return {}
+    return {"load_read_s": statistics.median(e["seconds"] for e in loads),
+            "load_waited_s": statistics.median(e.get("waited_s", 0.0) for e in loads)}
+
+
 def summarize_engine(run: dict[str, list], start_s: float) -> dict[str, Any]:
     out: dict[str, Any] = {"ttft_cold_s": statistics.median(run["cold"]), "cold_s": run["cold"],
                            "cold_cpu_s": run["cold_cpu"], "start_s": start_s}
@@ -114,8 +125,9 @@ def run(args: argparse.Namespace) -> None:
     # only a prompt's first chunk and then fails its load with a shape mismatch (seen here with
     # max_num_batched_tokens=2048 on a 4,096-token prompt); kvledger's connector saves every chunk.
     common = {"model": model, "max_num_batched_tokens": max(8192, args.tokens), "max_model_len": args.tokens + 1024}
+    events = base / "kvledger-events.jsonl"
     opts = {"kvledger": {**common, "connector": "kvledger", "store": str(base / "kvledger"),
-                         "model_name": "smollm2-135m"},
+                         "model_name": "smollm2-135m", "events": str(events)},
             "example": {**common, "connector": "example", "store": str(base / "example")}}
     if args.plain:
         opts["plain"] = {**common, "connector": None}
@@ -124,6 +136,7 @@ def run(args: argparse.Namespace) -> None:
     try:
         wait_all(list(engines.values()))
         figures = measure(engines, args.tokens, args.rounds, args.hits)
+        figures["kvledger"].update(load_events(events))
     except EngineError as e:
         raise CliError(str(e)) from None
     finally:
@@ -150,6 +163,9 @@ def summarize(args: argparse.Namespace, kvl: dict[str, Any], ex: dict[str, Any],
         "load_avg_1m": [round(args.load_before, 2), round(os.getloadavg()[0], 2)],
         "idle_engine_cpu_share": kvl["idle_engine_cpu_share"],
         "ttft_hit_cpu_s": kvl["ttft_hit_cpu_s"], "example_connector_ttft_hit_cpu_s": ex["ttft_hit_cpu_s"],
+        "hit_over_example_hit": statistics.median(statistics.median(a) / statistics.median(b)
+                                                  for a, b in zip(kvl["hit_s"], ex["hit_s"])),
+        "load_read_s": kvl.get("load_read_s"), "load_waited_s": kvl.get("load_waited_s"),
         "ttft_cold_s": kvl["ttft_cold_s"], "ttft_hit_s": kvl["ttft_hit_s"], "hit_over_cold": kvl["hit_over_cold"],
         "hit_over_cold_spread": kvl["spread"], "hit_tokens": kvl["hit_tokens"],
         "example_connector_ttft_cold_s": ex["ttft_cold_s"], "example_connector_ttft_hit_s": ex["ttft_hit_s"],
@@ -178,4 +194,8 @@ def print_table(r: dict[str, Any]) -> None:
               f"{r['example_connector_hit_tokens']:,}")
     if "plain_ttft_cold_s" in r:
         t.add_row("none", f"{r['plain_ttft_cold_s']:.2f}", "-", "-", "0")
-    Console().print(t)
+    console = Console()
+    console.print(t)
+    console.print(f"kvledger hit / ExampleConnector hit, same round: {r['hit_over_example_hit']:.3f}; "
+                  f"kvledger's read of a hit {r['load_read_s'] or 0:.3f} s, of which the forward waited "
+                  f"{r['load_waited_s'] or 0:.3f} s")

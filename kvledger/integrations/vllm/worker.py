@@ -85,6 +85,7 @@ class WorkerSide:
         self.loads: list[Transfer] = []
         self.swap: SwapIn | None = None
         self.settled = True        # this step's load outcomes are in `failed` and `poisoned`
+        self.abandoned = False     # this step's loads were given up (all reported, the copier cancelled)
         self.saves: list[Transfer] | None = None  # None until this step's saves are prepared
         self.plan = StepPlan()
         self.failed: set[int] = set()
@@ -101,9 +102,9 @@ class WorkerSide:
         """Start this step's loads in the copier thread; returns at once."""
         self._end_loads()  # a step vLLM did not finish (no wait_for_save) ends here
         self.plan, self.saves = plan, None
-        self.failed, self.poisoned = set(), {}
+        self.failed, self.poisoned, self.abandoned = set(), {}, False
+        self.loads = []
         if not plan.loads:
-            self.loads, self.settled = [], True
             return
         assert self.layout is not None, "KV caches are registered before the first step"
         rows = self.load_rows.rows([len(run.keys) for run in plan.loads])
@@ -127,7 +128,7 @@ class WorkerSide:
 
     def layer_loaded(self, name: str) -> None:
         """Before layer `name` computes: wait until its loaded blocks are in vLLM's cache."""
-        if self.swap is None or self.layout is None or name not in self.layout.index:
+        if self.swap is None or self.abandoned or self.layout is None or name not in self.layout.index:
             return
         try:
             self.swap.before_layer(self.layout.index[name], LOAD_WAIT_S)
@@ -136,19 +137,16 @@ class WorkerSide:
 
     def _abandon(self, why: str) -> None:
         """Give up this step's loads: the copier writes nothing more; every block of them is reported."""
-        if self.swap is not None:
-            self.swap.cancel()
-            if self.swap.thread.is_alive():  # a read may still land in these rows: the next step gets others
-                self.load_rows = Staging(self.load_rows.block_bytes, self.load_rows.pin)
-        self.swap = None
+        assert self.swap is not None, "only a step with loads abandons them"
+        self.swap.cancel()
+        if self.swap.thread.is_alive():  # a read may still land in these rows: the next step gets others
+            self.load_rows = Staging(self.load_rows.block_bytes, self.load_rows.pin)
         log.warning("kvledger: load abandoned (%s); vLLM recomputes its %d blocks", why,
                     sum(len(t.run.keys) for t in self.loads))
         for t in self.loads:
             self.failed.update(t.run.block_ids)
             self.poisoned[t.run.req_id] = t.run.start
-            if not self.settled:
-                self._event("load", t.run, ok=0, seconds=t.seconds)
-        self.settled = True
+        self.abandoned = self.settled = True
 
     def _settle(self) -> None:
         """Wait until the reads have ended, then note the failed blocks (once per step)."""
@@ -163,16 +161,20 @@ class WorkerSide:
             if t.ok < len(t.run.keys):
                 self.failed.update(t.run.block_ids[t.ok:])
                 self.poisoned[t.run.req_id] = t.run.start + t.ok
-            self._event("load", t.run, ok=t.ok, seconds=t.seconds)
 
     def _end_loads(self) -> None:
-        """The step ends: outcomes noted, and the copier has ended (or is cancelled and reported)."""
-        self._settle()
-        if self.swap is None:
+        """The step ends: outcomes noted, the copier ended (or cancelled and reported), one event per load
+        (`waited_s`: how long the forward blocked on this step's loads, the part compute did not hide)."""
+        swap = self.swap
+        if swap is None:
             return
-        self.swap.thread.join(LOAD_WAIT_S)
-        if self.swap.thread.is_alive() or self.swap.error is not None:
-            self._abandon(f"copy: {self.swap.error or 'timeout'}")
+        self._settle()
+        if not self.abandoned:
+            swap.thread.join(LOAD_WAIT_S)
+            if swap.thread.is_alive() or swap.error is not None:
+                self._abandon(f"copy: {swap.error or 'timeout'}")
+        for t in self.loads:
+            self._event("load", t.run, ok=0 if self.abandoned else t.ok, seconds=t.seconds, waited_s=swap.wait_s)
         self.swap = None
 
     # --- saves -------------------------------------------------------------------
@@ -251,12 +253,13 @@ class WorkerSide:
         self._end_loads()
         return set(self.failed)
 
-    def _event(self, kind: str, run: BlockRun, *, ok: int, seconds: float) -> None:
+    def _event(self, kind: str, run: BlockRun, *, ok: int, seconds: float, **extra: float) -> None:
         """One JSON line per transfer into the `events` file (appended; one write per line)."""
         if not self.events:
             return
         line = json.dumps({"event": kind, "req_id": run.req_id, "namespace": run.namespace, "start": run.start,
-                           "blocks": len(run.keys), "ok": ok, "seconds": round(seconds, 6), "t": time.time()})
+                           "blocks": len(run.keys), "ok": ok, "seconds": round(seconds, 6), "t": time.time(),
+                           **{k: round(v, 6) for k, v in extra.items()}})
         fd = os.open(self.events, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         try:
             os.write(fd, (line + "\n").encode())
