@@ -66,26 +66,36 @@ def parse_swa(text: str) -> tuple[str, int]:
     return m.group(1), int(m.group(2) or 4)
 
 
-def read_calibration(path: str) -> float:
-    """`read_bytes_per_s` from the JSON of `kvledger bench store --json` (top level, or nested)."""
+def _positive(value: Any) -> float | None:
+    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+    return float(value) if ok else None
+
+
+def read_calibration(path: str) -> tuple[float | None, float | None]:
+    """(`read_bytes_per_s`, `prefill_tokens_per_s`) from a calibration JSON, each at the top level
+    or nested (the first one found): `kvledger bench store --json` gives the first, `kvledger bench
+    replay --json` both (the second measured on the live engines, the first when the run fetched).
+    At least one must be a positive number."""
     try:
         obj = loads_strict(Path(path).read_text())
     except (OSError, UnicodeDecodeError, ValueError) as e:
         raise CliError(f"--calibration {path}: cannot read JSON ({e})") from None
 
-    def find(o: Any) -> Any:
+    def find(o: Any, key: str) -> float | None:
         if isinstance(o, dict):
-            if "read_bytes_per_s" in o:
-                return o["read_bytes_per_s"]
-            for v in o.values():
-                if (found := find(v)) is not None:
+            if (found := _positive(o.get(key))) is not None:
+                return found
+            o = list(o.values())
+        if isinstance(o, list):
+            for v in o:
+                if (found := find(v, key)) is not None:
                     return found
         return None
 
-    value = find(obj)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or not math.isfinite(value):
-        raise CliError(f"--calibration {path}: no positive 'read_bytes_per_s' in it")
-    return float(value)
+    fetch, prefill = find(obj, "read_bytes_per_s"), find(obj, "prefill_tokens_per_s")
+    if fetch is None and prefill is None:
+        raise CliError(f"--calibration {path}: no positive 'read_bytes_per_s' (or 'prefill_tokens_per_s') in it")
+    return fetch, prefill
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -100,7 +110,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-tps", type=float, help="prefill tokens/s of one engine (default: DESIGN.md)")
     bw = p.add_mutually_exclusive_group()
     bw.add_argument("--fetch-gbps", type=float, help="storage → host GB/s of one engine (default 10, assumed)")
-    bw.add_argument("--calibration", metavar="FILE", help="JSON of `kvledger bench store --json`: its read_bytes_per_s")
+    bw.add_argument("--calibration", metavar="FILE",
+                    help="JSON of `kvledger bench store --json` (read_bytes_per_s) or `kvledger bench replay --json` "
+                         "(read_bytes_per_s and prefill_tokens_per_s, measured live)")
     p.add_argument("--fetch-latency-ms", type=float, default=1.0)
     p.add_argument("--decode-tps", type=float, default=30.0, help="decode tokens/s of one request")
     p.add_argument("--capacity", default="inf", help="store size (8G, 500MB, 1TiB, inf); split per engine when local")
@@ -148,14 +160,19 @@ def build_config(args: argparse.Namespace, trace: Trace) -> tuple[SimConfig, dic
     bad = {r.block_tokens for r in trace.requests if r.block_tokens % spec.block_size}
     if bad:
         raise CliError(f"blocks of {min(bad)} tokens in the requests are not whole {spec.block_size}-token blocks")
-    if args.calibration:
-        fetch, fetch_src = read_calibration(args.calibration), f"calibration file {args.calibration}"
+    cal_fetch, cal_tps = read_calibration(args.calibration) if args.calibration else (None, None)
+    if cal_fetch is not None:
+        fetch, fetch_src = cal_fetch, f"calibration file {args.calibration}"
     elif args.fetch_gbps is not None:
         fetch, fetch_src = args.fetch_gbps * 1e9, "--fetch-gbps"
     else:
         fetch, fetch_src = 10e9, "assumed default; recalibrate with --calibration"
-    tps = args.prefill_tps or PUBLISHED_PREFILL_TOKENS_PER_S
-    tps_src = "--prefill-tps" if args.prefill_tps else "DESIGN.md published: 131072 tokens in 13 s"
+    if args.prefill_tps:
+        tps, tps_src = args.prefill_tps, "--prefill-tps"
+    elif cal_tps is not None:
+        tps, tps_src = cal_tps, f"calibration file {args.calibration}"
+    else:
+        tps, tps_src = PUBLISHED_PREFILL_TOKENS_PER_S, "DESIGN.md published: 131072 tokens in 13 s"
     swa, period = parse_swa(args.swa)
     ttl_days = parse_ttl(args.ttl)
     span_s = trace.span_s * args.time_scale
