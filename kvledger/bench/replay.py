@@ -1,8 +1,8 @@
 """`kvledger bench replay`: a trace or a workload, scaled down, sent live to a server or a cluster,
 per routing policy, beside what the simulator predicts for the same scaled requests.
 
-Without `--url` each policy gets a fresh local cluster (`kvledger up`, or `kvledger serve` where
-`up` is missing or `--launcher serve` is asked) on a fresh data directory. Each run: calibration
+Without `--url` each policy gets a fresh local cluster (`kvledger up`, or one `kvledger serve` with
+`--launcher serve`) on a fresh data directory. Each run: calibration
 probes (prefill tokens/s), then the scaled requests open loop at their scaled arrival times
 (`replay_drive`), then the report (`replay_report`) with `sim_token_hit_rate` from
 `sim_core.simulate` over the same requests, calibrated by the run's measurements.
@@ -18,10 +18,10 @@ from typing import Any
 
 HELP = "live trace replay against a server or a local cluster, per routing policy, beside the simulator"
 POLICIES = ("cache-aware", "round-robin", "least-loaded", "prefix-affinity")
-SESSIONS = {"chat": 24, "agent": 3}
+SESSIONS = {"chat": 12, "agent": 2}
 HEADLINE = ("token_hit_rate", "sim_token_hit_rate", "hit_rate_gap", "ttft_p50_warm_s", "ttft_p50_cold_s",
             "ttft_p99_warm_s", "ttft_p99_cold_s", "requests_per_s", "store_share_of_hits",
-            "prefill_tokens_per_s", "read_bytes_per_s")
+            "prefill_tokens_per_s", "prefill_tokens_per_s_idle", "read_bytes_per_s")
 SCALING_HELP = (
     "Scaling (to fit a 2-core CPU): lengths × --length-scale in whole 128-token blocks — every k-th "
     "block id of the source is kept (k = round(128 / (source block × scale)); or each id becomes "
@@ -46,18 +46,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", help="a running server or cluster (default: start a local one per policy)")
     p.add_argument("--routing", nargs="+", choices=POLICIES, default=["cache-aware"], metavar="POLICY",
                    help=f"one or more of {', '.join(POLICIES)}; with --url, the one the server runs")
-    p.add_argument("--launcher", choices=LAUNCHERS, default="auto", help="local server: kvledger up or serve")
+    p.add_argument("--launcher", choices=LAUNCHERS, default="up",
+                   help="the local server: a cluster (kvledger up) or one kvledger serve")
     p.add_argument("--prefill", type=int, default=2, help="prefill engines (of the local cluster, and the sim's)")
     p.add_argument("--decode", type=int, default=1, help="decode engines (of the local cluster, and the sim's)")
     p.add_argument("--model", default="smollm2-135m", choices=("smollm2-135m",), help="the server's model")
     p.add_argument("--api-key", help="bearer key for --url")
     p.add_argument("--length-scale", type=float, default=0.25, help="factor on every length (see above)")
-    p.add_argument("--max-prompt-tokens", type=int, default=2048, help="context cap (rounded down to 128s)")
-    p.add_argument("--max-tokens", type=int, default=16, help="cap on generated tokens per request")
+    p.add_argument("--max-prompt-tokens", type=int, default=1024, help="context cap (rounded down to 128s)")
+    p.add_argument("--max-tokens", type=int, default=4, help="cap on generated tokens per request")
     p.add_argument("--max-requests", type=int, default=200, help="the first N requests by arrival")
-    p.add_argument("--duration", type=float, default=120.0, help="seconds the arrivals are compressed into")
+    p.add_argument("--duration", type=float, default=150.0, help="seconds the arrivals are compressed into")
     p.add_argument("--time-scale", type=float, help="factor on arrival times (instead of --duration)")
-    p.add_argument("--max-inflight", type=int, default=32, help="requests in flight at once")
+    p.add_argument("--max-inflight", type=int, default=16,
+                   help="requests in flight at once (kvledger serve/up allow 16 per key by default)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds one request may take")
     p.add_argument("--probe-tokens", type=int, default=1024,
                    help="long calibration probe (vs 128 tokens) for the prefill rate; 0: no probes (rate assumed)")
@@ -116,7 +118,7 @@ def scaled(args: argparse.Namespace):
     return trace, scaling, scale_trace(trace, scaling)
 
 
-def run_policy(args: argparse.Namespace, policy: str, requests: list, root: Path, launcher: str) -> dict[str, Any]:
+def run_policy(args: argparse.Namespace, policy: str, requests: list, root: Path) -> dict[str, Any]:
     """One policy: start its server (unless --url), calibrate, replay, report."""
     from contextlib import nullcontext
 
@@ -125,9 +127,8 @@ def run_policy(args: argparse.Namespace, policy: str, requests: list, root: Path
     if args.url:
         ctx, engines, server = nullcontext(None), (args.prefill, args.decode), f"--url {args.url}"
     else:
-        ctx = LocalServer(launcher, root, policy, args.prefill, args.decode, args.model)
-        engines = ctx.engines
-        server = ("kvledger up" if launcher == "up" else "kvledger serve (one engine: routing not applied)")
+        ctx = LocalServer(args.launcher, root, policy, args.prefill, args.decode, args.model)
+        engines, server = ctx.engines, ctx.description
     with ctx as local:
         url = args.url.rstrip("/") if args.url else local.url
         return measure(args, policy, requests, url, engines, server)
@@ -147,22 +148,24 @@ def measure(args: argparse.Namespace, policy: str, requests: list, url: str, eng
         outcomes, wall, late = drive.drive(target, requests, args.max_inflight, on_done)
     after = drive.fetch_seconds(url, args.api_key)
     spec = ModelSpec.preset(args.model)
-    store_bytes = sum(o.store_cached_tokens for o in outcomes if o.ok) // spec.block_size * spec.block_bytes()
+
+    def nbytes(tokens: int) -> int:
+        return tokens // spec.block_size * spec.block_bytes()
+
+    ok = [o for o in outcomes if o.ok]
     cal = drive.Calibration(tps, (drive.CAL_SHORT, args.probe_tokens), pairs,
-                            drive.fetch_bandwidth(store_bytes, before, after), store_bytes,
-                            after - before if before is not None and after is not None else 0.0)
+                            after - before if before is not None and after is not None else None,
+                            sum(nbytes(o.cached_tokens) for o in ok), sum(nbytes(o.store_cached_tokens) for o in ok))
     report = policy_report(policy, server, outcomes, wall, late, requests, cal, engines, args.model)
     report["outcomes"] = outcomes
     return report
 
 
 def run(args: argparse.Namespace) -> None:
-    from kvledger.bench.replay_cluster import has_up
     from kvledger.bench.replay_output import emit
 
     _check_args(args)
     trace, scaling, requests = scaled(args)
-    launcher = args.launcher if args.launcher != "auto" else ("up" if not args.url and has_up() else "serve")
     with tempfile.TemporaryDirectory(prefix="kvledger-bench-replay-") as tmp:
-        runs = [run_policy(args, policy, requests, Path(tmp), launcher) for policy in args.routing]
+        runs = [run_policy(args, policy, requests, Path(tmp)) for policy in args.routing]
     emit(args, trace.source, scaling, requests, runs)

@@ -6,10 +6,9 @@ late start is reported as `late_sends`). Calibration, before the trace, on promp
 tokens under their own cache salt (they never share a block with the trace): one warm-up, then
 pairs of cold prefills of `CAL_SHORT` and `CAL_LONG` tokens, one at a time, with one generated
 token; prefill tokens/s = (long − short) / (TTFT long − TTFT short), the median of the pairs (the
-difference removes the per-request overhead: HTTP, CHECK, one decode step). Fetch bandwidth: the
-block bytes of the tokens the responses say came from the store (`usage.kvledger`), over the
-growth of the server's `kvledger_fetch_seconds_sum` during the run (`/metrics`), when it exposes
-it and the run fetched anything.
+difference removes the per-request overhead: HTTP, CHECK, one decode step). Fetch: the growth of
+the server's `kvledger_fetch_seconds_sum` during the run (`/metrics`), when it exposes it, set
+against the block bytes of the cached tokens the responses report (see `Calibration`).
 """
 
 from __future__ import annotations
@@ -27,26 +26,41 @@ from kvledger.bench.replay_client import Outcome, completion_body, send
 from kvledger.bench.replay_scale import ScaledRequest, block_tokens_of
 
 CAL_SHORT, CAL_PAIRS = 128, 2
-MEASURED = "store-cached block bytes (from the responses) / growth of kvledger_fetch_seconds_sum (/metrics)"
+MEASURED = "block bytes of the cached tokens (responses) / growth of kvledger_fetch_seconds_sum (/metrics)"
 UNMEASURED = "not measured (nothing fetched from the store, or the server has no kvledger_fetch_seconds)"
 
 
 @dataclass(frozen=True, slots=True)
 class Calibration:
-    """Measured on the live server. Units: tokens/s, bytes/s; None when not measurable."""
+    """Measured on the live server. Units: tokens/s, bytes, seconds; None when not measurable.
 
-    prefill_tokens_per_s: float | None
+    `fetch_s` is the growth of the server's `kvledger_fetch_seconds_sum` over the run: the seconds
+    its engines spent getting hit blocks in (device prefix cache or store). `hit_bytes` are the
+    block bytes of every cached token, `store_bytes` of those read from the store (`usage.kvledger`)."""
+
+    prefill_tokens_per_s: float | None               # idle probes (see the module docstring)
     probe_tokens: tuple[int, int]                    # (short, long) probe prompt lengths
     prefill_pairs: tuple[tuple[float, float], ...]   # (TTFT short, TTFT long) per pair, seconds
-    read_bytes_per_s: float | None = None
-    fetch_bytes: float = 0.0
-    fetch_s: float = 0.0
+    fetch_s: float | None = None
+    hit_bytes: int = 0
+    store_bytes: int = 0
+
+    @property
+    def read_bytes_per_s(self) -> float | None:
+        """Hit bytes per fetch second: what the simulator, which charges every hit byte a fetch, needs."""
+        return self.hit_bytes / self.fetch_s if self.fetch_s and self.hit_bytes else None
+
+    @property
+    def store_read_bytes_per_s(self) -> float | None:
+        """Store bytes per fetch second: a lower bound on the store's read rate (the seconds include
+        the device-cached blocks' hand-over and the fetcher's queueing under load)."""
+        return self.store_bytes / self.fetch_s if self.fetch_s and self.store_bytes else None
 
     def to_json(self) -> dict:
-        return {"prefill_tokens_per_s": self.prefill_tokens_per_s, "read_bytes_per_s": self.read_bytes_per_s,
-                "prefill_probe_tokens": list(self.probe_tokens),
-                "prefill_probe_ttft_s": [list(p) for p in self.prefill_pairs],
-                "fetch_bytes": self.fetch_bytes, "fetch_s": self.fetch_s,
+        return {"prefill_tokens_per_s_idle": self.prefill_tokens_per_s, "prefill_probe_tokens": list(self.probe_tokens),
+                "prefill_probe_ttft_s": [list(p) for p in self.prefill_pairs], "fetch_s": self.fetch_s,
+                "hit_bytes": self.hit_bytes, "store_bytes": self.store_bytes,
+                "read_bytes_per_s": self.read_bytes_per_s, "store_read_bytes_per_s": self.store_read_bytes_per_s,
                 "read_bytes_per_s_source": MEASURED if self.read_bytes_per_s else UNMEASURED}
 
 
@@ -98,14 +112,6 @@ def fetch_seconds(url: str, api_key: str | None = None) -> float | None:
             except ValueError:
                 return None
     return None
-
-
-def fetch_bandwidth(store_bytes: float, before: float | None, after: float | None) -> float | None:
-    """Bytes/s of the run's store reads: the block bytes of every store-cached token (from the
-    responses) over the fetch seconds the server counted meanwhile; None when nothing was fetched."""
-    if before is None or after is None or store_bytes <= 0 or after - before <= 0:
-        return None
-    return store_bytes / (after - before)
 
 
 def drive(target: Target, requests: Sequence[ScaledRequest], max_inflight: int,

@@ -1,6 +1,6 @@
 """The replay's output: one JSON object (`--json`), a table otherwise, and with `--out DIR` the JSON,
-the scaled requests as a trace (`replay_requests.jsonl`, which `kvledger bench sim --trace` reads
-back), every request's outcome (`replay_outcomes.jsonl`) and a TTFT chart per policy."""
+per policy the scaled requests as sent, as a trace (`replay_requests_POLICY.jsonl`, which `kvledger
+bench sim --trace` reads back), every request's outcome (`replay_outcomes.jsonl`) and a TTFT chart."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def report(source: str, scaling: Scaling, requests: list[ScaledRequest], runs: l
     scale = {**scaling.describe(), "requests": len(requests), "prompt_tokens": sum(prompts),
              "prompt_tokens_max": max(prompts), "max_tokens_total": sum(r.max_tokens for r in requests),
              "span_s": requests[-1].arrival_s - requests[0].arrival_s}
-    policies = [{k: v for k, v in run.items() if k != "outcomes"} for run in runs]
+    policies = [{k: v for k, v in run.items() if k not in ("outcomes", "sim_requests")} for run in runs]
     head = policies[0]
     return {"bench": "replay", "source": source, "routing": head["routing"], **{k: head[k] for k in HEADLINE},
             "scaling": scale, "policies": policies}
@@ -48,7 +48,8 @@ def write_out(out: Path, obj: dict[str, Any], requests: list[ScaledRequest], run
 
     out.mkdir(parents=True, exist_ok=True)
     (out / "replay.json").write_text(dumps_strict(obj, indent=1) + "\n")
-    write_trace([r.sim for r in requests], out / "replay_requests.jsonl")
+    for run in runs:
+        write_trace(run["sim_requests"], out / f"replay_requests_{run['routing']}.jsonl")
     with open(out / "replay_outcomes.jsonl", "w") as f:
         for run in runs:
             for o in run["outcomes"]:

@@ -24,7 +24,7 @@ EXPECTED_PROMPT = [404, 200, 650, 178, 650]
 EXPECTED_CACHED = [0, 0, 3 * B, 0, 5 * B]
 HEADLINE = {"token_hit_rate", "sim_token_hit_rate", "hit_rate_gap", "ttft_p50_warm_s", "ttft_p50_cold_s",
             "ttft_p99_warm_s", "ttft_p99_cold_s", "requests_per_s", "store_share_of_hits", "prefill_tokens_per_s",
-            "read_bytes_per_s"}
+            "read_bytes_per_s", "prefill_tokens_per_s_idle"}
 POLICY = HEADLINE | {"routing", "server", "requests", "errors", "prompt_tokens", "cached_tokens",
                      "device_cached_tokens", "store_cached_tokens", "device_share_of_hits", "cold_requests",
                      "warm_requests", "prompt_tokens_per_s", "output_tokens_per_s", "calibration", "sim"}
@@ -87,7 +87,7 @@ def test_bench_sim_takes_the_replay_as_calibration(tiny_run, run_cli):
     report, _, out = tiny_run
     policy = report["policies"][0]
     assumptions = policy["sim"]["assumptions"]
-    p = run_cli("bench", "sim", "--trace", str(out / "replay_requests.jsonl"), "--calibration",
+    p = run_cli("bench", "sim", "--trace", str(out / "replay_requests_cache-aware.jsonl"), "--calibration",
                 str(out / "replay.json"), "--model", "smollm2-135m", "--ttl", "none", "--prefill-engines", "1",
                 "--decode-engines", "1", "--decode-tps", repr(assumptions["decode_tokens_per_s"]), "--json")
     assert p.returncode == 0, p.stderr
