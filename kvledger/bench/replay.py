@@ -30,7 +30,7 @@ SCALING_HELP = (
     "tokens; prompts are capped at --max-prompt-tokens (a prefix); max_tokens = round(output × factor), "
     "at most --max-tokens; the first --max-requests requests; arrival times × --time-scale (default: "
     "the factor that fits them into --duration seconds, never above 1). The simulator runs on exactly "
-    "these requests; the JSON's `scaling` says what was used.")
+    "these requests, at the times they were sent; the JSON's `scaling` says what was used.")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
