@@ -90,6 +90,8 @@ class RedisStore:
                 faults.append(e)
         if len(faults) == len(masters):
             raise faults[0]
+        if not self.nodes.cluster and str(masters[0].info("cluster").get("cluster_enabled", 0)) == "1":
+            raise ValueError("that server is a node of a Redis Cluster: give a redis+cluster://HOST:PORT URL")
         if faults:
             log.warning("%d of %d masters of %s do not answer: %s", len(faults), len(masters), self.url, faults[0])
 

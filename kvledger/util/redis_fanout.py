@@ -114,6 +114,7 @@ class RedisNodes:
         self._client: Any = client
         self._given = client is not None
         self._forgot = -FORGET_S
+        self._warned = False
         self._slot_node: dict[int, redis.Redis] = {}  # slot → master, for the client `_slot_node_of`
         self._slot_node_of: Any = None
         if not self.cluster and client is None:
@@ -237,6 +238,10 @@ class RedisNodes:
         """After a fault, a cluster learns its slot map again on the next call (a node may have moved):
         at once after MOVED / ASK, at most every FORGET_S after a connection fault (a dead node stays dead).
         The old client is dropped, not closed: another thread may be reading from its connections."""
+        slots = isinstance(e, redis.ResponseError) and str(e).startswith(("MOVED", "ASK", "CROSSSLOT", "Keys in"))
+        if not self.cluster and slots and not self._warned:
+            self._warned = True  # a redis:// URL naming one node of a cluster: every key is a miss
+            log.warning("%s answers %r: it is a Redis Cluster node; give a redis+cluster:// URL", self.url, str(e))
         if isinstance(e, redis.ResponseError) and not str(e).startswith(("MOVED", "ASK")):
             return  # an ordinary error reply: the map is fine
         moved = isinstance(e, redis.ResponseError)

@@ -225,3 +225,15 @@ def test_bench_redis_cluster_reports_both_side_by_side(run_cli, shared_redis, re
     assert res["check_300_hit_single_old_ms"] > 0  # the script of before, on the same blocks (it asserts 300)
     r = run_cli("bench", "redis-cluster", "--keys", "0", "--json")
     assert r.returncode == 2 and r.stdout == ""
+
+
+def test_a_plain_url_at_a_cluster_node_is_refused_by_the_cli_and_a_miss_for_the_ledger(redis_cluster, run_cli,
+                                                                                         prefix, caplog):
+    node = f"redis://127.0.0.1:{redis_cluster.nodes[0].port}/0"
+    r = run_cli("store", "stats", "--redis-url", node, "--json")
+    assert r.returncode == 2 and "redis+cluster://" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    led = BlockLedger(RedisStore(node, prefix=prefix))
+    keys, blocks = chain(40, seed=13)
+    res = led.put_chain(keys, blocks)  # the keys this node does not serve answer MOVED: failed, not raised
+    assert res.failed > 0 and led.match(keys) < 40
+    assert "give a redis+cluster:// URL" in caplog.text
