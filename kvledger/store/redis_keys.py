@@ -68,11 +68,11 @@ class Placement:
         self.slots: list[int] | None = [key_slot(h) for h in self.heads] if fixed else None
 
     def name(self, key: bytes) -> bytes:
-        return self.heads[key[0] % TAGS] + key
+        return self.heads[(key[0] if key else 0) % TAGS] + key
 
     def names(self, keys: Sequence[bytes]) -> list[bytes]:
         heads = self.heads
-        return [heads[k[0] % TAGS] + k for k in keys]
+        return [heads[(k[0] if k else 0) % TAGS] + k for k in keys]
 
     def key_of(self, name: bytes) -> bytes:
         """The block key a Redis key name holds (its last KEY_BYTES bytes in the cluster layout)."""
@@ -82,7 +82,7 @@ class Placement:
         if not self.cluster:
             return 0
         if self.slots is not None:
-            return self.slots[key[0] % TAGS]
+            return self.slots[(key[0] if key else 0) % TAGS]
         return key_slot(self.name(key))
 
     def groups(self, keys: Sequence[bytes]) -> list[tuple[int, bytes, list[int]]]:
@@ -94,7 +94,7 @@ class Placement:
         by: dict[int, list[int]] = {}
         if self.slots is not None:
             for i, k in enumerate(keys):
-                by.setdefault(k[0] % TAGS, []).append(i)
+                by.setdefault((k[0] if k else 0) % TAGS, []).append(i)
             return [(self.slots[g], self.heads[g], idx) for g, idx in by.items()]
         for i, k in enumerate(keys):  # a prefix that makes Redis hash the whole name: slot by slot
             by.setdefault(key_slot(self.name(k)), []).append(i)

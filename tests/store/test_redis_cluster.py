@@ -237,3 +237,13 @@ def test_a_plain_url_at_a_cluster_node_is_refused_by_the_cli_and_a_miss_for_the_
     res = led.put_chain(keys, blocks)  # the keys this node does not serve answer MOVED: failed, not raised
     assert res.failed > 0 and led.match(keys) < 40
     assert "give a redis+cluster:// URL" in caplog.text
+
+
+@pytest.mark.parametrize("where", ["shared_redis", "redis_cluster"])
+def test_keys_of_any_length_read_as_absent(request, where, prefix):
+    """Writes take 16-byte keys only; a read of any other bytes is a miss, never an exception."""
+    store = RedisStore(request.getfixturevalue(where).url, prefix=prefix)
+    odd = [b"", b"x", bytes(17), b"{}" * 9]
+    assert store.match(odd, 60.0) == 0 and store.exists(odd) == [False] * 4
+    assert store.get_into(odd, [bytearray(8) for _ in odd]) == [-1] * 4 and store.delete(odd) == 0
+    store.close()
