@@ -294,31 +294,12 @@ class RedisStore:
         try:
             removed, batches = redis_upkeep.remove_unreadable(self, batch)
             if self.files is not None:
-                removed_f, freed, b = self._gc_files(batch)
+                removed_f, freed, b = redis_upkeep.gc_files(self, batch, GC_GRACE_S)
                 removed += removed_f
                 batches += b
         except FAULTS as e:
             log.warning("gc on %s stopped: %s", self.url, e)
         return GcResult(removed, 0, freed, batches)
-
-    def _gc_files(self, batch: int) -> tuple[int, int, int]:
-        files = self.files
-        assert files is not None
-        files.refresh(force=True)
-        cutoff = time.time() - GC_GRACE_S
-        entries = [b for b in files.blocks() if b.created < cutoff]
-        gone = []
-        for i in range(0, len(entries), batch):
-            chunk = entries[i:i + batch]
-            alive = self._exists_or_raise([b.key for b in chunk])  # raises: GC stops
-            gone += [b for b, a in zip(chunk, alive) if not a]
-        gone.sort(key=lambda e: -e.pos)
-        before = files.stats().disk_bytes
-        batches = 0
-        for i in range(0, len(gone), batch):
-            files.delete([e.key for e in gone[i:i + batch]])
-            batches += 1
-        return len(gone), max(before - files.stats().disk_bytes, 0), batches
 
     def stats(self) -> StoreStats:
         """Figures of the blocks Redis holds (those counted before a fault, if the server goes away mid-scan)."""

@@ -1,6 +1,7 @@
 """The operator views of a RedisStore that walk every block: blocks, stats, verify, and GC's removal
-of unreadable metadata. One SCAN per master (one server: the one), the names it returns read back
-in batches pipelined to that same master (single-key commands: no hash slot is crossed)."""
+of unreadable metadata (and, in the cluster mode, of file blocks Redis forgot). One SCAN per master
+(one server: the one), the names it returns read back in batches pipelined to that same master
+(single-key commands: no hash slot is crossed)."""
 
 from __future__ import annotations
 
@@ -129,3 +130,25 @@ def verify(store: RedisStore, remove: bool) -> VerifyResult:
             else:
                 nbytes += len(d)
     return VerifyResult(checked, bad, removed, nbytes)
+
+
+def gc_files(store: RedisStore, batch: int, grace_s: float) -> tuple[int, int, int]:
+    """Cluster mode: remove file blocks older than `grace_s` whose key Redis no longer holds, tails
+    first; (removed, freed bytes, batches). Raises on a Redis fault (a fault must not read as "gone")."""
+    files = store.files
+    assert files is not None
+    files.refresh(force=True)
+    cutoff = time.time() - grace_s
+    entries = [b for b in files.blocks() if b.created < cutoff]
+    gone = []
+    for i in range(0, len(entries), batch):
+        chunk = entries[i:i + batch]
+        alive = store._exists_or_raise([b.key for b in chunk])
+        gone += [b for b, a in zip(chunk, alive) if not a]
+    gone.sort(key=lambda e: -e.pos)
+    before = files.stats().disk_bytes
+    batches = 0
+    for i in range(0, len(gone), batch):
+        files.delete([e.key for e in gone[i:i + batch]])
+        batches += 1
+    return len(gone), max(before - files.stats().disk_bytes, 0), batches
