@@ -158,3 +158,17 @@ def test_cluster_lookup_is_two_rounds_and_a_dead_master_costs_only_its_keys():
         want = [None if dead or e.holder.engine_id in live_on_victim else e for e, dead in zip(entries, on_victim)]
         assert got == want and any(got)
         d.close()
+
+
+def test_a_given_redis_cluster_client_takes_the_cluster_path(redis_cluster):
+    from kvledger.util.redis_cluster import cluster_client
+
+    d = RedisDirectory(client=cluster_client(redis_cluster.url, 2.0), prefix=f"kvl:test:{uuid.uuid4().hex[:8]}:")
+    h = Holder("e1", "127.0.0.1:1")
+    d.heartbeat(h)
+    d.publish([_entry(h, i) for i in range(20)])
+    assert d.lookup([i.to_bytes(16, "big") for i in range(21)]) == [_entry(h, i) for i in range(20)] + [None]
+    d.withdraw([(3).to_bytes(16, "big")], h)
+    d.retire(h)
+    assert d.lookup([(4).to_bytes(16, "big")]) == [None] and d.faults == 0
+    d.close()
