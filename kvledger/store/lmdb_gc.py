@@ -1,8 +1,11 @@
 """GC, eviction, deletion and compaction of an `LmdbStore`, in batches with the index's lock released between them.
 
 Each batch is one write transaction over at most about `batch` blocks (whole segments: a
-segment's blocks share its expiry and last hit), so another process's put or CHECK waits at
-most one batch (a CHECK never waits: readers are not blocked by a writer). Files are unlinked
+segment's blocks share its expiry and last hit) and at most BATCH_S of work, so another process's
+put waits at most one batch (a CHECK never waits: readers are not blocked by a writer). After
+each batch GC pauses as long as the batch held the lock (PAUSE_MIN_S..PAUSE_MAX_S): LMDB's writer
+mutex is not fair, and a loop that committed and began again at once would take it back before a
+woken waiter runs. Files are unlinked
 after the transaction that forgot them commits; a crash in between leaves a file the index does
 not name (`verify` removes it), never an index entry without its bytes.
 
@@ -33,7 +36,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvledger.store")
 TXN_BLOCKS = 128    # blocks removed per write transaction at most
+BATCH_S = 0.02      # a batch takes no further segment after this long holding the writer lock (s)
+PAUSE_MIN_S = 0.001  # the pause after a batch: as long as it held the lock, within these bounds (s)
+PAUSE_MAX_S = 0.05
 UNLINK_EVERY = 64   # segment files forgotten before one sync of the index and their unlinking
+
+
+def pause(held_s: float) -> None:
+    """Leave the writer lock free after a batch that held it `held_s` seconds (see the module docstring)."""
+    time.sleep(min(max(held_s, PAUSE_MIN_S), PAUSE_MAX_S))
 
 
 def _remove_batch(store: LmdbStore, order_db: lmdb._Database, stop: Callable[[float, int], bool],
@@ -42,8 +53,9 @@ def _remove_batch(store: LmdbStore, order_db: lmdb._Database, stop: Callable[[fl
     about `batch` blocks at most; (segments, blocks, bytes) removed. Their files join `paths` (unlinked by
     `_unlink_some` once the index is persisted: one sync for many batches)."""
     idx = store.index
-    n = nbytes = 0
+    segs = n = nbytes = 0
     with idx.env.begin(write=True) as w:
+        t0 = time.perf_counter()
         due: list[tuple[bytes, int]] = []
         with w.cursor(db=order_db) as cur:
             for raw in cur.iternext(values=False):
@@ -55,22 +67,30 @@ def _remove_batch(store: LmdbStore, order_db: lmdb._Database, stop: Callable[[fl
                 if seg is not None:
                     n += seg.live
                     nbytes += seg.live_bytes
-        for raw, seg_id in due:
+        n = nbytes = 0
+        for raw, seg_id in due:   # removed in order: what the time bound leaves is the next batch's
+            if segs and time.perf_counter() - t0 > BATCH_S:
+                break
             seg = idx.seg(w, seg_id)
             if seg is None:
                 w.delete(raw, db=order_db)  # a stray row
             else:
-                paths.append(idx.remove_segment(w, seg_id, seg)[2])
+                got, got_bytes, path = idx.remove_segment(w, seg_id, seg)
+                n, nbytes = n + got, nbytes + got_bytes
+                paths.append(path)
+            segs += 1
+    if segs:
+        pause(time.perf_counter() - t0)
     if len(paths) >= UNLINK_EVERY:
         store.unlink(paths)
         paths.clear()
-    return len(due), n, nbytes
+    return segs, n, nbytes
 
 
 def gc(store: LmdbStore, batch: int = 4096) -> GcResult:
     """Remove expired segments (soonest first, tails first), evict down to capacity, compact sparse segments;
-    at most TXN_BLOCKS blocks per transaction whatever `batch` asks (keys are random: each block removed
-    dirties about one page, written at the commit while other writers wait)."""
+    at most TXN_BLOCKS blocks and BATCH_S per transaction whatever `batch` asks (keys are random: each block
+    removed dirties about one page, written at the commit while other writers wait)."""
     assert batch > 0
     batch = min(batch, TXN_BLOCKS)
     store.flush()  # this process's noted refreshes first
@@ -160,11 +180,10 @@ def compact(store: LmdbStore, batch: int = 4096, most: int = 100_000) -> int:
     with store.index.env.begin() as txn, txn.cursor(db=store.index.sparse) as cur:
         ids = [SEG_ID.unpack(k)[0] for k in itertools.islice(cur.iternext(values=False), most)]
     batches = done = 0
-    for seg_id in ids:
+    for seg_id in ids:   # each segment is its own transaction, its copy made before, outside it
         done += _compact_one(store, seg_id)
         if done >= batch:
             batches, done = batches + 1, 0
-            time.sleep(0)  # each segment is its own transaction: the lock is free between them
     return batches + (1 if done else 0)
 
 
@@ -195,6 +214,7 @@ def _move_blocks(store: LmdbStore, old_id: int, old: SegRec, path: str, rows: li
     idx = store.index
     unlink = []
     with idx.env.begin(write=True) as w:
+        t0 = time.perf_counter()
         cur = idx.seg(w, old_id)
         if cur is None:
             unlink.append(path)  # removed meanwhile: the new file is not needed
@@ -214,6 +234,7 @@ def _move_blocks(store: LmdbStore, old_id: int, old: SegRec, path: str, rows: li
             unlink.append(idx.remove_segment(w, old_id, cur)[2])   # holds no block now
             if new.live == 0:
                 unlink.append(idx.remove_segment(w, new_id, new)[2])
+    pause(time.perf_counter() - t0)
     store.unlink(unlink)
     return len(rows)
 

@@ -36,6 +36,8 @@ from typing import NamedTuple
 
 import lmdb
 
+from kvledger.store.map_trim import MapTrim
+
 FORMAT = 2                    # 1 = segment files only (the previous design), 2 = this index
 MAP_SIZE = 1 << 40            # address space reserved for the index (sparse: the file grows as needed)
 BLOCK = struct.Struct("<QIIIQQ16s")   # seg, idx, pos, size, xxh, offset, parent
@@ -45,7 +47,9 @@ ORDER = struct.Struct(">QIQ")         # time ms, ~first_pos, seg id: big-endian 
 SEG_ID = struct.Struct(">Q")
 U64 = struct.Struct("<q")
 TOTALS = (b"blocks", b"live_bytes", b"disk_bytes", b"segments")
-assert BLOCK.size == 52
+BLOCK_TAIL = struct.Struct("<IIIQQ16s")  # BLOCK without its segment id: packed before the write transaction
+SEG_LE = struct.Struct("<Q")              # ... which prefixes it inside
+assert BLOCK.size == 52 and SEG_LE.size + BLOCK_TAIL.size == BLOCK.size
 
 
 class BlockRec(NamedTuple):
@@ -108,6 +112,7 @@ def order_key(t: float, first_pos: int, seg_id: int) -> bytes:
 class _SharedEnv(NamedTuple):
     env: lmdb.Environment
     dbs: dict[bytes, lmdb._Database]
+    trim: MapTrim
 
 
 # LMDB refuses a second open of one environment in one process ("already open in this process"), and two
@@ -135,9 +140,11 @@ class LmdbIndex:
             if shared is None:
                 env = lmdb.open(self._name, map_size=MAP_SIZE, max_dbs=10, sync=False, metasync=False,
                                 readahead=False, max_readers=1024)
-                shared = _SHARED[self._name] = _SharedEnv(env, _open_dbs(env))
+                trim = MapTrim(os.path.join(self._name, "data.mdb"))
+                shared = _SHARED[self._name] = _SharedEnv(env, _open_dbs(env), trim)
             _USERS[self._name] = _USERS.get(self._name, 0) + 1
-        self.env, dbs = shared
+        self.env, dbs, trim = shared
+        self._trim: MapTrim | None = trim
         self.blocks, self.segs, self.seg_keys = dbs[b"blocks"], dbs[b"segs"], dbs[b"seg_keys"]
         self.by_expiry, self.by_hit, self.sparse = dbs[b"by_expiry"], dbs[b"by_hit"], dbs[b"sparse"]
         self.paths, self.meta = dbs[b"paths"], dbs[b"meta"]
@@ -147,8 +154,15 @@ class LmdbIndex:
         if self.durable:
             self.env.sync(True)
 
+    def touched(self, n: int) -> None:
+        """`n` keys were looked up: bounds the map's share of this process's RSS (map_trim.py)."""
+        trim = self._trim
+        if trim is not None:
+            trim.touched(n)
+
     def close(self) -> None:
         """Idempotent; the shared environment closes with its last user in this process."""
+        self._trim = None
         with _SHARED_LOCK:
             name, self._name = self._name, None
             if name is None:
@@ -156,7 +170,9 @@ class LmdbIndex:
             _USERS[name] -= 1
             if _USERS[name] == 0:
                 del _USERS[name]
-                _SHARED.pop(name).env.close()
+                shared = _SHARED.pop(name)
+                shared.trim.close()
+                shared.env.close()
 
     # --- reads (any transaction) --------------------------------------------------
 
@@ -195,18 +211,26 @@ class LmdbIndex:
         w.put(b"next_seg", U64.pack(seg_id), db=self.meta)
         return seg_id
 
+    def bump_many(self, w: lmdb.Transaction, deltas: dict[bytes, int]) -> None:
+        for name, delta in deltas.items():
+            self.bump(w, name, delta)
+
     def add_segment(self, w: lmdb.Transaction, seg: SegRec, keys: list[bytes]) -> int:
         """Record a segment (its blocks are added with `add_block`); its id."""
         seg_id = self.new_seg_id(w)
+        self.record_segment(w, seg_id, seg, keys)
+        self.bump(w, b"segments", 1)
+        self.bump(w, b"disk_bytes", seg.file_size)
+        return seg_id
+
+    def record_segment(self, w: lmdb.Transaction, seg_id: int, seg: SegRec, keys: list[bytes]) -> None:
+        """The rows of segment `seg_id` (its record, keys, order rows, path); the totals are the caller's."""
         sid = SEG_ID.pack(seg_id)
         w.put(sid, seg.pack(), db=self.segs)
         w.put(sid, b"".join(keys), db=self.seg_keys)
         w.put(order_key(seg.expiry, seg.first_pos, seg_id), b"", db=self.by_expiry)
         w.put(order_key(seg.last_hit, seg.first_pos, seg_id), b"", db=self.by_hit)
         w.put(seg.path.encode(), sid, db=self.paths)
-        self.bump(w, b"segments", 1)
-        self.bump(w, b"disk_bytes", seg.file_size)
-        return seg_id
 
     def put_seg(self, w: lmdb.Transaction, seg_id: int, seg: SegRec) -> None:
         w.put(SEG_ID.pack(seg_id), seg.pack(), db=self.segs)

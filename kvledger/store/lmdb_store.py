@@ -45,6 +45,7 @@ log = logging.getLogger("kvledger.store")
 
 IOV_MAX = 1024
 MAX_OPEN_FDS = 128
+REFRESH_TXN = 256      # segments refreshed per write transaction
 REFRESH_GRAIN_S = 1.0  # a hit refreshes expiry to ≥ now + ttl − this: one walk per chain tail per second
 
 
@@ -118,6 +119,7 @@ class LmdbStore:
                     return rec is not None and rec.pos == i
 
                 b = leading_present(len(keys), present)
+                self.index.touched(len(cache) + 8)
                 if b:
                     self._refresh(txn, keys[b - 1], now + ttl_s, now)
                 return b
@@ -148,11 +150,22 @@ class LmdbStore:
                 return out
             key = seg.head_parent
 
+    def _absent(self, txn: lmdb.Transaction, keys: Sequence[bytes], now: float) -> list[int]:
+        """Indices of the keys absent or expired (one C-level lookup of all of them)."""
+        with txn.cursor(db=self.index.blocks) as cur:
+            found = dict(cur.getmulti(keys))
+        if not found:
+            return list(range(len(keys)))
+        cache: dict[int, float] = {}
+        return [i for i, k in enumerate(keys)
+                if (raw := found.get(k)) is None or self._expiry(txn, BLOCK.unpack(raw)[0], cache) < now]
+
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         now = self.clock()
         try:
             with self.index.env.begin() as txn:
                 cache: dict[int, float] = {}
+                self.index.touched(len(keys))
                 return [self._live(txn, k, now, cache) is not None for k in keys]
         except lmdb.Error as e:
             log.warning("exists on %s failed: %s", self.root, e)
@@ -165,10 +178,10 @@ class LmdbStore:
         try:
             now = self.clock()
             with self.index.env.begin() as txn:
-                cache: dict[int, float] = {}
-                sel = [i for i, k in enumerate(write.keys) if self._live(txn, k, now, cache) is None]
+                sel = self._absent(txn, write.keys, now)
                 if write.start_pos > 0:
                     self._refresh(txn, write.parent, now + write.ttl_s, now)
+            self.index.touched(n)
             skipped = n - len(sel)
             self.counters.blocks_skipped += skipped
             if not sel:
@@ -202,11 +215,16 @@ class LmdbStore:
                 os.unlink(self.root / p)
 
     def _write_refresh(self, batch: dict[int, tuple[float, float]]) -> None:
-        with self.index.env.begin(write=True) as w:
-            for seg_id in sorted(batch):
-                seg = self.index.seg(w, seg_id)
-                if seg is not None:
-                    self.index.set_times(w, seg_id, seg, *batch[seg_id])
+        """Noted refreshes, REFRESH_TXN segments per write transaction (the lock is free between them)."""
+        ids = sorted(batch)
+        for i in range(0, len(ids), REFRESH_TXN):
+            if i:
+                lmdb_gc.pause(0.0)
+            with self.index.env.begin(write=True) as w:
+                for seg_id in ids[i:i + REFRESH_TXN]:
+                    seg = self.index.seg(w, seg_id)
+                    if seg is not None:
+                        self.index.set_times(w, seg_id, seg, *batch[seg_id])
 
     # --- read ------------------------------------------------------------------
 
@@ -222,6 +240,7 @@ class LmdbStore:
                 cache: dict[int, float] = {}
                 recs = [self._live(txn, k, now, cache) for k in keys]
                 paths = {r.seg: s.path for r in recs if r is not None and (s := self.index.seg(txn, r.seg))}
+            self.index.touched(len(keys))
         except lmdb.Error as e:
             log.warning("read of %s failed: %s", self.root, e)
             self.counters.misses_absent += len(keys)

@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import os
 import secrets
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import lmdb
 import xxhash
 
 from kvledger.store import segment as seg_format
 from kvledger.store.backend import ChainWrite
-from kvledger.store.lmdb_index import BlockRec, SegRec
+from kvledger.store.lmdb_index import BLOCK, BLOCK_TAIL, SEG_LE, BlockRec, SegRec
 from kvledger.store.segment_files import HOST, writev_all
 
 if TYPE_CHECKING:
@@ -69,35 +69,70 @@ def write_segment(store: LmdbStore, write: ChainWrite, sel: list[int], views: li
         os.close(fd)
     return rel, rows, offset
 
+class Prepared(NamedTuple):
+    """A written segment's index rows, packed before the write transaction (so the lock is held for puts only)."""
+
+    seg: SegRec
+    keys: list[bytes]
+    tails: list[bytes]   # each block's record without its segment id (BLOCK_TAIL)
+    sizes: list[int]
+
+
+def prepare(write: ChainWrite, path: str, rows: list[tuple], file_size: int, now: float) -> Prepared:
+    """Everything `index_prepared` writes, computed outside any transaction."""
+    ns, cl = name_bytes(write.namespace), name_bytes(write.ttl_class)
+    seg = SegRec(now + write.ttl_s, now, now, write.ttl_s, rows[0][2], len(rows), 0, 0,
+                 sum(r[3] for r in rows), file_size, rows[0][1], ns, cl, path)
+    tails = [BLOCK_TAIL.pack(i, pos, size, xxh, off, parent)
+             for i, (_, parent, pos, size, xxh, off) in enumerate(rows)]
+    return Prepared(seg, [r[0] for r in rows], tails, [r[3] for r in rows])
+
+
 def index_segment(store: LmdbStore, write: ChainWrite, path: str, rows: list[tuple], file_size: int, now: float) -> int:
     """One write transaction: the segment and those of its blocks nobody indexed meanwhile."""
+    prep = prepare(write, path, rows, file_size, now)
     with store.index.env.begin(write=True) as w:
-        live, unlink = index_rows(store, w, write, path, rows, file_size, now)
+        live, unlink = index_prepared(store, w, prep, now)
     store.unlink(unlink)
     return live
+
 
 def index_rows(store: LmdbStore, w: lmdb.Transaction, write: ChainWrite, path: str, rows: list[tuple], file_size: int,
                now: float) -> tuple[int, list[str]]:
     """Index a written segment in `w`; (blocks indexed, files to unlink once `w` commits)."""
-    ns, cl = name_bytes(write.namespace), name_bytes(write.ttl_class)
-    seg = SegRec(now + write.ttl_s, now, now, write.ttl_s, rows[0][2], len(rows), 0, 0,
-                 sum(r[3] for r in rows), file_size, rows[0][1], ns, cl, path)
+    return index_prepared(store, w, prepare(write, path, rows, file_size, now), now)
+
+
+def index_prepared(store: LmdbStore, w: lmdb.Transaction, prep: Prepared, now: float) -> tuple[int, list[str]]:
+    """Index a prepared segment in `w`: its blocks that no other writer indexed meanwhile (one C-level lookup
+    of all keys, one C-level insert); a segment left with no block is not recorded and its file is returned
+    for unlinking. (blocks indexed, files to unlink once `w` commits)."""
+    idx = store.index
+    seg = prep.seg
+    seg_id = idx.new_seg_id(w)
+    with w.cursor(db=idx.blocks) as cur:
+        found = dict(cur.getmulti(prep.keys))
     unlink = []
-    cache: dict[int, float] = {}
-    seg_id = store.index.add_segment(w, seg, [r[0] for r in rows])
-    for idx, (key, parent, pos, size, xxh, off) in enumerate(rows):
-        old = store.index.block(w, key)
-        if old is not None and store._expiry(w, old.seg, cache) >= now:
-            continue  # another writer indexed it first
-        if old is not None:
-            unlink.append(store.index.drop_block(w, key, old, COMPACT_BELOW))
-        store.index.add_block(w, key, BlockRec(seg_id, idx, pos, size, xxh, off, parent))
-        seg.live += 1
-        seg.live_bytes += size
-    store.index.bump(w, b"blocks", seg.live)
-    store.index.bump(w, b"live_bytes", seg.live_bytes)
-    if seg.live == 0:
-        unlink.append(store.index.remove_segment(w, seg_id, seg)[2])
-    else:
-        store.index.put_seg(w, seg_id, seg)
+    keep = range(len(prep.keys))
+    if found:   # rare: another writer indexed some of these keys since our dedupe
+        cache: dict[int, float] = {}
+        keep = []
+        for i, key in enumerate(prep.keys):
+            raw = found.get(key)
+            if raw is not None:
+                old = BlockRec(*BLOCK.unpack(raw))
+                if store._expiry(w, old.seg, cache) >= now:
+                    continue   # another writer indexed it first
+                unlink.append(idx.drop_block(w, key, old, COMPACT_BELOW))
+            keep.append(i)
+    if not keep:
+        return 0, [p for p in unlink if p] + [seg.path]
+    prefix = SEG_LE.pack(seg_id)
+    with w.cursor(db=idx.blocks) as cur:
+        cur.putmulti([(prep.keys[i], prefix + prep.tails[i]) for i in keep])
+    seg.live = len(keep)
+    seg.live_bytes = sum(prep.sizes[i] for i in keep)
+    idx.record_segment(w, seg_id, seg, prep.keys)
+    idx.bump_many(w, {b"segments": 1, b"disk_bytes": seg.file_size, b"blocks": seg.live,
+                      b"live_bytes": seg.live_bytes})
     return seg.live, [p for p in unlink if p]
