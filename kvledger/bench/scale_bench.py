@@ -4,7 +4,8 @@ For each design a store of N small blocks is built once under `--dir` (kept and 
 runs with the same N), then, each in fresh processes (scale_roles.py):
 
     open_s        opening the store (the previous design rebuilds its index from every segment)
-    rss_bytes     resident memory of that process after the CHECKs and puts below
+    rss_bytes     resident memory of that process after the CHECKs and puts below (VmRSS; rss_anon_bytes and
+                  rss_file_bytes split it: its own memory, and mapped files: libraries, index pages)
     check_ms_1m   median CHECK of a 1M-token prompt (8,192 keys), all present; its hashing, the same for
                   both designs, is reported apart (hash_ms_1m)
     put_p99_ms    p99 of puts of 64 blocks while another process writes, fsync off (the index's cost);

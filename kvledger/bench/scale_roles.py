@@ -109,10 +109,12 @@ def role_build(a: dict) -> dict:
     return {"build_s": time.perf_counter() - t, "blocks": have}
 
 
-def _rss() -> int:
+def _rss(field: str = "VmRSS") -> int:
+    """Resident bytes from /proc/self/status: VmRSS (all), RssAnon (the process's own), RssFile (mapped files:
+    shared libraries and the pages of the index's map this process touched, all of them page cache)."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
@@ -146,7 +148,7 @@ def role_probe(a: dict) -> dict:
     tag = "_fsync" if a["fsync"] else ""
     out |= {f"put_p99_ms{tag}": float(np.percentile(puts, 99)), f"put_p50_ms{tag}": statistics.median(puts)}
     if not a["fsync"]:
-        out["rss_bytes"] = _rss()
+        out |= {"rss_bytes": _rss(), "rss_anon_bytes": _rss("RssAnon"), "rss_file_bytes": _rss("RssFile")}
         out["store_blocks"] = _blocks(store)
         if hasattr(store, "refresher"):
             out["index_bytes"] = os.path.getsize(os.path.join(a["root"], "index.lmdb", "data.mdb"))

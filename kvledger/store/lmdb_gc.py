@@ -38,7 +38,7 @@ log = logging.getLogger("kvledger.store")
 TXN_BLOCKS = 128    # blocks removed per write transaction at most
 BATCH_S = 0.02      # a batch takes no further segment after this long holding the writer lock (s)
 PAUSE_MIN_S = 0.001  # the pause after a batch: as long as it held the lock, within these bounds (s)
-PAUSE_MAX_S = 0.05
+PAUSE_MAX_S = 0.03
 UNLINK_EVERY = 64   # segment files forgotten before one sync of the index and their unlinking
 
 
