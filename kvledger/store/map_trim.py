@@ -55,6 +55,7 @@ class MapTrim:
     def __init__(self, data_path: str, every: int = TRIM_EVERY) -> None:
         assert every > 0
         self.every = every
+        self.background = True          # False: trim in the caller's thread (tests: a deterministic bound)
         self.trims = 0
         self._count = 0
         self._busy = False
@@ -69,6 +70,9 @@ class MapTrim:
         self._count += n
         if self._count >= self.every and not self._busy and self._range is not None:
             self._count = 0
+            if not self.background:
+                self.trim()
+                return
             self._busy = True
             threading.Thread(target=self._trim_then_idle, name="kvledger-map-trim", daemon=True).start()
 
