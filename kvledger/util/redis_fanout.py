@@ -238,19 +238,23 @@ class RedisNodes:
         """After a fault, a cluster learns its slot map again on the next call (a node may have moved):
         at once after MOVED / ASK, at most every FORGET_S after a connection fault (a dead node stays dead).
         The old client is dropped, not closed: another thread may be reading from its connections."""
-        slots = isinstance(e, redis.ResponseError) and str(e).startswith(("MOVED", "ASK", "CROSSSLOT", "Keys in"))
-        if not self.cluster and slots and not self._warned:
+        moved = isinstance(e, (redis.exceptions.MovedError, redis.exceptions.AskError))
+        if not self.cluster and (moved or isinstance(e, redis.exceptions.ClusterCrossSlotError)) and not self._warned:
             self._warned = True  # a redis:// URL naming one node of a cluster: every key is a miss
             log.warning("%s answers %r: it is a Redis Cluster node; give a redis+cluster:// URL", self.url, str(e))
-        if isinstance(e, redis.ResponseError) and not str(e).startswith(("MOVED", "ASK")):
+        if isinstance(e, redis.ResponseError) and not moved:
             return  # an ordinary error reply: the map is fine
-        moved = isinstance(e, redis.ResponseError)
         if not moved and time.monotonic() - self._forgot < FORGET_S:
             return
-        if self.cluster and self._client is not None and not self._given:
+        if self.cluster and self._client is not None:
             self._forgot = time.monotonic()
             log.debug("Redis Cluster %s: %s; slot map to be learned again", self.url, e)
-            self._client = None
+            self._slot_node_of = None
+            if not self._given:
+                self._client = None
+            else:  # the caller's client: ask it to learn the map again, now
+                with contextlib.suppress(*FAULTS):
+                    self._client.nodes_manager.initialize()
 
     def close(self) -> None:
         if self._client is not None:

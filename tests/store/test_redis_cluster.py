@@ -247,3 +247,19 @@ def test_keys_of_any_length_read_as_absent(request, where, prefix):
     assert store.match(odd, 60.0) == 0 and store.exists(odd) == [False] * 4
     assert store.get_into(odd, [bytearray(8) for _ in odd]) == [-1] * 4 and store.delete(odd) == 0
     store.close()
+
+
+def test_a_stale_slot_map_costs_one_check_then_is_learned_again(redis_cluster, prefix):
+    """A master answering MOVED (a resharded slot, here a poisoned map) is a fault for its keys once;
+    the next CHECK has the slot map learned again."""
+    store = RedisStore(redis_cluster.url, prefix=prefix)
+    led = BlockLedger(store)
+    keys, blocks = chain(50, seed=14)
+    led.put_chain(keys, blocks)
+    assert led.match(keys) == 50
+    slot = store.place.slot(keys[0])
+    right = store.nodes.node_of(slot)
+    store.nodes._slot_node[slot] = next(m for m in store.nodes.masters() if m is not right)
+    assert led.match(keys) == 0 and store.counters.match_failures == 1
+    assert led.match(keys) == 50
+    store.close()
