@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import secrets
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 import lmdb
@@ -104,35 +105,45 @@ def index_rows(store: LmdbStore, w: lmdb.Transaction, write: ChainWrite, path: s
 
 
 def index_prepared(store: LmdbStore, w: lmdb.Transaction, prep: Prepared, now: float) -> tuple[int, list[str]]:
-    """Index a prepared segment in `w`: its blocks that no other writer indexed meanwhile (one C-level lookup
-    of all keys, one C-level insert); a segment left with no block is not recorded and its file is returned
-    for unlinking. (blocks indexed, files to unlink once `w` commits)."""
+    """Index a prepared segment in `w`: its blocks that no other writer indexed meanwhile (one C-level insert
+    that leaves existing keys alone; only when it left some are they looked at). A segment left with no block
+    is not recorded and its file is returned for unlinking. (blocks indexed, files to unlink once `w` commits)."""
     idx = store.index
     seg = prep.seg
     seg_id = idx.new_seg_id(w)
+    prefix = SEG_LE.pack(seg_id)
+    values = [prefix + t for t in prep.tails]
     with w.cursor(db=idx.blocks) as cur:
-        found = dict(cur.getmulti(prep.keys))
-    unlink = []
-    keep = range(len(prep.keys))
-    if found:   # rare: another writer indexed some of these keys since our dedupe
-        cache: dict[int, float] = {}
-        keep = []
-        for i, key in enumerate(prep.keys):
-            raw = found.get(key)
-            if raw is not None:
-                old = BlockRec(*BLOCK.unpack(raw))
-                if store._expiry(w, old.seg, cache) >= now:
-                    continue   # another writer indexed it first
-                unlink.append(idx.drop_block(w, key, old, COMPACT_BELOW))
-            keep.append(i)
+        _, added = cur.putmulti(list(zip(prep.keys, values)), overwrite=False)
+    keep: Sequence[int] = range(len(values))
+    unlink: list[str | None] = []
+    if added < len(values):   # rare: another writer indexed some of these keys since our dedupe
+        keep, unlink = _resolve(store, w, prep.keys, values, seg_id, now)
     if not keep:
         return 0, [p for p in unlink if p] + [seg.path]
-    prefix = SEG_LE.pack(seg_id)
-    with w.cursor(db=idx.blocks) as cur:
-        cur.putmulti([(prep.keys[i], prefix + prep.tails[i]) for i in keep])
     seg.live = len(keep)
     seg.live_bytes = sum(prep.sizes[i] for i in keep)
     idx.record_segment(w, seg_id, seg, prep.keys)
     idx.bump_many(w, {b"segments": 1, b"disk_bytes": seg.file_size, b"blocks": seg.live,
                       b"live_bytes": seg.live_bytes})
     return seg.live, [p for p in unlink if p]
+
+
+def _resolve(store: LmdbStore, w: lmdb.Transaction, keys: list[bytes], values: list[bytes], seg_id: int,
+             now: float) -> tuple[list[int], list[str | None]]:
+    """After an insert that found some keys present: which entries are ours (indexed by it, or replacing an
+    expired record), and the files the replaced records' segments leave to unlink."""
+    keep, unlink = [], []
+    cache: dict[int, float] = {}
+    for i, key in enumerate(keys):
+        raw = w.get(key, db=store.index.blocks)
+        if raw == values[i]:
+            keep.append(i)
+            continue
+        old = BlockRec(*BLOCK.unpack(raw))
+        if old.seg == seg_id or store._expiry(w, old.seg, cache) >= now:
+            continue   # a key twice in this write, or another writer indexed it first
+        unlink.append(store.index.drop_block(w, key, old, COMPACT_BELOW))
+        w.put(key, values[i], db=store.index.blocks)
+        keep.append(i)
+    return keep, unlink

@@ -149,3 +149,27 @@ def test_index_map_share_of_rss_stays_bounded(tmp_path, monkeypatch):
         assert store.index._trim.trims > before
     assert untrimmed > 0.5 * size, (untrimmed, size)
     assert trimmed < 0.25 * size, (trimmed, untrimmed, size)
+
+
+def test_index_a_segment_racing_another_writer(tmp_path, clock):
+    """The insert leaves keys another writer indexed since the dedupe: live ones stay theirs, expired ones are
+    replaced, a key twice in one write is indexed once, and a segment left empty is not recorded."""
+    keys, blocks = chain(6)
+    with LmdbStore(tmp_path, fsync=False, clock=clock) as store:
+        def racing_put(sel_keys, ttl_s):
+            w = ChainWrite(sel_keys, [blocks[0]] * len(sel_keys), 0, bytes(16), "default", "agent", ttl_s)
+            sel = list(range(len(sel_keys)))
+            path, rows, size = lmdb_write.write_segment(store, w, sel, [memoryview(blocks[0])] * len(sel), clock())
+            return lmdb_write.index_segment(store, w, path, rows, size, clock())
+
+        assert racing_put(keys[:3], 10.0) == 3
+        segs = store.stats().segments
+        assert racing_put(keys[:3], 10.0) == 0                  # all live and theirs: nothing recorded
+        assert store.stats().segments == segs
+        assert racing_put(keys[2:5], 100.0) == 2                # keys[2] theirs, keys[3:5] new
+        clock.advance(50)                                         # the first segment expired, not yet collected
+        assert racing_put([keys[0], keys[5], keys[5]], 100.0) == 2   # keys[0] replaced, keys[5] once
+        assert store.exists(keys) == [True, False, False, True, True, True]
+        assert store.stats().blocks == 6                          # keys[1:3] expired, not yet collected
+        assert store.gc().expired == 2 and store.stats().blocks == 4
+        assert store.verify(remove=False).bad == 0
