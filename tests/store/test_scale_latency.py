@@ -50,7 +50,7 @@ def test_gc_batches_stop_at_their_time_bound_while_another_process_puts(tmp_path
         slow = LmdbIndex.remove_segment
 
         def remove_slowly(self, w, seg_id, seg):
-            time.sleep(0.025)
+            time.sleep(0.04)
             return slow(self, w, seg_id, seg)
 
         monkeypatch.setattr(LmdbIndex, "remove_segment", remove_slowly)
@@ -68,8 +68,8 @@ def test_gc_batches_stop_at_their_time_bound_while_another_process_puts(tmp_path
         assert store.match(keys, 10.0) == 0
     puts, worst = out.split()
     assert int(puts) > 0
-    # the old bound held the lock for all 48 × 25 ms = 1.2 s; now one batch, ~BATCH_S + one segment
-    assert float(worst) < 0.6, f"another process's put waited {float(worst):.3f} s during GC"
+    # the old bound held the lock for all 48 × 40 ms ≈ 2 s; now one batch, ~BATCH_S + one segment
+    assert float(worst) < 1.0, f"another process's put waited {float(worst):.3f} s during GC"
 
 
 def test_put_holds_the_writer_lock_for_index_rows_only(tmp_path, clock, monkeypatch):
