@@ -54,6 +54,7 @@ def _remove_batch(store: LmdbStore, order_db: lmdb._Database, stop: Callable[[fl
     `_unlink_some` once the index is persisted: one sync for many batches)."""
     idx = store.index
     segs = n = nbytes = 0
+    _page_in(store, order_db, stop, batch)
     with idx.env.begin(write=True) as w:
         t0 = time.perf_counter()
         due: list[tuple[bytes, int]] = []
@@ -85,6 +86,23 @@ def _remove_batch(store: LmdbStore, order_db: lmdb._Database, stop: Callable[[fl
         store.unlink(paths)
         paths.clear()
     return segs, n, nbytes
+
+
+def _page_in(store: LmdbStore, order_db: lmdb._Database, stop: Callable[[float, int], bool], batch: int) -> None:
+    """Touch, in a read snapshot, the index pages the next batch will change: a page the page cache lost is read
+    from disk here, outside the writer lock, rather than inside it while every other writer waits."""
+    idx = store.index
+    n = 0
+    with idx.env.begin() as r, r.cursor(db=order_db) as cur, r.cursor(db=idx.blocks) as blocks:
+        for raw in cur.iternext(values=False):
+            ms, _, seg_id = ORDER.unpack(raw)
+            if stop(ms / 1000, 0):
+                return
+            keys = idx.keys_of(r, seg_id)
+            blocks.getmulti(keys)
+            n += len(keys)
+            if n >= batch:
+                return
 
 
 def gc(store: LmdbStore, batch: int = 4096) -> GcResult:
