@@ -12,7 +12,8 @@ runs with the same N), then, each in fresh processes (scale_roles.py):
                   put_p99_ms_fsync with fsync on in both processes, beside the disk's floor fsync_p99_ms
     gc_s          one gc() removing `--gc-blocks` expired blocks (written just before, 1-second TTL)
     gc_idle_s     one gc() with nothing expired
-    max_stall_ms  the longest put or CHECK (128K tokens) of another process during that gc()
+    max_stall_ms  the longest put or CHECK (128K tokens) of another process during that gc(); beside it that
+                  process's put p99 and the major page faults (index pages read from disk) of its slowest put
 
 The previous design is measured up to `--old-blocks` (default 1M: at 10M it needs minutes to
 open and ~4 GB per process); its figures sit under "old" with its own block count.
@@ -114,7 +115,9 @@ def measure(design: str, root: Path, base: dict, gc_blocks: int) -> dict[str, An
     return probe | gc | victims | {"stall_ops": stalled["ops"],
                                    "max_stall_ms": max(stalled["max_put_ms"], stalled["max_check_ms"]),
                                    "max_stall_put_ms": stalled["max_put_ms"],
-                                   "max_stall_check_ms": stalled["max_check_ms"]}
+                                   "max_stall_check_ms": stalled["max_check_ms"],
+                                   "stall_put_p99_ms": stalled.get("put_p99_ms"),
+                                   "max_stall_put_major_faults": stalled.get("max_put_major_faults")}
 
 
 def run(args: argparse.Namespace) -> int:

@@ -203,10 +203,13 @@ def role_stall(a: dict) -> dict:
     tokens = check_tokens()[:a.get("stall_check_tokens", 131072)]
     block = bytes(a["block_bytes"])
     base = 3 * 10**9 + os.getpid() * 10**5
-    put_ms, check_ms = [0.0], [0.0]
+    put_ms, check_ms, put_faults = [0.0], [0.0], [0]
 
     def step(i: int) -> None:
-        put_ms.append(put_chain(store, synthetic_keys(base + i, 0, a["per_put"]), 0, bytes(16), block))
+        keys = synthetic_keys(base + i, 0, a["per_put"])
+        faults = resource.getrusage(resource.RUSAGE_THREAD).ru_majflt
+        put_ms.append(put_chain(store, keys, 0, bytes(16), block))
+        put_faults.append(resource.getrusage(resource.RUSAGE_THREAD).ru_majflt - faults)
         t = time.perf_counter()
         led.match_tokens(tokens, SPEC, namespace=NAMESPACE)
         check_ms.append((time.perf_counter() - t) * 1e3)
@@ -215,7 +218,10 @@ def role_stall(a: dict) -> dict:
     print(json.dumps({"ready": True}), flush=True)
     n = _until_stop(a, step)
     store.close()
-    return {"ops": n, "max_put_ms": max(put_ms), "max_check_ms": max(check_ms)}
+    worst = max(range(len(put_ms)), key=put_ms.__getitem__)
+    return {"ops": n, "max_put_ms": max(put_ms), "max_check_ms": max(check_ms),
+            "put_p99_ms": float(np.percentile(put_ms[1:] or [0.0], 99)),
+            "max_put_major_faults": put_faults[worst]}   # page-cache misses (disk reads) of the slowest put
 
 
 def role_victims(a: dict) -> dict:
