@@ -85,8 +85,16 @@ def _check_args(args: argparse.Namespace) -> None:
         raise CliError("--length-scale must be <= 16")
     if args.url and len(args.routing) > 1:
         raise CliError("--url runs one policy (the server's): give one --routing")
-    if args.url and not args.url.startswith(("http://127.", "http://localhost", "http://[::1]")):
-        raise CliError(f"--url {args.url}: expected http://127.x.x.x:PORT (loopback)")
+    if args.url:
+        from urllib.parse import urlsplit
+
+        try:
+            parts = urlsplit(args.url)
+            ok = parts.scheme == "http" and bool(parts.hostname) and parts.path in ("", "/") and parts.port != 0
+        except ValueError:
+            ok = False
+        if not ok:
+            raise CliError(f"--url {args.url}: expected http://HOST:PORT")
 
 
 def load(args: argparse.Namespace):
@@ -141,6 +149,10 @@ def measure(args: argparse.Namespace, policy: str, requests: list, url: str, eng
     from kvledger.bench.replay_report import policy_report
     from kvledger.core import ModelSpec
 
+    if not drive.reachable(url, args.api_key):
+        from kvledger.util.output import CliError
+
+        raise CliError(f"{url}: no answer from /health")
     target = drive.Target(url, args.model, f"replay-{secrets.token_hex(6)}", args.api_key, args.timeout)
     tps, pairs = drive.calibrate_prefill(target, args.probe_tokens)
     before = drive.fetch_seconds(url, args.api_key)

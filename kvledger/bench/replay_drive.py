@@ -95,6 +95,16 @@ def calibrate_prefill(target: Target, long_tokens: int) -> tuple[float | None, t
     return (float(np.median(rates)) if rates else None), tuple(pairs)
 
 
+def reachable(url: str, api_key: str | None = None) -> bool:
+    """Whether `url`/health answers 200 within 10 s."""
+    req = urllib.request.Request(url + "/health", headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status == 200
+    except (OSError, ValueError):
+        return False
+
+
 def fetch_seconds(url: str, api_key: str | None = None) -> float | None:
     """The server's `kvledger_fetch_seconds_sum` (seconds spent loading hit blocks from the store),
     or None when absent or unreachable."""
@@ -131,11 +141,16 @@ def drive(target: Target, requests: Sequence[ScaledRequest], max_inflight: int,
         outcomes[pos] = o = target.send(r.tokens, r.max_tokens, r.index, sent_at=sent_at)
         on_done(o)
 
-    with ThreadPoolExecutor(max_inflight, thread_name_prefix="replay") as pool:
+    pool = ThreadPoolExecutor(max_inflight, thread_name_prefix="replay")
+    try:
         for pos, r in enumerate(requests):
             delay = start + r.arrival_s - time.perf_counter()
             if delay > 0:
                 time.sleep(delay)
             pool.submit(one, pos, r)
+    except BaseException:   # Ctrl-C: drop what is not sent yet; the caller stops the server
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown(wait=True)
     assert all(o is not None for o in outcomes), "a request thread died without an outcome"
     return [o for o in outcomes if o is not None], time.perf_counter() - start, late

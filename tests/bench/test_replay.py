@@ -108,8 +108,11 @@ def test_bad_trace_is_one_line_exit_2(run_cli, tmp_path, content):
 
 
 @pytest.mark.parametrize("args", [("--trace", "/nonexistent/trace.jsonl"), ("--workload", "chat", "--sessions", "0"),
+                                  ("--workload", "chat", "--max-inflight", "0"),
+                                  ("--workload", "chat", "--sessions", "1", "--url", "http://127.0.0.1:9"),
                                   ("--workload", "chat", "--length-scale", "0"),
-                                  ("--workload", "chat", "--url", "http://example.com:80"),
+                                  ("--workload", "chat", "--url", "127.0.0.1:8000"),
+                                  ("--workload", "chat", "--url", "https://127.0.0.1:8000/v1"),
                                   ("--workload", "chat", "--url", "http://127.0.0.1:9", "--routing", "round-robin",
                                    "least-loaded"), ("--workload", "chat", "--probe-tokens", "9")])
 def test_bad_flags_are_one_line_exit_2(run_cli, args):
