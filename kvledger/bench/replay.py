@@ -18,7 +18,7 @@ from typing import Any
 
 HELP = "live trace replay against a server or a local cluster, per routing policy, beside the simulator"
 POLICIES = ("cache-aware", "round-robin", "least-loaded", "prefix-affinity")
-SESSIONS = {"chat": 12, "agent": 2}
+SESSIONS = {"chat": 8, "agent": 2}
 HEADLINE = ("token_hit_rate", "sim_token_hit_rate", "hit_rate_gap", "ttft_p50_warm_s", "ttft_p50_cold_s",
             "ttft_p99_warm_s", "ttft_p99_cold_s", "requests_per_s", "store_share_of_hits",
             "prefill_tokens_per_s", "prefill_tokens_per_s_idle", "read_bytes_per_s")
@@ -56,7 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-prompt-tokens", type=int, default=1024, help="context cap (rounded down to 128s)")
     p.add_argument("--max-tokens", type=int, default=4, help="cap on generated tokens per request")
     p.add_argument("--max-requests", type=int, default=200, help="the first N requests by arrival")
-    p.add_argument("--duration", type=float, default=150.0, help="seconds the arrivals are compressed into")
+    p.add_argument("--duration", type=float, default=240.0, help="seconds the arrivals are compressed into")
     p.add_argument("--time-scale", type=float, help="factor on arrival times (instead of --duration)")
     p.add_argument("--max-inflight", type=int, default=16,
                    help="requests in flight at once (kvledger serve/up allow 16 per key by default)")
