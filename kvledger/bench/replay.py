@@ -14,7 +14,11 @@ import argparse
 import secrets
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvledger.bench.replay_scale import ScaledRequest, Scaling
+    from kvledger.bench.trace import Trace
 
 HELP = "live trace replay against a server or a local cluster, per routing policy, beside the simulator"
 POLICIES = ("cache-aware", "round-robin", "least-loaded", "prefix-affinity")
@@ -97,7 +101,7 @@ def _check_args(args: argparse.Namespace) -> None:
             raise CliError(f"--url {args.url}: expected http://HOST:PORT")
 
 
-def load(args: argparse.Namespace):
+def load(args: argparse.Namespace) -> Trace:
     """The source trace (a file or a generated workload); CliError with one line when unreadable."""
     from kvledger.bench.trace import TraceError, read_trace
     from kvledger.bench.workloads import generate
@@ -113,7 +117,7 @@ def load(args: argparse.Namespace):
         raise CliError(f"--{e}") from None
 
 
-def scaled(args: argparse.Namespace):
+def scaled(args: argparse.Namespace) -> tuple[Trace, Scaling, list[ScaledRequest]]:
     from kvledger.bench.replay_scale import make_scaling, scale_trace
     from kvledger.util.output import CliError
 
@@ -178,6 +182,13 @@ def run(args: argparse.Namespace) -> None:
 
     _check_args(args)
     trace, scaling, requests = scaled(args)
+    if args.out:
+        from kvledger.util.output import CliError
+
+        try:
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise CliError(f"--out {args.out}: {e.strerror or e}") from None
     with tempfile.TemporaryDirectory(prefix="kvledger-bench-replay-") as tmp:
         runs = [run_policy(args, policy, requests, Path(tmp)) for policy in args.routing]
     emit(args, trace.source, scaling, requests, runs)

@@ -109,6 +109,7 @@ def test_bad_trace_is_one_line_exit_2(run_cli, tmp_path, content):
 
 @pytest.mark.parametrize("args", [("--trace", "/nonexistent/trace.jsonl"), ("--workload", "chat", "--sessions", "0"),
                                   ("--workload", "chat", "--max-inflight", "0"),
+                                  ("--workload", "chat", "--out", "/proc/no/such/dir"),
                                   ("--workload", "chat", "--sessions", "1", "--url", "http://127.0.0.1:9"),
                                   ("--workload", "chat", "--length-scale", "0"),
                                   ("--workload", "chat", "--url", "127.0.0.1:8000"),
