@@ -114,7 +114,8 @@ def run_demo(console: Console, chat_turns: int = 3) -> None:
     console.print("\n5. At cluster scale: the Mooncake synthetic trace through the simulator (kvledger bench sim):")
     _simulate(console, spec)
 
-    console.print("\n[bold]Coming next[/bold]: the OpenAI-compatible server that decides the hit before it routes.")
+    console.print("\n[bold]Try next[/bold]: `kvledger serve` (one process, OpenAI-compatible) or "
+                  "`kvledger up --prefill 2 --decode 1` (a cluster on Redis: the hit decided before routing).")
 
 
 def _stand_in_kv(key: bytes, size: int) -> bytes:

@@ -92,5 +92,5 @@ def test_demo_runs(run_cli):
     r = run_cli("demo", "--turns", "0")  # the chat runs in tests/test_demo_chat.py (slow)
     assert r.returncode == 0, r.stderr
     for part in ("capacity plan", "130,816", "130,688", "prompt diff", "snapshot hit of 2,176 tokens",
-                 "17 of 17 blocks read back", "bytes identical", "byte-exact", "ceiling 0.640", "Coming next"):
+                 "17 of 17 blocks read back", "bytes identical", "byte-exact", "ceiling 0.640", "Try next"):
         assert part in r.stdout
