@@ -120,8 +120,11 @@ class RemoteEngines:
             if leg > 1:
                 tokens = np.asarray(prompt + output, dtype=np.uint32)
                 _, decision = await asyncio.to_thread(self.check, tokens, req.namespace, req.ttl_class)
-            engine = await self._pick(phase, prompt + output, decision, req, failed)
             left = budget - len(output)
+            if left <= 0:   # every token arrived and the end did not (the engine died right after)
+                yield TokenEvent(req.request_id, (), True, "length", self._usage(first, prompt, output))
+                return
+            engine = await self._pick(phase, prompt + output, decision, req, failed)
             sampling = replace(req.sampling, max_tokens=1 if phase == "prefill" else left)
             body = GenerateBody(request_id=f"{req.request_id}.{leg}", tokens=prompt + output, namespace=req.namespace,
                                 ttl_class=req.ttl_class,
