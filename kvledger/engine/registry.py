@@ -16,7 +16,7 @@ import json
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 import redis
 
@@ -139,7 +139,3 @@ class Heartbeat:
                 self.registry.withdraw(self.info().engine_id)
             except (redis.RedisError, OSError) as e:
                 log.warning("could not withdraw from the registry: %s", e)
-
-
-def draining(info: EngineInfo) -> EngineInfo:
-    return replace(info, draining=True)

@@ -48,7 +48,6 @@ class ServeMetrics:
                                    ["namespace", "hit_kind"], registry=r)
         self.generation_tokens = Counter("kvledger_generation_tokens", "Generated tokens", ["namespace"],
                                          registry=r)
-        r.register(StoreCollector(stats))
         self.ttft = Histogram("kvledger_time_to_first_token_seconds", "Arrival to first token, by cache outcome",
                               ["cache"], buckets=TTFT_BUCKETS, registry=r)
         self.itl = Histogram("kvledger_inter_token_latency_seconds", "Time between two streamed tokens",
@@ -65,6 +64,7 @@ class ServeMetrics:
         self.leg_cached_tokens = Counter("kvledger_engine_leg_cached_tokens", "Tokens a leg did not compute, by "
                                          "where they came from (device cache or the ledgers)", ["kind", "source"],
                                          registry=r)
+        r.register(StoreCollector(stats))
 
     def leg(self, kind: str, engine: str, usage: RequestUsage | None) -> None:
         self.legs.labels(kind, engine, usage.hit_kind if usage is not None else "broken").inc()

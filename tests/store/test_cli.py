@@ -40,17 +40,24 @@ def test_stats_gc_verify_file(run_cli, tmp_path):
     assert r.returncode == 0 and "blocks" in r.stdout
 
 
+def stats_gc_verify(run_cli, url: str, blocks: int) -> dict:
+    """`store stats` sees `blocks` blocks of one agent-class chain; `gc` and `verify` print one JSON
+    line each. Returns verify's object."""
+    r = run_cli("store", "stats", "--redis-url", url, "--json")
+    assert r.returncode == 0, r.stderr
+    st = json.loads(r.stdout)
+    assert (st["blocks"], st["chains"], st["per_class"]) == (blocks, 1, {"agent": blocks})
+    for cmd in ("gc", "verify"):
+        r = run_cli("store", cmd, "--redis-url", url, "--json")
+        assert r.returncode == 0 and len(r.stdout.splitlines()) == 1, r.stderr
+    return json.loads(r.stdout)
+
+
 def test_stats_redis(run_cli, redis_server):
     with BlockLedger.open(redis_url=redis_server.url) as led:
         k, b = chain(3)
         led.put_chain(k, b, ttl_class="agent")
-    r = run_cli("store", "stats", "--redis-url", redis_server.url, "--json")
-    assert r.returncode == 0, r.stderr
-    st = json.loads(r.stdout)
-    assert (st["blocks"], st["chains"], st["per_class"]) == (3, 1, {"agent": 3})
-    for cmd in ("gc", "verify"):
-        r = run_cli("store", cmd, "--redis-url", redis_server.url, "--json")
-        assert r.returncode == 0 and len(r.stdout.splitlines()) == 1, r.stderr
+    stats_gc_verify(run_cli, redis_server.url, 3)
 
 
 def test_bad_input_one_line_exit_2(run_cli, tmp_path):

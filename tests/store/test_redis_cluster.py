@@ -13,6 +13,7 @@ import redis
 from kvledger.bench.redis_cluster_bench import OLD_MATCH
 from kvledger.store.ledger import BlockLedger
 from kvledger.store.redis_backend import RedisStore
+from tests.store.test_cli import stats_gc_verify
 from kvledger.util.redis_cluster import ClusterUrl, RedisCluster, cluster_client, parse_cluster_url
 
 from kvledger.util.redis_server import free_port
@@ -65,14 +66,7 @@ def test_store_cli_and_ledger_open_take_a_cluster_url(redis_cluster, run_cli):
     with BlockLedger.open(redis_url=redis_cluster.url) as led:
         keys, blocks = chain(5, seed=11)
         assert led.put_chain(keys, blocks, ttl_class="agent").written == 5
-    r = run_cli("store", "stats", "--redis-url", redis_cluster.url, "--json")
-    assert r.returncode == 0, r.stderr
-    st = json.loads(r.stdout)
-    assert (st["blocks"], st["chains"], st["per_class"]) == (5, 1, {"agent": 5})
-    for cmd in ("gc", "verify"):
-        r = run_cli("store", cmd, "--redis-url", redis_cluster.url, "--json")
-        assert r.returncode == 0 and len(r.stdout.splitlines()) == 1, r.stderr
-    assert json.loads(r.stdout)["checked"] == 5
+    assert stats_gc_verify(run_cli, redis_cluster.url, 5)["checked"] == 5
     for url in (f"redis+cluster://127.0.0.1:{free_port()}", "redis+cluster://nohostport"):
         r = run_cli("store", "stats", "--redis-url", url, "--json")
         assert r.returncode == 2 and r.stdout == "" and len(r.stderr.strip().splitlines()) == 1, r.stderr
