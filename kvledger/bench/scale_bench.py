@@ -15,6 +15,12 @@ runs with the same N), then, each in fresh processes (scale_roles.py):
     max_stall_ms  the longest put or CHECK (128K tokens) of another process during that gc(); beside it that
                   process's put p99 and the major page faults (index pages read from disk) of its slowest put
 
+Before measuring, the index file is read once (`--cold`: not), so the page cache holds it as it
+would on a serving node with the memory for it; `index_cached_before` / `index_cached` are the
+shares of its pages cached before and after that read (this machine's page cache loses cold pages
+to other sessions). The roles before GC write with fsync off; their dirty pages are written out
+(`sync`) before GC starts, so GC's syncs carry GC's writes and the stall process's, not a backlog.
+
 The previous design is measured up to `--old-blocks` (default 1M: at 10M it needs minutes to
 open and ~4 GB per process); its figures sit under "old" with its own block count.
 """
@@ -46,6 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--puts", type=int, default=300, help="puts timed for put_p99_ms")
     p.add_argument("--gc-blocks", type=int, default=None, help="expired blocks one gc() removes (default N/20)")
     p.add_argument("--gc-batch", type=int, default=4096, help="blocks per GC batch (the LMDB store caps it)")
+    p.add_argument("--cold", action="store_true", help="measure without reading the index into the page cache first")
 
 
 def _role(name: str, args: dict, timeout_s: float = 3600) -> dict:
@@ -89,12 +96,12 @@ def _ensure_built(design: str, root: Path, base: dict, blocks: int) -> dict:
     return res | {"reused": False}
 
 
-def measure(design: str, root: Path, base: dict, gc_blocks: int) -> dict[str, Any]:
+def measure(design: str, root: Path, base: dict, gc_blocks: int, warm: bool) -> dict[str, Any]:
     """Every figure of one design on its built store (fresh processes)."""
     a = base | {"design": design, "root": str(root)}
     stop = root.parent / f".stop-{design}-{os.getpid()}"
     stop.unlink(missing_ok=True)
-    probe: dict[str, Any] = {}
+    probe: dict[str, Any] = _role("warm", a) if warm and design == "new" else {}
     for fsync in (False, True):
         writer = _start("writer", a | {"stop": str(stop), "fsync": fsync})
         try:
@@ -103,6 +110,7 @@ def measure(design: str, root: Path, base: dict, gc_blocks: int) -> dict[str, An
             probe[f"writer_puts{'_fsync' if fsync else ''}"] = _finish(writer, stop)["puts"]
         stop.unlink(missing_ok=True)
     victims = _role("victims", a | {"blocks": gc_blocks})
+    os.sync()        # the fsync-off roles' dirty pages: not GC's to write
     time.sleep(1.5)  # the victims' 1-second TTL runs out
     stall = _start("stall", a | {"stop": str(stop)})
     try:
@@ -137,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
         root = top / f"{design}-{n}"
         built = _ensure_built(design, root, base, n)
         gc_blocks = args.gc_blocks if args.gc_blocks is not None else max(n // 20, 8192)
-        figures = measure(design, root, base, gc_blocks) | {"blocks": n, "build_s": built["build_s"],
+        figures = measure(design, root, base, gc_blocks, not args.cold) | {"blocks": n, "build_s": built["build_s"],
                                                             "build_reused": built["reused"]}
         if design == "new":
             result |= figures

@@ -13,6 +13,8 @@ never derives keys, it only stores them — and the CHECK prompt has real chain 
     stall   alternate a put and a CHECK until the stop file appears; the longest of each (ms)
     victims write `blocks` blocks with a 1-second TTL (for the GC run)
     gc      one gc(); gc_s, and the counts
+    warm    read the index file once (the page cache then holds it, as a serving node's would);
+            the share of its pages cached before and after
 """
 
 from __future__ import annotations
@@ -224,6 +226,46 @@ def role_stall(a: dict) -> dict:
             "max_put_major_faults": put_faults[worst]}   # page-cache misses (disk reads) of the slowest put
 
 
+def resident_share(path: str) -> float | None:
+    """Share of the file's pages in the page cache (mincore(2)); None where that cannot be asked."""
+    import ctypes
+    import mmap
+
+    size = os.path.getsize(path)
+    if size == 0 or not sys.platform.startswith("linux"):
+        return None
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if addr in (None, ctypes.c_void_p(-1).value):
+            return None
+        try:
+            vec = np.zeros(-(-size // mmap.PAGESIZE), dtype=np.uint8)
+            if libc.mincore(addr, size, vec.ctypes.data) != 0:
+                return None
+            return float((vec & 1).mean())
+        finally:
+            libc.munmap(addr, size)
+    finally:
+        os.close(fd)
+
+
+def role_warm(a: dict) -> dict:
+    path = os.path.join(a["root"], "index.lmdb", "data.mdb")
+    before = resident_share(path)
+    t = time.perf_counter()
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(8 << 20)
+        while f.readinto(buf):
+            pass
+    return {"index_cached_before": before, "index_cached": resident_share(path), "warm_s": time.perf_counter() - t}
+
+
 def role_victims(a: dict) -> dict:
     store = open_store(a["design"], a["root"], fsync=False)
     block = bytes(a["block_bytes"])
@@ -252,7 +294,7 @@ def role_gc(a: dict) -> dict:
 
 
 ROLES = {"build": role_build, "probe": role_probe, "fsync": role_fsync, "writer": role_writer, "stall": role_stall,
-         "victims": role_victims, "gc": role_gc}
+         "victims": role_victims, "gc": role_gc, "warm": role_warm}
 
 if __name__ == "__main__":
     args = json.loads(sys.argv[2])
