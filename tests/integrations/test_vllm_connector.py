@@ -4,7 +4,8 @@ Three engine processes, two at a time: a plain vLLM (the reference output) besid
 connector on an empty store (it computes and saves); then a fresh vLLM with the connector on the
 same store: it loads the prompt's blocks (vLLM reports them), answers the same greedy tokens; a
 corrupted block file gives a recompute of the lost blocks and again the same tokens; the next
-request hits in full again (the recomputed block was stored anew).
+request hits in full again (the recomputed block was stored anew). A prompt of whole blocks (4,096
+tokens) hits all but its last token: vLLM computes that one token into the loaded last block.
 
 The engines run in float32: a hit computes the last prompt tokens in a batch of another shape
 than a cold prefill, and in bf16 that reordering of sums alone can flip a greedy token after a
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from kvledger.core import chain_keys
 from kvledger.integrations.vllm.client import VLLM_PYTHON, VllmProcess, wait_all
 from kvledger.integrations.vllm.config import KvGeometry, connector_spec
 from kvledger.integrations.vllm.prompts import long_prompt
@@ -27,7 +29,8 @@ from kvledger.store.ledger import BlockLedger
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="run `make vllm-venv`")]
 
 PROMPT_TOKENS = 4000
-HIT = (PROMPT_TOKENS - 1) // 128 * 128  # 3968: every full block but the last prompt token's
+HIT = (PROMPT_TOKENS - 1) // 128 * 128  # 3968: every full block (the last 32 tokens are in none)
+WHOLE_TOKENS = 4096                     # 32 whole blocks: the hit is 4,095 tokens
 MAX_TOKENS = 16
 SPEC = connector_spec("smollm2-135m", KvGeometry(30, 3, 64, 4, "cpu", "float32"))
 DTYPE = "float32"
@@ -45,12 +48,16 @@ def kvledger_opts(model_dir: Path, store: Path, events: Path) -> dict:
             "model_name": "smollm2-135m", "dtype": DTYPE}
 
 
-def corrupt_middle_block(store: Path) -> None:
-    """Flip one byte in the middle of the largest segment file (a block inside it, not its header)."""
-    seg = max((p for p in (store / "segments").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
-    data = bytearray(seg.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    seg.write_bytes(bytes(data))
+def corrupt_block(store: Path, key: bytes) -> None:
+    """Flip one byte in the middle of the block stored under `key` (found through the store's index)."""
+    from kvledger.store.lmdb_store import LmdbStore
+
+    with LmdbStore(store) as s, s.index.env.begin() as txn:
+        rec = s.index.block(txn, key)
+        path = store / s.index.seg(txn, rec.seg).path
+    data = bytearray(path.read_bytes())
+    data[rec.offset + rec.size // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
 
 
 def events(path: Path) -> list[dict]:
@@ -59,7 +66,7 @@ def events(path: Path) -> list[dict]:
 
 def test_prompt_saved_by_one_vllm_is_loaded_by_a_fresh_one(tmp_path, model_dir, run_cli):
     store, log = tmp_path / "store", tmp_path / "events.jsonl"
-    prompt = long_prompt(PROMPT_TOKENS)
+    prompt, whole = long_prompt(PROMPT_TOKENS), long_prompt(WHOLE_TOKENS, variant=1)
     plain = VllmProcess({"model": str(model_dir), "connector": None, "dtype": DTYPE, "prefix_caching": True})
     first = VllmProcess(kvledger_opts(model_dir, store, log))
     wait_all([plain, first])
@@ -67,19 +74,21 @@ def test_prompt_saved_by_one_vllm_is_loaded_by_a_fresh_one(tmp_path, model_dir, 
         reference = plain.generate(prompt, max_tokens=MAX_TOKENS)["tokens"]
         local = plain.generate(prompt, max_tokens=MAX_TOKENS)  # vLLM's own prefix cache: the shape of a hit
         cold = first.generate(prompt, max_tokens=MAX_TOKENS)
+        reference_whole = plain.generate(whole, max_tokens=MAX_TOKENS)["tokens"]
+        assert first.generate(whole, max_tokens=MAX_TOKENS)["tokens"] == reference_whole
     finally:
         plain.__exit__(None, None, None)
         first.__exit__(None, None, None)
     assert len(reference) == MAX_TOKENS and cold["tokens"] == reference
     assert local["num_cached_tokens"] == HIT
     assert cold["kv_transfer_params"]["kvledger"]["loaded_tokens"] == 0
-    assert sum(e["ok"] for e in events(log) if e["event"] == "save") == PROMPT_TOKENS // 128
+    assert sum(e["ok"] for e in events(log) if e["event"] == "save") == (PROMPT_TOKENS + WHOLE_TOKENS) // 128
 
     # kvledger's own CHECK and CLI see what vLLM stored
     with BlockLedger.open(store) as ledger:
         assert ledger.match_tokens(prompt, SPEC)[1] == PROMPT_TOKENS // 128
     stats = json.loads(run_cli("store", "stats", "--path", str(store), "--json").stdout)
-    assert stats["blocks"] == PROMPT_TOKENS // 128
+    assert stats["blocks"] == (PROMPT_TOKENS + WHOLE_TOKENS) // 128
 
     with VllmProcess(kvledger_opts(model_dir, store, log)) as fresh:
         hit = fresh.generate(prompt, max_tokens=MAX_TOKENS)
@@ -87,8 +96,14 @@ def test_prompt_saved_by_one_vllm_is_loaded_by_a_fresh_one(tmp_path, model_dir, 
         assert hit["num_cached_tokens"] == HIT
         assert hit["kv_transfer_params"]["kvledger"] == {"namespace": "default", "loaded_tokens": HIT,
                                                          "failed_blocks": 0}
+        before = len(events(log))
+        hit_whole = fresh.generate(whole, max_tokens=MAX_TOKENS)
+        assert hit_whole["tokens"] == reference_whole
+        assert hit_whole["num_cached_tokens"] == WHOLE_TOKENS - 1
+        assert hit_whole["kv_transfer_params"]["kvledger"]["loaded_tokens"] == WHOLE_TOKENS - 1
+        assert [(e["event"], e["ok"]) for e in events(log)[before:]] == [("load", WHOLE_TOKENS // 128)]  # no save
 
-        corrupt_middle_block(store)
+        corrupt_block(store, chain_keys(prompt, SPEC)[HIT // 256])   # the middle block of the prompt
         before = len(events(log))
         fallback = fresh.generate(prompt, max_tokens=MAX_TOKENS)
         assert fallback["tokens"] == reference

@@ -95,8 +95,9 @@ def test_check_counts_leading_blocks_caps_and_subtracts_the_local_hit(ledger):
     assert side.matched_tokens(req, B) == 2 * B
     assert side.matched_tokens(req, 3 * B) == 0
     assert side.tracks == {}  # the CHECK keeps no state
-    exact = request("a", 3 * B)  # the same first 384 tokens: the last block is capped, one token is computed
-    assert side.matched_tokens(exact, 0) == 2 * B
+    exact = request("a", 3 * B)  # the same first 384 tokens, all present: every token but the last is a hit
+    assert side.matched_tokens(exact, 0) == 3 * B - 1
+    assert side.matched_tokens(exact, 2 * B) == B - 1
     assert side.matched_tokens(request("a", 500, salt="tenantB"), 0) == 0  # another namespace shares nothing
 
 
@@ -141,6 +142,31 @@ def test_load_then_chunked_prefill_saves_only_newly_completed_blocks(ledger):
     plan = side.plan_step(step(cached=[("r", None, 1023)], scheduled={"r": 1}))
     assert [(s.start, s.block_ids) for s in plan.saves] == [(7, (17,))]
     assert side.finished("r") == {"kvledger": {"namespace": "default", "loaded_tokens": 2 * B, "failed_blocks": 0}}
+
+
+def test_a_prompt_of_whole_blocks_loads_its_last_block_whole_and_computes_one_token(ledger):
+    """L = 3B, all present: vLLM is told L − 1 tokens are loaded; the load is all three blocks, the one token
+    computed lands in the last of them, and no block is saved back; a failure of that last block costs
+    exactly the B − 1 tokens it held of the hit."""
+    side = SchedulerSide(ledger, SPEC)
+    req = request("x", 3 * B)
+    store_prefix(ledger, req, 3)
+    ext = side.matched_tokens(req, 0)
+    side.after_alloc(req, ext)
+    plan = side.plan_step(step(new=[new_req(req, [5, 6, 7], ext)], scheduled={"x": 1}))
+    (load,) = plan.loads
+    assert (load.start, load.block_ids) == (0, (5, 6, 7)) and plan.saves == ()
+    side.note_failed({7})
+    assert side.finished("x")["kvledger"] == {"namespace": "default", "loaded_tokens": 2 * B, "failed_blocks": 1}
+
+    local = request("y", 3 * B)   # vLLM's own cache holds two blocks: the ledger supplies the last one
+    store_prefix(ledger, local, 3)
+    ext = side.matched_tokens(local, 2 * B)
+    assert ext == B - 1
+    side.after_alloc(local, ext)
+    plan = side.plan_step(step(new=[new_req(local, [1, 2, 3], 2 * B + ext)], scheduled={"y": 1}))
+    assert [(r.start, r.block_ids) for r in plan.loads] == [(2, (3,))] and plan.saves == ()
+    assert side.finished("y")["kvledger"]["loaded_tokens"] == B - 1
 
 
 def test_preempted_request_replaces_its_block_list(ledger):
