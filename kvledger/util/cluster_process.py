@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import threading
@@ -19,7 +18,7 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-from kvledger.util.serve_process import _die_with_parent, free_port, request
+from kvledger.util.serve_process import _die_with_parent, free_port, request, terminate
 
 START_TIMEOUT_S = 900.0   # several model loads at once on a loaded 2-core machine
 STATUS = re.compile(r"^\s+(\S+)\s+pid (\d+)\s+ready(?: at (\S+))?")
@@ -97,14 +96,7 @@ class ClusterProcess:
         return False
 
     def stop(self) -> int | None:
-        if self.proc is None or self.proc.poll() is not None:
-            return None if self.proc is None else self.proc.returncode
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout=180)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait(timeout=10)
+        return terminate(self.proc, 180)   # the engines drain, then Redis stops
 
     def __enter__(self) -> ClusterProcess:
         return self.start()

@@ -33,6 +33,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def terminate(proc: subprocess.Popen | None, grace_s: float) -> int | None:
+    """SIGTERM (a graceful shutdown, as an operator does), SIGKILL after `grace_s`; the exit code (None: never
+    started)."""
+    if proc is None or proc.poll() is not None:
+        return None if proc is None else proc.returncode
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait(timeout=10)
+
+
 class ServeProcess:
     """Start with `start()`, stop with `stop()` (SIGTERM: a graceful shutdown, as an operator does).
     `get` and `post` send `api_key` as a bearer token when it is set."""
@@ -90,14 +103,7 @@ class ServeProcess:
             return ""
 
     def stop(self) -> int | None:
-        if self.proc is None or self.proc.poll() is not None:
-            return None if self.proc is None else self.proc.returncode
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait(timeout=10)
+        return terminate(self.proc, 60)
 
     def _headers(self, headers: dict | None) -> dict:
         auth = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
