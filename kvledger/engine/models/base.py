@@ -49,6 +49,7 @@ import torch
 from torch import nn
 
 from kvledger.core import LayerKind, ModelSpec
+from kvledger.engine.rows import index_copy_rows
 
 NULL_BLOCK = 0  # device block 0 is never assigned to a sequence: padding in block tables points at it
 
@@ -107,7 +108,7 @@ class LayerCache(ABC):
 
     def write_blocks(self, ids: torch.Tensor, src: torch.Tensor) -> None:
         """Blocks `ids` ← `src` (uint8 [len(ids), block_bytes]): the swap-in's copy (swapin.BlockSink)."""
-        self.blocks_u8().index_copy_(0, ids, src)
+        index_copy_rows(self.blocks_u8(), ids, src)
 
     def export_window(self, slot: int, position: int, out: torch.Tensor) -> None:
         """Window ending at `position` into `out` (uint8 [window_bytes], host)."""

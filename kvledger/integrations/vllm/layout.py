@@ -18,6 +18,8 @@ import re
 
 import torch
 
+from kvledger.engine.rows import index_copy_rows, index_select_rows
+
 
 def layer_index(name: str) -> tuple[int, str]:
     """Model order of a layer name ("model.layers.12.self_attn.attn" → 12), then the name."""
@@ -47,7 +49,7 @@ class VllmLayer:
     def write_blocks(self, ids: torch.Tensor, src: torch.Tensor) -> None:
         """Blocks `ids` ← `src` (uint8 [len(ids), block_bytes], rows may be strided)."""
         if self.blocks is not None:
-            self.blocks.index_copy_(0, ids, src)
+            index_copy_rows(self.blocks, ids, src)
             return
         n = len(ids)
         typed = src.contiguous().view(self.cache.dtype).reshape(n, *self.cache.shape[1:])
@@ -56,7 +58,7 @@ class VllmLayer:
     def read_blocks(self, ids: torch.Tensor, out: torch.Tensor) -> None:
         """`out` (uint8 [len(ids), block_bytes], rows may be strided) ← blocks `ids`."""
         if self.blocks is not None:
-            out.copy_(self.blocks.index_select(0, ids))
+            index_select_rows(self.blocks, ids, out)
             return
         out.copy_(self.cache.index_select(0, ids).contiguous().view(torch.uint8).reshape(len(ids), -1))
 
