@@ -145,8 +145,8 @@ def run(args: argparse.Namespace) -> int:
         root = top / f"{design}-{n}"
         built = _ensure_built(design, root, base, n)
         gc_blocks = args.gc_blocks if args.gc_blocks is not None else max(n // 20, 8192)
-        figures = measure(design, root, base, gc_blocks, not args.cold) | {"blocks": n, "build_s": built["build_s"],
-                                                            "build_reused": built["reused"]}
+        figures = measure(design, root, base, gc_blocks, warm=not args.cold)
+        figures |= {"blocks": n, "build_s": built["build_s"], "build_reused": built["reused"]}
         if design == "new":
             result |= figures
         else:
