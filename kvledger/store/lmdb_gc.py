@@ -239,7 +239,7 @@ def _move_blocks(store: LmdbStore, old_id: int, old: SegRec, path: str, rows: li
                 now_rec = idx.block(w, key)
                 if now_rec is None or now_rec.seg != old_id or now_rec.idx != rec.idx:
                     continue
-                w.put(key, idx_pack(now_rec._replace(seg=new_id, idx=i, offset=off)), db=idx.blocks)
+                idx.add_block(w, key, now_rec._replace(seg=new_id, idx=i, offset=off))
                 new.live += 1
                 new.live_bytes += rec.size
             idx.put_seg(w, new_id, new)
@@ -250,8 +250,3 @@ def _move_blocks(store: LmdbStore, old_id: int, old: SegRec, path: str, rows: li
     store.unlink(unlink)
     return len(rows)
 
-
-def idx_pack(rec: BlockRec) -> bytes:
-    from kvledger.store.lmdb_index import BLOCK
-
-    return BLOCK.pack(*rec)
