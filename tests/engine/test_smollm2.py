@@ -1,7 +1,14 @@
 """SmolLM2-135M on the block ledger: a hit gives the cold answer; faults give the cold answer too.
 
 One cold prefill of a 500-token prompt is the reference (logits and 32 greedy tokens); the other
-scenarios reuse its blocks (copied under other namespaces where a test damages them)."""
+scenarios reuse its blocks (copied under other namespaces where a test damages them).
+
+"The cold answer" is exact within float32 rounding, not bit for bit: a hit computes its last rows
+in GEMMs of another row count than the cold prefill, and MKL may round those differently (by CPU
+and by shape). Reordering a float32 sum of K terms moves it by at most about K·2⁻²⁴ of the sum of
+the terms' magnitudes, typically √K·2⁻²⁴ (K ≤ 1,536 here: ≤ 1e-4 worst case per product, ~2e-6
+typical), so the bound is max |Δlogit| ≤ 1e-4 · max |logit|, and the greedy tokens must be equal.
+test_kernel_paths.py runs this file under another MKL kernel path too."""
 
 import os
 import signal

@@ -131,7 +131,8 @@ class TinyV4(Model):
         self._finish(state, q1)
         if lo >= q1:
             return None
-        return self.head(y[max(state.anchor - lo, 0):] if all_logits else y[-1:])
+        first = max(state.anchor, lo) if all_logits else q1 - 1
+        return self.head(y[first - lo:], first)
 
     def encode(self, state: SeqState, i: int, x: Tensor, lo: int, compress: bool) -> Tensor:
         """Encoder layer i over rows [lo, lo + len(x)) (state.pos = lo)."""
@@ -144,8 +145,9 @@ class TinyV4(Model):
             self.layers[i].attn.compressor.update(state, i, h)
         return self._layer(state, i, y, lo, state.anchor, False) if y.shape[0] else y
 
-    def head(self, y: Tensor) -> Tensor:
-        return mm(self.final_norm(y), self.lm_head)
+    def head(self, y: Tensor, first: int) -> Tensor:
+        """Logits of the rows of positions [first, first + len(y))."""
+        return mm(self.final_norm(y), self.lm_head, first)
 
     def _consumer_start(self, state: SeqState, q0: int, q1: int, yoco: YocoMode) -> int:
         """First row the consumer layers compute in this chunk (see the module docstring)."""
@@ -162,11 +164,11 @@ class TinyV4(Model):
     def _layer(self, state: SeqState, i: int, x: Tensor, lo: int, floor: int, compress: bool) -> Tensor:
         layer = self.layers[i]
         xn = layer.attn_norm(x)
-        state.windows[i].append(lo, layer.attn.latent(xn))
+        state.windows[i].append(lo, layer.attn.latent(xn, lo))
         if compress and layer.attn.compressor is not None:
             layer.attn.compressor.update(state, i, xn)
         x = x + layer.attn(state, i, xn, lo, floor)
-        return x + layer.mlp(layer.mlp_norm(x))
+        return x + layer.mlp(layer.mlp_norm(x), lo)
 
     def _finish(self, state: SeqState, q1: int) -> None:
         state.pos = q1

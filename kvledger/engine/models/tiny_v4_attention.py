@@ -9,8 +9,22 @@ Keys of a query at position i (one softmax over both sets):
 
 `floor` is 0 normally, s = L1 − 128 after a truncation (fallback / replay), and the YoCo anchor
 for the consumer layers. Queries run in tiles of 128 aligned to absolute positions, so a window
-never spans more than 255 keys and no L × L mask is ever built; the same tiles (same shapes)
-come up in a cold prefill and in a resume at a block boundary, so both compute the same floats.
+never spans more than 255 keys and no L × L mask is ever built.
+
+Why a resume, a chunked prefill and a cold prefill compute the same floats on every CPU: a
+GEMM's rounding depends on the kernel the BLAS picks, and MKL picks it by CPU and by the row
+count (an AVX2, AVX-512 or AMX machine, a 1-row decode step or a 300-row prefill each round
+differently in the last bits). So no product here ever has a row count that depends on how the
+positions were split; every row is computed at a place fixed by its absolute position p:
+
+    product                      GEMM shape (rows)           row of position p at
+    projections, MLP, head       ROW_TILE = 16               slot p % 16 of the 16-row GEMM
+    attention of one query tile  TILE = 128 query rows       slot p % 128 of its tile
+    (rows not held are zeros; their results are dropped)
+
+Whatever kernel a machine picks for those fixed shapes, it picks it for every split alike, so a
+row's floats depend only on its inputs. Elementwise ops, norms and softmax are per row already.
+This is what the exactness tests check with `torch.equal`, under several MKL kernel paths.
 
 K and V share the latent (MQA with one shared head, as V4); rotary position on the first
 `rope_dim` dims of queries and keys only: values stay position-free.
@@ -25,7 +39,7 @@ import torch
 from torch import Tensor
 
 TILE = 128
-MIN_ROWS = 4
+ROW_TILE = 16
 
 
 class Rope:
@@ -64,23 +78,29 @@ class Compressed(NamedTuple):
     valid: Tensor   # [q, n] or [q, k] bool
 
 
-def mm(x: Tensor, w: Tensor) -> Tensor:
-    """x @ w computed in a GEMM of at least MIN_ROWS rows (see `pad_rows`)."""
-    return (pad_rows(x, 0) @ w)[:x.shape[0]]
+def mm(x: Tensor, w: Tensor, first: int) -> Tensor:
+    """x @ w for the rows of positions [first, first + len(x)): GEMMs of exactly ROW_TILE rows, the row of
+    position p at slot p % ROW_TILE (module docstring), so its floats never depend on the split."""
+    lead, n = first % ROW_TILE, x.shape[0]
+    rows = place_rows(x, 0, lead, -(-(lead + n) // ROW_TILE) * ROW_TILE)
+    out = x.new_empty(rows.shape[0], w.shape[1])
+    for t in range(0, rows.shape[0], ROW_TILE):
+        torch.mm(rows[t:t + ROW_TILE], w, out=out[t:t + ROW_TILE])
+    return out[lead:lead + n]
 
 
-def pad_rows(x: Tensor, dim: int) -> Tensor:
-    """x with zero rows appended along `dim` up to MIN_ROWS.
-
-    On the CPU kernels measured here a GEMM row's result depends on the other rows only when the
-    GEMM has fewer than 4 rows (a different kernel); padding keeps a decode step or a 1-token chunk
-    on the same arithmetic as a long prefill, so a resume computes the cold prefill's floats."""
-    short = MIN_ROWS - x.shape[dim]
-    if short <= 0:
+def place_rows(x: Tensor, dim: int, offset: int, size: int) -> Tensor:
+    """A zero tensor of `size` along `dim` with x at [offset, offset + x.shape[dim]) (x itself when it fits
+    exactly)."""
+    n = x.shape[dim]
+    assert offset >= 0 and offset + n <= size, f"rows [{offset}, {offset + n}) do not fit in {size}"
+    if offset == 0 and n == size:
         return x
     shape = list(x.shape)
-    shape[dim] = short
-    return torch.cat([x, x.new_zeros(shape)], dim=dim)
+    shape[dim] = size
+    out = x.new_zeros(shape)
+    out.narrow(dim, offset, n).copy_(x)
+    return out
 
 
 def tiles(lo: int, hi: int) -> list[tuple[int, int]]:
@@ -111,27 +131,29 @@ def window_mask(q_pos: Tensor, k_pos: Tensor, window: int, floor: int) -> Tensor
     return (diff >= 0) & (diff < window) & (k_pos[None, :] >= floor)
 
 
-def attend(q: Tensor, win_k: Tensor, win_v: Tensor, win_valid: Tensor, comp: Compressed | None) -> Tensor:
-    """One tile. q [h, q, d] roped; win_k/win_v [k, d]; returns [q, h·d]. Rows with no key give 0."""
+def attend(q: Tensor, win_k: Tensor, win_v: Tensor, win_valid: Tensor, comp: Compressed | None,
+           slot: int) -> Tensor:
+    """One tile. q [h, q, d] roped, its first query at `slot` of the tile; win_k/win_v [k, d];
+    returns [q, h·d]. Rows with no key give 0. Every product runs over the tile's TILE query rows."""
     n_q, n_win = q.shape[1], win_k.shape[0]
-    q, win_valid = pad_rows(q, 1), pad_rows(win_valid, 0)
+    q, win_valid = place_rows(q, 1, slot, TILE), place_rows(win_valid, 0, slot, TILE)
     scale = 1.0 / math.sqrt(q.shape[-1])
     scores = torch.einsum("hqd,kd->hqk", q, win_k) * scale
     scores = scores.masked_fill(~win_valid[None], float("-inf"))
     if comp is not None:
         keys, values, valid = comp
         if keys.dim() == 3:
-            keys, values = pad_rows(keys, 0), pad_rows(values, 0)
+            keys, values = place_rows(keys, 0, slot, TILE), place_rows(values, 0, slot, TILE)
         eq = "hqd,qkd->hqk" if keys.dim() == 3 else "hqd,kd->hqk"
         cs = torch.einsum(eq, q, keys) * scale
-        scores = torch.cat([scores, cs.masked_fill(~pad_rows(valid, 0)[None], float("-inf"))], dim=-1)
+        scores = torch.cat([scores, cs.masked_fill(~place_rows(valid, 0, slot, TILE)[None], float("-inf"))], dim=-1)
     probs = torch.softmax(scores, dim=-1)
     probs = torch.nan_to_num(probs, nan=0.0)  # a row with no key at all (masked YoCo rows) attends nothing
     out = torch.einsum("hqk,kd->hqd", probs[..., :n_win], win_v)
     if comp is not None:
         eq = "hqk,qkd->hqd" if values.dim() == 3 else "hqk,kd->hqd"
         out = out + torch.einsum(eq, probs[..., n_win:], values)
-    return out[:, :n_q].permute(1, 0, 2).reshape(n_q, -1)
+    return out[:, slot:slot + n_q].permute(1, 0, 2).reshape(n_q, -1)
 
 
 class Entries(NamedTuple):
@@ -174,9 +196,10 @@ def csa_keys(entries: Entries, iq: Tensor, iw: Tensor, q_pos: Tensor, tile: int,
     g = torch.arange(n, device=q_pos.device)
     valid = g[None, :] < ((q_pos + 1) // ratio)[:, None]
     assert entries.closed >= int(((q_pos[-1] + 1) // ratio).item()), "entries of closed groups are missing"
-    iq = pad_rows(iq, 0)
+    slot, n_q = int(q_pos[0]) % TILE, q_pos.shape[0]
+    iq = place_rows(iq, 0, slot, TILE)
     score = (iq.reshape(-1, iq.shape[-1]) @ entries.index[:n].T).view(iq.shape[0], iq.shape[1], n).relu_()
-    score = (score * pad_rows(iw, 0)[..., None]).sum(dim=1)[:q_pos.shape[0]]
+    score = (score * place_rows(iw, 0, slot, TILE)[..., None]).sum(dim=1)[slot:slot + n_q]
     score = score.masked_fill(~valid, float("-inf"))
     top, idx = torch.topk(score, min(top_k, n), dim=-1)
     return Compressed(entries.keys[idx], entries.values[idx], torch.isfinite(top))

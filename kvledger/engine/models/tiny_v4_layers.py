@@ -51,9 +51,10 @@ class MLP(nn.Module):
         self.gate_up = _param(gen, dim, 2 * hidden, std=dim ** -0.5)
         self.down = _param(gen, hidden, dim, std=hidden ** -0.5)
 
-    def forward(self, x: Tensor) -> Tensor:
-        gate, up = mm(x, self.gate_up).chunk(2, dim=-1)
-        return mm(nn.functional.silu(gate) * up, self.down)
+    def forward(self, x: Tensor, first: int) -> Tensor:
+        """Rows of positions [first, first + len(x))."""
+        gate, up = mm(x, self.gate_up, first).chunk(2, dim=-1)
+        return mm(nn.functional.silu(gate) * up, self.down, first)
 
 
 class GatedPool(nn.Module):
@@ -65,8 +66,9 @@ class GatedPool(nn.Module):
         self.kv_gate = _param(gen, dim, 2 * out, std=dim ** -0.5)
         self.bias = _param(gen, ratio, out, std=0.5)
 
-    def project(self, u: Tensor) -> tuple[Tensor, Tensor]:
-        kv, gate = mm(u, self.kv_gate).chunk(2, dim=-1)
+    def project(self, u: Tensor, first: int) -> tuple[Tensor, Tensor]:
+        """Rows of positions [first, first + len(u))."""
+        kv, gate = mm(u, self.kv_gate, first).chunk(2, dim=-1)
         return kv, gate
 
     def pool(self, kv: Tensor, gate: Tensor) -> Tensor:
@@ -89,13 +91,13 @@ class Compressor(nn.Module):
         """Feed the rows of positions [state.pos, state.pos + len(u)); close every group they complete."""
         tail = state.tails[layer]
         assert tail is not None and tail.n == state.pos % self.ratio, f"layer {layer}: open group out of step"
-        kv, gate = self.main.project(u)
+        kv, gate = self.main.project(u, state.pos)
         kv, gate = torch.cat([tail.kv, kv]), torch.cat([tail.gate, gate])
         closed = kv.shape[0] // self.ratio * self.ratio
         state.entries[layer] = torch.cat([state.entries[layer], self.main.pool(kv[:closed], gate[:closed])])
         new_tail = Tail(kv[closed:], gate[closed:])
         if self.index is not None:
-            ikv, igate = self.index.project(u)
+            ikv, igate = self.index.project(u, state.pos)
             ikv, igate = torch.cat([tail.index_kv, ikv]), torch.cat([tail.index_gate, igate])
             keys = self.index.pool(ikv[:closed], igate[:closed])
             state.index_keys[layer] = torch.cat([state.index_keys[layer], keys])
@@ -120,9 +122,9 @@ class Attention(nn.Module):
         self.index_q = _param(gen, d, cfg.index_heads * (cfg.index_dim + 1), std=d ** -0.5) if csa else None
         self.index_heads, self.index_dim = cfg.index_heads, cfg.index_dim
 
-    def latent(self, xn: Tensor) -> Tensor:
-        """The sliding-window latent (K = V) of these rows, as stored (fp16 values)."""
-        return round16(mm(xn, self.wkv))
+    def latent(self, xn: Tensor, first: int) -> Tensor:
+        """The sliding-window latent (K = V) of the rows of positions [first, ...), as stored (fp16 values)."""
+        return round16(mm(xn, self.wkv, first))
 
     def forward(self, state: SeqState, layer: int, xn: Tensor, lo: int, floor: int) -> Tensor:
         """Attention output of rows at positions [lo, lo + len(xn)), whose latents the window holds already.
@@ -135,9 +137,11 @@ class Attention(nn.Module):
         keys, base = canonical_keys(window.rows(first, hi), first, lo, hi)
         k_pos = torch.arange(base, base + keys.shape[0], device=xn.device)
         q_pos = torch.arange(lo, hi, device=xn.device)
-        q = self.rope.apply(mm(xn, self.wq).view(-1, self.heads, keys.shape[1]).transpose(0, 1), q_pos)
+        q = self.rope.apply(mm(xn, self.wq, lo).view(-1, self.heads, keys.shape[1]).transpose(0, 1), q_pos)
         k_roped = self.rope.apply(keys, k_pos)
-        idx = mm(xn, self.index_q).view(-1, self.index_heads, self.index_dim + 1) if self.index_q is not None else None
+        idx = None
+        if self.index_q is not None:
+            idx = mm(xn, self.index_q, lo).view(-1, self.index_heads, self.index_dim + 1)
         entries = None
         if self.kind in (LayerKind.CSA, LayerKind.HCA):
             entries = prepare_entries(state.entries[layer], state.index_keys[layer], self.ratio, (hi - 1) // TILE,
@@ -149,8 +153,8 @@ class Attention(nn.Module):
             rows = slice(t0 - lo, t1 - lo)
             valid = window_mask(q_pos[rows], k_pos[k0:k1], self.window, floor)
             comp = self._compressed(entries, q_pos[rows], tile, None if idx is None else idx[rows])
-            outs.append(attend(q[:, rows], k_roped[k0:k1], keys[k0:k1], valid, comp))
-        return mm(torch.cat(outs), self.wo)
+            outs.append(attend(q[:, rows], k_roped[k0:k1], keys[k0:k1], valid, comp, t0 % TILE))
+        return mm(torch.cat(outs), self.wo, lo)
 
     def _compressed(self, entries: Entries | None, q_pos: Tensor, tile: int, idx: Tensor | None
                     ) -> Compressed | None:

@@ -1,0 +1,49 @@
+"""The bit-exactness tests again, each under another of MKL's GEMM kernel paths.
+
+torch's CPU build does float32 matmuls in MKL, and MKL picks its kernels by CPU (AVX2, AVX-512,
+AMX) and by matrix shape. A kernel choice is made at MKL's start, so each path needs a process of
+its own. `MKL_ENABLE_INSTRUCTIONS` caps the instruction set on Intel CPUs; on AMD ones MKL takes
+its AVX2 path whatever it says, so `MKL_CBWR=COMPATIBLE` (MKL's SSE2 reference kernels, which
+round differently from the fast ones) is the path that differs on every machine. One thread is a
+different split of each GEMM across threads. The two claims checked, on the same machine:
+
+- tiny-v4 is bit-exact: a resume, any chunking and a decode step give `torch.equal` logits to
+  the cold prefill, whichever kernels the machine's MKL picks (tiny_v4_attention.py says how);
+  checked under every path.
+- SmolLM2 on the reference engine is exact within float32 rounding: a hit computes its last rows
+  in GEMMs of another row count than the cold prefill, which may round differently, so its
+  logits are bounded (max |Δ| ≤ 1e-4 · max |logit|) and its 32 greedy tokens must be equal;
+  checked under the path that differs here too (one model load: about 30 s).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[3]
+BIT_EXACT = [f"tests/engine/models/{name}" for name in (
+    "test_tiny_v4_exact.py", "test_tiny_v4_engine_path.py", "test_tiny_v4_replay.py", "test_tiny_v4_yoco.py")]
+WITHIN_ROUNDING = ["tests/engine/test_smollm2.py"]
+KERNEL_PATHS = {
+    "mkl-avx2": {"MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+    "mkl-avx512": {"MKL_ENABLE_INSTRUCTIONS": "AVX512"},
+    "mkl-compatible": {"MKL_CBWR": "COMPATIBLE"},
+    "one-thread": {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"},
+}
+
+
+CASES = [*((path, BIT_EXACT) for path in sorted(KERNEL_PATHS)), ("mkl-compatible", WITHIN_ROUNDING)]
+
+
+@pytest.mark.parametrize(("path", "tests"), CASES, ids=[f"{p}-{'bit' if t is BIT_EXACT else 'rounding'}"
+                                                         for p, t in CASES])
+def test_exactness_holds_under_kernel_path(path: str, tests: list[str]) -> None:
+    env = {**os.environ, **KERNEL_PATHS[path]}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow", *tests]
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, f"under {KERNEL_PATHS[path]}:\n{done.stdout[-4000:]}{done.stderr[-2000:]}"
