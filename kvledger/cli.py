@@ -13,8 +13,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from rich.console import Console
-
 from kvledger.util.output import CliError, emit_json, finite_float, loads_strict
 
 EXIT_USAGE = 2
@@ -37,6 +35,12 @@ class _Parser(argparse.ArgumentParser):
 def _fail(message: str, code: int = EXIT_USAGE) -> NoReturn:
     print(f"kvledger: error: {message}", file=sys.stderr)
     raise SystemExit(code)
+
+
+def _console() -> Any:
+    from rich.console import Console
+
+    return Console()
 
 
 def _spec(name: str):
@@ -82,7 +86,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
     if args.json:
         emit_json(plan_json(p))
     else:
-        plan_table(p, Console())
+        plan_table(p, _console())
 
 
 # --- diff ------------------------------------------------------------------------
@@ -140,7 +144,7 @@ def cmd_diff(args: argparse.Namespace) -> None:
     if args.json:
         emit_json(diff_json(d, a, b, spec.name, decode))
     else:
-        diff_view(d, a, b, spec.name, Console(), decode)
+        diff_view(d, a, b, spec.name, _console(), decode)
 
 
 # --- demo ------------------------------------------------------------------------
@@ -148,7 +152,7 @@ def cmd_diff(args: argparse.Namespace) -> None:
 def cmd_demo(args: argparse.Namespace) -> None:
     from kvledger.demo import run_demo
 
-    run_demo(Console(), chat_turns=args.turns)
+    run_demo(_console(), chat_turns=args.turns)
 
 
 # --- parser ----------------------------------------------------------------------
@@ -210,8 +214,10 @@ def optional_module(name: str):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Every way out is one of: 0, a one-line error and 2 (bad input) or 1 (a bug), 130 (Ctrl-C, at any
+    moment after this module's few imports), or the status a server's own stop chose (SystemExit)."""
     try:
+        args = build_parser().parse_args(argv)
         args.func(args)
     except CliError as e:
         _fail(str(e))

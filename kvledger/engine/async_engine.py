@@ -38,6 +38,7 @@ class StepEngine(Protocol):
     def request_ids(self) -> list[str]: ...
     def has_unfinished(self) -> bool: ...
     def close(self) -> None: ...
+    def abandon(self) -> None: ...
 
 
 class EngineRejected(ValueError):
@@ -67,12 +68,19 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="kvledger-engine", daemon=True)
         self._thread.start()
 
-    def close(self) -> None:
+    def close(self, grace_s: float | None = None) -> bool:
+        """Stop the loop thread after its current step, then close the engine. With `grace_s`, a thread
+        still inside a step after that many seconds is left to die with the process, and the engine is
+        not closed under it: returns False then, True when everything closed."""
         self._stop.set()
         self._inbox.put(("wake", None))
         if self._thread is not None:
-            self._thread.join(timeout=30)
+            self._thread.join(timeout=30 if grace_s is None else grace_s)
+            if self._thread.is_alive():
+                self.engine.abandon()
+                return False
         self.engine.close()
+        return True
 
     def hand_off_all(self) -> None:
         """Every running request ends with finish_reason "handoff", its KV stored (cluster scale-down)."""
@@ -170,12 +178,19 @@ class AsyncEngine:
             self._post(rid, EngineFailed(f"the engine failed: {type(error).__name__}: {error}"))
 
     def _post(self, request_id: str, item: Any) -> None:
-        assert self._loop is not None
-        self._loop.call_soon_threadsafe(self._put, request_id, item)
+        self._call_soon(self._put, request_id, item)
 
     def _deliver(self, events: list[TokenEvent]) -> None:
+        self._call_soon(self._put_many, events)
+
+    def _call_soon(self, fn: Any, *args: Any) -> None:
+        """On the event loop; nothing once the loop is closed (a step that outlived a Ctrl-C exit)."""
         assert self._loop is not None
-        self._loop.call_soon_threadsafe(self._put_many, events)
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:
+            if not self._loop.is_closed():
+                raise
 
     def _put(self, request_id: str, item: Any) -> None:
         stream = self._streams.get(request_id)

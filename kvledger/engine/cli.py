@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import socket
-import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -33,6 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def cmd_engine(args: argparse.Namespace) -> None:
     from kvledger.engine.server import EngineConfig, EngineProcess, build_engine_app
     from kvledger.util.cluster_token import load_token
+    from kvledger.util.http_server import listen
 
     if not 0 <= args.port < 65536:
         raise CliError("--port must lie in [0, 65535]")
@@ -46,7 +46,7 @@ def cmd_engine(args: argparse.Namespace) -> None:
     config = EngineConfig(model=args.model, role=args.role, redis_url=args.redis_url, token=token,
                           data_dir=args.data_dir, engine_id=engine_id, host=args.host,
                           max_num_seqs=args.max_num_seqs, grace_s=args.grace_s)
-    sock = _listen(args.host, args.port)
+    sock = listen(args.host, args.port)
     url = f"http://{args.host}:{sock.getsockname()[1]}"
     try:
         proc = EngineProcess(config)
@@ -55,32 +55,15 @@ def cmd_engine(args: argparse.Namespace) -> None:
     run_draining(build_engine_app(proc, url), sock, proc.drain, grace_s=args.grace_s, log_level=args.log_level)
 
 
-def _listen(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        raise CliError(f"cannot listen on {host}:{port}: {e.strerror}") from None
-    sock.listen(128)
-    return sock
-
-
 def run_draining(app: Any, sock: socket.socket, on_exit: Any, *, grace_s: float, log_level: str) -> None:
     """uvicorn on an already bound socket; the first SIGTERM/SIGINT calls `on_exit()` (hand-off), then
     uvicorn stops accepting and waits up to `grace_s` for open streams before it shuts down."""
     import uvicorn
 
-    class DrainingServer(uvicorn.Server):
-        def handle_exit(self, sig: int, frame: Any) -> None:
-            if not self.should_exit:
-                try:
-                    on_exit()
-                except Exception as e:  # noqa: BLE001 - shutting down anyway
-                    print(f"kvledger engine: hand-off failed: {e}", file=sys.stderr, flush=True)
-            super().handle_exit(sig, frame)
+    from kvledger.util.http_server import Server
 
     config = uvicorn.Config(app, log_level=log_level, access_log=log_level in ("debug", "info"),
                             timeout_graceful_shutdown=int(max(grace_s, 1)))
-    DrainingServer(config).run(sockets=[sock])
+    server = Server(config, on_interrupt=on_exit, on_terminate=on_exit)
+    server.run(sockets=[sock])
+    raise SystemExit(server.exit_code)

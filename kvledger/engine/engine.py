@@ -146,6 +146,13 @@ class Engine:
         if self.fetcher is not None:
             self.fetcher.close()
 
+    def abandon(self) -> None:
+        """The process is exiting while a step still runs in another thread (Ctrl-C): release only what
+        would outlive the process (the fetcher's shared memory). The fetcher process ends on its own when
+        its socket closes with this process."""
+        if self.fetcher is not None:
+            self.fetcher.abandon()
+
     def wait_stored(self) -> None:
         """Until every block queued for the block ledger is written."""
         self.writer.wait()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import select
+import signal
 import socket
 import struct
 import subprocess
@@ -97,6 +98,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--path")
     p.add_argument("--redis-url")
     a = p.parse_args(argv)
+    # the engine owns this process's lifetime: a terminal's Ctrl-C reaches the whole process group, and
+    # this process ends when the engine's socket closes (EOF), not with a traceback of its own
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     serve(socket.socket(fileno=a.fd), a.shm, a.path, a.redis_url)
 
 
@@ -242,6 +246,10 @@ class Fetcher:
         self._stop()
         del self.staging
         self.shm.close()
+        self.abandon()
+
+    def abandon(self) -> None:
+        """Unlink the staging area's name (the mapping stays valid for whoever still uses it)."""
         with contextlib.suppress(FileNotFoundError):
             self.shm.unlink()
 

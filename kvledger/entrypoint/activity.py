@@ -34,6 +34,36 @@ class Bucket:
     prompt_tokens: int = 0
     cached_tokens: int = 0
 
+    def add(self, rec: RequestRecord) -> None:
+        self.requests += 1
+        self.prompt_tokens += rec.prompt_tokens
+        self.cached_tokens += rec.cached_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class Totals:
+    """Counts since the start; two of them make a status line."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+
+
+def status_line(now: Totals, before: Totals, seconds: float, running: int) -> str | None:
+    """What the server did in the last `seconds` (None when it did nothing), as vLLM's periodic log line:
+    throughputs, requests running, and the prefix cache hit rate of the interval and since the start."""
+    assert seconds > 0
+    done, prompt = now.requests - before.requests, now.prompt_tokens - before.prompt_tokens
+    if done == 0 and running == 0:
+        return None
+    cached, generated = now.cached_tokens - before.cached_tokens, now.completion_tokens - before.completion_tokens
+    interval = f"{100 * cached / prompt:.1f}%" if prompt else "-"
+    overall = f"{100 * now.cached_tokens / now.prompt_tokens:.1f}%" if now.prompt_tokens else "-"
+    return (f"last {seconds:.0f} s: {done} requests done, {running} running; prompt {prompt / seconds:,.1f} "
+            f"tokens/s, generation {generated / seconds:,.1f} tokens/s; prefix cache hit rate {interval} "
+            f"({cached:,} of {prompt:,} prompt tokens), {overall} since the start")
+
 
 class Activity:
     """The last `keep` requests, and per `bucket_s` seconds the prompt and cached tokens."""
@@ -44,16 +74,17 @@ class Activity:
         self.series: deque[Bucket] = deque(maxlen=buckets)
         self.bucket_s = bucket_s
         self.started = time.time()
+        self.totals = Totals()
 
     def record(self, rec: RequestRecord) -> None:
         self.recent.append(rec)
         start = rec.at - rec.at % self.bucket_s
         if not self.series or self.series[-1].start < start:
             self.series.append(Bucket(start))
-        b = self.series[-1]
-        b.requests += 1
-        b.prompt_tokens += rec.prompt_tokens
-        b.cached_tokens += rec.cached_tokens
+        self.series[-1].add(rec)
+        t = self.totals
+        self.totals = Totals(t.requests + 1, t.prompt_tokens + rec.prompt_tokens, t.cached_tokens + rec.cached_tokens,
+                             t.completion_tokens + rec.completion_tokens)
 
     def as_json(self) -> dict:
         return {"started": self.started, "bucket_s": self.bucket_s,

@@ -9,13 +9,18 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import os
+import socket
 import sys
+import tempfile
+import time
 from pathlib import Path
+from typing import Any
 
 from kvledger.entrypoint.router import POLICIES
 from kvledger.util.output import CliError
 
 MODELS = ("smollm2-135m", "tiny-v4")
+DRAIN_S = 10.0            # SIGTERM: requests in flight may finish for this long, then end with a 503
 
 
 def default_data_dir() -> Path:
@@ -51,7 +56,11 @@ def http_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies → 413")
     p.add_argument("--max-prompt-tokens", type=int, default=None, help="longer prompts → 400 (default: the context)")
     p.add_argument("--max-tokens-limit", type=int, default=None, help="larger max_tokens → 400 (default: the context)")
-    p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
+                   help="info: an access log line per request and the status lines (default %(default)s)")
+    p.add_argument("--status-interval-s", type=float, default=10.0,
+                   help="a status line (throughput, prefix cache hit rate) per this many seconds of activity; "
+                        "0: none (default %(default)s)")
 
 
 def is_loopback(host: str) -> bool:
@@ -64,17 +73,16 @@ def is_loopback(host: str) -> bool:
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
-    import uvicorn
-
-    from kvledger.entrypoint.auth import KeyFileError
-    from kvledger.entrypoint.server import build_app
-    from kvledger.entrypoint.state import ServeConfig, ServerState
+    from kvledger.entrypoint.state import ServeConfig
+    from kvledger.util.http_server import EXIT_INTERRUPTED, listen
 
     if args.api_keys is None and not is_loopback(args.host):
         raise CliError(f"--host {args.host}: without --api-keys the server is open to anyone, so it binds to "
                        "loopback only (127.0.0.1, ::1); give --api-keys FILE to listen elsewhere")
     if not 0 <= args.port < 65536:
         raise CliError("--port must lie in [0, 65535]")
+    if args.status_interval_s < 0:
+        raise CliError("--status-interval-s must be >= 0")
     for flag in ("max_concurrent_per_key", "max_body_bytes", "max_num_seqs", "max_prompt_tokens", "max_tokens_limit"):
         if getattr(args, flag) is not None and getattr(args, flag) <= 0:
             raise CliError(f"--{flag.replace('_', '-')} must be > 0")
@@ -86,23 +94,102 @@ def cmd_serve(args: argparse.Namespace) -> None:
             token = load_token(args.token_file)
         except ValueError as e:
             raise CliError(str(e)) from None
-    config = ServeConfig(model=args.model, host=args.host, port=args.port, data_dir=args.data_dir or default_data_dir(),
+    data_dir = writable_dir(args.data_dir or default_data_dir(), "--data-dir")
+    sock = listen(args.host, args.port)   # before the model load: a busy port fails at once
+    port = sock.getsockname()[1]
+    config = ServeConfig(model=args.model, host=args.host, port=port, data_dir=data_dir,
                          api_keys=args.api_keys, no_cache=args.no_cache, max_body_bytes=args.max_body_bytes,
                          max_concurrent_per_key=args.max_concurrent_per_key, max_num_seqs=args.max_num_seqs,
                          max_prompt_tokens=args.max_prompt_tokens, max_tokens_limit=args.max_tokens_limit,
-                         redis_url=args.redis_url, cluster_token=token, routing=args.routing)
+                         redis_url=args.redis_url, cluster_token=token, routing=args.routing,
+                         status_every_s=args.status_interval_s)
+    mode = "serve" if args.redis_url is None else "entrypoint"
+    state, code = None, EXIT_INTERRUPTED
     try:
-        state = ServerState(config)
-    except (KeyFileError, OSError) as e:
+        state = _open_state(config)
+        _load(state, mode, args.routing)
+        code = _run(config, state, mode, sock, args.log_level)
+    except KeyboardInterrupt:   # Ctrl-C before the server ran (during the load)
+        code = EXIT_INTERRUPTED
+    finally:
+        if state is not None:
+            if code == EXIT_INTERRUPTED:
+                state.interrupted = True
+            state.close()
+        sock.close()
+    if code == EXIT_INTERRUPTED:   # all we own is closed: skip the interpreter's teardown (~0.5-2 s with torch)
+        print(f"kvledger {mode}: interrupted", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(code)
+    raise SystemExit(code)
+
+
+def _open_state(config: Any) -> Any:
+    from kvledger.entrypoint.auth import KeyFileError
+    from kvledger.entrypoint.state import ServerState
+
+    try:
+        return ServerState(config)
+    except KeyFileError as e:
         raise CliError(str(e)) from None
+    except OSError as e:
+        raise CliError(f"--data-dir {config.data_dir}: cannot open the ledgers ({e.strerror or e})") from None
+
+
+def _load(state: Any, mode: str, routing: str) -> None:
+    """Load the model (embedded mode), saying what it does on stderr."""
+    config = state.config
     tenants = "open: no --api-keys, every request is tenant 'default' (loopback only)" if state.keys is None \
         else f"{len(state.keys)} API keys, {len({t.namespace for t in state.keys.values()})} namespaces"
-    mode = "serve" if args.redis_url is None else f"entrypoint ({args.routing} routing)"
-    print(f"kvledger {mode}: {config.model} on http://{_url_host(config.host)}:{config.port}  "
-          f"data {config.data_dir}  {tenants}{'  cache disabled' if config.no_cache else ''}",
-          file=sys.stderr, flush=True)
-    uvicorn.run(build_app(config, state), host=config.host, port=config.port, log_level=args.log_level,
-                access_log=args.log_level in ("debug", "info"), timeout_graceful_shutdown=10)
+    what = f"{mode} ({routing} routing)" if mode == "entrypoint" else mode
+    print(f"kvledger {what}: {config.model}  data {config.data_dir}  {tenants}"
+          f"{'  cache disabled' if config.no_cache else ''}", file=sys.stderr, flush=True)
+    if config.redis_url is None:
+        print(f"kvledger {mode}: loading {config.model} ...", file=sys.stderr, flush=True)
+        started = time.perf_counter()
+        state.load_engine()
+        print(f"kvledger {mode}: loaded in {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
+
+
+def _run(config: Any, state: Any, mode: str, sock: socket.socket, log_level: str) -> int:
+    """Serve until a signal (util/http_server.py): Ctrl-C ends what is in flight with an error at once; SIGTERM
+    lets it finish for up to DRAIN_S seconds first. Returns the exit status."""
+    import uvicorn
+
+    from kvledger.entrypoint.server import build_app
+    from kvledger.util.http_server import Server
+
+    def drain() -> None:
+        if state.loop is not None:
+            state.loop.call_soon_threadsafe(state.loop.call_later, DRAIN_S, state.stop_requests)
+
+    configure_logging(log_level)
+    uv = uvicorn.Config(build_app(config, state), log_level=log_level, access_log=log_level in ("debug", "info"),
+                        timeout_graceful_shutdown=int(DRAIN_S) + 5, log_config=None)
+    server = Server(uv, on_interrupt=state.interrupt, on_terminate=drain,
+                    ready=f"kvledger {mode}: ready at http://{_url_host(config.host)}:{config.port}")
+    server.run(sockets=[sock])
+    return server.exit_code
+
+
+def configure_logging(level: str) -> None:
+    """One line per record on stderr for kvledger's and uvicorn's loggers (access log included at info)."""
+    import logging
+
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S", stream=sys.stderr)
+
+
+def writable_dir(path: Path, flag: str) -> Path:
+    """`path`, created if missing; CliError naming `flag` when it cannot be created or written."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise CliError(f"{flag} {path}: {'not writable' if path.is_dir() else 'cannot create it'} "
+                       f"({e.strerror or e})") from None
+    return path
 
 
 def _url_host(host: str) -> str:

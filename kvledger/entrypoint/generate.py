@@ -8,12 +8,14 @@ the `usage`, then `data: [DONE]\\n\\n`. An engine failure in the middle of a str
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from kvledger.engine.api import RequestUsage
+from kvledger.engine.api import RequestUsage, TokenEvent
 from kvledger.entrypoint.activity import RequestRecord
 from kvledger.engine.async_engine import EngineFailed, EngineRejected
 from kvledger.entrypoint.detokenize import TextStream
@@ -50,7 +52,7 @@ async def run(state: ServerState, prep: Prepared, out: Outcome) -> AsyncIterator
     text = TextStream(decode, prep.stop)
     state.metrics.running.inc()
     try:
-        async for ev in state.engine.generate(prep.engine_request):
+        async for ev in until_stopped(state.engine.generate(prep.engine_request), state.stopping):
             if ev.usage is not None:
                 out.usage = ev.usage
             if ev.token_ids:
@@ -75,6 +77,36 @@ async def run(state: ServerState, prep: Prepared, out: Outcome) -> AsyncIterator
     finally:
         state.metrics.running.dec()
     out.text = text.text
+
+
+async def until_stopped(events: AsyncIterator[TokenEvent], stopping: asyncio.Event | None
+                        ) -> AsyncIterator[TokenEvent]:
+    """The engine's events, until the server stops (Ctrl-C, or the end of a drain): then ApiError 503,
+    and the engine's stream is closed, which aborts the request in the engine."""
+    if stopping is None:   # an app whose engine was started without a loop of ours (tests)
+        async for ev in events:
+            yield ev
+        return
+    stop = asyncio.ensure_future(stopping.wait())
+    step: asyncio.Future | None = None
+    try:
+        while True:
+            step = asyncio.ensure_future(anext(events))
+            await asyncio.wait((step, stop), return_when=asyncio.FIRST_COMPLETED)
+            if not step.done():
+                raise ApiError(503, "The server is shutting down; the request was not finished.",
+                               "server_error", code="server_shutting_down")
+            try:
+                yield step.result()
+            except StopAsyncIteration:
+                return
+    finally:
+        stop.cancel()
+        if step is not None and not step.done():   # the generator runs inside `step` until it is cancelled
+            step.cancel()
+            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                await step
+        await events.aclose()
 
 
 def _tick(state: ServerState, out: Outcome) -> None:

@@ -74,12 +74,16 @@ class RemoteEngines:
         self.client = httpx.AsyncClient(timeout=self.timeout, limits=httpx.Limits(max_connections=256))
         self._poller = loop.create_task(self._poll())
 
-    def close(self) -> None:
-        """From any thread but the loop's own (the server's lifespan runs it in a worker thread)."""
+    def close(self, grace_s: float | None = None) -> bool:
+        """From any thread but the loop's own (the server's lifespan runs it in a worker thread).
+        True: closed within `grace_s` seconds (default 5)."""
         if self._loop is None or self._loop.is_closed():
-            return
-        with contextlib.suppress(Exception):
-            asyncio.run_coroutine_threadsafe(self._aclose(), self._loop).result(timeout=5)
+            return True
+        try:
+            asyncio.run_coroutine_threadsafe(self._aclose(), self._loop).result(timeout=grace_s or 5)
+        except Exception:
+            return False
+        return True
 
     async def _aclose(self) -> None:
         if self._poller is not None:

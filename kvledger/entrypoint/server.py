@@ -2,7 +2,7 @@
 in state.py, the request path in prepare.py (tokenize, limits, CHECK) and generate.py (engine →
 responses); this module only wires them to HTTP.
 
-    app = build_app(ServeConfig(...)); uvicorn.run(app, host=..., port=...)
+    app = build_app(ServeConfig(...)); then util/http_server.Server (entrypoint/cli.py)
 
 Every client mistake is a 4xx with OpenAI's error object (`errors.py`): malformed JSON and wrong
 types (400), a missing or wrong key (401), an unknown model (404), an oversized body (413),
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
@@ -25,6 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvledger.entrypoint import dashboard
+from kvledger.entrypoint.activity import status_line
 from kvledger.entrypoint.auth import Tenant, authenticate
 from kvledger.entrypoint.body_limit import BodyLimit
 from kvledger.entrypoint.errors import ApiError, bad_request, too_many, unauthorized
@@ -35,6 +37,7 @@ from kvledger.entrypoint.protocol import (ChatCompletionRequest, CompletionReque
 from kvledger.entrypoint.state import ServeConfig, ServerState
 
 STATIC = Path(__file__).with_name("static")
+log = logging.getLogger("kvledger.serve")
 ERRORS = {400: {"model": ErrorResponse}, 401: {"model": ErrorResponse}, 404: {"model": ErrorResponse},
           413: {"model": ErrorResponse}, 429: {"model": ErrorResponse}}
 
@@ -46,9 +49,13 @@ def build_app(config: ServeConfig, state: ServerState | None = None) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         state.start_engine()
+        every = config.status_every_s
+        status = asyncio.create_task(_log_status(state, every)) if every > 0 else None
         try:
             yield
         finally:
+            if status is not None:
+                status.cancel()
             await asyncio.to_thread(state.close)
 
     app = FastAPI(title="kvledger serve", version="0.1.0", lifespan=lifespan,
@@ -61,6 +68,18 @@ def build_app(config: ServeConfig, state: ServerState | None = None) -> FastAPI:
     _operator_routes(app)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
     return app
+
+
+async def _log_status(state: ServerState, every_s: float) -> None:
+    """A status line every `every_s` seconds in which the server did something (`activity.status_line`)."""
+    before = state.activity.totals
+    while True:
+        await asyncio.sleep(every_s)
+        now = state.activity.totals
+        line = status_line(now, before, every_s, sum(state.in_flight.values()))
+        if line is not None:
+            log.info(line)
+        before = now
 
 
 def _state(request: Request) -> ServerState:

@@ -24,6 +24,7 @@ from kvledger.store.ledger import BlockLedger
 from kvledger.store.ttl import TtlPolicy
 
 MIB = 1 << 20
+INTERRUPT_GRACE_S = 1.0   # Ctrl-C: an engine step still running after this long is left to the exit
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +43,7 @@ class ServeConfig:
     max_prompt_tokens: int | None = None   # None: the model's context minus one
     max_tokens_limit: int | None = None    # None: what the context leaves after the prompt
     max_num_seqs: int = 8
+    status_every_s: float = 10.0           # a status line per this many seconds of activity; 0: none
     device: str = "cpu"
     replay: bool = False
     # cluster mode (`kvledger entrypoint`): no engine here; Redis holds the index, the directory and
@@ -77,6 +79,11 @@ class ServerState:
         self.activity = Activity()
         self.in_flight: dict[str, int] = {}   # tenant label → requests admitted and not finished
         self.engine: AsyncEngine | RemoteEngines | None = None
+        self._engine_core: Any = None          # the loaded embedded engine, before its loop starts
+        self.stopping: Any = None              # asyncio.Event: set → requests in flight end with a 503
+        self.loop: Any = None                  # the event loop serving the routes, once started
+        self.interrupted = False
+        self._closed = False
         self.max_model_len = 0
         self.vocab_size = 0
         self.eos_token_ids: tuple[int, ...] = ()
@@ -94,13 +101,12 @@ class ServerState:
         return StateLedger(self.spec, token=self.config.cluster_token, directory=RedisDirectory(self.config.redis_url),
                            capacity_bytes=0, serve=False, heartbeat=False).start()
 
-    def start_engine(self) -> AsyncEngine | RemoteEngines:
-        """Embedded: load the model (seconds) and start its step loop. Cluster: start following the
-        engine registry. Call from the event loop's thread."""
-        import asyncio
-
-        if self.config.redis_url is not None:
-            return self._start_remote(asyncio.get_running_loop())
+    def load_engine(self) -> None:
+        """Embedded: load the model (seconds; the first run converts its weights, tens of seconds).
+        Runs in the caller's thread, before the event loop starts, so Ctrl-C stops a load at once.
+        Cluster: nothing to load (the entrypoint holds no weights)."""
+        if self.config.redis_url is not None or self._engine_core is not None:
+            return
         from kvledger.engine.engine import Engine
 
         cache = not self.config.no_cache   # the baseline neither reads nor writes the ledgers
@@ -108,12 +114,35 @@ class ServerState:
                         state_ledger=self.state_ledger if cache else None,
                         device=self.config.device, max_num_seqs=self.config.max_num_seqs,
                         replay=self.config.replay)
+        self._engine_core = engine
         self.max_model_len = engine.max_model_len
         self.eos_token_ids = tuple(engine.eos_token_ids)
         self.vocab_size = _vocab_size(engine, self.tokenizer)
-        self.engine = AsyncEngine(engine)
-        self.engine.start(asyncio.get_running_loop())
+
+    def start_engine(self) -> AsyncEngine | RemoteEngines:
+        """Embedded: start the loaded engine's step loop (loading it first if `load_engine` was not
+        called). Cluster: start following the engine registry. Call from the event loop's thread."""
+        import asyncio
+
+        self.loop = loop = asyncio.get_running_loop()
+        self.stopping = asyncio.Event()
+        if self.config.redis_url is not None:
+            return self._start_remote(loop)
+        self.load_engine()
+        assert self._engine_core is not None
+        self.engine = AsyncEngine(self._engine_core)
+        self.engine.start(loop)
         return self.engine
+
+    def stop_requests(self) -> None:
+        """End every request in flight now with a 503 (the end of a drain); thread-safe."""
+        if self.stopping is not None and self.loop is not None:
+            self.loop.call_soon_threadsafe(self.stopping.set)
+
+    def interrupt(self) -> None:
+        """Ctrl-C: end every request in flight now, and close without waiting for a step (`close`)."""
+        self.interrupted = True
+        self.stop_requests()
 
     def _start_remote(self, loop: Any) -> RemoteEngines:
         from kvledger.engine.registry import Registry
@@ -146,8 +175,17 @@ class ServerState:
             return None
 
     def close(self) -> None:
+        """Stop the engine and close the ledgers; a second call does nothing. After `interrupt()`, an
+        engine still inside a step after INTERRUPT_GRACE_S is left to die with the process (its threads
+        are daemons; the stores are crash-safe), and the ledgers it may be using are not closed under it."""
+        if self._closed:
+            return
+        self._closed = True
         if self.engine is not None:
-            self.engine.close()
+            if not self.engine.close(INTERRUPT_GRACE_S if self.interrupted else None):
+                return
+        elif self._engine_core is not None:   # loaded, its loop never started
+            self._engine_core.close()
         if self.state_ledger is not None:
             self.state_ledger.close()
         self.block_ledger.close()

@@ -29,7 +29,9 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -78,8 +80,12 @@ def gguf_to_hf_folder(gguf_path: Path, name: str) -> Path:
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=folder.parent))
+    started = time.perf_counter()
+    print(f"kvledger: first use of {name}: converting {gguf_path.name} into {folder} (once; ~20 s on 2 cores) ...",
+          file=sys.stderr, flush=True)
     try:
         _write_folder(gguf_path, tmp, source)
+        print(f"kvledger: {name} converted in {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
         try:
             os.rename(tmp, folder)
         except OSError:  # another process finished first (or a stale partial folder is in the way)
