@@ -52,7 +52,8 @@ def cmd_engine(args: argparse.Namespace) -> None:
         proc = EngineProcess(config)
     except (OSError, ValueError) as e:
         raise CliError(f"cannot open the cluster's ledgers: {e}") from None
-    run_draining(build_engine_app(proc, url), sock, proc.drain, grace_s=args.grace_s, log_level=args.log_level)
+    run_draining(build_engine_app(proc, url), sock, proc.on_stop_signal, grace_s=args.grace_s,
+                 log_level=args.log_level)
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -69,17 +70,21 @@ def _listen(host: str, port: int) -> socket.socket:
 
 def run_draining(app: Any, sock: socket.socket, on_exit: Any, *, grace_s: float, log_level: str) -> None:
     """uvicorn on an already bound socket; the first SIGTERM/SIGINT calls `on_exit()` (hand-off), then
-    uvicorn stops accepting and waits up to `grace_s` for open streams before it shuts down."""
+    uvicorn stops accepting and waits up to `grace_s` for open streams before it shuts down. A
+    BaseException from `on_exit` (StartupInterrupted) goes on into the code the signal interrupted, with
+    uvicorn already set to exit. After uvicorn stops, the signal is raised again with its default action
+    (uvicorn's way): SIGTERM ends the process as killed by SIGTERM, SIGINT as KeyboardInterrupt (exit 130)."""
     import uvicorn
 
     class DrainingServer(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
-            if not self.should_exit:
+            first = not self.should_exit
+            super().handle_exit(sig, frame)
+            if first:
                 try:
                     on_exit()
                 except Exception as e:  # noqa: BLE001 - shutting down anyway
                     print(f"kvledger engine: hand-off failed: {e}", file=sys.stderr, flush=True)
-            super().handle_exit(sig, frame)
 
     config = uvicorn.Config(app, log_level=log_level, access_log=log_level in ("debug", "info"),
                             timeout_graceful_shutdown=int(max(grace_s, 1)))
