@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import math
 import os
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ from kvledger.entrypoint.router import POLICIES
 from kvledger.util.output import CliError
 
 MODELS = ("smollm2-135m", "tiny-v4")
+GRACE_S = 10.0   # on SIGTERM, seconds open requests get before uvicorn cancels them (their clients see an error)
 
 
 def default_data_dir() -> Path:
@@ -30,7 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--data-dir", type=Path, default=None, help=f"block ledger folder (default {default_data_dir()})")
     p.add_argument("--no-cache", action="store_true", help="compute every prompt in full (a baseline)")
     p.add_argument("--max-num-seqs", type=int, default=8, help="requests the engine batches at once")
-    p.set_defaults(func=cmd_serve, redis_url=None, token_file=None, routing="cache-aware")
+    p.set_defaults(func=cmd_serve, redis_url=None, token_file=None, routing="cache-aware", grace_s=GRACE_S)
 
     p = sub.add_parser("entrypoint", help="a cluster's HTTP front: tokenizer, CHECK, router (no model weights)")
     http_args(p)
@@ -38,6 +40,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--data-dir", type=Path, required=True, help="the shared store folder (blocks under it)")
     p.add_argument("--token-file", type=Path, default=None, help="the cluster token (or $KVLEDGER_CLUSTER_TOKEN)")
     p.add_argument("--routing", default="cache-aware", choices=POLICIES, help="how prefill engines are chosen")
+    p.add_argument("--grace-s", type=float, default=GRACE_S, help="on SIGTERM: seconds open requests get to finish "
+                   "before they are cut (default %(default)s)")
     p.set_defaults(func=cmd_serve, no_cache=False, max_num_seqs=8)
 
 
@@ -75,6 +79,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
                        "loopback only (127.0.0.1, ::1); give --api-keys FILE to listen elsewhere")
     if not 0 <= args.port < 65536:
         raise CliError("--port must lie in [0, 65535]")
+    if args.grace_s < 0:
+        raise CliError("--grace-s must be >= 0")
     for flag in ("max_concurrent_per_key", "max_body_bytes", "max_num_seqs", "max_prompt_tokens", "max_tokens_limit"):
         if getattr(args, flag) is not None and getattr(args, flag) <= 0:
             raise CliError(f"--{flag.replace('_', '-')} must be > 0")
@@ -102,7 +108,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
           f"data {config.data_dir}  {tenants}{'  cache disabled' if config.no_cache else ''}",
           file=sys.stderr, flush=True)
     uvicorn.run(build_app(config, state), host=config.host, port=config.port, log_level=args.log_level,
-                access_log=args.log_level in ("debug", "info"), timeout_graceful_shutdown=10)
+                access_log=args.log_level in ("debug", "info"), timeout_graceful_shutdown=math.ceil(args.grace_s))
 
 
 def _url_host(host: str) -> str:
