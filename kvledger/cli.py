@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from kvledger.util.output import CliError, emit_json, finite_float, loads_strict
+from kvledger.util.output import EXIT_INTERRUPTED, CliError, emit_json, finite_float, loads_strict, to_devnull
 
 EXIT_USAGE = 2
 # Command groups that live with their packages; each module has `register(subparsers)`.
@@ -222,9 +222,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CliError as e:
         _fail(str(e))
     except KeyboardInterrupt:
-        _fail("interrupted", 130)
-    except BrokenPipeError:
-        os._exit(0)  # a closed pipe (kvledger ... | head) is not an error
+        _fail("interrupted", EXIT_INTERRUPTED)
+    except BrokenPipeError:  # a closed pipe (kvledger ... | head) is not an error; exit normally, so that
+        to_devnull(sys.stdout)  # finally blocks and atexit run (os._exit skipped them), without a second EPIPE
     except Exception as e:  # a bug: one line, unless asked for the traceback
         if os.environ.get("KVLEDGER_DEBUG"):
             raise

@@ -52,12 +52,15 @@ def cmd_engine(args: argparse.Namespace) -> None:
         proc = EngineProcess(config)
     except (OSError, ValueError) as e:
         raise CliError(f"cannot open the cluster's ledgers: {e}") from None
-    run_draining(build_engine_app(proc, url), sock, proc.drain, grace_s=args.grace_s, log_level=args.log_level)
+    run_draining(build_engine_app(proc, url), sock, proc.on_stop_signal, grace_s=args.grace_s,
+                 log_level=args.log_level)
 
 
 def run_draining(app: Any, sock: socket.socket, on_exit: Any, *, grace_s: float, log_level: str) -> None:
     """uvicorn on an already bound socket; the first SIGTERM/SIGINT calls `on_exit()` (hand-off), then
-    uvicorn stops accepting and waits up to `grace_s` for open streams before it shuts down."""
+    uvicorn stops accepting and waits up to `grace_s` for open streams before it shuts down. A
+    BaseException from `on_exit` (StartupInterrupted) goes on into the code the signal interrupted, with
+    uvicorn already set to exit. Exit status: 130 after SIGINT, 0 after SIGTERM (util/http_server.py)."""
     import uvicorn
 
     from kvledger.util.http_server import Server

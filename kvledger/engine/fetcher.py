@@ -10,7 +10,9 @@ engine is inherited or pickled). Messages are struct frames, little-endian:
 The fetcher writes block i of a job at offset + i · block_bytes and answers once the whole job is
 read: `intact` leading blocks arrived with their checksums verified (the ledger checks them). A
 fetcher that dies, hangs past the job's deadline or answers garbage is killed and restarted; its
-jobs read as 0 intact blocks, so their requests recompute (rule 8).
+jobs read as 0 intact blocks, so their requests recompute (rule 8). It never outlives the engine: it
+ends at EOF on its socket, and gets SIGTERM when the engine thread that started it ends (the loading
+thread, or the step thread for a restart; `serve_process.spawn`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from multiprocessing import resource_tracker, shared_memory
 import numpy as np
 
 from kvledger.core import KEY_BYTES
+from kvledger.util.serve_process import spawn
 
 MAGIC = b"KVF1"
 REQUEST = struct.Struct("<4sIIQI")
@@ -154,7 +157,7 @@ class Fetcher:
         cmd = [sys.executable, "-m", "kvledger.engine.fetcher", "--fd", str(theirs.fileno()), "--shm", self.shm.name]
         cmd += ["--path", self.path] if self.path else []
         cmd += ["--redis-url", self.redis_url] if self.redis_url else []
-        self.proc = subprocess.Popen(cmd, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
+        self.proc = spawn(cmd, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)   # dies with the engine
         theirs.close()
         self.sock = ours
 

@@ -9,7 +9,8 @@ registry.
 Shutdown (SIGTERM or SIGINT): the engine marks itself draining at once (no new request reaches
 it), hands every request it runs back to the entrypoint with its KV stored (finish_reason
 "handoff"; the entrypoint continues each on another engine), then waits up to `grace_s` for its
-streams to end before it exits and leaves the registry.
+streams to end before it exits and leaves the registry. A signal during the model load abandons
+the load at once (`StartupInterrupted`): there is nothing to drain yet, and no reason to wait.
 """
 
 from __future__ import annotations
@@ -53,6 +54,12 @@ class EngineConfig:
     heartbeat_ttl_s: float = 3.0
 
 
+class StartupInterrupted(BaseException):
+    """A stop signal arrived while the model loaded: raised into the load (from the signal handler, on the
+    main thread that loads), so the engine stops without finishing it. A BaseException: no `except
+    Exception` inside a loader swallows it."""
+
+
 class EngineProcess:
     """Ledgers, engine, heartbeat and in-flight accounting of one engine process."""
 
@@ -69,6 +76,8 @@ class EngineProcess:
         self.heartbeat: Heartbeat | None = None
         self.url = ""
         self.draining = False
+        self.loading = False     # inside `start`: a stop signal raises StartupInterrupted there
+        self.abandoned = False   # a stop signal came before the start finished: it does not (go on)
         self.prefill_left: dict[str, int] = {}   # request id → prompt tokens not yet computed
 
     def _open_state_ledger(self) -> Any:
@@ -84,20 +93,37 @@ class EngineProcess:
         """Load the model (seconds), start the step loop, then register (from the event loop)."""
         from kvledger.engine.engine import Engine
 
-        engine = Engine(self.config.model, block_ledger=self.block_ledger, state_ledger=self.state_ledger,
-                        device=self.config.device, max_num_seqs=self.config.max_num_seqs, replay=self.config.replay)
-        self.info0 = EngineInfo(self.config.engine_id, self.config.role, url, self.config.model,
-                                engine.max_model_len, int(engine.model.vocab_size), tuple(engine.eos_token_ids),
-                                os.getpid())
-        self.url = url
-        self.engine = AsyncEngine(engine)
-        self.engine.start(asyncio.get_running_loop())
-        self.heartbeat = Heartbeat(self.registry, self.info).start()
+        self.loading = True
+        try:
+            if self.abandoned:   # the signal came after uvicorn took the signals, before the load began
+                raise StartupInterrupted
+            self.engine = AsyncEngine(Engine(self.config.model, block_ledger=self.block_ledger,
+                                             state_ledger=self.state_ledger, device=self.config.device,
+                                             max_num_seqs=self.config.max_num_seqs, replay=self.config.replay))
+            engine = self.engine.engine
+            self.info0 = EngineInfo(self.config.engine_id, self.config.role, url, self.config.model,
+                                    engine.max_model_len, int(engine.model.vocab_size), tuple(engine.eos_token_ids),
+                                    os.getpid())
+            self.url = url
+            self.engine.start(asyncio.get_running_loop())
+            self.heartbeat = Heartbeat(self.registry, self.info).start()
+        finally:
+            self.loading = False
 
     def info(self) -> EngineInfo:
         running = self.engine.running if self.engine is not None else 0
         return replace(self.info0, draining=self.draining, running=running,
                        queued_prefill_tokens=sum(self.prefill_left.values()))
+
+    def on_stop_signal(self) -> None:
+        """The first SIGTERM/SIGINT (in the signal handler, on the main thread). Before `start` has finished,
+        the start is abandoned: not begun, or the load interrupted (StartupInterrupted); after it, drain."""
+        if self.heartbeat is None:
+            self.abandoned = True
+            if self.loading:
+                raise StartupInterrupted
+            return
+        self.drain()
 
     def drain(self) -> None:
         """Stop taking requests and hand the running ones back (their KV stored)."""
@@ -172,9 +198,13 @@ async def _with_keepalive(events: AsyncIterator[Any], interval_s: float) -> Asyn
 def build_engine_app(proc: EngineProcess, url: str) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        proc.start(url)   # the model loads here (seconds); then the engine registers
-        print(f"kvledger engine: {proc.config.engine_id} ({proc.config.role}, {proc.config.model}) ready at {url}",
-              flush=True)
+        try:
+            proc.start(url)   # the model loads here (seconds); then the engine registers
+        except StartupInterrupted:   # uvicorn already means to exit: it starts nothing and shuts down at once
+            print(f"kvledger engine: {proc.config.engine_id} stopped while loading", flush=True)
+        else:
+            print(f"kvledger engine: {proc.config.engine_id} ({proc.config.role}, {proc.config.model}) ready at "
+                  f"{url}", flush=True)
         try:
             yield
         finally:

@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from kvledger.entrypoint.router import POLICIES
-from kvledger.util.output import CliError
+from kvledger.util.output import EXIT_INTERRUPTED, CliError
 
 MODELS = ("smollm2-135m", "tiny-v4")
-DRAIN_S = 10.0            # SIGTERM: requests in flight may finish for this long, then end with a 503
+GRACE_S = 10.0   # SIGTERM: seconds requests in flight may finish (then they end with a 503), default --grace-s
 
 
 def default_data_dir() -> Path:
@@ -35,6 +35,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--data-dir", type=Path, default=None, help=f"block ledger folder (default {default_data_dir()})")
     p.add_argument("--no-cache", action="store_true", help="compute every prompt in full (a baseline)")
     p.add_argument("--max-num-seqs", type=int, default=8, help="requests the engine batches at once")
+    grace_arg(p)
     p.set_defaults(func=cmd_serve, redis_url=None, token_file=None, routing="cache-aware")
 
     p = sub.add_parser("entrypoint", help="a cluster's HTTP front: tokenizer, CHECK, router (no model weights)")
@@ -43,7 +44,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--data-dir", type=Path, required=True, help="the shared store folder (blocks under it)")
     p.add_argument("--token-file", type=Path, default=None, help="the cluster token (or $KVLEDGER_CLUSTER_TOKEN)")
     p.add_argument("--routing", default="cache-aware", choices=POLICIES, help="how prefill engines are chosen")
+    grace_arg(p)
     p.set_defaults(func=cmd_serve, no_cache=False, max_num_seqs=8)
+
+
+def grace_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--grace-s", type=float, default=GRACE_S, help="on SIGTERM: seconds requests in flight get to "
+                   "finish before they end with a 503 (Ctrl-C ends them at once) (default %(default)s)")
 
 
 def http_args(p: argparse.ArgumentParser) -> None:
@@ -74,15 +81,15 @@ def is_loopback(host: str) -> bool:
 
 def cmd_serve(args: argparse.Namespace) -> None:
     from kvledger.entrypoint.state import ServeConfig
-    from kvledger.util.http_server import EXIT_INTERRUPTED, listen
+    from kvledger.util.http_server import listen
 
     if args.api_keys is None and not is_loopback(args.host):
         raise CliError(f"--host {args.host}: without --api-keys the server is open to anyone, so it binds to "
                        "loopback only (127.0.0.1, ::1); give --api-keys FILE to listen elsewhere")
     if not 0 <= args.port < 65536:
         raise CliError("--port must lie in [0, 65535]")
-    if args.status_interval_s < 0:
-        raise CliError("--status-interval-s must be >= 0")
+    if args.status_interval_s < 0 or args.grace_s < 0:
+        raise CliError("--status-interval-s and --grace-s must be >= 0")
     for flag in ("max_concurrent_per_key", "max_body_bytes", "max_num_seqs", "max_prompt_tokens", "max_tokens_limit"):
         if getattr(args, flag) is not None and getattr(args, flag) <= 0:
             raise CliError(f"--{flag.replace('_', '-')} must be > 0")
@@ -108,7 +115,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     try:
         state = _open_state(config)
         _load(state, mode, args.routing)
-        code = _run(config, state, mode, sock, args.log_level)
+        code = _run(config, state, mode, sock, args.log_level, args.grace_s)
     except KeyboardInterrupt:   # Ctrl-C before the server ran (during the load)
         code = EXIT_INTERRUPTED
     finally:
@@ -151,9 +158,9 @@ def _load(state: Any, mode: str, routing: str) -> None:
         print(f"kvledger {mode}: loaded in {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
 
 
-def _run(config: Any, state: Any, mode: str, sock: socket.socket, log_level: str) -> int:
+def _run(config: Any, state: Any, mode: str, sock: socket.socket, log_level: str, grace_s: float) -> int:
     """Serve until a signal (util/http_server.py): Ctrl-C ends what is in flight with an error at once; SIGTERM
-    lets it finish for up to DRAIN_S seconds first. Returns the exit status."""
+    lets it finish for up to `grace_s` seconds first. Returns the exit status."""
     import uvicorn
 
     from kvledger.entrypoint.server import build_app
@@ -161,11 +168,11 @@ def _run(config: Any, state: Any, mode: str, sock: socket.socket, log_level: str
 
     def drain() -> None:
         if state.loop is not None:
-            state.loop.call_soon_threadsafe(state.loop.call_later, DRAIN_S, state.stop_requests)
+            state.loop.call_soon_threadsafe(state.loop.call_later, grace_s, state.stop_requests)
 
     configure_logging(log_level)
     uv = uvicorn.Config(build_app(config, state), log_level=log_level, access_log=log_level in ("debug", "info"),
-                        timeout_graceful_shutdown=int(DRAIN_S) + 5, log_config=None)
+                        timeout_graceful_shutdown=int(grace_s) + 5, log_config=None)
     server = Server(uv, on_interrupt=state.interrupt, on_terminate=drain,
                     ready=f"kvledger {mode}: ready at http://{_url_host(config.host)}:{config.port}")
     server.run(sockets=[sock])

@@ -7,13 +7,34 @@
 
 Each process gets one status line when it is ready, and one when it exits; its output goes to
 <data-dir>/logs/<name>.log. stdout ends the start with `kvledger up: ready at http://HOST:PORT`.
-Ctrl-C or SIGTERM stops it all: the entrypoint first, then the engines (each drains, see
-engine/server.py), then Redis. The cluster token is <data-dir>/cluster.token (mode 0600).
+The cluster token is <data-dir>/cluster.token (mode 0600).
+
+Stopping. `up` never leaves a child behind:
+
+| cause                                         | what stops                     | `up` exits with     |
+|-----------------------------------------------|--------------------------------|---------------------|
+| Ctrl-C (SIGINT), also while the models load   | everything, in order           | 130 (128 + SIGINT)  |
+| SIGTERM                                       | everything, in order           | 0 (a stop asked for)|
+| SIGHUP                                        | everything, in order           | 0                   |
+| stdout's reader left (piped into `head -n 2`) | everything, later lines dropped| 0 (no error)        |
+| a child failed to start                       | everything                     | 2, its log's tail   |
+| `up` itself killed, SIGKILL included          | each child by itself           | —                   |
+
+(The last row: PR_SET_PDEATHSIG, set by `serve_process.spawn`; a fetcher also sees its engine's end.)
+
+A signal `up` was started ignoring stays ignored (`nohup`'s SIGHUP, a shell's SIGINT for a background job).
+
+The order: the entrypoint first (no new requests; open ones get `--grace-s`, then their clients see
+an error), then all engines at once (each hands off and drains within `--grace-s`; an engine still
+loading its model abandons the load), then Redis. Whatever outlives `--grace-s` + STOP_SLACK_S, or
+anything at all after a second signal, gets SIGKILL. Exit codes follow the shell's convention for a
+process ended by a signal (128 + N), so a caller can tell a Ctrl-C from a clean stop.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import signal
 import subprocess
 import sys
@@ -22,9 +43,18 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvledger.util.output import CliError
+from kvledger.util.output import EXIT_INTERRUPTED, CliError, LinePrinter
+from kvledger.util.serve_process import spawn, terminate_all
 
 START_TIMEOUT_S = 600.0   # model loads: tens of seconds each on a loaded 2-core machine
+GRACE_S = 2.0             # default --grace-s
+STOP_SLACK_S = 15.0       # beyond --grace-s: a process's own teardown (torch, uvicorn) on a loaded machine
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+NAP_S = 0.05              # how soon the main thread sees a signal's stop request
+
+
+class _Stop(Exception):
+    """A stop was asked for (a signal, stdout's reader left) while the cluster started."""
 
 
 @dataclass(slots=True)
@@ -53,6 +83,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "dirs, gone at exit) instead of one redis-server")
     p.add_argument("--routing", default="cache-aware", choices=POLICIES)
     p.add_argument("--max-num-seqs", type=int, default=8, help="requests each engine batches at once")
+    p.add_argument("--grace-s", type=float, default=GRACE_S, help="on a stop: seconds the entrypoint's open requests "
+                   "and the engines' hand-offs get before they are cut (default %(default)s)")
     p.set_defaults(func=cmd_up)
 
 
@@ -65,19 +97,75 @@ def cmd_up(args: argparse.Namespace) -> None:
         raise CliError("give --redis-url or --redis-cluster, not both")
     if args.api_keys is None and not is_loopback(args.host):
         raise CliError(f"--host {args.host}: without --api-keys the entrypoint binds to loopback only")
+    if args.grace_s < 0:
+        raise CliError("--grace-s must be >= 0")
     data = (args.data_dir or default_data_dir().with_name("cluster")).resolve()
-    Cluster(args, data).run()
+    cluster = Cluster(args, data)
+    code = cluster.run()
+    with contextlib.suppress(OSError, ValueError):   # stderr may be a closed pipe too
+        print(f"kvledger up: stopped ({cluster.cause})", file=sys.stderr, flush=True)
+    if code:
+        raise SystemExit(code)
 
 
 class Cluster:
+    """The children of one `up` and their stop. Signal handlers only set `cause` (and `hurry` on a second
+    one; no lock is taken in a handler) and the main thread, which spawned every child (PR_SET_PDEATHSIG
+    is per thread), sees them within one `_nap` step."""
+
     def __init__(self, args: argparse.Namespace, data: Path) -> None:
         self.args, self.data = args, data
         self.logs = data / "logs"
         self.redis = None
         self.children: list[Child] = []
-        self.stopping = False
+        self.out = LinePrinter()
+        self.cause: str | None = None   # why it stops: a signal's name, "stdout closed"; None: it runs
+        self.code = 0                   # the exit code that goes with `cause`
+        self.hurry = False              # a second signal: SIGKILL whatever is left
 
-    def run(self) -> None:
+    def run(self) -> int:
+        """Start, watch until a stop is asked for, stop everything; the exit code (see the module table)."""
+        self._trap_signals()
+        try:
+            self._start()
+            self.out.line(f"kvledger up: ready at http://{self.args.host}:{self.args.port}")
+            while not self._stopping():
+                self._watch()
+                self._nap(0.5)
+        except _Stop:
+            pass
+        finally:
+            self._stop_all()
+        return self.code
+
+    def _trap_signals(self) -> None:
+        for sig in STOP_SIGNALS:
+            if signal.getsignal(sig) is not signal.SIG_IGN:   # `nohup kvledger up` keeps ignoring SIGHUP
+                signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        if self.cause is None:
+            # as `serve` (util/http_server.py): a Ctrl-C is the shell's 130, a stop asked for is no error
+            self.cause, self.code = signal.Signals(signum).name, EXIT_INTERRUPTED if signum == signal.SIGINT else 0
+        else:
+            self.hurry = True
+
+    def _nap(self, seconds: float) -> None:
+        """Sleep `seconds`, or less once a stop is asked for (looked at every NAP_S)."""
+        end = time.monotonic() + seconds
+        while self.cause is None and time.monotonic() < end:
+            time.sleep(NAP_S)
+
+    def _stopping(self) -> bool:
+        if self.cause is None and self.out.reader_left():
+            self.cause = "stdout closed"
+        return self.cause is not None
+
+    def _check(self) -> None:
+        if self._stopping():
+            raise _Stop
+
+    def _start(self) -> None:
         from kvledger.util.cluster_token import load_token, new_token_file
 
         self.logs.mkdir(parents=True, exist_ok=True)
@@ -88,19 +176,10 @@ class Cluster:
             new_token_file(token_file)
         url = self.args.redis_url or self._start_redis()
         self.children = self._plan(url, token_file)
-        signal.signal(signal.SIGTERM, lambda *_: self._request_stop())
-        try:
-            for child in self.children:
-                self._spawn(child)
-            self._wait_ready()
-            print(f"kvledger up: ready at http://{self.args.host}:{self.args.port}", flush=True)
-            while not self.stopping:
-                self._watch()
-                time.sleep(0.5)
-        except KeyboardInterrupt:
-            pass
-        finally:
-            self._stop_all()
+        for child in self.children:
+            self._check()
+            self._spawn(child)
+        self._wait_ready()
 
     def _start_redis(self) -> str:
         from kvledger.util.redis_server import RedisServer
@@ -108,19 +187,20 @@ class Cluster:
         if self.args.redis_cluster:
             from kvledger.util.redis_cluster import RedisCluster
 
-            self.redis = RedisCluster().start()
-            _status("redis", f"pid {self.redis.nodes[0].proc.pid}", f"ready at {self.redis.url}  (3 masters)")
+            self.redis = RedisCluster()
+            self.redis.start()
+            self._status("redis", f"pid {self.redis.nodes[0].proc.pid}", f"ready at {self.redis.url}  (3 masters)")
             return self.redis.url
         self.redis = RedisServer(data_dir=self.data / "redis", persist=True)
         (self.data / "redis").mkdir(parents=True, exist_ok=True)
         self.redis.start()
-        _status("redis", f"pid {self.redis.proc.pid}", f"ready at {self.redis.url}  (data {self.data / 'redis'})")
+        self._status("redis", f"pid {self.redis.proc.pid}", f"ready at {self.redis.url}  (data {self.data / 'redis'})")
         return self.redis.url
 
     def _plan(self, redis_url: str, token_file: Path) -> list[Child]:
         a = self.args
         common = ["--redis-url", redis_url, "--data-dir", str(self.data), "--token-file", str(token_file),
-                  "--model", a.model, "--log-level", a.log_level]
+                  "--model", a.model, "--log-level", a.log_level, "--grace-s", str(a.grace_s)]
         children = []
         for role, n in (("prefill", a.prefill), ("decode", a.decode), ("both", a.both)):
             for i in range(n):
@@ -136,19 +216,20 @@ class Cluster:
         return children
 
     def _spawn(self, child: Child) -> None:
+        """Its own session (a Ctrl-C at the terminal reaches `up` alone, which stops the children in order);
+        it dies with `up` (`spawn`)."""
         with open(child.log, "ab") as log:
-            child.proc = subprocess.Popen([sys.executable, "-m", "kvledger", *child.args], stdout=log,
-                                          stderr=subprocess.STDOUT, start_new_session=True)
+            child.proc = spawn([sys.executable, "-m", "kvledger", *child.args], stdout=log,
+                               stderr=subprocess.STDOUT, start_new_session=True)
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
         while not all(c.ready for c in self.children):
-            if self.stopping:
-                raise KeyboardInterrupt
+            self._check()
             if time.monotonic() > deadline:
                 raise CliError(f"the cluster did not start within {START_TIMEOUT_S:.0f} s; logs in {self.logs}")
             self._watch()
-            time.sleep(0.3)
+            self._nap(0.3)
 
     def _watch(self) -> None:
         """Status lines: a process that became ready, one that exited."""
@@ -157,44 +238,43 @@ class Cluster:
             code = c.proc.poll()
             if code is not None and "exited" not in c.notes:
                 c.notes.append("exited")
-                _status(c.name, f"pid {c.proc.pid}", f"exited with {code}; log {c.log}")
-                if not c.ready and not self.stopping:
+                self._status(c.name, f"pid {c.proc.pid}", f"exited with {code}; log {c.log}")
+                if not c.ready and self.cause is None:
                     raise CliError(f"{c.name} exited with {code} while starting: {_tail(c.log)}")
             elif code is None and not c.ready and self._is_ready(c):
                 c.ready = True
-                _status(c.name, f"pid {c.proc.pid}", "ready" + _where(c, self.args))
+                self._status(c.name, f"pid {c.proc.pid}", "ready" + _where(c, self.args))
 
     def _is_ready(self, c: Child) -> bool:
         if c.name != "entrypoint":
             return " ready at " in _tail(c.log, 4000)
         try:
-            with urllib.request.urlopen(f"http://{self.args.host}:{self.args.port}/health", timeout=2) as r:
+            with urllib.request.urlopen(f"http://{self.args.host}:{self.args.port}/health", timeout=1) as r:
                 return r.status == 200
         except OSError:
             return False
 
-    def _request_stop(self) -> None:
-        self.stopping = True
-
     def _stop_all(self) -> None:
-        """Entrypoint first (no new requests), then the engines (they drain), then Redis."""
-        self.stopping = True
-        groups = [[c for c in self.children if c.name == "entrypoint"], [c for c in self.children
-                                                                          if c.name != "entrypoint"]]
-        for group in groups:
-            live = [c for c in group if c.proc is not None and c.proc.poll() is None]
-            for c in live:
-                c.proc.send_signal(signal.SIGTERM)
-            for c in live:
-                try:
-                    c.proc.wait(timeout=75)
-                except subprocess.TimeoutExpired:
-                    c.proc.kill()
-                    c.proc.wait(timeout=10)
-                _status(c.name, f"pid {c.proc.pid}", f"stopped ({c.proc.returncode})")
+        """Entrypoint first (no new requests), then the engines together (they hand off and drain), then Redis;
+        SIGKILL after `--grace-s` + STOP_SLACK_S, or at once after a second signal."""
+        self.cause = self.cause or "error"
+        # Ctrl-C reaches the entrypoint as a Ctrl-C: what is in flight ends with an error at once, no drain
+        front = signal.SIGINT if self.cause == "SIGINT" else signal.SIGTERM
+        self._stop_group([c for c in self.children if c.name == "entrypoint"], front)
+        self._stop_group([c for c in self.children if c.name != "entrypoint"])
         if self.redis is not None:
             self.redis.stop()
-            _status("redis", "", "stopped")
+            self._status("redis", "", "stopped")
+
+    def _stop_group(self, group: list[Child], sig: int = signal.SIGTERM) -> None:
+        live = [c for c in group if c.proc is not None and c.proc.poll() is None]
+        codes = terminate_all([c.proc for c in live], self.args.grace_s + STOP_SLACK_S, hurry=lambda: self.hurry,
+                              sig=sig)
+        for c, code in zip(live, codes):
+            self._status(c.name, f"pid {c.proc.pid}", f"stopped ({code})")
+
+    def _status(self, name: str, pid: str, what: str) -> None:
+        self.out.line(f"  {name:<12} {pid:<11} {what}")
 
 
 def _where(c: Child, args: argparse.Namespace) -> str:
@@ -209,7 +289,3 @@ def _tail(path: Path, n: int = 600) -> str:
         return path.read_text(errors="replace")[-n:]
     except OSError:
         return ""
-
-
-def _status(name: str, pid: str, what: str) -> None:
-    print(f"  {name:<12} {pid:<11} {what}", flush=True)

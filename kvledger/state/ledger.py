@@ -29,11 +29,11 @@ from kvledger.core import KEY_BYTES, ModelSpec
 from kvledger.state import auth
 from kvledger.state.client import DEFAULT_TIMEOUT_S, StateClient
 from kvledger.state.directory import Directory, Holder, MemoryDirectory, SnapshotEntry, sign, verified
-from kvledger.state.redis_directory import deadline
 from kvledger.state.files import SnapshotFiles
 from kvledger.state.pool import SlotPool
 from kvledger.state.server import StateServer
 from kvledger.state.strategy import Strategy
+from kvledger.util.redis_client import deadline
 
 DEFAULT_CAPACITY_BYTES = 1 << 30
 log = logging.getLogger(__name__)

@@ -7,85 +7,22 @@ On a Redis Cluster (a `redis+cluster://` URL) it is two rounds of MGETs — the 
 liveness records of their holders — each one MGET per hash slot, batched per master, every master
 at once (kvledger.util.redis_fanout): two round trips per master touched; the same key names, and
 every key a command or script touches is one it was given. Every operation has one deadline for
-all its round trips (`deadline`).
+all its round trips (`deadline`, kvledger.util.redis_client).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import struct
-import threading
-import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 from kvledger.state import auth
 from kvledger.state.directory import DEFAULT_ENTRY_TTL_S, DEFAULT_HOLDER_TTL_S, Holder, SnapshotEntry
+from kvledger.util.redis_client import deadline
 
 log = logging.getLogger(__name__)
 
 # --- shared, on Redis --------------------------------------------------------------
-
-_local = threading.local()
-
-
-@contextlib.contextmanager
-def deadline(seconds: float) -> Iterator[None]:
-    """Every Redis round trip of this thread inside the block (connect, AUTH, script loads,
-    commands) shares one deadline `seconds` from now; an inner block cannot extend an outer one."""
-    outer = getattr(_local, "deadline", None)
-    _local.deadline = time.monotonic() + seconds if outer is None else min(outer, time.monotonic() + seconds)
-    try:
-        yield
-    finally:
-        _local.deadline = outer
-
-
-def _left() -> float | None:
-    """Seconds left to this thread's deadline (None when there is none); redis TimeoutError when past."""
-    end = getattr(_local, "deadline", None)
-    if end is None:
-        return None
-    left = end - time.monotonic()
-    if left <= 0:
-        import redis
-
-        raise redis.TimeoutError("directory deadline passed")
-    return left
-
-
-def _deadline_connection() -> type:
-    """A redis-py Connection whose every socket wait is cut to the thread's `deadline`."""
-    import redis
-
-    class DeadlineConnection(redis.Connection):
-        def _connect(self):  # noqa: ANN202 - redis-py's signature
-            left = _left()
-            if left is None:
-                return super()._connect()
-            saved = self.socket_connect_timeout, self.socket_timeout
-            self.socket_connect_timeout = min(saved[0] or left, left)
-            self.socket_timeout = min(saved[1] or left, left)
-            try:
-                return super()._connect()
-            finally:
-                self.socket_connect_timeout, self.socket_timeout = saved
-
-        def _cut(self) -> None:
-            left = _left()
-            if left is not None and self._sock is not None:
-                self._sock.settimeout(min(self.socket_timeout or left, left))
-
-        def send_packed_command(self, command, check_health=True):  # noqa: ANN001, ANN202
-            self._cut()
-            return super().send_packed_command(command, check_health)
-
-        def read_response(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-            self._cut()
-            return super().read_response(*args, **kwargs)
-
-    return DeadlineConnection
-
 
 _ENTRY_HEAD = struct.Struct("<H")       # length of the holder id ("engine\0incarnation")
 _ENTRY_BODY = struct.Struct("<QQdH")    # position, size, stored_at, length of the address
@@ -178,10 +115,7 @@ class RedisDirectory:
     def __init__(self, url: str | None = None, *, client: object | None = None, prefix: str = "kvl:state:",
                  holder_ttl_s: float = DEFAULT_HOLDER_TTL_S, entry_ttl_s: float = DEFAULT_ENTRY_TTL_S,
                  socket_timeout_s: float = 2.0) -> None:
-        import redis
-        from redis.backoff import NoBackoff
-        from redis.retry import Retry
-
+        from kvledger.util.redis_client import redis_client
         from kvledger.util.redis_cluster import is_cluster_url
         from kvledger.util.redis_fanout import FAULTS, RedisNodes
 
@@ -193,15 +127,12 @@ class RedisDirectory:
         self.prefix = prefix
         self._nodes = None  # the cluster path (kvledger.util.redis_fanout)
         if (url is not None and is_cluster_url(url)) or type(client).__name__ == "RedisCluster":
-            self._nodes = RedisNodes(url, socket_timeout_s, connection_class=_deadline_connection(), client=client)
+            self._nodes = RedisNodes(url, socket_timeout_s, deadlines=True, client=client)
             self._withdraw_sha = self._nodes.script(_WITHDRAW_LUA)
             self._retire_sha = self._nodes.script(_RETIRE_LUA)
         else:
             if client is None:
-                pool = redis.ConnectionPool.from_url(
-                    url, connection_class=_deadline_connection(), socket_timeout=socket_timeout_s,
-                    socket_connect_timeout=socket_timeout_s, retry=Retry(NoBackoff(), 0))
-                client = redis.Redis(connection_pool=pool)
+                client = redis_client(url, timeout_s=socket_timeout_s, deadlines=True)
             self._single = client
             self._withdraw = client.register_script(_WITHDRAW_LUA)
             self._lookup = client.register_script(_LOOKUP_LUA)

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-from kvledger.util.serve_process import _die_with_parent, free_port, request, terminate
+from kvledger.util.serve_process import free_port, request, spawn, terminate
 
 START_TIMEOUT_S = 900.0   # several model loads at once on a loaded 2-core machine
 STATUS = re.compile(r"^\s+(\S+)\s+pid (\d+)\s+ready(?: at (\S+))?")
@@ -53,8 +53,7 @@ class ClusterProcess:
         self.port = free_port()
         cmd = [sys.executable, "-m", "kvledger", "up", "--port", str(self.port), "--data-dir", str(self.data_dir),
                *self.args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env=os.environ.copy(), preexec_fn=_die_with_parent)
+        self.proc = spawn(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ.copy())
         threading.Thread(target=self._read, daemon=True).start()
         if not self._ready.wait(START_TIMEOUT_S) or self.proc.poll() is not None:
             out = "\n".join(self.lines[-20:])

@@ -26,10 +26,9 @@ from typing import Any
 
 import uvicorn
 
-from kvledger.util.output import CliError
+from kvledger.util.output import EXIT_INTERRUPTED, CliError
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-EXIT_INTERRUPTED = 130   # 128 + SIGINT, as a shell reports a Ctrl-C
 
 
 def listen(host: str, port: int) -> socket.socket:

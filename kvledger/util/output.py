@@ -1,11 +1,19 @@
-"""What every command shares: the error type for bad input and the one-JSON-object output."""
+"""What every command shares: the error type for bad input, the one-JSON-object output, and status lines
+that survive a closed pipe (`LinePrinter`)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
+import select
 import sys
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+
+EXIT_INTERRUPTED = 130   # 128 + SIGINT: how a shell reports a Ctrl-C, and how every kvledger command ends on one
 
 
 class CliError(Exception):
@@ -58,3 +66,49 @@ def loads_strict(text: str | bytes) -> Any:
         raise ValueError(f"{e.msg} at line {e.lineno} column {e.colno}") from None
     except RecursionError:
         raise ValueError("nested too deep") from None
+
+
+@dataclass(slots=True)
+class LinePrinter:
+    """Status lines on stdout (each flushed), for a process that must keep going when its reader leaves
+    (`kvledger up | head -n 2`). The first write that fails (EPIPE: the pipe's reader closed it; EIO: a
+    hung-up terminal) turns the printer into a sink: every later line is dropped, nothing raises, and
+    stdout points at /dev/null, so the interpreter's last flush cannot fail either. `gone` says the
+    reader has left (the caller may stop).
+
+    `reader_left()` finds a closed pipe without writing (poll: POLLERR on a pipe whose reader closed,
+    POLLHUP on a hung-up terminal); once true, the printer is a sink too."""
+
+    stream: TextIO = field(default_factory=lambda: sys.stdout)
+    gone: bool = False
+
+    def line(self, text: str) -> None:
+        if self.gone:
+            return
+        try:
+            self.stream.write(text + "\n")
+            self.stream.flush()
+        except (OSError, ValueError, AttributeError):   # EPIPE, EIO; a closed (ValueError) or absent stdout
+            self._sink()
+
+    def reader_left(self) -> bool:
+        if not self.gone:
+            with contextlib.suppress(OSError, ValueError, AttributeError):   # no descriptor: only writes tell
+                poller = select.poll()
+                poller.register(self.stream.fileno(), 0)   # 0: only POLLERR, POLLHUP, POLLNVAL come back
+                if any(ev & (select.POLLERR | select.POLLHUP) for _, ev in poller.poll(0)):
+                    self._sink()
+        return self.gone
+
+    def _sink(self) -> None:
+        self.gone = True
+        to_devnull(self.stream)
+
+
+def to_devnull(stream: TextIO) -> None:
+    """Point `stream`'s file descriptor at /dev/null: what is still buffered, and what comes, goes nowhere
+    (after EPIPE, so that the interpreter's last flush does not fail again)."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, stream.fileno())
+        os.close(devnull)

@@ -19,11 +19,10 @@ from typing import Any, NamedTuple
 
 import redis
 import redis.cluster
-from redis.backoff import NoBackoff
 from redis.crc import key_slot
-from redis.retry import Retry
 
-from kvledger.util.redis_cluster import cluster_client, is_cluster_url
+from kvledger.util.redis_client import redis_client
+from kvledger.util.redis_cluster import is_cluster_url
 
 log = logging.getLogger("kvledger.redis")
 
@@ -102,15 +101,15 @@ def script_call(sha: str, names: Sequence[bytes], *argv: bytes | str | int, head
 class RedisNodes:
     """Where a batch goes: the one server of a `redis://` URL, or the master serving each call's slot."""
 
-    def __init__(self, url: str | None, timeout_s: float, *, connection_class: type | None = None,
-                 client: Any = None) -> None:
-        """`url`, or `client` (a redis.Redis or redis.cluster.RedisCluster of the caller's, kept as it is)."""
+    def __init__(self, url: str | None, timeout_s: float, *, deadlines: bool = False, client: Any = None) -> None:
+        """`url`, or `client` (a redis.Redis or redis.cluster.RedisCluster of the caller's, kept as it is).
+        `deadlines`: a client opened from `url` honours `kvledger.util.redis_client.deadline` blocks."""
         assert (url is None) != (client is None), "give a url or a client"
         self.url = url or repr(client)
         self.timeout_s = timeout_s
         self.cluster = is_cluster_url(url) if url else isinstance(client, redis.cluster.RedisCluster)
         self.scripts: dict[str, bytes] = {}  # sha → body, loaded again on a node that answers NOSCRIPT
-        self._extra = {"connection_class": connection_class} if connection_class else {}
+        self._deadlines = deadlines
         self._client: Any = client
         self._given = client is not None
         self._forgot = -FORGET_S
@@ -118,10 +117,7 @@ class RedisNodes:
         self._slot_node: dict[int, redis.Redis] = {}  # slot → master, for the client `_slot_node_of`
         self._slot_node_of: Any = None
         if not self.cluster and client is None:
-            pool = redis.ConnectionPool.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                                                 retry=Retry(NoBackoff(), 0), health_check_interval=0,
-                                                 **self._extra)
-            self._client = redis.Redis(connection_pool=pool)
+            self._client = redis_client(url, timeout_s=timeout_s, deadlines=deadlines)
 
     def script(self, body: str) -> str:
         """Register a Lua script; its sha1 (for `script_call`)."""
@@ -132,7 +128,7 @@ class RedisNodes:
     def client(self) -> Any:
         """redis.Redis (one server) or redis.cluster.RedisCluster (learning the slot map now if it must)."""
         if self._client is None:
-            self._client = cluster_client(self.url, self.timeout_s, **self._extra)
+            self._client = redis_client(self.url, timeout_s=self.timeout_s, deadlines=self._deadlines)
         return self._client
 
     def masters(self) -> list[redis.Redis]:

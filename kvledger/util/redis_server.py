@@ -1,5 +1,6 @@
 """A private redis-server on a free loopback port: for tests, benchmarks and `kvledger serve`
-when no shared Redis is configured. Uses Debian's `redis-server` binary."""
+when no shared Redis is configured. Uses Debian's `redis-server` binary; it dies with the process
+that started it (`serve_process.spawn`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+
+from kvledger.util.serve_process import spawn, terminate
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -50,7 +53,8 @@ class RedisServer:
         if self.password:
             args += ["--requirepass", self.password]
         args += list(self.extra_args)
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        # its own session: a Ctrl-C at the terminal reaches the supervisor, which stops Redis last
+        self.proc = spawn(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -66,13 +70,7 @@ class RedisServer:
         raise RuntimeError(f"redis-server did not answer on port {self.port} within {timeout_s} s")
 
     def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        terminate(self.proc, 10)
 
     def kill(self) -> None:
         if self.proc and self.proc.poll() is None:

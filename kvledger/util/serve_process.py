@@ -1,7 +1,10 @@
-"""`kvledger serve` as a real subprocess on a free loopback port (the server tests, `kvledger bench serve`)."""
+"""`kvledger serve` as a real subprocess on a free loopback port (the server tests, `kvledger bench serve`),
+and how kvledger starts and stops every child that must not outlive it: `spawn`, `terminate`, `terminate_all`."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
 import signal
@@ -11,20 +14,39 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 KVLEDGER = Path(sys.executable).parent / "kvledger"
 START_TIMEOUT_S = 600.0   # model load: ~50 s at load average 25 on a 2-core machine, minutes at 35
 
 
-def _die_with_parent() -> None:
-    """Linux: the server gets SIGTERM when the process that started it dies (a killed test or bench)."""
-    try:
-        import ctypes
+def _die_with_parent(parent: int | None = None) -> None:
+    """In the child, before exec (Linux): SIGTERM to it when the thread that started it ends (PR_SET_PDEATHSIG:
+    the *thread*, so spawn from the main thread, or one that outlives the child). `parent`: the pid that
+    spawned it; if that one died before the flag was set (the race PR_SET_PDEATHSIG leaves), exit now."""
+    with contextlib.suppress(OSError, AttributeError):
+        _prctl()(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
+    if parent is not None and os.getppid() != parent:
+        os._exit(1)
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+
+@functools.cache
+def _prctl() -> Callable[..., int]:
+    """libc's prctl, found once in the parent: the child between fork and exec should not load libraries."""
+    import ctypes
+
+    return ctypes.CDLL(None, use_errno=True).prctl
+
+
+def spawn(cmd: Sequence[str], **popen: Any) -> subprocess.Popen:
+    """`subprocess.Popen(cmd, **popen)` for a child that must not outlive this process: it gets SIGTERM when
+    the spawning thread ends, by any means, SIGKILL included (see `_die_with_parent`). The one way kvledger
+    starts its long-lived children (redis-server, engines, the entrypoint, fetchers, servers under test)."""
+    with contextlib.suppress(OSError, AttributeError):
+        _prctl()   # resolved here, not in the child
+    return subprocess.Popen(list(cmd), preexec_fn=functools.partial(_die_with_parent, os.getpid()), **popen)
 
 
 def free_port() -> int:
@@ -36,14 +58,24 @@ def free_port() -> int:
 def terminate(proc: subprocess.Popen | None, grace_s: float) -> int | None:
     """SIGTERM (a graceful shutdown, as an operator does), SIGKILL after `grace_s`; the exit code (None: never
     started)."""
-    if proc is None or proc.poll() is not None:
-        return None if proc is None else proc.returncode
-    proc.send_signal(signal.SIGTERM)
-    try:
-        return proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        return proc.wait(timeout=10)
+    return None if proc is None else terminate_all([proc], grace_s)[0]
+
+
+def terminate_all(procs: Sequence[subprocess.Popen], grace_s: float,
+                  hurry: Callable[[], bool] = lambda: False, sig: int = signal.SIGTERM) -> list[int]:
+    """`sig` (SIGTERM: drain) to each running one (in order), then wait for them together; SIGKILL to those
+    still running after `grace_s`, or as soon as `hurry()` says so (a second Ctrl-C). Their exit codes, in
+    order."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(sig)
+    end = time.monotonic() + grace_s
+    while any(p.poll() is None for p in procs) and time.monotonic() < end and not hurry():
+        time.sleep(0.05)
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+    return [p.wait(timeout=10) for p in procs]
 
 
 class ServeProcess:
@@ -75,8 +107,7 @@ class ServeProcess:
         if self.keys_file is not None:
             cmd += ["--api-keys", str(self.keys_file)]
         with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy(),
-                                         preexec_fn=_die_with_parent)
+            self.proc = spawn(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
         self._wait_healthy()
         return self
 

@@ -8,7 +8,7 @@ import pytest
 import redis
 
 from kvledger.state.directory import Holder, MemoryDirectory, SnapshotEntry
-from kvledger.state.redis_directory import RedisDirectory, decode_entry, encode_entry
+from kvledger.state.redis_directory import RedisDirectory, deadline, decode_entry, encode_entry
 from kvledger.util.redis_cluster import RedisCluster
 
 TTL = 0.8  # seconds; generous, so a loaded machine does not miss a heartbeat
@@ -172,3 +172,31 @@ def test_a_given_redis_cluster_client_takes_the_cluster_path(redis_cluster):
     d.retire(h)
     assert d.lookup([(4).to_bytes(16, "big")]) == [None] and d.faults == 0
     d.close()
+
+
+def test_a_unix_socket_url_publishes_and_looks_up_with_the_same_deadlines(tmp_path):
+    """`unix://PATH` (a redis-server listening on a socket in tmp_path): publish, heartbeat and lookup
+    work (the deadline connection wraps redis-py's socket-path connection, not only TCP), and a
+    caller's `deadline` block still cuts a lookup on a hung server short of `socket_timeout_s`."""
+    from kvledger.util.redis_server import RedisServer
+
+    sock = tmp_path / "redis.sock"
+    server = RedisServer(extra_args=("--unixsocket", str(sock), "--unixsocketperm", "700")).start(timeout_s=60)
+    try:
+        d = RedisDirectory(f"unix://{sock}?db=0", prefix="kvl:test:unix:", holder_ttl_s=30, socket_timeout_s=5.0)
+        h = Holder("e1", "127.0.0.1:1")
+        d.heartbeat(h)
+        d.publish([_entry(h, i) for i in range(3)])
+        assert d.lookup([i.to_bytes(16, "big") for i in range(4)]) == [_entry(h, i) for i in range(3)] + [None]
+        assert d.faults == 0 and d._r.connection_pool.connection_kwargs["path"] == str(sock)
+        os.kill(server.proc.pid, signal.SIGSTOP)  # hung: only the deadline can end the lookup before 5 s
+        try:
+            t0 = time.monotonic()
+            with deadline(0.3):
+                assert d.lookup([(0).to_bytes(16, "big")]) == [None]
+            assert time.monotonic() - t0 < 1.5 and d.faults == 1
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        d.close()
+    finally:
+        server.close()
