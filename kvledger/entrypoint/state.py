@@ -20,7 +20,7 @@ from kvledger.entrypoint.remote import RemoteEngines
 from kvledger.entrypoint.auth import Tenant, load_keys
 from kvledger.entrypoint.cli import MODELS, default_data_dir
 from kvledger.entrypoint.metrics import ServeMetrics
-from kvledger.store.ledger import BlockLedger
+from kvledger.store.ledger import BlockLedger, blocks_dir
 from kvledger.store.ttl import TtlPolicy
 
 MIB = 1 << 20
@@ -69,7 +69,7 @@ class ServerState:
         self.policy = TtlPolicy()
         self.keys: dict[str, Tenant] | None = (load_keys(config.api_keys, set(self.policy.classes))
                                                if config.api_keys is not None else None)
-        self.block_ledger = BlockLedger.open(path=Path(config.data_dir) / "blocks", redis_url=config.redis_url,
+        self.block_ledger = BlockLedger.open(path=blocks_dir(config.data_dir), redis_url=config.redis_url,
                                              policy=self.policy)
         self.state_ledger = self._open_state_ledger()
         self.tokenizer, self.chat_template = _text_side(config.model)
