@@ -74,11 +74,12 @@ def cmd_plan(args: argparse.Namespace) -> None:
         check_tokens("--tokens", args.tokens)
         traffic = Traffic(requests_per_day=args.requests_per_day, reuse=args.reuse, output_tokens=args.output_tokens,
                           mix=_pairs(args.mix, "--mix"), ttl_days={**DEFAULT_TTL_DAYS, **_pairs(args.ttl, "--ttl")})
-        link = Link(fetch_bytes_per_s=args.fetch_gbps * 1e9, fetch_latency_s=args.fetch_latency_ms / 1e3,
-                    prefill_tokens_per_s=args.prefill_tps)
+        rate = {} if args.prefill_tps is None else {"prefill_tokens_per_s": args.prefill_tps}
+        link = Link.of(spec, fetch_bytes_per_s=args.fetch_gbps * 1e9, fetch_latency_s=args.fetch_latency_ms / 1e3,
+                       **rate)
     except ValueError as e:
         raise CliError(str(e)) from None
-    p = plan(spec, args.tokens, traffic, link)
+    p = plan(spec, args.tokens, traffic, link, prefill_source="--prefill-tps" if rate else None)
     if args.json:
         emit_json(plan_json(p))
     else:
@@ -154,14 +155,14 @@ def cmd_demo(args: argparse.Namespace) -> None:
 # --- parser ----------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvledger.core import ModelSpec
+    from kvledger.core import DEFAULT_MODEL, ModelSpec
 
     models = ", ".join(ModelSpec.presets())
     p = _Parser(prog="kvledger", description="kvledger: a shared, persistent KV-cache tier for LLM serving.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     pl = sub.add_parser("plan", help="capacity and bandwidth figures for a model and a prompt length")
-    pl.add_argument("--model", default="deepseek-v4.1-flash", help=f"one of: {models}")
+    pl.add_argument("--model", default=DEFAULT_MODEL, help=f"one of: {models} (default: serve's)")
     pl.add_argument("--tokens", type=int, required=True, help="prompt length in tokens")
     pl.add_argument("--requests-per-day", type=float, default=100_000)
     pl.add_argument("--reuse", type=float, default=0.56, help="share of prompt tokens served from cache")
@@ -170,15 +171,16 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--ttl", default="", help="TTL days per class, e.g. agent=3,chatbot=7 (the defaults)")
     pl.add_argument("--fetch-gbps", type=float, default=10.0, help="storage → host GB/s of one engine (assumed)")
     pl.add_argument("--fetch-latency-ms", type=float, default=1.0, help="fixed cost of one fetch")
-    pl.add_argument("--prefill-tps", type=float, default=131072 / 13,
-                    help="prefill tokens/s (default: DESIGN.md's 128K tokens in 13 s)")
+    pl.add_argument("--prefill-tps", type=float, default=None,
+                    help="prefill tokens/s (default: the model's own rate, e.g. DESIGN.md's 128K tokens in 13 s "
+                         "for deepseek-v4.1-flash, ~800 measured on the CPU reference engine for smollm2-135m)")
     pl.add_argument("--json", action="store_true", help="print one JSON object")
     pl.set_defaults(func=cmd_plan)
 
     df = sub.add_parser("diff", help="where two prompts diverge and how many blocks of B hit after A")
     df.add_argument("a", help="prompt A: a text file, or a JSON list of token ids (inline or in a file)")
     df.add_argument("b", help="prompt B, likewise")
-    df.add_argument("--model", default="deepseek-v4.1-flash", help=f"one of: {models}")
+    df.add_argument("--model", default=DEFAULT_MODEL, help=f"one of: {models} (default: serve's)")
     df.add_argument("--tokenizer", default="smollm2", help="for text prompts: smollm2, a .gguf or a tokenizer.json")
     df.add_argument("--namespace", default="default", help="namespace (tenant) A was cached in")
     df.add_argument("--namespace-b", default=None, help="namespace B is asked in (default: --namespace)")

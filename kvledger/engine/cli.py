@@ -9,6 +9,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from kvledger.core.spec import DEFAULT_MODEL
 from kvledger.util.output import CliError
 
 MODELS = ("smollm2-135m", "tiny-v4")
@@ -20,7 +21,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--redis-url", required=True, help="the cluster's Redis: index, directory, registry")
     p.add_argument("--data-dir", type=Path, required=True, help="the shared store folder (blocks under it)")
     p.add_argument("--token-file", type=Path, default=None, help="the cluster token (or $KVLEDGER_CLUSTER_TOKEN)")
-    p.add_argument("--model", default="smollm2-135m", choices=MODELS)
+    p.add_argument("--model", default=DEFAULT_MODEL, choices=MODELS)
     p.add_argument("--host", default="127.0.0.1", help="address of the internal API and the state server")
     p.add_argument("--port", type=int, default=0, help="internal API port (0: any free one)")
     p.add_argument("--engine-id", default=None, help="default: <role>-<random>")

@@ -42,11 +42,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def http_args(p: argparse.ArgumentParser) -> None:
+    from kvledger.core.spec import DEFAULT_MODEL
+
     p.add_argument("--host", default="127.0.0.1", help="address to bind (non-loopback needs --api-keys)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-keys", type=Path, default=None, metavar="FILE",
                    help='JSON: {"KEY": "namespace"} or {"KEY": {"namespace": ..., "ttl_class": ...}}')
-    p.add_argument("--model", default="smollm2-135m", choices=MODELS)
+    p.add_argument("--model", default=DEFAULT_MODEL, choices=MODELS)
     p.add_argument("--max-concurrent-per-key", type=int, default=16, help="more at once → 429")
     p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies → 413")
     p.add_argument("--max-prompt-tokens", type=int, default=None, help="longer prompts → 400 (default: the context)")

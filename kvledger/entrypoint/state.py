@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvledger.core import ModelSpec
+from kvledger.core import DEFAULT_MODEL, ModelSpec
 from kvledger.entrypoint.activity import Activity
 from kvledger.engine.async_engine import AsyncEngine
 from kvledger.entrypoint.remote import RemoteEngines
@@ -30,7 +30,7 @@ MIB = 1 << 20
 class ServeConfig:
     """What `kvledger serve` was started with. Limits are per request unless named otherwise."""
 
-    model: str = "smollm2-135m"
+    model: str = DEFAULT_MODEL
     host: str = "127.0.0.1"
     port: int = 8000
     data_dir: Path = field(default_factory=default_data_dir)
