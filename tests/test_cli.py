@@ -1,3 +1,4 @@
+import argparse
 import json
 
 import pytest
@@ -128,3 +129,44 @@ def test_demo_runs(run_cli):
     for part in ("capacity plan", "130,816", "130,688", "prompt diff", "snapshot hit of 2,176 tokens",
                  "17 of 17 blocks read back", "bytes identical", "byte-exact", "ceiling 0.640", "Try next"):
         assert part in r.stdout
+
+
+def _commands(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
+    """(path, parser) of every subcommand under `parser`, depth first."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield (*path, name), sub
+                yield from _commands(sub, (*path, name))
+
+
+def _option_text(help_text: str, option: str) -> str:
+    """The lines `--help` gives one option: its invocation line and the indented lines after it."""
+    lines = help_text.splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("  " + option))
+    block = [lines[start]]
+    for ln in lines[start + 1:]:
+        if not ln.startswith("   "):
+            break
+        block.append(ln)
+    return " ".join(block)
+
+
+def test_every_command_has_a_description_an_example_and_shows_its_defaults(monkeypatch):
+    from kvledger.cli import build_parser
+    from kvledger.util.output import shows_default
+
+    monkeypatch.setenv("COLUMNS", "1000")   # one line per option: a default is never split
+    commands = list(_commands(build_parser()))
+    names = {" ".join(path) for path, _ in commands}
+    assert {"plan", "diff", "demo", "serve", "entrypoint", "engine", "up", "store stats", "store gc",
+            "store verify", "bench store", "bench ttft", "bench sim"} <= names
+    for path, parser in commands:
+        cmd = "kvledger " + " ".join(path)
+        assert parser.description and parser.description.strip(), cmd
+        assert parser.epilog and "example" in parser.epilog and cmd in parser.epilog, cmd
+        text = parser.format_help()
+        for action in parser._actions:
+            if action.option_strings and shows_default(action):
+                option = action.option_strings[-1]
+                assert str(action.default) in _option_text(text, option), f"{cmd} {option}: {action.default!r}"

@@ -16,32 +16,63 @@ from typing import Any
 import lmdb
 
 from kvledger.store.backend import BlockStore
-from kvledger.store.ledger import blocks_dir
-from kvledger.util.output import CliError, emit_json
+from kvledger.store.ledger import BLOCKS_DIR, blocks_dir
+from kvledger.util.output import CliError, emit_json, examples
 
 SEGMENTS = "segments"   # what every file block store holds (store/segment_files.py)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser("store", help="block ledger: stats, gc, verify")
+    parser = sub.add_parser("store", help="block ledger: stats, gc, verify",
+                            description="Operator views of a block ledger: a file store (a folder, or the "
+                            "--data-dir of `kvledger serve`/`up`),\na Redis one, or both (the cluster mode). "
+                            "With neither --path nor --redis-url, serve's default data dir.",
+                            epilog=examples("kvledger store stats", "kvledger store gc --path DATA --capacity-gb 50",
+                                            "kvledger store verify --redis-url redis://127.0.0.1:6379/0 --path MOUNT"))
     cmds = parser.add_subparsers(dest="store_command", required=True, parser_class=type(parser))
+    _stats_parser(cmds)
+    _gc_parser(cmds)
+    _verify_parser(cmds)
 
-    def common(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--path", metavar="DIR", help="a file block store (directory); with --redis-url: its bytes")
-        p.add_argument("--redis-url", metavar="URL", help="a Redis block store, e.g. redis://127.0.0.1:6379/0 "
-                       "(a Redis Cluster: redis+cluster://HOST:PORT[,HOST:PORT...])")
-        p.add_argument("--json", action="store_true", help="print one JSON object")
 
-    st = cmds.add_parser("stats", help="size, blocks, chains, per-class counts, oldest entry")
-    common(st)
+def _location_args(p: argparse.ArgumentParser) -> None:
+    from kvledger.entrypoint.cli import default_data_dir
+
+    p.add_argument("--path", metavar="DIR", help="a file block store, or the --data-dir of `kvledger serve`/`up` "
+                   f"(its {BLOCKS_DIR}/ is used); with --redis-url: its bytes (default without --redis-url: "
+                   f"serve's data dir, {default_data_dir()})")
+    p.add_argument("--redis-url", metavar="URL", help="a Redis block store, e.g. redis://127.0.0.1:6379/0 "
+                   "(a Redis Cluster: redis+cluster://HOST:PORT[,HOST:PORT...])")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _stats_parser(cmds: argparse._SubParsersAction) -> None:
+    st = cmds.add_parser("stats", help="size, blocks, chains, per-class counts, oldest entry",
+                         description="Size, blocks, chains, blocks per TTL class and per namespace, the oldest entry, "
+                         "the next expiry,\nand the state ledger's snapshot files beside the blocks.",
+                         epilog=examples("kvledger store stats", "kvledger store stats --path DATA --json"))
+    _location_args(st)
     st.set_defaults(func=cmd_stats)
-    g = cmds.add_parser("gc", help="remove expired blocks (tails first); evict down to --capacity-gb")
-    common(g)
-    g.add_argument("--capacity-gb", type=float, default=None, help="file store: evict least recently hit above this")
+
+
+def _gc_parser(cmds: argparse._SubParsersAction) -> None:
+    g = cmds.add_parser("gc", help="remove expired blocks (tails first); evict down to --capacity-gb",
+                        description="Remove expired blocks (chain tails first), then evict the least recently hit "
+                        "down to\n--capacity-gb (file store), then the snapshot files whose chain block is gone.",
+                        epilog=examples("kvledger store gc --path DATA --capacity-gb 50 --json"))
+    _location_args(g)
+    g.add_argument("--capacity-gb", type=float, default=None, help="file store: evict least recently hit above this "
+                   "(default: no limit)")
     g.add_argument("--batch", type=int, default=4096, help="blocks removed per batch")
     g.set_defaults(func=cmd_gc)
-    v = cmds.add_parser("verify", help="check every block's checksum; report and remove bad blocks")
-    common(v)
+
+
+def _verify_parser(cmds: argparse._SubParsersAction) -> None:
+    v = cmds.add_parser("verify", help="check every block's checksum; report and remove bad blocks",
+                        description="Read every indexed block and check its checksum; bad blocks are reported and "
+                        "removed\n(with --keep: only reported).",
+                        epilog=examples("kvledger store verify --path DATA --keep --json"))
+    _location_args(v)
     v.add_argument("--keep", action="store_true", help="report bad blocks without removing them")
     v.set_defaults(func=cmd_verify)
 

@@ -1,7 +1,9 @@
-"""What every command shares: the error type for bad input and the one-JSON-object output."""
+"""What every command shares: the error type for bad input, the one-JSON-object output, and `--help`
+(every default shown, an example in each epilog)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import sys
@@ -10,6 +12,28 @@ from typing import Any
 
 class CliError(Exception):
     """Bad input: `kvledger` reports it as one line on stderr and exits 2."""
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """`--help` of every kvledger command: the description and the epilog's example as written, and
+    each option's default appended, unless it is unset (None, False, "", []) or the help already
+    places it with `%(default)s`."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if not shows_default(action):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def shows_default(action: argparse.Action) -> bool:
+    """Whether `--help` names this option's default: a value other than unset, off, or suppressed."""
+    d = action.default
+    return not (d is None or d is False or d is argparse.SUPPRESS or (isinstance(d, (str, list)) and not d))
+
+
+def examples(*commands: str) -> str:
+    """An epilog of example command lines, one per line."""
+    return "example" + ("s" if len(commands) > 1 else "") + ":\n" + "\n".join(f"  {c}" for c in commands)
 
 
 def finite(obj: Any) -> Any:
