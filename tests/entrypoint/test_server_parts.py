@@ -55,6 +55,26 @@ def test_completion_request_rejects(bad):
         CompletionRequest.model_validate(bad)
 
 
+def test_unsupported_fields_are_refused_by_name_and_harmless_values_pass():
+    from kvledger.entrypoint.errors import ApiError
+    from kvledger.entrypoint.prepare import refuse_unsupported
+
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    for extra in ({}, {"tools": []}, {"tools": None}, {"tool_choice": "none"}, {"response_format": {"type": "text"}},
+                  {"tools": [], "tool_choice": "none", "response_format": None}):
+        refuse_unsupported(ChatCompletionRequest.model_validate(chat | extra))
+    refuse_unsupported(CompletionRequest.model_validate({"model": "m", "prompt": "x", "response_format": None}))
+    for extra, param in (({"tools": [{"type": "function"}]}, "tools"), ({"tool_choice": "auto"}, "tool_choice"),
+                         ({"response_format": {"type": "json_object"}}, "response_format")):
+        with pytest.raises(ApiError) as e:
+            refuse_unsupported(ChatCompletionRequest.model_validate(chat | extra))
+        assert (e.value.status, e.value.param, e.value.code) == (400, param, "unsupported_parameter")
+    with pytest.raises(ApiError) as e:
+        refuse_unsupported(CompletionRequest.model_validate({"model": "m", "prompt": "x",
+                                                             "response_format": {"type": "json_schema"}}))
+    assert e.value.param == "response_format"
+
+
 # --- API keys and namespaces -----------------------------------------------------------------
 
 
