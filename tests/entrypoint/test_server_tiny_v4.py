@@ -1,5 +1,7 @@
 """`kvledger serve --model tiny-v4`: token-id prompts, both ledgers, the hit cap of a sliding-window model."""
 
+import json
+
 import numpy as np
 
 from kvledger.core import ModelSpec, chain_keys
@@ -23,6 +25,15 @@ def test_tiny_v4_serves_token_ids_and_hits_its_cap(tmp_path):
         assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == cap == 384
         assert second["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]
+        assert server.post("/v1/completions", body | {"prompt": list(range(1, 101))})[0] == 200
+        status, raw = server.get("/dashboard/activity")
+        ttft = json.loads(raw)["ttft_by_length"]
+        assert status == 200 and [(b["tokens_from"], b["tokens_to"]) for b in ttft["buckets"]] == [(65, 128),
+                                                                                                    (513, 1024)]
+        short, long = ttft["buckets"]
+        assert (short["cold"]["requests"], short["hit"]["requests"]) == (1, 0) and short["hit"]["p50_s"] is None
+        assert (long["cold"]["requests"], long["hit"]["requests"]) == (1, 1)
+        assert min(long["hit"]["p50_s"], long["cold"]["p50_s"], short["cold"]["p50_s"]) > 0
         status, err = server.post("/v1/chat/completions", {"model": "tiny-v4",
                                                            "messages": [{"role": "user", "content": "hi"}]})
         assert status == 400 and "token ids" in err["error"]["message"]
