@@ -13,7 +13,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from kvledger.util.output import EXIT_INTERRUPTED, CliError, emit_json, finite_float, loads_strict, to_devnull
+from kvledger.util.output import (EXIT_INTERRUPTED, CliError, HelpFormatter, emit_json, examples, finite_float,
+                                   loads_strict, to_devnull)
 
 EXIT_USAGE = 2
 # Command groups that live with their packages; each module has `register(subparsers)`.
@@ -22,9 +23,11 @@ COMMAND_GROUPS = ("kvledger.store.cli", "kvledger.bench.cli", "kvledger.entrypoi
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse with one line on error and finite floats: every `type=float` flag refuses nan and inf."""
+    """argparse with one line on error, every default shown in `--help` (`HelpFormatter`) and finite
+    floats: every `type=float` flag refuses nan and inf."""
 
     def __init__(self, *args: Any, **kw: Any) -> None:
+        kw.setdefault("formatter_class", HelpFormatter)
         super().__init__(*args, **kw)
         self.register("type", float, finite_float)
 
@@ -78,11 +81,12 @@ def cmd_plan(args: argparse.Namespace) -> None:
         check_tokens("--tokens", args.tokens)
         traffic = Traffic(requests_per_day=args.requests_per_day, reuse=args.reuse, output_tokens=args.output_tokens,
                           mix=_pairs(args.mix, "--mix"), ttl_days={**DEFAULT_TTL_DAYS, **_pairs(args.ttl, "--ttl")})
-        link = Link(fetch_bytes_per_s=args.fetch_gbps * 1e9, fetch_latency_s=args.fetch_latency_ms / 1e3,
-                    prefill_tokens_per_s=args.prefill_tps)
+        rate = {} if args.prefill_tps is None else {"prefill_tokens_per_s": args.prefill_tps}
+        link = Link.of(spec, fetch_bytes_per_s=args.fetch_gbps * 1e9, fetch_latency_s=args.fetch_latency_ms / 1e3,
+                       **rate)
     except ValueError as e:
         raise CliError(str(e)) from None
-    p = plan(spec, args.tokens, traffic, link)
+    p = plan(spec, args.tokens, traffic, link, prefill_source="--prefill-tps" if rate else None)
     if args.json:
         emit_json(plan_json(p))
     else:
@@ -158,47 +162,78 @@ def cmd_demo(args: argparse.Namespace) -> None:
 # --- parser ----------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="kvledger", description="kvledger: a shared, persistent KV-cache tier for LLM serving.",
+                epilog=examples("kvledger demo", "kvledger serve", "kvledger COMMAND --help"))
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    _plan_parser(sub)
+    _diff_parser(sub)
+    _demo_parser(sub)
+    for name in COMMAND_GROUPS:
+        module = optional_module(name)
+        if module is not None:
+            module.register(sub)
+    return p
+
+
+def _models() -> str:
     from kvledger.core import ModelSpec
 
-    models = ", ".join(ModelSpec.presets())
-    p = _Parser(prog="kvledger", description="kvledger: a shared, persistent KV-cache tier for LLM serving.")
-    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    return ", ".join(ModelSpec.presets())
 
-    pl = sub.add_parser("plan", help="capacity and bandwidth figures for a model and a prompt length")
-    pl.add_argument("--model", default="deepseek-v4.1-flash", help=f"one of: {models}")
+
+def _plan_parser(sub: argparse._SubParsersAction) -> None:
+    from kvledger.core import DEFAULT_MODEL
+
+    pl = sub.add_parser("plan", help="capacity and bandwidth figures for a model and a prompt length",
+                        description="Capacity and bandwidth figures of one prompt length: block and snapshot bytes, "
+                        "the hit cap,\nstorage per day and per TTL class, fetch time, prefill time (first order) "
+                        "and the break-even prefix.",
+                        epilog=examples("kvledger plan --tokens 2048",
+                                        "kvledger plan --model deepseek-v4.1-flash --tokens 131072 --json"))
+    pl.add_argument("--model", default=DEFAULT_MODEL, help=f"one of: {_models()}; the default is serve's")
     pl.add_argument("--tokens", type=int, required=True, help="prompt length in tokens")
-    pl.add_argument("--requests-per-day", type=float, default=100_000)
+    pl.add_argument("--requests-per-day", type=float, default=100_000, help="requests of this length a day")
     pl.add_argument("--reuse", type=float, default=0.56, help="share of prompt tokens served from cache")
     pl.add_argument("--output-tokens", type=int, default=0, help="decode tokens stored per request")
     pl.add_argument("--mix", default="agent=0.5,chatbot=0.5", help="share of requests per TTL class")
-    pl.add_argument("--ttl", default="", help="TTL days per class, e.g. agent=3,chatbot=7 (the defaults)")
+    pl.add_argument("--ttl", default="", help="TTL days per class (default: agent=3,chatbot=7)")
     pl.add_argument("--fetch-gbps", type=float, default=10.0, help="storage → host GB/s of one engine (assumed)")
     pl.add_argument("--fetch-latency-ms", type=float, default=1.0, help="fixed cost of one fetch")
-    pl.add_argument("--prefill-tps", type=float, default=131072 / 13,
-                    help="prefill tokens/s (default: DESIGN.md's 128K tokens in 13 s)")
+    pl.add_argument("--prefill-tps", type=float, default=None,
+                    help="prefill tokens/s (default: the model's own rate, e.g. DESIGN.md's 128K tokens in 13 s "
+                         "for deepseek-v4.1-flash, ~800 measured on the CPU reference engine for smollm2-135m)")
     pl.add_argument("--json", action="store_true", help="print one JSON object")
     pl.set_defaults(func=cmd_plan)
 
-    df = sub.add_parser("diff", help="where two prompts diverge and how many blocks of B hit after A")
+
+def _diff_parser(sub: argparse._SubParsersAction) -> None:
+    from kvledger.core import DEFAULT_MODEL
+
+    df = sub.add_parser("diff", help="where two prompts diverge and how many blocks of B hit after A",
+                        description="Where prompt B diverges from prompt A, which span differs, how many blocks of "
+                        "B hit after A\nwas cached, and how many more would hit with the differing span moved to "
+                        "the end.",
+                        epilog=examples("kvledger diff a.txt b.txt", "kvledger diff '[1, 2, 3]' '[1, 2, 4]' --json"))
     df.add_argument("a", help="prompt A: a text file, or a JSON list of token ids (inline or in a file)")
     df.add_argument("b", help="prompt B, likewise")
-    df.add_argument("--model", default="deepseek-v4.1-flash", help=f"one of: {models}")
+    df.add_argument("--model", default=DEFAULT_MODEL, help=f"one of: {_models()}; the default is serve's")
     df.add_argument("--tokenizer", default="smollm2", help="for text prompts: smollm2, a .gguf or a tokenizer.json")
     df.add_argument("--namespace", default="default", help="namespace (tenant) A was cached in")
     df.add_argument("--namespace-b", default=None, help="namespace B is asked in (default: --namespace)")
     df.add_argument("--json", action="store_true", help="print one JSON object")
     df.set_defaults(func=cmd_diff)
 
-    dm = sub.add_parser("demo", help="the main job on built-in examples")
+
+def _demo_parser(sub: argparse._SubParsersAction) -> None:
+    dm = sub.add_parser("demo", help="the main job on built-in examples",
+                        description="The main job on built-in examples: the V4 capacity plan, a prompt diff, "
+                        "hit decisions,\nblocks stored and read back, and a chat with SmolLM2 whose later turns "
+                        "hit the cache.",
+                        epilog=examples("kvledger demo", "kvledger demo --turns 0   # without the chat (no model "
+                                        "load)"))
     dm.add_argument("--turns", type=int, default=3, choices=range(4), metavar="{0..3}",
                     help="chat turns with SmolLM2 on the reference engine (default %(default)s; 0: skip the chat)")
     dm.set_defaults(func=cmd_demo)
-
-    for name in COMMAND_GROUPS:
-        module = optional_module(name)
-        if module is not None:
-            module.register(sub)
-    return p
 
 
 def optional_module(name: str):

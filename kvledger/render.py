@@ -43,9 +43,9 @@ def plan_table(p: CapacityPlan, console: Console) -> None:
     rows = [
         ("block", f"{p.block_size} tokens = {p.block_bytes:,} B", human_bytes(p.block_bytes)),
         ("prompt KV (full blocks)", f"{p.blocks_per_prompt:,} blocks", human_bytes(p.prompt_kv_bytes)),
-        ("hit-eligible tokens", f"{p.hit_eligible_tokens:,}", "rule 3 cap: the last W+K (or 1) tokens are computed"),
-        ("SWA snapshot", f"{p.swa_snapshot_bytes:,} B", human_bytes(p.swa_snapshot_bytes)),
-        ("rings", f"{p.inference_ring} / {p.kvstore_ring}", "inference / prefill kvstore (tokens)"),
+        ("hit-eligible tokens", f"{p.hit_eligible_tokens:,}",
+         f"rule 3 cap: the last R = {p.reserve_tokens:,} prompt tokens are always computed"),
+        *_swa_rows(p),
         ("written per day", human_bytes(p.bytes_written_per_day),
          f"{p.traffic.requests_per_day:,.0f} req/day, {p.traffic.reuse:.0%} of prompt tokens reused"),
     ]
@@ -55,7 +55,7 @@ def plan_table(p: CapacityPlan, console: Console) -> None:
     rows += [
         ("storage: total", human_bytes(p.storage_bytes), "steady state"),
         ("fetch eligible prefix", human_s(p.fetch_s), f"at {p.link.fetch_bytes_per_s / 1e9:g} GB/s"),
-        ("prefill (no hit)", human_s(p.prefill_s), f"at {p.link.prefill_tokens_per_s:,.0f} tokens/s"),
+        ("prefill (no hit)", human_s(p.prefill_s), _prefill_note(p)),
         ("TTFT on a hit", human_s(p.ttft_hit_s), f"{p.speedup:,.1f}× faster (first order: fetch + suffix)"),
         ("break-even prefix", "never" if p.break_even_tokens is None else f"{p.break_even_tokens:,} tokens",
          "shorter cached prefixes are not worth fetching"),
@@ -63,6 +63,22 @@ def plan_table(p: CapacityPlan, console: Console) -> None:
     for r in rows:
         t.add_row(*r)
     console.print(t)
+
+
+def _prefill_note(p: CapacityPlan) -> str:
+    source = p.prefill_source
+    if source != "--prefill-tps":
+        source += "; --prefill-tps overrides"
+    return f"at {p.link.prefill_tokens_per_s:,.0f} tokens/s ({source})"
+
+
+def _swa_rows(p: CapacityPlan) -> list[tuple[str, str, str]]:
+    """The state ledger's rows: the snapshot and the rings, or one line saying there are none."""
+    if not p.has_swa:
+        return [("SWA snapshot", "none", "no sliding-window layers: no snapshot, no rings")]
+    assert p.swa_snapshot_bytes is not None
+    return [("SWA snapshot", f"{p.swa_snapshot_bytes:,} B", human_bytes(p.swa_snapshot_bytes)),
+            ("rings", f"{p.inference_ring} / {p.kvstore_ring}", "inference / prefill kvstore (tokens)")]
 
 
 # --- diff ------------------------------------------------------------------------

@@ -1,3 +1,4 @@
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -9,10 +10,12 @@ KVLEDGER = Path(sys.executable).parent / "kvledger"
 
 @pytest.fixture
 def run_cli():
-    """Run the installed `kvledger` console script; returns the CompletedProcess (text)."""
+    """Run the installed `kvledger` console script; returns the CompletedProcess (text). `env`: variables
+    set on top of this process's environment (e.g. XDG_DATA_HOME, which moves serve's default data dir)."""
 
-    def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-        return subprocess.run([str(KVLEDGER), *args], capture_output=True, text=True, timeout=timeout)
+    def run(*args: str, timeout: float = 120, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+        return subprocess.run([str(KVLEDGER), *args], capture_output=True, text=True, timeout=timeout,
+                              env={**os.environ, **(env or {})})
 
     return run
 

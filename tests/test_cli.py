@@ -1,3 +1,4 @@
+import argparse
 import json
 
 import pytest
@@ -57,6 +58,40 @@ def test_diff_inline_lists(run_cli):
     assert d["first_divergence"] is None and d["hit_blocks"] == 2 and d["hit_tokens"] == 256
 
 
+def test_diff_and_plan_default_to_the_model_serve_runs(run_cli):
+    """A newcomer's `kvledger diff` agrees with `kvledger serve`: 900 identical tokens hit 896 on serve's
+    SmolLM2 (R = 1: ⌊899/128⌋·128), not DeepSeek-V4's 640 (R = 134: ⌊766/128⌋·128)."""
+    from kvledger.cli import build_parser
+
+    parser = build_parser()
+    serve_model = parser.parse_args(["serve"]).model
+    assert parser.parse_args(["diff", "[1]", "[1]"]).model == serve_model
+    assert parser.parse_args(["plan", "--tokens", "1"]).model == serve_model
+    ids = json.dumps(list(range(900)))
+    d = _one_json(run_cli("diff", ids, ids, "--json").stdout)
+    assert (d["model"], d["hit_tokens"]) == (serve_model, 896)
+    p = _one_json(run_cli("plan", "--tokens", "900", "--json").stdout)
+    assert (p["model"], p["hit_eligible_tokens"]) == (serve_model, 896)
+
+
+def test_plan_prices_prefill_at_the_models_rate_and_shows_no_swa_rows_without_windows(run_cli):
+    r = run_cli("plan", "--model", "smollm2-135m", "--tokens", "2048", "--json")
+    assert r.returncode == 0, r.stderr
+    p = _one_json(r.stdout)
+    assert p["link"]["prefill_tokens_per_s"] == 800 and p["prefill_s"] == pytest.approx(2048 / 800)
+    assert "measured" in p["prefill_source"]
+    assert p["has_swa"] is False and (p["swa_snapshot_bytes"], p["inference_ring"], p["kvstore_ring"]) == (None,) * 3
+    given = _one_json(run_cli("plan", "--model", "smollm2-135m", "--tokens", "2048", "--prefill-tps", "100",
+                              "--json").stdout)
+    assert given["prefill_s"] == pytest.approx(20.48) and given["prefill_source"] == "--prefill-tps"
+    wide = {"COLUMNS": "200"}   # rich wraps the notes at 80 columns otherwise
+    table = run_cli("plan", "--model", "smollm2-135m", "--tokens", "2048", env=wide)
+    assert "no sliding-window layers" in table.stdout and "│ rings" not in table.stdout
+    assert " 0 B" not in table.stdout and "800 tokens/s" in table.stdout
+    v4 = run_cli("plan", "--model", "deepseek-v4.1-flash", "--tokens", "2048", env=wide)
+    assert "│ rings" in v4.stdout and "1,415,040 B" in v4.stdout and "10,082 tokens/s" in v4.stdout
+
+
 @pytest.mark.parametrize("args", [
     ("plan", "--tokens", "-1"),
     ("plan", "--tokens", "abc"),
@@ -94,3 +129,44 @@ def test_demo_runs(run_cli):
     for part in ("capacity plan", "130,816", "130,688", "prompt diff", "snapshot hit of 2,176 tokens",
                  "17 of 17 blocks read back", "bytes identical", "byte-exact", "ceiling 0.640", "Try next"):
         assert part in r.stdout
+
+
+def _commands(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
+    """(path, parser) of every subcommand under `parser`, depth first."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield (*path, name), sub
+                yield from _commands(sub, (*path, name))
+
+
+def _option_text(help_text: str, option: str) -> str:
+    """The lines `--help` gives one option: its invocation line and the indented lines after it."""
+    lines = help_text.splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("  " + option))
+    block = [lines[start]]
+    for ln in lines[start + 1:]:
+        if not ln.startswith("   "):
+            break
+        block.append(ln)
+    return " ".join(block)
+
+
+def test_every_command_has_a_description_an_example_and_shows_its_defaults(monkeypatch):
+    from kvledger.cli import build_parser
+    from kvledger.util.output import shows_default
+
+    monkeypatch.setenv("COLUMNS", "1000")   # one line per option: a default is never split
+    commands = list(_commands(build_parser()))
+    names = {" ".join(path) for path, _ in commands}
+    assert {"plan", "diff", "demo", "serve", "entrypoint", "engine", "up", "store stats", "store gc",
+            "store verify", "bench store", "bench ttft", "bench sim"} <= names
+    for path, parser in commands:
+        cmd = "kvledger " + " ".join(path)
+        assert parser.description and parser.description.strip(), cmd
+        assert parser.epilog and "example" in parser.epilog and cmd in parser.epilog, cmd
+        text = parser.format_help()
+        for action in parser._actions:
+            if action.option_strings and shows_default(action):
+                option = action.option_strings[-1]
+                assert str(action.default) in _option_text(text, option), f"{cmd} {option}: {action.default!r}"

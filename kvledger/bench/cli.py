@@ -1,10 +1,14 @@
-"""`kvledger bench NAME`: each benchmark is a module with `HELP`, `add_arguments(parser)` and
-`run(args)`. Every bench takes `--json` (one JSON object on stdout, its figures side by side
+"""`kvledger bench NAME`: each benchmark is a module with `HELP`, `EXAMPLES` (command lines for
+`--help`), `add_arguments(parser)` and `run(args)`; its docstring's first paragraph is the
+description. Every bench takes `--json` (one JSON object on stdout, its figures side by side
 with its baseline) and `--out DIR` (the JSON and PNG charts written there)."""
 
 from __future__ import annotations
 
 import argparse
+from types import ModuleType
+
+from kvledger.util.output import examples
 
 BENCHES = {
     "store": "kvledger.bench.store_bench",   # block ledger: read/write vs plain files, CHECK vs vLLM-style hashing
@@ -22,14 +26,23 @@ BENCHES = {
 def register(sub: argparse._SubParsersAction) -> None:
     from kvledger.cli import optional_module
 
-    parser = sub.add_parser("bench", help="benchmarks, each side by side with its baseline")
+    parser = sub.add_parser("bench", help="benchmarks, each side by side with its baseline",
+                            description="Benchmarks, each printing its figures side by side with its baseline "
+                            "(--json: one JSON object;\n--out DIR: the JSON and PNG charts).",
+                            epilog=examples("kvledger bench ttft --json", "kvledger bench NAME --help"))
     benches = parser.add_subparsers(dest="bench", required=True, parser_class=type(parser))
     for name, module_name in BENCHES.items():
         module = optional_module(module_name)
         if module is None:
             continue
-        p = benches.add_parser(name, help=module.HELP)
+        p = benches.add_parser(name, help=module.HELP, description=_description(module),
+                               epilog=examples(*module.EXAMPLES))
         p.add_argument("--json", action="store_true", help="print one JSON object")
         p.add_argument("--out", metavar="DIR", help="write the JSON and PNG charts into DIR")
         module.add_arguments(p)
         p.set_defaults(func=module.run)
+
+
+def _description(module: ModuleType) -> str:
+    """The first paragraph of a bench module's docstring (it names the command and what it compares)."""
+    return (module.__doc__ or module.HELP).strip().split("\n\n")[0]

@@ -26,6 +26,7 @@ from kvledger.core import ModelSpec, chain_keys
 from kvledger.util.output import CliError, emit_json
 
 HELP = "CHECK and directory lookups on a 3-master Redis Cluster vs one Redis server"
+EXAMPLES = ("kvledger bench redis-cluster --reps 41 --json",)  # `--help`'s epilog
 MAX_KEYS = 1 << 20
 
 # The baseline `single_old`: the CHECK script before Redis Cluster support (one server only): it builds

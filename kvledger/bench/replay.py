@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from kvledger.bench.trace import Trace
 
 HELP = "live trace replay against a server or a local cluster, per routing policy, beside the simulator"
+EXAMPLES = ("kvledger bench replay --workload chat --json",)  # `--help`'s epilog
 POLICIES = ("cache-aware", "round-robin", "least-loaded", "prefix-affinity")
 SESSIONS = {"chat": 8, "agent": 2}
 HEADLINE = ("token_hit_rate", "sim_token_hit_rate", "hit_rate_gap", "ttft_p50_warm_s", "ttft_p50_cold_s",

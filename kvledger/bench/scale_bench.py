@@ -39,6 +39,7 @@ from typing import Any
 from kvledger.util.output import CliError, emit_json
 
 HELP = "block ledger at node scale: persisted LMDB index vs the previous in-process index"
+EXAMPLES = ("kvledger bench scale --blocks 100000 --old-blocks 0 --json",)  # `--help`'s epilog
 ROLE = [sys.executable, "-m", "kvledger.bench.scale_roles"]
 
 

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 HELP = "kvledger serve under concurrent multi-turn chats, side by side with --no-cache"
+EXAMPLES = ("kvledger bench serve --json",)  # `--help`'s epilog
 MODES = ("cache", "no_cache")
 
 
@@ -35,10 +36,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", choices=("smollm2-135m", "tiny-v4"))
     p.add_argument("--sessions", type=int, default=6, help="chat sessions (the workload's first N)")
     p.add_argument("--concurrency", type=int, default=3, help="sessions in flight at once")
-    p.add_argument("--max-turns", type=int, default=3)
+    p.add_argument("--max-turns", type=int, default=3, help="turns per chat session at most")
     p.add_argument("--length-scale", type=float, default=0.25, help="factor on every workload length")
     p.add_argument("--reply-tokens", type=int, default=8, help="cap on generated tokens per turn")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="workload seed")
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,6 +23,10 @@ from kvledger.core.plan import DEFAULT_TTL_DAYS, PUBLISHED_PREFILL_TOKENS_PER_S
 from kvledger.util.output import CliError, dumps_strict, emit_json, loads_strict
 
 HELP = "cluster simulator: hit rate, TTFT and store size vs TTL, capacity, routing, SWA strategy"
+EXAMPLES = (  # `--help`'s epilog
+    "kvledger bench sim",
+    "kvledger bench sim --workload chat --sweep swa --sweep-capacity 2G",
+)
 _UNITS = {"": 1, "B": 1, "K": 1e3, "KB": 1e3, "M": 1e6, "MB": 1e6, "G": 1e9, "GB": 1e9, "T": 1e12, "TB": 1e12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
@@ -105,15 +109,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sessions", type=int, help="workload sessions (default: the generator's)")
     p.add_argument("--seed", type=int, default=0, help="workload and random-routing seed")
     p.add_argument("--model", default="deepseek-v4.1-flash", help=f"one of: {', '.join(ModelSpec.presets())}")
-    p.add_argument("--prefill-engines", type=int, default=8, metavar="N")
-    p.add_argument("--decode-engines", type=int, default=4, metavar="M")
+    p.add_argument("--prefill-engines", type=int, default=8, metavar="N", help="prefill engines simulated")
+    p.add_argument("--decode-engines", type=int, default=4, metavar="M", help="decode engines simulated")
     p.add_argument("--prefill-tps", type=float, help="prefill tokens/s of one engine (default: DESIGN.md)")
     bw = p.add_mutually_exclusive_group()
     bw.add_argument("--fetch-gbps", type=float, help="storage → host GB/s of one engine (default 10, assumed)")
     bw.add_argument("--calibration", metavar="FILE",
                     help="JSON of `kvledger bench store --json` (read_bytes_per_s) or `kvledger bench replay --json` "
                          "(read_bytes_per_s and prefill_tokens_per_s, measured live)")
-    p.add_argument("--fetch-latency-ms", type=float, default=1.0)
+    p.add_argument("--fetch-latency-ms", type=float, default=1.0, help="fixed cost of one fetch")
     p.add_argument("--decode-tps", type=float, default=30.0, help="decode tokens/s of one request")
     p.add_argument("--capacity", default="inf", help="store size (8G, 500MB, 1TiB, inf); split per engine when local")
     p.add_argument("--ttl", default="agent=3,chatbot=7", help="none, DAYS, or agent=DAYS,chatbot=DAYS")

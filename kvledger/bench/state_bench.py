@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 HELP = "state ledger: snapshot pulls vs a plain socket send of the same bytes; directory lookups"
+EXAMPLES = ("kvledger bench state --json --out /tmp/state-bench",)  # `--help`'s epilog
 REQUEST_BYTES = 64
 BLOCK = 5  # pulls in a row per transport before switching to the next
 

@@ -34,6 +34,7 @@ from kvledger.core import ModelSpec, chain_keys
 from kvledger.util.output import CliError, dumps_strict, emit_json
 
 HELP = "block ledger: read/write vs plain files, CHECK vs vLLM-style hashing"
+EXAMPLES = ("kvledger bench store --json --out /tmp/storebench",)  # `--help`'s epilog
 CHECK_TOKENS = (8192, 131072, 1048576)
 
 

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 HELP = "engine TTFT: cold vs full hit vs bounded replay, split into CHECK, fetch, swap-in, compute"
+EXAMPLES = ("kvledger bench ttft --model smollm2-135m --tokens 4096 --json",)  # `--help`'s epilog
 GREEDY_TOKENS = 32
 
 

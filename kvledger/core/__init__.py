@@ -13,10 +13,11 @@ from kvledger.core.hit import (
 from kvledger.core.keys import (FORMAT_VERSION, KEY_BYTES, chain_keys, extend_chain, root_key, salted_namespace,
                                 token_bytes)
 from kvledger.core.plan import CapacityPlan, Link, Traffic, break_even_tokens, plan
-from kvledger.core.spec import LayerKind, ModelSpec
+from kvledger.core.spec import DEFAULT_MODEL, LayerKind, ModelSpec
 
 __all__ = [
-    "FORMAT_VERSION", "KEY_BYTES", "CapacityPlan", "HitDecision", "HitKind", "LayerKind", "Link", "ModelSpec",
+    "DEFAULT_MODEL", "FORMAT_VERSION", "KEY_BYTES", "CapacityPlan", "HitDecision", "HitKind", "LayerKind", "Link",
+    "ModelSpec",
     "PromptDiff", "Traffic", "break_even_tokens", "chain_keys", "decide_hit", "decode_replica_positions",
     "decode_store_position", "diff_prompts", "extend_chain", "hit_cap", "plan", "prefill_store_positions",
     "root_key", "salted_namespace", "token_bytes",

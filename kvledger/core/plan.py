@@ -12,11 +12,9 @@ import math
 from dataclasses import dataclass, field
 
 from kvledger.core.hit import hit_cap
-from kvledger.core.spec import ModelSpec
+from kvledger.core.spec import PUBLISHED_PREFILL_SOURCE, PUBLISHED_PREFILL_TOKENS_PER_S, ModelSpec
 
 DAY_S = 86_400
-# DESIGN.md: a 128K-token prompt takes 13 s to first token without a hit.
-PUBLISHED_PREFILL_TOKENS_PER_S = 131_072 / 13
 DEFAULT_TTL_DAYS = {"agent": 3.0, "chatbot": 7.0}
 MAX_PROMPT_TOKENS = 1 << 30        # one prompt (or its output): at most ~1.07 billion tokens
 MAX_REQUESTS_PER_DAY = 1e12
@@ -71,7 +69,7 @@ class Traffic:
 
 @dataclass(frozen=True, slots=True)
 class Link:
-    """How fast KV moves and how fast it is recomputed."""
+    """How fast KV moves and how fast it is recomputed (`Link.of(spec)`: at the model's own prefill rate)."""
 
     fetch_bytes_per_s: float = 10e9      # assumed storage → host bandwidth of one prefill engine
     fetch_latency_s: float = 1e-3        # fixed cost of one fetch (metadata, first byte)
@@ -83,6 +81,13 @@ class Link:
         if self.fetch_bytes_per_s <= 0 or self.prefill_tokens_per_s <= 0 or self.fetch_latency_s < 0:
             raise ValueError("bandwidth and throughput must be > 0, latency >= 0")
 
+    @classmethod
+    def of(cls, spec: ModelSpec, **kw: float) -> Link:
+        """A link whose prefill rate is the model's (`ModelSpec.prefill_tokens_per_s`, or the published V4
+        rate when the spec has none) unless `prefill_tokens_per_s` is given."""
+        kw.setdefault("prefill_tokens_per_s", spec.prefill_tokens_per_s or PUBLISHED_PREFILL_TOKENS_PER_S)
+        return cls(**kw)
+
 
 @dataclass(frozen=True, slots=True)
 class CapacityPlan:
@@ -93,14 +98,17 @@ class CapacityPlan:
     blocks_per_prompt: int
     prompt_kv_bytes: int               # full blocks of one prompt
     hit_eligible_tokens: int           # the cap of rule 3
-    swa_snapshot_bytes: int
-    inference_ring: int
-    kvstore_ring: int
+    reserve_tokens: int                # R of rule 3: the prompt's last R tokens are always computed
+    has_swa: bool                      # False: no sliding-window layers, so no snapshot and no rings:
+    swa_snapshot_bytes: int | None     #   these three are None
+    inference_ring: int | None
+    kvstore_ring: int | None
     bytes_written_per_day: int         # new full blocks stored per day, all classes
     storage_bytes_by_class: dict[str, int]
     storage_bytes: int                 # steady state: written per day × TTL, summed over classes
     fetch_s: float                     # fetching the eligible prefix
-    prefill_s: float                   # computing the whole prompt
+    prefill_s: float                   # computing the whole prompt (at link.prefill_tokens_per_s)
+    prefill_source: str                # where that rate comes from (the model's, or "--prefill-tps")
     ttft_hit_s: float                  # fetch + computing the rest
     speedup: float                     # prefill_s / ttft_hit_s
     break_even_tokens: int | None      # shortest cached prefix (whole blocks) worth fetching; None: never
@@ -108,8 +116,13 @@ class CapacityPlan:
     link: Link
 
 
-def plan(spec: ModelSpec, prompt_tokens: int, traffic: Traffic = Traffic(), link: Link = Link()) -> CapacityPlan:
+def plan(spec: ModelSpec, prompt_tokens: int, traffic: Traffic = Traffic(), link: Link | None = None,
+         prefill_source: str | None = None) -> CapacityPlan:
+    """The figures of one prompt length. `link` None: `Link.of(spec)` (the model's prefill rate);
+    `prefill_source` says where a given link's rate comes from (default: the model's source)."""
     check_tokens("prompt tokens", prompt_tokens)
+    link = link if link is not None else Link.of(spec)
+    swa = spec.has_swa
     b = spec.block_size
     blocks = prompt_tokens // b
     cap = hit_cap(prompt_tokens, spec)
@@ -128,20 +141,32 @@ def plan(spec: ModelSpec, prompt_tokens: int, traffic: Traffic = Traffic(), link
         blocks_per_prompt=blocks,
         prompt_kv_bytes=blocks * spec.block_bytes(),
         hit_eligible_tokens=cap,
-        swa_snapshot_bytes=spec.state_size_to_disk(),
-        inference_ring=spec.inference_ring(),
-        kvstore_ring=spec.kvstore_ring(),
+        reserve_tokens=spec.reserve_tokens,
+        has_swa=swa,
+        swa_snapshot_bytes=spec.state_size_to_disk() if swa else None,
+        inference_ring=spec.inference_ring() if swa else None,
+        kvstore_ring=spec.kvstore_ring() if swa else None,
         bytes_written_per_day=int(written),
         storage_bytes_by_class=by_class,
         storage_bytes=sum(by_class.values()),
         fetch_s=fetch,
         prefill_s=prefill,
+        prefill_source=prefill_source or _prefill_source(spec, link),
         ttft_hit_s=ttft_hit,
         speedup=prefill / ttft_hit if ttft_hit > 0 else 1.0,
         break_even_tokens=break_even_tokens(spec, link),
         traffic=traffic,
         link=link,
     )
+
+
+def _prefill_source(spec: ModelSpec, link: Link) -> str:
+    """Where `link`'s prefill rate comes from, when the caller did not say."""
+    if link.prefill_tokens_per_s == spec.prefill_tokens_per_s:
+        return spec.prefill_source
+    if link.prefill_tokens_per_s == PUBLISHED_PREFILL_TOKENS_PER_S:
+        return PUBLISHED_PREFILL_SOURCE
+    return "given"
 
 
 def break_even_tokens(spec: ModelSpec, link: Link) -> int | None:

@@ -13,6 +13,13 @@ import math
 from dataclasses import asdict, dataclass
 from enum import StrEnum
 
+# The model `kvledger serve`, `entrypoint`, `engine` and `up` run when none is named; `kvledger diff`
+# and `kvledger plan` default to it too, so their figures are the ones a newcomer's server reports.
+DEFAULT_MODEL = "smollm2-135m"
+# DESIGN.md: a 128K-token V4 prompt takes 13 s to first token without a hit.
+PUBLISHED_PREFILL_TOKENS_PER_S = 131_072 / 13
+PUBLISHED_PREFILL_SOURCE = "published in DESIGN.md: 128K tokens in 13 s"
+
 
 class LayerKind(StrEnum):
     """The attention of one layer, as the ledgers see it.
@@ -56,6 +63,11 @@ class ModelSpec:
     prefill_store_extra: int = 0  # extra ring tokens a prefill engine keeps to store at a 128 boundary
     yoco_keep: int = 0            # extra ring tokens kept for the YoCo truncation anchor
     description: str = ""
+    # First-order prefill throughput (tokens/s) and where the figure comes from: what `kvledger plan`
+    # prices a cold prefill at (its --prefill-tps overrides it). None: not known (plan falls back to
+    # DESIGN.md's published V4 rate). Neither is KV geometry, so neither is in the fingerprint.
+    prefill_tokens_per_s: float | None = None
+    prefill_source: str = ""
 
     def __post_init__(self) -> None:
         assert self.layers, "a model has layers"
@@ -69,6 +81,7 @@ class ModelSpec:
             assert ratio is None or self.block_size % ratio == 0, "block must align every compression ratio"
         if self.csa_ratio and self.hca_ratio:
             assert self.block_size == math.lcm(self.csa_ratio, self.hca_ratio)
+        assert self.prefill_tokens_per_s is None or self.prefill_tokens_per_s > 0
 
     # --- presets ---------------------------------------------------------------
 
@@ -136,7 +149,8 @@ class ModelSpec:
         """A stable hex digest of everything that shapes this model's KV (part of every chain key)."""
         fields = asdict(self)
         fields["layers"] = [k.value for k in self.layers]
-        fields.pop("description")
+        for not_geometry in ("description", "prefill_tokens_per_s", "prefill_source"):
+            fields.pop(not_geometry)
         canon = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(canon).hexdigest()[:32]
 
@@ -167,6 +181,10 @@ def _tiny_v4() -> ModelSpec:
         swa_stored_layers=4, swa_bytes_per_token=128, csa_ratio=csa, hca_ratio=hca,
         prefill_store_extra=128, yoco_keep=134,
         description="DeepSeek-V4 structure at toy size (reference engine)",
+        # README "kvledger bench ttft": a cold 32,768-token prompt in 47.0 s on the 2-core CPU reference
+        # engine (2026-11-30, a loaded machine)
+        prefill_tokens_per_s=32_768 / 47.0,
+        prefill_source="measured: 32,768 tokens cold in 47 s on the CPU reference engine",
     )
 
 
@@ -186,6 +204,8 @@ _PRESETS: dict[str, ModelSpec] = {
         prefill_store_extra=128,
         yoco_keep=134,
         description="DeepSeek-V4.1-Flash (published figures; indexer K not included)",
+        prefill_tokens_per_s=PUBLISHED_PREFILL_TOKENS_PER_S,
+        prefill_source=PUBLISHED_PREFILL_SOURCE,
     ),
     "tiny-v4": _tiny_v4(),
     "smollm2-135m": ModelSpec(
@@ -199,5 +219,11 @@ _PRESETS: dict[str, ModelSpec] = {
         swa_stored_layers=0,
         swa_bytes_per_token=0,
         description="SmolLM2-135M (Llama, full attention, GQA 3 KV heads × 64, bf16 KV)",
+        # issue 18: a cold ~2K-token chat prompt took ~2.5 s in `kvledger serve` on the 2-core CPU
+        # reference engine, i.e. about 800 tokens/s. The rate moves with threads and load (`kvledger bench
+        # ttft --tokens 2048`, 1 torch thread on the shared machine, 2026-12-01: 8.7 s) and falls for
+        # longer prompts (attention); `kvledger plan --prefill-tps` overrides it.
+        prefill_tokens_per_s=800.0,
+        prefill_source="measured: ~2K tokens cold in ~2.5 s on the CPU reference engine",
     ),
 }

@@ -73,6 +73,10 @@ class RequestUsage:
     device_cached_tokens: int = 0  # of cached_tokens, those found in the engine's own device prefix cache
                                    # (the rest came from the ledgers)
     engine: str | None = None      # the engine that served the prompt (cluster mode; None in one process)
+    fetch_bytes: int = 0           # bytes the fetcher really read from the block ledger for this prompt
+                                   # (0 for a device-cache hit: no estimate from cached tokens)
+    fetch_misses: dict[str, int] = field(default_factory=dict)  # blocks the fetch missed, by cause
+                                   # ("absent", "corrupt"), as the fetcher process's store counted them
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,24 +8,32 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from kvledger.util.output import CliError
+from kvledger.core.spec import DEFAULT_MODEL
+from kvledger.util.output import CliError, examples
 
 MODELS = ("smollm2-135m", "tiny-v4")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("engine", help="one engine of a cluster (prefill, decode or both) on a shared Redis")
-    p.add_argument("--role", required=True, choices=("prefill", "decode", "both"))
+    p = sub.add_parser("engine", help="one engine of a cluster (prefill, decode or both) on a shared Redis",
+                       description="One engine process of a cluster: it loads the model, opens the shared ledgers "
+                       "(Redis index, blocks\nunder --data-dir), serves the internal API behind the cluster token "
+                       "and heartbeats into the registry.\nSIGTERM: it hands its requests back and drains for up to "
+                       "--grace-s.",
+                       epilog=examples("kvledger engine --role prefill --redis-url redis://127.0.0.1:6379/0 "
+                                       "--data-dir /mnt/kvl --token-file cluster.token"))
+    p.add_argument("--role", required=True, choices=("prefill", "decode", "both"), help="what the router sends it")
     p.add_argument("--redis-url", required=True, help="the cluster's Redis: index, directory, registry")
     p.add_argument("--data-dir", type=Path, required=True, help="the shared store folder (blocks under it)")
     p.add_argument("--token-file", type=Path, default=None, help="the cluster token (or $KVLEDGER_CLUSTER_TOKEN)")
-    p.add_argument("--model", default="smollm2-135m", choices=MODELS)
+    p.add_argument("--model", default=DEFAULT_MODEL, choices=MODELS, help="the model served")
     p.add_argument("--host", default="127.0.0.1", help="address of the internal API and the state server")
     p.add_argument("--port", type=int, default=0, help="internal API port (0: any free one)")
     p.add_argument("--engine-id", default=None, help="default: <role>-<random>")
-    p.add_argument("--max-num-seqs", type=int, default=8)
+    p.add_argument("--max-num-seqs", type=int, default=8, help="requests the engine batches at once")
     p.add_argument("--grace-s", type=float, default=60.0, help="on SIGTERM: seconds to hand off and drain")
-    p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
+    p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"),
+                   help="uvicorn's log level (info and debug add the access log)")
     p.set_defaults(func=cmd_engine)
 
 

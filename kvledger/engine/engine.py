@@ -254,4 +254,5 @@ class Engine:
         ttft = seq.first_token_at - seq.arrival if seq.first_token_at is not None else None
         device = min(seq.device_hit_blocks * self.spec.block_size, seq.cached_tokens)
         return RequestUsage(seq.prompt_len, seq.cached_tokens, len(seq.output), seq.decision.kind.value, ttft,
-                            dict(seq.timings), device)
+                            dict(seq.timings), device, fetch_bytes=seq.fetch_bytes,
+                            fetch_misses=dict(seq.fetch_misses))

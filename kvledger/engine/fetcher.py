@@ -4,11 +4,15 @@ The engine owns a staging area (one shared-memory segment of `capacity` blocks) 
 to the fetcher process (`python -m kvledger.engine.fetcher`, a fresh interpreter: nothing of the
 engine is inherited or pickled). Messages are struct frames, little-endian:
 
-    request   | magic "KVF1" | job u32 | n u32 | staging offset u64 (bytes) | block_bytes u32 | n × 16-byte key |
-    response  | magic "KVF1" | job u32 | intact i32 (leading blocks read and verified; -1: error) | ns u64 |
+    request   | magic "KVF2" | job u32 | n u32 | staging offset u64 (bytes) | block_bytes u32 | n × 16-byte key |
+    response  | magic "KVF2" | job u32 | intact i32 (leading blocks read and verified; -1: error) | ns u64 |
+              | bytes_read u64 | absent u32 | corrupt u32 |
 
 The fetcher writes block i of a job at offset + i · block_bytes and answers once the whole job is
-read: `intact` leading blocks arrived with their checksums verified (the ledger checks them). A
+read: `intact` leading blocks arrived with their checksums verified (the ledger checks them).
+`bytes_read` are the bytes of every block that arrived intact (what the store really delivered);
+`absent` and `corrupt` count the job's misses by cause as the fetcher's store saw them (corrupt:
+a checksum mismatch or a short read), since the server cannot see this process's counters. A
 fetcher that dies, hangs past the job's deadline or answers garbage is killed and restarted; its
 jobs read as 0 intact blocks, so their requests recompute (rule 8). It never outlives the engine: it
 ends at EOF on its socket, and gets SIGTERM when the engine thread that started it ends (the loading
@@ -26,7 +30,7 @@ import struct
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing import resource_tracker, shared_memory
 
 import numpy as np
@@ -34,9 +38,9 @@ import numpy as np
 from kvledger.core import KEY_BYTES
 from kvledger.util.serve_process import spawn
 
-MAGIC = b"KVF1"
+MAGIC = b"KVF2"
 REQUEST = struct.Struct("<4sIIQI")
-RESPONSE = struct.Struct("<4sIiQ")
+RESPONSE = struct.Struct("<4sIiQQII")
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -64,6 +68,18 @@ def _open_store(path: str | None, redis_url: str | None):  # -> BlockStore
     return LmdbStore(path, fsync=False, create=False)   # the embedded store (BlockLedger.open(path))
 
 
+def miss_counts(store) -> tuple[int, int]:
+    """(absent, corrupt) read misses `store` has counted since it was opened, its segment files' too in
+    the cluster mode (Redis index, file bytes); corrupt includes short reads."""
+    absent = corrupt = 0
+    for owner in (store, getattr(store, "files", None)):
+        c = getattr(owner, "counters", None)
+        if c is not None:
+            absent += c.misses_absent
+            corrupt += c.misses_corrupt + c.misses_truncated
+    return absent, corrupt
+
+
 def serve(sock: socket.socket, shm_name: str, path: str | None, redis_url: str | None) -> None:
     """Answer jobs until the engine closes its end."""
     shm = shared_memory.SharedMemory(name=shm_name)
@@ -80,14 +96,17 @@ def serve(sock: socket.socket, shm_name: str, path: str | None, redis_url: str |
                 return
             assert magic == MAGIC, "not a fetch request"
             t0 = time.perf_counter_ns()
-            intact = -1
+            intact, got, misses = -1, 0, (0, 0)
             if offset + n * block_bytes <= len(view):
                 keys = [keys_raw[i * KEY_BYTES:(i + 1) * KEY_BYTES] for i in range(n)]
                 bufs = [view[offset + i * block_bytes: offset + (i + 1) * block_bytes] for i in range(n)]
+                before = miss_counts(store)
                 sizes = store.get_into(keys, bufs)
+                misses = tuple(b - a for a, b in zip(before, miss_counts(store)))
                 intact = next((i for i, s in enumerate(sizes) if s != block_bytes), n)
+                got = sum(s for s in sizes if s == block_bytes)
                 del bufs
-            sock.sendall(RESPONSE.pack(MAGIC, job, intact, time.perf_counter_ns() - t0))
+            sock.sendall(RESPONSE.pack(MAGIC, job, intact, time.perf_counter_ns() - t0, got, *misses))
     finally:
         view.release()
         store.close()
@@ -119,6 +138,8 @@ class FetchJob:
     started: float
     intact: int | None = None   # set when done: leading blocks intact (0 on any failure)
     fetch_s: float = 0.0
+    bytes_read: int = 0         # bytes of the blocks that arrived intact (0 when the fetcher failed)
+    misses: dict[str, int] = field(default_factory=dict)   # cause ("absent", "corrupt") → blocks
 
     @property
     def done(self) -> bool:
@@ -212,7 +233,8 @@ class Fetcher:
         readable, _, _ = select.select([self.sock], [], [], wait)
         while readable:
             try:
-                magic, job_id, intact, ns = RESPONSE.unpack(_recv_exact(self.sock, RESPONSE.size))
+                magic, job_id, intact, ns, got, absent, corrupt = RESPONSE.unpack(
+                    _recv_exact(self.sock, RESPONSE.size))
             except (EOFError, OSError, struct.error):
                 self._restart()
                 return
@@ -221,6 +243,7 @@ class Fetcher:
                 self._restart()
                 return
             job.intact, job.fetch_s = max(intact, 0), time.perf_counter() - job.started
+            job.bytes_read, job.misses = got, {k: v for k, v in (("absent", absent), ("corrupt", corrupt)) if v}
             readable, _, _ = select.select([self.sock], [], [], 0)
         if any(not j.done and j.deadline < time.perf_counter() for j in self.jobs.values()):
             self._restart()

@@ -124,6 +124,9 @@ class HitLoader:
         job = seq.fetch_job
         assert job is not None and job.done and self.fetcher is not None
         seq.add_time("fetch_s", job.fetch_s)
+        seq.fetch_bytes += job.bytes_read
+        for cause, n in job.misses.items():
+            seq.fetch_misses[cause] = seq.fetch_misses.get(cause, 0) + n
         dev, decision = seq.device_hit_blocks, seq.decision
         if job.intact < job.n:
             decision = self._lower(seq, dev + job.intact, "block")

@@ -53,6 +53,8 @@ class Sequence:
     arrival: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     timings: dict[str, float] = field(default_factory=dict)
+    fetch_bytes: int = 0                   # read by the fetcher for this sequence (RequestUsage.fetch_bytes)
+    fetch_misses: dict[str, int] = field(default_factory=dict)   # cause → blocks the fetch missed
     finish_reason: str | None = None
 
     @classmethod

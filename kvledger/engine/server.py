@@ -65,11 +65,11 @@ class EngineProcess:
 
     def __init__(self, config: EngineConfig) -> None:
         from kvledger.core import ModelSpec
-        from kvledger.store.ledger import BlockLedger
+        from kvledger.store.ledger import BlockLedger, blocks_dir
 
         self.config = config
         self.spec = ModelSpec.preset(config.model)
-        self.block_ledger = BlockLedger.open(path=Path(config.data_dir) / "blocks", redis_url=config.redis_url)
+        self.block_ledger = BlockLedger.open(path=blocks_dir(config.data_dir), redis_url=config.redis_url)
         self.state_ledger = self._open_state_ledger()
         self.registry = Registry.from_url(config.redis_url, ttl_s=config.heartbeat_ttl_s)
         self.engine: AsyncEngine | None = None

@@ -89,7 +89,8 @@ class WireEvent(BaseModel):
             u = ev.usage
             usage = {"prompt_tokens": u.prompt_tokens, "cached_tokens": u.cached_tokens,
                      "completion_tokens": u.completion_tokens, "hit_kind": u.hit_kind, "ttft_s": u.ttft_s,
-                     "timings": u.timings, "device_cached_tokens": u.device_cached_tokens, "engine": engine_id}
+                     "timings": u.timings, "device_cached_tokens": u.device_cached_tokens, "engine": engine_id,
+                     "fetch_bytes": u.fetch_bytes, "fetch_misses": u.fetch_misses}
         return cls(token_ids=list(ev.token_ids), finished=ev.finished, finish_reason=ev.finish_reason, usage=usage)
 
     def token_event(self, request_id: str) -> TokenEvent:
@@ -98,7 +99,9 @@ class WireEvent(BaseModel):
             u = self.usage
             usage = RequestUsage(int(u["prompt_tokens"]), int(u["cached_tokens"]), int(u["completion_tokens"]),
                                  str(u["hit_kind"]), u.get("ttft_s"), dict(u.get("timings") or {}),
-                                 int(u.get("device_cached_tokens", 0)), u.get("engine"))
+                                 int(u.get("device_cached_tokens", 0)), u.get("engine"),
+                                 int(u.get("fetch_bytes", 0)),
+                                 {str(k): int(v) for k, v in (u.get("fetch_misses") or {}).items()})
         return TokenEvent(request_id, tuple(self.token_ids), self.finished, self.finish_reason, usage)
 
     def line(self) -> bytes:

@@ -1,11 +1,13 @@
-"""What the operator page shows beyond `/metrics`: the last requests and the hit rate over time.
+"""What the operator page shows beyond `/metrics`: the last requests, the hit rate over time, and
+TTFT p50 per prompt length, cold and hit.
 
-Both live in memory only (a restart starts them empty); the cumulative figures of the page
+All live in memory only (a restart starts them empty); the cumulative figures of the page
 come from `/metrics` itself, so the two never disagree.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections import deque
 from dataclasses import asdict, dataclass
@@ -65,19 +67,57 @@ def status_line(now: Totals, before: Totals, seconds: float, running: int) -> st
             f"({cached:,} of {prompt:,} prompt tokens), {overall} since the start")
 
 
+def length_bucket(prompt_tokens: int) -> int:
+    """The power of two at or above `prompt_tokens`: requests of (b/2, b] tokens share bucket b
+    (1 → 1, 128 → 128, 129 → 256, 2,000 → 2,048)."""
+    return 1 << max(prompt_tokens - 1, 0).bit_length()
+
+
+class TtftByLength:
+    """TTFT of the last `window` requests per (prompt-length bucket, cold | hit): a mean over all
+    lengths mixes a 100-token prompt with a 4,000-token one, so cold and hit compare per bucket.
+    "hit" means some prompt tokens came from the cache, as `kvledger_time_to_first_token_seconds`."""
+
+    def __init__(self, window: int = 256) -> None:
+        assert window > 0
+        self.window = window
+        self.samples: dict[tuple[int, str], deque[float]] = {}
+
+    def record(self, prompt_tokens: int, cached_tokens: int, ttft_s: float | None) -> None:
+        if ttft_s is None:
+            return
+        cell = (length_bucket(prompt_tokens), "hit" if cached_tokens > 0 else "cold")
+        self.samples.setdefault(cell, deque(maxlen=self.window)).append(ttft_s)
+
+    def as_json(self) -> dict:
+        """{"window", "buckets": [{"tokens_from", "tokens_to", "cold": {"requests", "p50_s"}, "hit": ...}]},
+        ascending; p50_s is None where a bucket has no request of that kind."""
+        rows = []
+        for b in sorted({b for b, _ in self.samples}):
+            row: dict = {"tokens_from": b // 2 + 1, "tokens_to": b}
+            for cache in ("cold", "hit"):
+                xs = self.samples.get((b, cache), ())
+                row[cache] = {"requests": len(xs), "p50_s": statistics.median(xs) if xs else None}
+            rows.append(row)
+        return {"window": self.window, "buckets": rows}
+
+
 class Activity:
-    """The last `keep` requests, and per `bucket_s` seconds the prompt and cached tokens."""
+    """The last `keep` requests, per `bucket_s` seconds the prompt and cached tokens, and TTFT by
+    prompt length (`TtftByLength`)."""
 
     def __init__(self, keep: int = 50, bucket_s: float = 5.0, buckets: int = 720) -> None:
         assert keep > 0 and bucket_s > 0 and buckets > 0
         self.recent: deque[RequestRecord] = deque(maxlen=keep)
         self.series: deque[Bucket] = deque(maxlen=buckets)
+        self.ttft = TtftByLength()
         self.bucket_s = bucket_s
         self.started = time.time()
         self.totals = Totals()
 
     def record(self, rec: RequestRecord) -> None:
         self.recent.append(rec)
+        self.ttft.record(rec.prompt_tokens, rec.cached_tokens, rec.ttft_s)
         start = rec.at - rec.at % self.bucket_s
         if not self.series or self.series[-1].start < start:
             self.series.append(Bucket(start))
@@ -89,4 +129,4 @@ class Activity:
     def as_json(self) -> dict:
         return {"started": self.started, "bucket_s": self.bucket_s,
                 "recent": [asdict(r) for r in reversed(self.recent)],
-                "series": [asdict(b) for b in self.series]}
+                "series": [asdict(b) for b in self.series], "ttft_by_length": self.ttft.as_json()}

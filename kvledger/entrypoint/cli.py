@@ -30,15 +30,31 @@ def default_data_dir() -> Path:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="the OpenAI-compatible server on the embedded store")
+    from kvledger.util.output import examples
+
+    p = sub.add_parser("serve", help="the OpenAI-compatible server on the embedded store",
+                       description="The embedded all-in-one server: OpenAI-compatible HTTP (/v1/completions, "
+                       "/v1/chat/completions,\n/v1/models, /health, /metrics, the operator page at /) over the "
+                       "block ledger in --data-dir/blocks.\nWithout --api-keys it is open to anyone who can reach "
+                       "it, so it binds to loopback only.",
+                       epilog=examples(
+                           "kvledger serve",
+                           "kvledger serve --model tiny-v4 --port 8001 --data-dir /tmp/kvl",
+                           "kvledger serve --api-keys keys.json --host 0.0.0.0 --data-dir /var/lib/kvledger"))
     http_args(p)
-    p.add_argument("--data-dir", type=Path, default=None, help=f"block ledger folder (default {default_data_dir()})")
+    p.add_argument("--data-dir", type=Path, default=default_data_dir(),
+                   help="block ledger folder (blocks under it), kept across restarts")
     p.add_argument("--no-cache", action="store_true", help="compute every prompt in full (a baseline)")
     p.add_argument("--max-num-seqs", type=int, default=8, help="requests the engine batches at once")
     grace_arg(p)
     p.set_defaults(func=cmd_serve, redis_url=None, token_file=None, routing="cache-aware")
 
-    p = sub.add_parser("entrypoint", help="a cluster's HTTP front: tokenizer, CHECK, router (no model weights)")
+    p = sub.add_parser("entrypoint", help="a cluster's HTTP front: tokenizer, CHECK, router (no model weights)",
+                       description="A cluster's HTTP front (the same API as serve): tokenizer, CHECK on the shared "
+                       "index, and the router\nthat hands each request to an engine of the registry. It loads no "
+                       "model weights.",
+                       epilog=examples("kvledger entrypoint --redis-url redis://127.0.0.1:6379/0 --data-dir /mnt/kvl "
+                                       "--token-file cluster.token"))
     http_args(p)
     p.add_argument("--redis-url", required=True, help="the cluster's Redis: index, directory, engine registry")
     p.add_argument("--data-dir", type=Path, required=True, help="the shared store folder (blocks under it)")
@@ -54,13 +70,18 @@ def grace_arg(p: argparse.ArgumentParser) -> None:
 
 
 def http_args(p: argparse.ArgumentParser) -> None:
+    from kvledger.core.spec import DEFAULT_MODEL
+
     p.add_argument("--host", default="127.0.0.1", help="address to bind (non-loopback needs --api-keys)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="HTTP port")
     p.add_argument("--api-keys", type=Path, default=None, metavar="FILE",
-                   help='JSON: {"KEY": "namespace"} or {"KEY": {"namespace": ..., "ttl_class": ...}}')
-    p.add_argument("--model", default="smollm2-135m", choices=MODELS)
-    p.add_argument("--max-concurrent-per-key", type=int, default=16, help="more at once → 429")
-    p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies → 413")
+                   help='JSON: {"KEY": "namespace"} or {"KEY": {"namespace": ..., "ttl_class": ...}} '
+                        "(default: none, open to every caller on loopback)")
+    p.add_argument("--model", default=DEFAULT_MODEL, choices=MODELS, help="the model served")
+    p.add_argument("--max-concurrent-per-key", type=int, default=16, help="running + waiting requests of one API "
+                   "key; more at once → 429")
+    p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies → 413 "
+                   "(default: %(default)s = 4 MiB)")
     p.add_argument("--max-prompt-tokens", type=int, default=None, help="longer prompts → 400 (default: the context)")
     p.add_argument("--max-tokens-limit", type=int, default=None, help="larger max_tokens → 400 (default: the context)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),

@@ -153,11 +153,13 @@ def _record_fetch(state: ServerState, prep: Prepared, out: Outcome, cached: int)
     lost = prep.decision.hit_tokens - cached
     if lost > 0:
         m.miss_blocks.labels("load_failed").inc(-(-lost // block))
-    timings = out.usage.timings if out.usage is not None else {}
-    if cached > 0:
-        m.fetch_bytes.inc(timings.get("fetch_bytes", cached // block * state.spec.block_bytes()))
-        if "fetch_s" in timings:
-            m.fetch_seconds.observe(timings["fetch_s"])
+    if out.usage is None:
+        return
+    # only what the fetcher really read: a device-cache hit reads nothing from the store
+    m.fetch_bytes.inc(out.usage.fetch_bytes)
+    if "fetch_s" in out.usage.timings:
+        m.fetch_seconds.observe(out.usage.timings["fetch_s"])
+    m.fetcher_misses(out.usage.fetch_misses)
 
 
 # --- response bodies ---------------------------------------------------------------------

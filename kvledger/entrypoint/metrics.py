@@ -9,8 +9,10 @@ Misses are counted in blocks, by cause:
   forgets an expired block at lookup, so a block past its TTL counts here too);
 - `load_failed`: blocks the CHECK promised but the engine could not load (corrupt, truncated or
   unreachable: rule 8, recomputed and reported honestly in `cached_tokens`).
-The store's own read faults seen by this process are `kvledger_store_read_misses_total{cause}`
-(absent, corrupt, unreachable); the store's size is read at scrape time (`StoreCollector`).
+The store's read faults are `kvledger_store_read_misses_total{cause}` (absent, corrupt,
+unreachable): those of this process's store, plus those the engines' fetcher processes saw while
+reading hit blocks (reported per request in `RequestUsage.fetch_misses`); the store's size is
+read at scrape time (`StoreCollector`).
 """
 
 from __future__ import annotations
@@ -64,7 +66,8 @@ class ServeMetrics:
         self.leg_cached_tokens = Counter("kvledger_engine_leg_cached_tokens", "Tokens a leg did not compute, by "
                                          "where they came from (device cache or the ledgers)", ["kind", "source"],
                                          registry=r)
-        r.register(StoreCollector(stats))
+        self.fetch_misses: dict[str, int] = {}   # cause → blocks the fetchers missed (read_misses)
+        r.register(StoreCollector(stats, self.fetch_misses))
 
     def leg(self, kind: str, engine: str, usage: RequestUsage | None) -> None:
         self.legs.labels(kind, engine, usage.hit_kind if usage is not None else "broken").inc()
@@ -75,6 +78,11 @@ class ServeMetrics:
     def error(self, kind: str) -> None:
         self.errors.labels(kind=kind).inc()
 
+    def fetcher_misses(self, misses: dict[str, int]) -> None:
+        """Read misses a fetcher process counted for one request (its store's counters are not ours)."""
+        for cause, n in misses.items():
+            self.fetch_misses[cause] = self.fetch_misses.get(cause, 0) + n
+
 
 class StoreCollector(Collector):
     """The block ledger's size and upkeep, read from `BlockLedger.stats()` at each scrape.
@@ -82,8 +90,9 @@ class StoreCollector(Collector):
     Bytes per class and namespace are the live bytes split in proportion to blocks (exact when
     all blocks have one size, as for one model)."""
 
-    def __init__(self, stats: Callable[[], StoreStats | None]) -> None:
+    def __init__(self, stats: Callable[[], StoreStats | None], fetch_misses: dict[str, int] | None = None) -> None:
         self.stats = stats
+        self.fetch_misses = fetch_misses if fetch_misses is not None else {}   # read, never written, here
 
     def collect(self) -> Iterator:
         st = self.stats()
@@ -108,8 +117,10 @@ class StoreCollector(Collector):
         yield _counter("kvledger_store_expirations", "Blocks removed after their TTL", c.get("gc_expired", 0))
         misses = CounterMetricFamily("kvledger_store_read_misses", "Store reads in this process that missed",
                                      labels=["cause"])
-        misses.add_metric(["absent"], c.get("misses_absent", 0))
-        misses.add_metric(["corrupt"], c.get("misses_corrupt", 0) + c.get("misses_truncated", 0))
+        fetched = self.fetch_misses
+        misses.add_metric(["absent"], c.get("misses_absent", 0) + fetched.get("absent", 0))
+        misses.add_metric(["corrupt"], c.get("misses_corrupt", 0) + c.get("misses_truncated", 0)
+                          + fetched.get("corrupt", 0))
         misses.add_metric(["unreachable"], c.get("match_failures", 0))
         yield misses
 

@@ -26,6 +26,7 @@ from kvledger.entrypoint.state import ServerState
 DEFAULT_TEMPERATURE = 1.0   # OpenAI's default; send 0 for greedy
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 GREEDY_BELOW = 1e-5         # a temperature this small samples as greedy (dividing logits by it would overflow)
+UNSUPPORTED = "unsupported_parameter"   # the error code of a field refused until it is supported
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +59,7 @@ async def prepare(state: ServerState, tenant: Tenant, body: SamplingFields, endp
     arrival = time.perf_counter()
     if body.model != state.model:
         raise model_not_found(body.model, state.model)
+    refuse_unsupported(body)
     if state.max_model_len == 0:   # cluster mode: no engine has registered yet
         raise ApiError(503, "No engine serves this model yet; retry in a few seconds.", "server_error",
                        code="no_engine")
@@ -72,6 +74,23 @@ async def prepare(state: ServerState, tenant: Tenant, body: SamplingFields, endp
                         tenant.ttl_class)
     return Prepared(req, endpoint, tenant, body.stop_strings, body.stream, body.include_usage, arrival,
                     absent if not state.config.no_cache else 0)
+
+
+def refuse_unsupported(body: SamplingFields) -> None:
+    """A 400 naming the field for what the server cannot honour yet, as vLLM does without a tool
+    parser: tools and a tool choice that asks for calls, and a response format other than text.
+    The harmless values pass: `tools` null or [], `tool_choice` null or "none", `response_format`
+    null or {"type": "text"}."""
+    if isinstance(body, ChatCompletionRequest):
+        if body.tools not in (None, []):
+            raise bad_request("tools are not supported yet (this server has no tool-call parser); send null or [].",
+                              "tools", UNSUPPORTED)
+        if body.tool_choice not in (None, "none"):
+            raise bad_request('tool_choice is not supported yet (no tool-call parser); send null or "none".',
+                              "tool_choice", UNSUPPORTED)
+    if body.response_format not in (None, {"type": "text"}):
+        raise bad_request('response_format is not supported yet (no structured output); send null or '
+                          '{"type": "text"}.', "response_format", UNSUPPORTED)
 
 
 def _check(state: ServerState, tokens: np.ndarray, namespace: str, ttl_class: str | None

@@ -3,7 +3,9 @@
 Requests are validated strictly (no "5" for 5): a wrong type is a 400 with OpenAI's error
 object, never a 5xx. Fields that vLLM's and SGLang's benchmark clients send are accepted
 (`ignore_eos`, `top_k`, `repetition_penalty`, `cache_salt`, ...); unknown fields are ignored,
-as vLLM does. Lengths are in tokens.
+as vLLM does. Fields that would change the answer's shape and are not supported yet (`tools`,
+`tool_choice`, `response_format`) are refused with a 400 unless harmless (prepare.py), never
+silently ignored. Lengths are in tokens.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ class SamplingFields(_Request):
     user: str | None = None
     cache_salt: Annotated[str, Field(min_length=1, max_length=1024)] | None = None
     logprobs: Any = None
+    response_format: Any = None   # only null or {"type": "text"} (prepare.refuse_unsupported)
 
     @model_validator(mode="after")
     def _supported(self) -> SamplingFields:
@@ -108,6 +111,8 @@ class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=4096)]
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    tools: Any = None             # only null or []: no tool parser yet (prepare.refuse_unsupported)
+    tool_choice: Any = None       # only null or "none"
 
     @property
     def output_limit(self) -> int | None:

@@ -13,14 +13,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvledger.core import ModelSpec
+from kvledger.core import DEFAULT_MODEL, ModelSpec
 from kvledger.entrypoint.activity import Activity
 from kvledger.engine.async_engine import AsyncEngine
 from kvledger.entrypoint.remote import RemoteEngines
 from kvledger.entrypoint.auth import Tenant, load_keys
 from kvledger.entrypoint.cli import MODELS, default_data_dir
 from kvledger.entrypoint.metrics import ServeMetrics
-from kvledger.store.ledger import BlockLedger
+from kvledger.store.ledger import BlockLedger, blocks_dir
 from kvledger.store.ttl import TtlPolicy
 
 MIB = 1 << 20
@@ -31,7 +31,7 @@ INTERRUPT_GRACE_S = 1.0   # Ctrl-C: an engine step still running after this long
 class ServeConfig:
     """What `kvledger serve` was started with. Limits are per request unless named otherwise."""
 
-    model: str = "smollm2-135m"
+    model: str = DEFAULT_MODEL
     host: str = "127.0.0.1"
     port: int = 8000
     data_dir: Path = field(default_factory=default_data_dir)
@@ -71,7 +71,7 @@ class ServerState:
         self.policy = TtlPolicy()
         self.keys: dict[str, Tenant] | None = (load_keys(config.api_keys, set(self.policy.classes))
                                                if config.api_keys is not None else None)
-        self.block_ledger = BlockLedger.open(path=Path(config.data_dir) / "blocks", redis_url=config.redis_url,
+        self.block_ledger = BlockLedger.open(path=blocks_dir(config.data_dir), redis_url=config.redis_url,
                                              policy=self.policy)
         self.state_ledger = self._open_state_ledger()
         self.tokenizer, self.chat_template = _text_side(config.model)

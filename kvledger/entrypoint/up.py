@@ -68,20 +68,27 @@ class Child:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from kvledger.entrypoint.cli import http_args
+    from kvledger.entrypoint.cli import default_data_dir, http_args
     from kvledger.entrypoint.router import POLICIES
+    from kvledger.util.output import examples
 
-    p = sub.add_parser("up", help="a local cluster: Redis, N prefill + M decode engines, an entrypoint")
+    p = sub.add_parser("up", help="a local cluster: Redis, N prefill + M decode engines, an entrypoint",
+                       description="A whole cluster on this machine, for trying it and for tests: redis-server (or "
+                       "--redis-url),\nN prefill and M decode engines, and an entrypoint on --host:--port. Logs go "
+                       "to <data-dir>/logs;\nCtrl-C or SIGTERM stops it all (entrypoint, then engines, then Redis).",
+                       epilog=examples("kvledger up --prefill 2 --decode 1",
+                                       "kvledger up --prefill 0 --decode 0 --both 1 --model tiny-v4 --port 8001"))
     http_args(p)
     p.add_argument("--prefill", type=int, default=1, help="prefill engines")
     p.add_argument("--decode", type=int, default=1, help="decode engines")
     p.add_argument("--both", type=int, default=0, help="engines that prefill and decode")
-    p.add_argument("--data-dir", type=Path, default=None, help="store, Redis data, logs (default: XDG data dir)")
+    p.add_argument("--data-dir", type=Path, default=default_data_dir().with_name("cluster"),
+                   help="store (blocks/), Redis data (redis/), logs (logs/) and the cluster token")
     p.add_argument("--redis-url", default=None, help="use this Redis (redis:// or redis+cluster://) instead of "
                    "starting one")
     p.add_argument("--redis-cluster", action="store_true", help="start a 3-master Redis Cluster (data in temp "
                    "dirs, gone at exit) instead of one redis-server")
-    p.add_argument("--routing", default="cache-aware", choices=POLICIES)
+    p.add_argument("--routing", default="cache-aware", choices=POLICIES, help="how prefill engines are chosen")
     p.add_argument("--max-num-seqs", type=int, default=8, help="requests each engine batches at once")
     p.add_argument("--grace-s", type=float, default=GRACE_S, help="on a stop: seconds the entrypoint's open requests "
                    "and the engines' hand-offs get before they are cut (default %(default)s)")

@@ -1,7 +1,9 @@
 """`kvledger store stats|gc|verify`: operator views of a block ledger.
 
-`--path DIR` opens a file store (it must exist), `--redis-url URL` a Redis one (it must
-answer). Bad input → one line on stderr, exit 2; with `--json`, one JSON object on stdout.
+`--path DIR` opens a file store: DIR itself when it holds `segments/`, or the store under it when
+DIR is the `--data-dir` of `kvledger serve` / `up` (`store.ledger.blocks_dir`). `--redis-url URL`
+opens a Redis one (it must answer). With neither, the store under serve's default data dir.
+Bad input → one line on stderr, exit 2; with `--json`, one JSON object on stdout.
 """
 
 from __future__ import annotations
@@ -14,48 +16,104 @@ from typing import Any
 import lmdb
 
 from kvledger.store.backend import BlockStore
-from kvledger.util.output import CliError, emit_json
+from kvledger.store.ledger import BLOCKS_DIR, blocks_dir
+from kvledger.util.output import CliError, emit_json, examples
+
+SEGMENTS = "segments"   # what every file block store holds (store/segment_files.py)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser("store", help="block ledger: stats, gc, verify")
+    parser = sub.add_parser("store", help="block ledger: stats, gc, verify",
+                            description="Operator views of a block ledger: a file store (a folder, or the "
+                            "--data-dir of `kvledger serve`/`up`),\na Redis one, or both (the cluster mode). "
+                            "With neither --path nor --redis-url, serve's default data dir.",
+                            epilog=examples("kvledger store stats", "kvledger store gc --path DATA --capacity-gb 50",
+                                            "kvledger store verify --redis-url redis://127.0.0.1:6379/0 --path MOUNT"))
     cmds = parser.add_subparsers(dest="store_command", required=True, parser_class=type(parser))
+    _stats_parser(cmds)
+    _gc_parser(cmds)
+    _verify_parser(cmds)
 
-    def common(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--path", metavar="DIR", help="a file block store (directory); with --redis-url: its bytes")
-        p.add_argument("--redis-url", metavar="URL", help="a Redis block store, e.g. redis://127.0.0.1:6379/0 "
-                       "(a Redis Cluster: redis+cluster://HOST:PORT[,HOST:PORT...])")
-        p.add_argument("--json", action="store_true", help="print one JSON object")
 
-    st = cmds.add_parser("stats", help="size, blocks, chains, per-class counts, oldest entry")
-    common(st)
+def _location_args(p: argparse.ArgumentParser) -> None:
+    from kvledger.entrypoint.cli import default_data_dir
+
+    p.add_argument("--path", metavar="DIR", help="a file block store, or the --data-dir of `kvledger serve`/`up` "
+                   f"(its {BLOCKS_DIR}/ is used); with --redis-url: its bytes (default without --redis-url: "
+                   f"serve's data dir, {default_data_dir()})")
+    p.add_argument("--redis-url", metavar="URL", help="a Redis block store, e.g. redis://127.0.0.1:6379/0 "
+                   "(a Redis Cluster: redis+cluster://HOST:PORT[,HOST:PORT...])")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _stats_parser(cmds: argparse._SubParsersAction) -> None:
+    st = cmds.add_parser("stats", help="size, blocks, chains, per-class counts, oldest entry",
+                         description="Size, blocks, chains, blocks per TTL class and per namespace, the oldest entry, "
+                         "the next expiry,\nand the state ledger's snapshot files beside the blocks.",
+                         epilog=examples("kvledger store stats", "kvledger store stats --path DATA --json"))
+    _location_args(st)
     st.set_defaults(func=cmd_stats)
-    g = cmds.add_parser("gc", help="remove expired blocks (tails first); evict down to --capacity-gb")
-    common(g)
-    g.add_argument("--capacity-gb", type=float, default=None, help="file store: evict least recently hit above this")
+
+
+def _gc_parser(cmds: argparse._SubParsersAction) -> None:
+    g = cmds.add_parser("gc", help="remove expired blocks (tails first); evict down to --capacity-gb",
+                        description="Remove expired blocks (chain tails first), then evict the least recently hit "
+                        "down to\n--capacity-gb (file store), then the snapshot files whose chain block is gone.",
+                        epilog=examples("kvledger store gc --path DATA --capacity-gb 50 --json"))
+    _location_args(g)
+    g.add_argument("--capacity-gb", type=float, default=None, help="file store: evict least recently hit above this "
+                   "(default: no limit)")
     g.add_argument("--batch", type=int, default=4096, help="blocks removed per batch")
     g.set_defaults(func=cmd_gc)
-    v = cmds.add_parser("verify", help="check every block's checksum; report and remove bad blocks")
-    common(v)
+
+
+def _verify_parser(cmds: argparse._SubParsersAction) -> None:
+    v = cmds.add_parser("verify", help="check every block's checksum; report and remove bad blocks",
+                        description="Read every indexed block and check its checksum; bad blocks are reported and "
+                        "removed\n(with --keep: only reported).",
+                        epilog=examples("kvledger store verify --path DATA --keep --json"))
+    _location_args(v)
     v.add_argument("--keep", action="store_true", help="report bad blocks without removing them")
     v.set_defaults(func=cmd_verify)
 
 
-def open_store(args: argparse.Namespace, capacity_bytes: int | None = None) -> BlockStore:
-    """The store named on the command line; `CliError` when it is missing or unreachable."""
-    if args.path is None and args.redis_url is None:
-        raise CliError("give --path DIR, --redis-url URL, or both (the cluster mode)")
+def store_root(path: str | None, redis_url: str | None) -> Path | None:
+    """The file block store the command line names: `--path` itself when it holds segments/, the
+    store under it when it is a serve data dir, serve's default data dir when neither flag is given;
+    None for Redis alone. `CliError` when there is no block store there."""
+    if path is None and redis_url is not None:
+        return None
+    if path is None:
+        from kvledger.entrypoint.cli import default_data_dir
+
+        default = default_data_dir()
+        if not _is_store(blocks_dir(default)):
+            raise CliError(f"no --path or --redis-url given, and serve's default data dir {default} holds no "
+                           "block store yet (start `kvledger serve`, or give --path DIR)")
+        return blocks_dir(default)
+    root = Path(path)
+    if not root.is_dir():
+        raise CliError(f"{root}: no such directory")
+    for candidate in (root, blocks_dir(root)):
+        if _is_store(candidate):
+            return candidate
+    raise CliError(f"{root}: not a kvledger block store ({SEGMENTS}/ inside) nor a serve data dir "
+                   f"({blocks_dir(root).name}/{SEGMENTS}/ inside)")
+
+
+def _is_store(root: Path) -> bool:
+    return (root / SEGMENTS).is_dir()
+
+
+def open_store(root: Path | None, redis_url: str | None, capacity_bytes: int | None = None) -> BlockStore:
+    """The store at `root` (from `store_root`) and/or `redis_url`; `CliError` when it cannot be opened
+    or Redis does not answer."""
     files = None
-    if args.path is not None:
+    if root is not None:
         from kvledger.store.file_backend import FileStore
         from kvledger.store.lmdb_store import LmdbStore
 
-        root = Path(args.path)
-        if not root.is_dir():
-            raise CliError(f"{root}: no such directory")
-        if not (root / "segments").is_dir():
-            raise CliError(f"{root}: not a kvledger block store (no segments/ inside)")
-        if args.redis_url is None:  # the embedded store: a directory of the previous layout is migrated once
+        if redis_url is None:  # the embedded store: a directory of the previous layout is migrated once
             try:
                 return LmdbStore(root, capacity_bytes=capacity_bytes, create=False)
             except (OSError, lmdb.Error) as e:
@@ -69,11 +127,11 @@ def open_store(args: argparse.Namespace, capacity_bytes: int | None = None) -> B
     from kvledger.store.redis_backend import RedisStore
 
     try:
-        return RedisStore(args.redis_url, check=True, timeout_s=2.0, files=files)
+        return RedisStore(redis_url, check=True, timeout_s=2.0, files=files)
     except ValueError as e:
-        raise CliError(f"bad --redis-url {args.redis_url!r}: {e}") from None
+        raise CliError(f"bad --redis-url {redis_url!r}: {e}") from None
     except (redis.RedisError, OSError) as e:
-        raise CliError(f"cannot reach Redis at {args.redis_url}: {e}") from None
+        raise CliError(f"cannot reach Redis at {redis_url}: {e}") from None
 
 
 def _when(ts: float | None) -> str:
@@ -95,13 +153,14 @@ def _table(title: str, rows: list[tuple[str, Any]]) -> None:
 def cmd_stats(args: argparse.Namespace) -> None:
     from kvledger.store.snapshots import snapshot_stats
 
-    store = open_store(args)
+    root = store_root(args.path, args.redis_url)
+    store = open_store(root, args.redis_url)
     try:
         st = store.stats()
     finally:
         store.close()
-    if args.path is not None:
-        st.snapshots, st.snapshot_bytes = snapshot_stats(args.path)
+    if root is not None:
+        st.snapshots, st.snapshot_bytes = snapshot_stats(root)
     if args.json:
         emit_json(st.as_dict())
         return
@@ -123,11 +182,12 @@ def cmd_gc(args: argparse.Namespace) -> None:
     cap = int(args.capacity_gb * 1e9) if args.capacity_gb is not None else None
     from kvledger.store.snapshots import collect_snapshots
 
-    store = open_store(args, capacity_bytes=cap)
+    root = store_root(args.path, args.redis_url)
+    store = open_store(root, args.redis_url, capacity_bytes=cap)
     try:
         res = store.gc(args.batch)._asdict()
-        if args.path is not None:  # snapshot files follow their chain blocks (store/snapshots.py)
-            snaps = collect_snapshots(args.path, store)
+        if root is not None:  # snapshot files follow their chain blocks (store/snapshots.py)
+            snaps = collect_snapshots(root, store)
             res |= {"snapshots_removed": snaps.removed, "snapshot_bytes_freed": snaps.freed_bytes}
     finally:
         store.close()
@@ -138,7 +198,7 @@ def cmd_gc(args: argparse.Namespace) -> None:
 
 
 def cmd_verify(args: argparse.Namespace) -> None:
-    store = open_store(args)
+    store = open_store(store_root(args.path, args.redis_url), args.redis_url)
     try:
         res = store.verify(remove=not args.keep)
     finally:

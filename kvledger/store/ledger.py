@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from kvledger.core import KEY_BYTES, ModelSpec, extend_chain, root_key
@@ -22,6 +23,13 @@ from kvledger.store.backend import Buffer, BlockStore, ChainWrite, GcResult, Put
 from kvledger.store.ttl import Clock, TtlPolicy, wall_clock
 
 NO_PARENT = bytes(KEY_BYTES)  # parent recorded for a block at chain position 0 when the root key is not given
+BLOCKS_DIR = "blocks"
+
+
+def blocks_dir(data_dir: str | os.PathLike) -> Path:
+    """The block store inside the `--data-dir` of `kvledger serve`, `entrypoint`, `engine` and `up`:
+    `<data_dir>/blocks` (its `segments/` and LMDB index). Every process of one data dir opens this one."""
+    return Path(data_dir) / BLOCKS_DIR
 
 
 class BlockLedger:

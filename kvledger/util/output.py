@@ -1,8 +1,10 @@
-"""What every command shares: the error type for bad input, the one-JSON-object output, and status lines
-that survive a closed pipe (`LinePrinter`)."""
+"""What every command shares: the error type for bad input, the one-JSON-object output, `--help`
+(every default shown, an example in each epilog), and status lines that survive a closed pipe
+(`LinePrinter`)."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import math
@@ -18,6 +20,28 @@ EXIT_INTERRUPTED = 130   # 128 + SIGINT: how a shell reports a Ctrl-C, and how e
 
 class CliError(Exception):
     """Bad input: `kvledger` reports it as one line on stderr and exits 2."""
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """`--help` of every kvledger command: the description and the epilog's example as written, and
+    each option's default appended, unless it is unset (None, False, "", []) or the help already
+    places it with `%(default)s`."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if not shows_default(action):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def shows_default(action: argparse.Action) -> bool:
+    """Whether `--help` names this option's default: a value other than unset, off, or suppressed."""
+    d = action.default
+    return not (d is None or d is False or d is argparse.SUPPRESS or (isinstance(d, (str, list)) and not d))
+
+
+def examples(*commands: str) -> str:
+    """An epilog of example command lines, one per line."""
+    return "example" + ("s" if len(commands) > 1 else "") + ":\n" + "\n".join(f"  {c}" for c in commands)
 
 
 def finite(obj: Any) -> Any:

@@ -4,6 +4,7 @@ from kvledger import ModelSpec
 from kvledger.core import Link, Traffic, break_even_tokens, plan
 
 V4 = ModelSpec.preset("deepseek-v4.1-flash")
+SMOL = ModelSpec.preset("smollm2-135m")
 
 
 def test_v4_flash_128k():
@@ -48,3 +49,29 @@ def test_break_even():
 def test_bad_traffic_is_refused(kw):
     with pytest.raises(ValueError):
         Traffic(**kw)
+
+
+def test_prefill_is_priced_at_the_models_own_rate():
+    """Each preset states its prefill rate and its source; `plan` uses it unless a link says otherwise."""
+    for name in ModelSpec.presets():
+        spec = ModelSpec.preset(name)
+        assert spec.prefill_tokens_per_s > 0 and spec.prefill_source, name
+    assert plan(SMOL, 2048).prefill_s == pytest.approx(2048 / 800)   # ~2.5 s, as measured (issue 18)
+    assert plan(V4, 2048).prefill_s == pytest.approx(2048 * 13 / 131072)
+    given = plan(SMOL, 2048, link=Link.of(SMOL, prefill_tokens_per_s=100))
+    assert given.prefill_s == pytest.approx(20.48) and given.prefill_source == "given"
+
+
+def test_a_model_without_sliding_windows_has_no_snapshot_and_no_rings():
+    p = plan(SMOL, 2048)
+    assert not p.has_swa and (p.swa_snapshot_bytes, p.inference_ring, p.kvstore_ring) == (None, None, None)
+    assert p.reserve_tokens == 1 and p.hit_eligible_tokens == 1920
+    v4 = plan(V4, 2048)
+    assert v4.has_swa and (v4.swa_snapshot_bytes, v4.inference_ring, v4.kvstore_ring) == (1_415_040, 134, 396)
+
+
+def test_the_prefill_rate_is_not_part_of_the_chain_keys():
+    """A re-measured rate must not orphan every stored block: the fingerprint ignores it."""
+    from dataclasses import replace
+
+    assert replace(SMOL, prefill_tokens_per_s=1.0, prefill_source="x").fingerprint() == SMOL.fingerprint()

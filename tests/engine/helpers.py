@@ -1,5 +1,8 @@
 """Helpers of the engine tests."""
 
+import os
+from pathlib import Path
+
 import numpy as np
 
 from kvledger.engine.api import EngineRequest, SamplingParams
@@ -31,3 +34,21 @@ def drain(engine):
 
 def prompt(n, seed=0):
     return np.random.default_rng(seed).integers(100, 40000, n).tolist()
+
+
+def flip_byte_of_block(store_root, key: bytes) -> Path:
+    """Damage one stored block on disk, as a bad sector would: flip the first byte of `key`'s bytes in
+    its segment file (the index still lists it; only its checksum can tell). The segment's path."""
+    from kvledger.store import segment as sg
+
+    for path in (Path(store_root) / "segments").rglob("*" + sg.SUFFIX):
+        fd = os.open(path, os.O_RDWR)
+        try:
+            entry = next((e for e in sg.read_meta(fd).entries if e[0] == key), None)
+            if entry is not None:
+                offset = entry[5]
+                os.pwrite(fd, bytes([os.pread(fd, 1, offset)[0] ^ 0xFF]), offset)
+                return path
+        finally:
+            os.close(fd)
+    raise AssertionError(f"no segment under {store_root} holds block {key.hex()}")

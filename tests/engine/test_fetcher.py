@@ -9,6 +9,7 @@ import pytest
 
 from kvledger.engine.fetcher import Fetcher
 from kvledger.store.ledger import BlockLedger
+from tests.engine.helpers import flip_byte_of_block
 
 BB = 4096
 KEYS = [bytes([i + 1]) * 16 for i in range(6)]
@@ -71,3 +72,20 @@ def test_hung_process_hits_the_deadline(setup):
     job = fetcher.submit(KEYS[:2])
     _wait(fetcher, job)
     assert job.intact == 0 and fetcher.restarts == 1 and time.monotonic() - t0 < 10
+
+
+def test_a_job_reports_the_bytes_it_read_and_its_misses_by_cause(setup):
+    """What the fetcher process's store saw comes back with the job: the server cannot read its counters."""
+    ledger, fetcher, _ = setup
+    job = fetcher.submit(KEYS[:4])
+    _wait(fetcher, job)
+    assert (job.bytes_read, job.misses) == (4 * BB, {})
+    fetcher.release(job)
+    job = fetcher.submit(KEYS[:2] + [b"\x77" * 16] + KEYS[3:5])
+    _wait(fetcher, job)
+    assert (job.intact, job.bytes_read, job.misses) == (2, 4 * BB, {"absent": 1})   # blocks after a gap still read
+    fetcher.release(job)
+    flip_byte_of_block(ledger.store.root, KEYS[1])
+    job = fetcher.submit(KEYS[:3])
+    _wait(fetcher, job)
+    assert (job.intact, job.bytes_read, job.misses) == (1, 2 * BB, {"corrupt": 1})

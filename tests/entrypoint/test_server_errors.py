@@ -68,6 +68,39 @@ def test_bad_chat_requests_are_4xx_errors(open_server, body, code):
     _error(*open_server.post("/v1/chat/completions", body), 400, code)
 
 
+HI = [{"role": "user", "content": "hi"}]
+TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+UNSUPPORTED = [   # (endpoint, extra fields, the param named): refused until supported, never silently ignored
+    ("/v1/chat/completions", {"tools": [TOOL]}, "tools"),
+    ("/v1/chat/completions", {"tools": [TOOL], "tool_choice": "auto"}, "tools"),
+    ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
+    ("/v1/chat/completions", {"tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "tool_choice"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format"),
+    ("/v1/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+]
+
+
+@pytest.mark.parametrize("path,extra,param", UNSUPPORTED, ids=range(len(UNSUPPORTED)))
+def test_tools_and_response_formats_are_refused_with_the_param_named(open_server, path, extra, param):
+    body = {"model": MODEL, "max_tokens": 1, **({"messages": HI} if "chat" in path else {"prompt": "hi"}), **extra}
+    status, err = open_server.post(path, body)
+    _error(status, err, 400, "unsupported_parameter")
+    assert err["error"]["param"] == param and err["error"]["type"] == "invalid_request_error"
+
+
+def test_harmless_tool_and_format_fields_are_accepted(open_server):
+    harmless = {"tools": [], "tool_choice": "none", "response_format": {"type": "text"}}
+    for extra in ({"tools": None, "tool_choice": None, "response_format": None}, harmless):
+        status, body = open_server.post("/v1/chat/completions", {"model": MODEL, "messages": HI, "max_tokens": 1,
+                                                                 "temperature": 0, **extra})
+        assert status == 200, (extra, body)
+    status, body = open_server.post("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 1,
+                                                        "response_format": {"type": "text"}})
+    assert status == 200, body
+
+
 def test_missing_or_wrong_key_is_401(open_server):
     for headers in ({"Authorization": "Bearer sk-nope-0000000000"}, {"Authorization": "Basic " + ALPHA},
                     {"Authorization": ""}):

@@ -1,5 +1,6 @@
 """The operator page in headless Chromium: after a few requests, the numbers it shows equal /metrics."""
 
+import json
 import re
 import shutil
 import subprocess
@@ -79,11 +80,13 @@ def test_page_numbers_equal_metrics(open_server, tmp_path):
     assert float(page.values["hit-tokens"]) == hit
     assert float(page.values["hit-rate"]) == pytest.approx(hit / prompt)
     assert float(page.values["requests"]) == metric(text, "kvledger_requests_total")
-    for cache in ("cold", "hit"):
-        n = metric(text, "kvledger_time_to_first_token_seconds_count", cache=cache)
-        total = metric(text, "kvledger_time_to_first_token_seconds_sum", cache=cache)
-        assert float(page.values[f"ttft-{cache}-n"]) == n >= 1
-        assert float(page.values[f"ttft-{cache}"]) == pytest.approx(total / n)
+    ttft = json.loads(open_server.get("/dashboard/activity")[1])["ttft_by_length"]["buckets"]
+    rows = [row for row in page.tables["ttft"][1:] if row]
+    assert len(rows) == len(ttft) >= 1   # one row per prompt-length bucket, cold and hit side by side
+    for row, b in zip(rows, ttft):
+        assert row[0] == f"{b['tokens_from']:,}–{b['tokens_to']:,}"
+        assert (int(row[2]), int(row[4])) == (b["cold"]["requests"], b["hit"]["requests"])
+    assert any(int(r[2]) >= 1 for r in rows) and any(int(r[4]) >= 1 for r in rows)
     store = {row[0]: int(row[1].replace(",", "")) for row in page.tables["store-class"][1:] if row}
     assert store and store == {k: int(metric(text, "kvledger_store_blocks", ttl_class=k)) for k in store}
     recent = [row for row in page.tables["recent"][1:] if row]

@@ -55,6 +55,46 @@ def test_completion_request_rejects(bad):
         CompletionRequest.model_validate(bad)
 
 
+def test_unsupported_fields_are_refused_by_name_and_harmless_values_pass():
+    from kvledger.entrypoint.errors import ApiError
+    from kvledger.entrypoint.prepare import refuse_unsupported
+
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    for extra in ({}, {"tools": []}, {"tools": None}, {"tool_choice": "none"}, {"response_format": {"type": "text"}},
+                  {"tools": [], "tool_choice": "none", "response_format": None}):
+        refuse_unsupported(ChatCompletionRequest.model_validate(chat | extra))
+    refuse_unsupported(CompletionRequest.model_validate({"model": "m", "prompt": "x", "response_format": None}))
+    for extra, param in (({"tools": [{"type": "function"}]}, "tools"), ({"tool_choice": "auto"}, "tool_choice"),
+                         ({"response_format": {"type": "json_object"}}, "response_format")):
+        with pytest.raises(ApiError) as e:
+            refuse_unsupported(ChatCompletionRequest.model_validate(chat | extra))
+        assert (e.value.status, e.value.param, e.value.code) == (400, param, "unsupported_parameter")
+    with pytest.raises(ApiError) as e:
+        refuse_unsupported(CompletionRequest.model_validate({"model": "m", "prompt": "x",
+                                                             "response_format": {"type": "json_schema"}}))
+    assert e.value.param == "response_format"
+
+
+def test_ttft_is_summarized_per_prompt_length_bucket_cold_and_hit():
+    """The operator page's TTFT: p50 per power-of-two length bucket, cold and hit apart (a mean over all
+    lengths made a short cold prompt look like a fast hit)."""
+    from kvledger.entrypoint.activity import Activity, RequestRecord, length_bucket
+
+    assert [length_bucket(n) for n in (1, 2, 3, 128, 129, 2000, 2048)] == [1, 2, 4, 128, 256, 2048, 2048]
+    a = Activity()
+    for prompt, cached, ttft in ((100, 0, 0.1), (120, 0, 0.3), (128, 0, 0.2), (2000, 0, 2.5), (2000, 1920, 0.4),
+                                 (1900, 1792, 0.6), (1500, 1408, 0.5), (2000, 0, None)):
+        a.record(RequestRecord(1.0, "r", "default", "chat", prompt, cached, 2, "full", ttft, "stop"))
+    t = a.as_json()["ttft_by_length"]
+    assert t["window"] > 0
+    assert t["buckets"] == [
+        {"tokens_from": 65, "tokens_to": 128, "cold": {"requests": 3, "p50_s": 0.2}, "hit": {"requests": 0,
+                                                                                            "p50_s": None}},
+        {"tokens_from": 1025, "tokens_to": 2048, "cold": {"requests": 1, "p50_s": 2.5},
+         "hit": {"requests": 3, "p50_s": 0.5}},
+    ]
+
+
 # --- API keys and namespaces -----------------------------------------------------------------
 
 

@@ -1,6 +1,14 @@
 """`kvledger serve --model tiny-v4`: token-id prompts, both ledgers, the hit cap of a sliding-window model."""
 
+import json
+
+import numpy as np
+
+from kvledger.core import ModelSpec, chain_keys
+from kvledger.store.ledger import blocks_dir
 from kvledger.util.serve_process import ServeProcess
+from tests.engine.helpers import flip_byte_of_block
+from tests.entrypoint.metrics_text import metric
 
 SWA_RESERVE = 134   # W + K: the last 134 prompt tokens are always computed (DESIGN.md rule 3)
 
@@ -17,10 +25,60 @@ def test_tiny_v4_serves_token_ids_and_hits_its_cap(tmp_path):
         assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == cap == 384
         assert second["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]
+        assert server.post("/v1/completions", body | {"prompt": list(range(1, 101))})[0] == 200
+        status, raw = server.get("/dashboard/activity")
+        ttft = json.loads(raw)["ttft_by_length"]
+        assert status == 200 and [(b["tokens_from"], b["tokens_to"]) for b in ttft["buckets"]] == [(65, 128),
+                                                                                                    (513, 1024)]
+        short, long = ttft["buckets"]
+        assert (short["cold"]["requests"], short["hit"]["requests"]) == (1, 0) and short["hit"]["p50_s"] is None
+        assert (long["cold"]["requests"], long["hit"]["requests"]) == (1, 1)
+        assert min(long["hit"]["p50_s"], long["cold"]["p50_s"], short["cold"]["p50_s"]) > 0
         status, err = server.post("/v1/chat/completions", {"model": "tiny-v4",
                                                            "messages": [{"role": "user", "content": "hi"}]})
         assert status == 400 and "token ids" in err["error"]["message"]
         status, err = server.post("/v1/completions", {"model": "tiny-v4", "prompt": "some text"})
         assert status == 400 and err["error"]["param"] == "prompt"
+    finally:
+        server.stop()
+
+
+def _metrics(server) -> str:
+    status, raw = server.get("/metrics")
+    assert status == 200
+    return raw.decode()
+
+
+def test_fetch_bytes_count_only_store_reads_and_a_corrupt_block_reaches_metrics(tmp_path):
+    """kvledger_fetch_bytes_total counts what the fetcher read, never an estimate from cached tokens (a
+    device-cache hit reads nothing); a block damaged on disk is found by the fetcher process, and its
+    cause reaches kvledger_store_read_misses_total{cause="corrupt"} of the server."""
+    tokens = list(range(1, 600))
+    body = {"model": "tiny-v4", "prompt": tokens, "max_tokens": 2, "temperature": 0}
+    spec = ModelSpec.preset("tiny-v4")
+    server = ServeProcess(tmp_path / "data", model="tiny-v4").start()
+    try:
+        assert server.post("/v1/completions", body)[0] == 200
+        status, hit = server.post("/v1/completions", body)
+        assert status == 200 and hit["usage"]["prompt_tokens_details"]["cached_tokens"] == 384
+        assert hit["usage"]["kvledger"]["store_cached_tokens"] == 0   # all of it from the device cache
+        text = _metrics(server)
+        assert metric(text, "kvledger_fetch_bytes_total") == 0
+        assert metric(text, "kvledger_store_read_misses_total", cause="corrupt") == 0
+    finally:
+        server.stop()
+    keys = chain_keys(np.asarray(tokens, dtype=np.uint32), spec, "default")
+    flip_byte_of_block(blocks_dir(tmp_path / "data"), keys[1])
+    server = ServeProcess(tmp_path / "data", model="tiny-v4").start()   # a fresh device cache: reads go to the store
+    try:
+        status, out = server.post("/v1/completions", body)
+        assert status == 200, out   # rule 8: a corrupt block is a miss, never a failed request
+        text = _metrics(server)
+        assert metric(text, "kvledger_store_read_misses_total", cause="corrupt") == 1
+        assert metric(text, "kvledger_cache_miss_blocks_total", cause="load_failed") >= 1
+        # no snapshot survives the restart: the fallback hit of 256 tokens fetches blocks 0 and 1; block 1
+        # fails its checksum, so only block 0's bytes were read and nothing is reused (hit lowered to 0)
+        assert metric(text, "kvledger_fetch_bytes_total") == spec.block_bytes()
+        assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     finally:
         server.stop()

@@ -60,6 +60,32 @@ def test_stats_redis(run_cli, redis_server):
     stats_gc_verify(run_cli, redis_server.url, 3)
 
 
+def test_a_serve_data_dir_and_the_default_one_are_found(run_cli, tmp_path):
+    """`kvledger serve --data-dir DATA` keeps its blocks in DATA/blocks: `--path DATA` finds them, and with
+    no --path the tools read serve's default data dir ($XDG_DATA_HOME/kvledger/serve)."""
+    from kvledger.store.ledger import blocks_dir
+
+    data = tmp_path / "data"
+    _fill(blocks_dir(data))
+    xdg = {"XDG_DATA_HOME": str(tmp_path / "xdg")}
+    _fill(blocks_dir(tmp_path / "xdg" / "kvledger" / "serve"))
+    for args, env in ((("--path", str(data)), None), (("--path", str(blocks_dir(data))), None), ((), xdg)):
+        for cmd in ("stats", "verify", "gc"):
+            r = run_cli("store", cmd, *args, "--json", env=env)
+            assert r.returncode == 0, (cmd, args, r.stderr)
+            if cmd == "stats":
+                assert json.loads(r.stdout)["blocks"] == 10
+            if cmd == "verify":
+                assert json.loads(r.stdout)["checked"] == 10
+
+
+def test_a_missing_default_data_dir_is_one_line(run_cli, tmp_path):
+    r = run_cli("store", "stats", env={"XDG_DATA_HOME": str(tmp_path / "empty")})
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("kvledger: error:")
+    assert str(tmp_path / "empty" / "kvledger" / "serve") in r.stderr and "--path" in r.stderr
+
+
 def test_bad_input_one_line_exit_2(run_cli, tmp_path):
     (tmp_path / "plain").mkdir()
     cases = [
@@ -67,10 +93,10 @@ def test_bad_input_one_line_exit_2(run_cli, tmp_path):
         ("gc", "--path", str(tmp_path / "plain")),
         ("verify", "--redis-url", "redis://127.0.0.1:1/0"),
         ("stats", "--redis-url", "http://nope"),
-        ("stats",),
+        ("stats",),   # serve's default data dir does not exist (XDG_DATA_HOME below)
         ("gc", "--path", str(tmp_path), "--batch", "0"),
     ]
     for args in cases:
-        r = run_cli("store", *args, "--json")
+        r = run_cli("store", *args, "--json", env={"XDG_DATA_HOME": str(tmp_path / "xdg")})
         assert r.returncode == 2 and r.stdout == "", args
         assert len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith("kvledger: error:"), (args, r.stderr)

@@ -70,12 +70,6 @@ function renderMetrics(samples) {
   show("hit-rate", prompt ? hit / prompt : 0, prompt ? (100 * hit / prompt).toFixed(1) + "%" : "–");
   show("requests", sum(samples, "kvledger_requests_total"));
   show("errors", sum(samples, "kvledger_errors_total"));
-  for (const cache of ["cold", "hit"]) {
-    const n = sum(samples, "kvledger_time_to_first_token_seconds_count", { cache });
-    const s = sum(samples, "kvledger_time_to_first_token_seconds_sum", { cache });
-    show("ttft-" + cache, n ? s / n : 0, n ? secs(s / n) : "–");
-    show("ttft-" + cache + "-n", n, n + " requests");
-  }
   const storeRows = (blocksName, bytesName, label) => {
     const b = groups(samples, blocksName, label), y = groups(samples, bytesName, label);
     return Object.keys(b).sort().map((k) => [k, fmt(b[k]), bytes(y[k] || 0)]);
@@ -102,6 +96,15 @@ function renderActivity(a) {
     fmt(r.completion_tokens), [r.hit_kind, "kind-" + r.hit_kind], r.ttft_s === null ? "–" : secs(r.ttft_s),
     r.finish_reason || "–"]));
   drawChart(a.series, a.bucket_s);
+  renderTtft(a.ttft_by_length);
+}
+
+function renderTtft(t) {
+  // p50 per prompt-length bucket (powers of two): a mean over all lengths would mix short and long prompts
+  const p50 = (c) => (c.p50_s === null ? "–" : secs(c.p50_s));
+  fillTable("ttft", t.buckets.map((b) => [
+    fmt(b.tokens_from) + "–" + fmt(b.tokens_to), p50(b.cold), fmt(b.cold.requests), p50(b.hit), fmt(b.hit.requests)]));
+  $("ttft-note").textContent = "the last " + t.window + " requests of each kind per bucket (in memory since start)";
 }
 
 function drawChart(series, bucketS) {

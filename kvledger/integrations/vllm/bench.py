@@ -32,12 +32,13 @@ from kvledger.util.output import CliError, emit_json
 WARMUP_TOKENS = 512
 TIMEOUT_S = 1800.0  # one request on a loaded 2-core machine
 HELP = "TTFT cold vs hit under vLLM: kvledger's connector beside vLLM's ExampleConnector"
+EXAMPLES = ("kvledger bench vllm --json",)  # `--help`'s epilog
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tokens", type=int, default=4096, help="prompt length in tokens (default 4096)")
-    p.add_argument("--rounds", type=int, default=3, help="prompts per connector, each cold then hit (default 3)")
-    p.add_argument("--hits", type=int, default=3, help="hit requests per round and connector (default 3)")
+    p.add_argument("--tokens", type=int, default=4096, help="prompt length in tokens")
+    p.add_argument("--rounds", type=int, default=3, help="prompts per connector, each cold then hit")
+    p.add_argument("--hits", type=int, default=3, help="hit requests per round and connector")
     p.add_argument("--plain", action="store_true", help="also time cold prompts on a vLLM without connector")
     p.add_argument("--dir", metavar="DIR", help="where the stores go (default: the temp dir)")
 
