@@ -7,8 +7,10 @@ from kvledger.core.hit import (
     decide_hit,
     decode_replica_positions,
     decode_store_position,
+    exact_replay,
     hit_cap,
     prefill_store_positions,
+    snapshot_candidates,
 )
 from kvledger.core.keys import (FORMAT_VERSION, KEY_BYTES, chain_keys, extend_chain, root_key, salted_namespace,
                                 token_bytes)
@@ -19,6 +21,6 @@ __all__ = [
     "DEFAULT_MODEL", "FORMAT_VERSION", "KEY_BYTES", "CapacityPlan", "HitDecision", "HitKind", "LayerKind", "Link",
     "ModelSpec",
     "PromptDiff", "Traffic", "break_even_tokens", "chain_keys", "decide_hit", "decode_replica_positions",
-    "decode_store_position", "diff_prompts", "extend_chain", "hit_cap", "plan", "prefill_store_positions",
-    "root_key", "salted_namespace", "token_bytes",
+    "decode_store_position", "diff_prompts", "exact_replay", "extend_chain", "hit_cap", "plan",
+    "prefill_store_positions", "root_key", "salted_namespace", "snapshot_candidates", "token_bytes",
 ]

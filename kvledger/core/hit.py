@@ -3,7 +3,8 @@
 Positions are token indices into the prompt; B = block size, W = window, K = backtrack.
 The block ledger decides how far a prefix can be reused (L1); the state ledger decides
 whether the last reused block is exact (a snapshot at L1), recomputed (fallback), or
-replayed for the sliding-window layers only (bounded replay).
+replayed for the sliding-window layers only (bounded replay), or, for a model that was not
+trained for the fallback (rule 3′), where an exact resume starts (the latest snapshot ≤ L1).
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ class HitDecision:
     """What a request reuses and where computation starts.
 
     Invariants: 0 <= hit_tokens <= block_hit_tokens <= cap; all three are multiples of B;
-    recompute_from <= hit_tokens; block KV in [0, hit_tokens) is reused, never recomputed;
-    truncate_from is None or equals recompute_from (> 0).
+    recompute_from <= hit_tokens; block KV in [0, reused_block_tokens) is reused, never recomputed;
+    truncate_from is None or equals recompute_from (> 0). A replay with truncate_from None is the
+    exact replay of rule 3′ (`exact_replay`).
     """
 
     kind: HitKind
@@ -44,6 +46,17 @@ class HitDecision:
     def replay(self) -> bool:
         """Sliding-window layers compute [recompute_from, block_hit_tokens) while block KV there is reused."""
         return self.kind is HitKind.REPLAY
+
+    @property
+    def reused_block_tokens(self) -> int:
+        """Block KV of [0, this) comes from the ledgers (or the device cache) and is never recomputed or
+        overwritten: L1 for a replay, the hit otherwise (a fallback recomputes the block [L1 − B, L1))."""
+        return self.block_hit_tokens if self.replay else self.hit_tokens
+
+    @property
+    def exact(self) -> bool:
+        """No window is truncated: what the request computes equals a cold prefill (rule 9 may store it)."""
+        return self.truncate_from is None
 
 
 def _check_count(name: str, n: object) -> None:
@@ -69,8 +82,21 @@ def decide_hit(
     *,
     replay: bool = False,
 ) -> HitDecision:
-    """Rule 3. `cached_blocks`: leading blocks the block ledger holds (may exceed the cap);
-    `swa_snapshots`: positions that hold a snapshot for this prefix (only L1 matters)."""
+    """Rules 3 and 3′. `cached_blocks`: leading blocks the block ledger holds (may exceed the cap);
+    `swa_snapshots`: positions that hold a snapshot for this prefix (`snapshot_candidates` says which
+    ones can matter).
+
+    Without a snapshot at L1, what a windowed model does:
+
+        | the model / the request                 | decision                 | exact | hit      |
+        |-----------------------------------------|--------------------------|-------|----------|
+        | `replay=True` (asked for)               | REPLAY [L1 − B, L1)      | no    | L1       |
+        | spec.approximate_fallback (V4's YoCo)   | FALLBACK [L1 − B, L1)    | no    | L1 − B   |
+        | any other (rule 3′)                     | SNAPSHOT at the latest   | yes   | q        |
+        |                                         | snapshot q < L1, or MISS |       | (or 0)   |
+
+    An exact resume at q < L1 computes [q, L) through every layer: it is the snapshot hit of the
+    prefix [0, q), so L1 is lowered to q (`block_hit_tokens` = q)."""
     _check_count("cached_blocks", cached_blocks)
     b = spec.block_size
     cap = hit_cap(prompt_len, spec)
@@ -85,7 +111,39 @@ def decide_hit(
     truncate = s if s > 0 else None  # a window starting at 0 is not truncated
     if replay:
         return HitDecision(HitKind.REPLAY, l1, l1, False, s, truncate, cap)
-    return HitDecision(HitKind.FALLBACK, s, l1, False, s, truncate, cap)
+    if spec.approximate_fallback:
+        return HitDecision(HitKind.FALLBACK, s, l1, False, s, truncate, cap)
+    q = max((p for p in swa_snapshots if 0 < p < l1 and p % b == 0), default=0)
+    if q:
+        return HitDecision(HitKind.SNAPSHOT, q, q, True, q, None, cap)
+    return HitDecision(HitKind.MISS, 0, 0, False, 0, None, cap)
+
+
+def exact_replay(prompt_len: int, cached_blocks: int, spec: ModelSpec) -> HitDecision:
+    """Rule 3′ with no snapshot in hand (a fault lowered the hit of a model that does not fall back): compute
+    [0, L) through every layer, with untruncated windows, while the block KV of [0, L1) is read from the
+    blocks, never recomputed or overwritten (so blocks shared through the device cache stay as they are).
+    Exact; it reports 0 cached tokens. MISS when no block is in hand."""
+    _check_count("cached_blocks", cached_blocks)
+    assert spec.has_swa, "a model without sliding-window layers resumes at L1 from its blocks alone"
+    cap = hit_cap(prompt_len, spec)
+    l1 = min(cached_blocks * spec.block_size, cap)
+    return HitDecision(HitKind.REPLAY if l1 else HitKind.MISS, 0, l1, False, 0, None, cap)
+
+
+def snapshot_candidates(prompt_len: int, cached_blocks: int, spec: ModelSpec, *, replay: bool = False) -> list[int]:
+    """The snapshot positions `decide_hit` may use for this prompt, ascending: L1 alone for a model that
+    falls back (or a replay), every block boundary up to L1 for an exact model (rule 3′). Empty for a
+    model without sliding-window layers. A CHECK asks the directory about exactly these."""
+    if not spec.has_swa:
+        return []
+    b = spec.block_size
+    l1 = min(cached_blocks * b, hit_cap(prompt_len, spec))
+    if l1 == 0:
+        return []
+    if replay or spec.approximate_fallback:
+        return [l1]
+    return list(range(b, l1 + 1, b))
 
 
 def prefill_store_positions(prompt_len: int, spec: ModelSpec) -> tuple[int, ...]:

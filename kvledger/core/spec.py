@@ -63,6 +63,10 @@ class ModelSpec:
     prefill_store_extra: int = 0  # extra ring tokens a prefill engine keeps to store at a 128 boundary
     yoco_keep: int = 0            # extra ring tokens kept for the YoCo truncation anchor
     description: str = ""
+    # Rule 3′: the truncated-window fallback is taken by default only by a model trained for it (V4's
+    # YoCo). Every other windowed model resumes exactly, from the latest snapshot at or below L1. Not KV
+    # geometry: not in the fingerprint.
+    approximate_fallback: bool = False
     # First-order prefill throughput (tokens/s) and where the figure comes from: what `kvledger plan`
     # prices a cold prefill at (its --prefill-tps overrides it). None: not known (plan falls back to
     # DESIGN.md's published V4 rate). Neither is KV geometry, so neither is in the fingerprint.
@@ -149,7 +153,7 @@ class ModelSpec:
         """A stable hex digest of everything that shapes this model's KV (part of every chain key)."""
         fields = asdict(self)
         fields["layers"] = [k.value for k in self.layers]
-        for not_geometry in ("description", "prefill_tokens_per_s", "prefill_source"):
+        for not_geometry in ("description", "prefill_tokens_per_s", "prefill_source", "approximate_fallback"):
             fields.pop(not_geometry)
         canon = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(canon).hexdigest()[:32]
@@ -204,6 +208,7 @@ _PRESETS: dict[str, ModelSpec] = {
         prefill_store_extra=128,
         yoco_keep=134,
         description="DeepSeek-V4.1-Flash (published figures; indexer K not included)",
+        approximate_fallback=True,
         prefill_tokens_per_s=PUBLISHED_PREFILL_TOKENS_PER_S,
         prefill_source=PUBLISHED_PREFILL_SOURCE,
     ),

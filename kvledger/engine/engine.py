@@ -195,10 +195,11 @@ class Engine:
             return None
         b = self.spec.block_size
         if was_prefill:
-            self.writer.store_blocks(seq, seq.prompt_len // b)
-            self.writer.store_prefill_snapshots(seq)
+            if seq.exact:   # rule 9: what a truncated window computed is never stored nor shared
+                self.writer.store_blocks(seq, seq.prompt_len // b)
+                self.writer.store_prefill_snapshots(seq)
             self._cache_blocks(seq)
-        elif self.spec.has_swa and seq.computed % b == 0:
+        elif self.spec.has_swa and seq.exact and seq.computed % b == 0:
             self.slots.copy_replica(self.model, seq.slot, seq.computed)
         if was_prefill and self.record_logits:
             self.first_logits[seq.request_id] = logits.clone()
@@ -227,8 +228,11 @@ class Engine:
         return None
 
     def _cache_blocks(self, seq: Sequence) -> None:
-        """Full blocks computed so far become findable in the device prefix cache by chain key."""
+        """Full blocks computed so far become findable in the device prefix cache by chain key; of a sequence
+        that is not exact (rule 9) only those it reused, never one it computed."""
         full = seq.computed // self.spec.block_size
+        if not seq.exact:
+            full = min(full, seq.decision.reused_block_tokens // self.spec.block_size)
         self.writer.ensure_keys(seq, full)
         for i in range(full):
             self.pool.cache(seq.block_table[i], seq.keys[i])
@@ -236,8 +240,9 @@ class Engine:
     def _finish(self, seq: Sequence, reason: str, *, store: bool) -> None:
         seq.finish_reason = reason
         if store and seq.block_table:
-            self.writer.store_blocks(seq, seq.computed // self.spec.block_size)
-            self.writer.store_replica(seq)
+            if seq.exact:
+                self.writer.store_blocks(seq, seq.computed // self.spec.block_size)
+                self.writer.store_replica(seq)
             self._cache_blocks(seq)
         if seq.fetch_job is not None:
             if seq.fetch_job.done:

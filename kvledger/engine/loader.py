@@ -13,12 +13,13 @@ Admitting a sequence with decision d (from the entrypoint's CHECK):
     |                        |   from d.recompute_from                                           |
 
 A fault lowers the decision and never fails the request (rule 8): a snapshot that does not
-arrive → fallback (or replay) at the same L1; a block that does not arrive intact (missing,
-corrupt, fetcher dead or hung) → `decide_hit` again with the blocks that did arrive, so
-computation restarts from the first missing block (one block earlier for a windowed model's
-fallback). `cached_tokens` reports what was actually reused. A windowed model keeps one spare
-block per sequence: if a lowered fallback must recompute a block shared through the device
-prefix cache, the sequence takes the spare instead of writing into the shared one.
+arrive, or a block that does not arrive intact (missing, corrupt, fetcher dead or hung) →
+decide again with the blocks that did arrive and no snapshot: the fallback (or replay) for a
+model that takes it, an exact replay from 0 over those blocks for every other windowed model
+(rule 3′), the blocks alone for a full-attention one. `cached_tokens` reports what was
+actually reused. A windowed model keeps one spare block per sequence: if a lowered fallback must
+recompute a block shared through the device prefix cache, the sequence takes the spare instead
+of writing into the shared one (an exact replay rewrites none).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from collections import Counter
 
 import torch
 
-from kvledger.core import HitDecision, decide_hit
+from kvledger.core import HitDecision, decide_hit, exact_replay, snapshot_candidates
 from kvledger.engine.block_pool import BlockPool
 from kvledger.engine.fetcher import Fetcher
 from kvledger.engine.models.base import Model
@@ -62,7 +63,7 @@ class HitLoader:
             seq.decision = self._with_device_cache(seq)
         decision = self._snapshot(seq, slot)
         b = self.spec.block_size
-        hit_blocks = decision.hit_tokens // b
+        hit_blocks = decision.reused_block_tokens // b
         on_device = self.pool.lookup(seq.keys[:hit_blocks])
         need = self.blocks_needed(seq) - len(on_device)
         if self.pool.num_free() < need:
@@ -94,7 +95,8 @@ class HitLoader:
             return d
         snapshots: set[int] = set()
         if self.spec.has_swa and self.state_ledger is not None:
-            snapshots = self.state_ledger.positions(seq.keys, at={held * b})
+            at = snapshot_candidates(seq.prompt_len, held, self.spec, replay=self.replay)
+            snapshots = self.state_ledger.positions(seq.keys, at=at)
         better = decide_hit(seq.prompt_len, held, snapshots, self.spec, replay=self.replay)
         return better if better.hit_tokens > d.hit_tokens else d
 
@@ -108,15 +110,16 @@ class HitLoader:
         if self.state_ledger is not None:
             got = self.state_ledger.fetch_into(key, memoryview(buf.numpy()))
         if got != buf.numel():
-            self.faults["snapshot"] += 1
-            return decide_hit(seq.prompt_len, d.block_hit_tokens // self.spec.block_size, set(), self.spec,
-                              replay=self.replay)
+            return self._lower(seq, d.block_hit_tokens // self.spec.block_size, "snapshot")
         self.model.import_window(slot, d.block_hit_tokens, buf.to(self.model.device))
         return d
 
     def _lower(self, seq: Sequence, blocks: int, cause: str) -> HitDecision:
-        """A fault: decide again with only `blocks` leading blocks in hand (rule 8)."""
+        """A fault: decide again with only `blocks` leading blocks in hand and no snapshot (rule 8). A model that
+        does not fall back keeps its blocks and replays exactly from 0 (rule 3′: `exact_replay`)."""
         self.faults[cause] += 1
+        if self.spec.has_swa and not (self.replay or self.spec.approximate_fallback):
+            return exact_replay(seq.prompt_len, blocks, self.spec)
         return decide_hit(seq.prompt_len, blocks, set(), self.spec, replay=self.replay)
 
     def on_fetched(self, seq: Sequence) -> SwapItem | None:
@@ -130,8 +133,8 @@ class HitLoader:
         dev, decision = seq.device_hit_blocks, seq.decision
         if job.intact < job.n:
             decision = self._lower(seq, dev + job.intact, "block")
-            self._unshare(seq, decision.hit_tokens)  # block KV is written from the hit on (replay included)
-        take = max(decision.hit_tokens // self.spec.block_size - dev, 0)
+            self._unshare(seq, decision.reused_block_tokens)  # block KV is written from there on
+        take = max(decision.reused_block_tokens // self.spec.block_size - dev, 0)
         self._start(seq, decision)
         if take == 0:
             return None
@@ -152,9 +155,9 @@ class HitLoader:
         seq.decision = d
         seq.computed = d.recompute_from
         seq.cached_tokens = d.hit_tokens
-        seq.keep_blocks_until = d.hit_tokens if d.replay else 0
+        seq.keep_blocks_until = d.reused_block_tokens if d.replay else 0
         seq.truncate_from = d.truncate_from
-        seq.stored_blocks = d.hit_tokens // self.spec.block_size  # put_chain skips blocks already stored
+        seq.stored_blocks = d.reused_block_tokens // self.spec.block_size  # put_chain skips blocks already stored
         seq.status = Status.RUNNING
 
     def release(self, seq: Sequence) -> None:

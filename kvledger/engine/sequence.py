@@ -57,6 +57,12 @@ class Sequence:
     fetch_misses: dict[str, int] = field(default_factory=dict)   # cause → blocks the fetch missed
     finish_reason: str | None = None
 
+    @property
+    def exact(self) -> bool:
+        """Rule 9: no window of this sequence was truncated, so every block, window and replica it computes is
+        what a cold prefill computes, and may be stored and shared. False from a truncation on, for good."""
+        return self.truncate_from is None
+
     @classmethod
     def from_request(cls, req: EngineRequest) -> Sequence:
         tokens = [int(t) for t in req.tokens]

@@ -3,8 +3,9 @@
     keys, decision = check_prompt(tokens, spec, block_ledger=blocks, state_ledger=states)
 
 The block ledger's index answers how many leading blocks exist; for a model with sliding-window
-layers the state ledger's directory answers whether a snapshot sits at L1 (only L1 decides);
-`core.decide_hit` turns both into the decision the engine follows.
+layers the state ledger's directory answers which of `core.snapshot_candidates` hold a snapshot
+(L1 alone for a model that falls back; every boundary up to L1 for one that resumes exactly,
+rule 3′), in one batched lookup; `core.decide_hit` turns both into the decision the engine follows.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from kvledger.core import HitDecision, ModelSpec, decide_hit, hit_cap
+from kvledger.core import HitDecision, ModelSpec, decide_hit, snapshot_candidates
 from kvledger.state.ledger import StateLedger
 from kvledger.store.ledger import BlockLedger
 
@@ -21,14 +22,14 @@ from kvledger.store.ledger import BlockLedger
 def check_prompt(tokens: Any, spec: ModelSpec, *, block_ledger: BlockLedger, state_ledger: StateLedger | None,
                  namespace: str = "default", ttl_class: str | None = None, replay: bool = False
                  ) -> tuple[list[bytes], HitDecision]:
-    """Chain keys + CHECK on the index + the directory's snapshot positions at L1 + decide_hit.
+    """Chain keys + CHECK on the index + the directory's snapshot positions + decide_hit.
 
     Faults read as misses (the ledgers never raise on them): a CHECK that cannot reach its index
     answers 0 blocks, a directory that cannot be reached answers no snapshot."""
     arr = np.asarray(tokens, dtype=np.uint32)
     keys, cached = block_ledger.match_tokens(arr, spec, namespace=namespace, ttl_class=ttl_class)
     snapshots: set[int] = set()
-    l1 = min(cached * spec.block_size, hit_cap(len(arr), spec))
-    if spec.has_swa and state_ledger is not None and l1 > 0:
-        snapshots = state_ledger.positions(keys, at={l1})
+    at = snapshot_candidates(len(arr), cached, spec, replay=replay)
+    if at and state_ledger is not None:
+        snapshots = state_ledger.positions(keys, at=at)
     return keys, decide_hit(len(arr), cached, snapshots, spec, replay=replay)

@@ -64,7 +64,9 @@ class Server(uvicorn.Server):
         if threading.current_thread() is not threading.main_thread():
             yield
             return
-        previous = {sig: signal.signal(sig, self.handle_exit) for sig in STOP_SIGNALS}
+        # a signal this process was started ignoring stays ignored (`nohup`'s SIGHUP), as in `kvledger up`
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in STOP_SIGNALS
+                    if signal.getsignal(sig) is not signal.SIG_IGN}
         try:
             yield
         finally:

@@ -25,7 +25,10 @@ START_TIMEOUT_S = 600.0   # model load: ~50 s at load average 25 on a 2-core mac
 def _die_with_parent(parent: int | None = None) -> None:
     """In the child, before exec (Linux): SIGTERM to it when the thread that started it ends (PR_SET_PDEATHSIG:
     the *thread*, so spawn from the main thread, or one that outlives the child). `parent`: the pid that
-    spawned it; if that one died before the flag was set (the race PR_SET_PDEATHSIG leaves), exit now."""
+    spawned it; if that one died before the flag was set (the race PR_SET_PDEATHSIG leaves), exit now.
+    SIGINT goes back to its default: the parent decides when its child stops, and a shell that started
+    the parent with SIGINT ignored (a background job) does not speak for the child."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     with contextlib.suppress(OSError, AttributeError):
         _prctl()(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
     if parent is not None and os.getppid() != parent:

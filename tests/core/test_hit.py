@@ -10,6 +10,7 @@ from kvledger import (
     decode_store_position,
     prefill_store_positions,
 )
+from kvledger.core import exact_replay, snapshot_candidates
 
 V4 = ModelSpec.preset("deepseek-v4.1-flash")
 TINY = ModelSpec.preset("tiny-v4")
@@ -76,39 +77,86 @@ def test_negative_inputs_are_refused():
 
 # --- invariants --------------------------------------------------------------------
 
+def _l1(L: int, cached: int, spec: ModelSpec) -> int:
+    return min(cached * B, max((L - spec.reserve_tokens) // B * B, 0))
+
+
 @given(lengths, blocks, positions, specs, st.booleans())
 def test_hit_invariants(L, cached, snaps, spec, replay):
     d = decide_hit(L, cached, snaps, spec, replay=replay)
     cap = max((L - spec.reserve_tokens) // B * B, 0)
+    l1 = _l1(L, cached, spec)
     assert d.cap == cap
-    assert d.block_hit_tokens == min(cached * B, cap)
-    assert 0 <= d.hit_tokens <= d.block_hit_tokens <= cap
+    assert 0 <= d.hit_tokens <= d.block_hit_tokens <= l1
     assert d.hit_tokens % B == 0 and d.block_hit_tokens % B == 0
     assert d.hit_tokens <= cached * B
     assert d.recompute_from <= d.hit_tokens < L or (d.hit_tokens == 0 and d.recompute_from == 0)
     assert d.truncate_from is None or (d.truncate_from == d.recompute_from > 0)
-    assert d.swa_hit == (spec.has_swa and d.block_hit_tokens > 0 and d.block_hit_tokens in snaps)
+    assert d.exact == (d.truncate_from is None)
     if d.swa_hit or not spec.has_swa:
         assert d.hit_tokens == d.recompute_from == d.block_hit_tokens
-    elif d.block_hit_tokens:
-        assert d.recompute_from == d.block_hit_tokens - B  # at most one block is recomputed or replayed
+        assert not d.swa_hit or d.block_hit_tokens in snaps
+    approximate = replay or spec.approximate_fallback
+    if not spec.has_swa or approximate or l1 in snaps:   # rule 3: L1 decides, and only the snapshot there
+        assert d.block_hit_tokens == l1
+        assert d.swa_hit == (spec.has_swa and l1 > 0 and l1 in snaps)
+        if not d.swa_hit and spec.has_swa and l1:
+            assert d.recompute_from == l1 - B  # at most one block is recomputed or replayed
+    else:   # rule 3′: an exact resume from the latest snapshot below L1, or a miss; never a truncation
+        q = max((p for p in snaps if 0 < p < l1), default=0)
+        assert d.exact and d.hit_tokens == d.block_hit_tokens == d.recompute_from == q
+        assert d.kind is (HitKind.SNAPSHOT if q else HitKind.MISS) and d.swa_hit == (q > 0)
 
 
 @given(lengths, blocks, positions, specs)
 def test_replay_never_recomputes_block_kv(L, cached, snaps, spec):
     plain = decide_hit(L, cached, snaps, spec)
     d = decide_hit(L, cached, snaps, spec, replay=True)
-    assert d.hit_tokens == d.block_hit_tokens == plain.block_hit_tokens  # block KV in [0, L1) is all reused
+    assert d.hit_tokens == d.block_hit_tokens == _l1(L, cached, spec)  # block KV in [0, L1) is all reused
+    assert d.reused_block_tokens == d.block_hit_tokens
     assert d.hit_tokens >= plain.hit_tokens
     if d.replay:
-        assert d.block_hit_tokens - d.recompute_from == B and not plain.swa_hit
+        assert d.block_hit_tokens - d.recompute_from == B and d.block_hit_tokens not in snaps
 
 
-@given(lengths, blocks, positions, specs, st.integers(min_value=0, max_value=2_500))
+@given(lengths, blocks, positions, st.sampled_from([V4, LLAMA]), st.integers(min_value=0, max_value=2_500))
 def test_snapshots_elsewhere_do_not_change_the_decision(L, cached, snaps, spec, other):
+    """Rule 3 (a model that falls back, or one without windows): only the snapshot at L1 counts."""
     d = decide_hit(L, cached, snaps, spec)
     assume(other * B != d.block_hit_tokens)
     assert decide_hit(L, cached, snaps | {other * B}, spec) == d
+
+
+@given(lengths, blocks, positions, st.integers(min_value=0, max_value=2_500))
+def test_exact_models_resume_from_the_latest_snapshot_below_l1(L, cached, snaps, other):
+    """Rule 3′ (tiny-v4): a snapshot above L1, or below the one the decision resumes from, changes nothing;
+    one between them becomes the resume point."""
+    d = decide_hit(L, cached, snaps, TINY)
+    l1, extra = _l1(L, cached, TINY), other * B
+    again = decide_hit(L, cached, snaps | {extra}, TINY)
+    if extra > l1 or extra <= d.hit_tokens or extra == 0:
+        assert again == d
+    else:
+        assert again.kind is HitKind.SNAPSHOT and again.hit_tokens == extra and again.exact
+
+
+def test_exact_model_without_a_snapshot_at_l1():
+    """tiny-v4, L = 1000 (cap 768), 7 blocks held: no snapshot at 768 → the one at 512, else a miss."""
+    d = decide_hit(1000, 7, {256, 512, 896}, TINY)
+    assert (d.kind, d.hit_tokens, d.block_hit_tokens, d.recompute_from, d.truncate_from) == (
+        HitKind.SNAPSHOT, 512, 512, 512, None)
+    assert decide_hit(1000, 7, set(), TINY).kind is HitKind.MISS
+    assert decide_hit(1000, 7, set(), TINY, replay=True).kind is HitKind.REPLAY   # asked for: approximate
+    assert snapshot_candidates(1000, 7, TINY) == [128, 256, 384, 512, 640, 768]
+    assert snapshot_candidates(1000, 7, V4) == [768] and snapshot_candidates(1000, 7, LLAMA) == []
+
+
+def test_exact_replay_keeps_the_blocks_and_truncates_nothing():
+    d = exact_replay(1000, 7, TINY)
+    assert (d.kind, d.hit_tokens, d.block_hit_tokens, d.recompute_from, d.truncate_from) == (
+        HitKind.REPLAY, 0, 768, 0, None)
+    assert d.exact and d.reused_block_tokens == 768
+    assert exact_replay(1000, 0, TINY).kind is HitKind.MISS
 
 
 @given(lengths, blocks, blocks, positions, specs)

@@ -10,9 +10,10 @@ from kvledger.entrypoint.check import check_prompt
 
 
 def run_request(engine, ledger, tokens, *, request_id, max_tokens=8, namespace="default", state_ledger=None,
-                replay=False):
-    """CHECK, add, step to the end; (output tokens, usage of the last event, decision)."""
-    keys, decision = check_prompt(tokens, engine.spec, block_ledger=ledger, state_ledger=state_ledger,
+                replay=False, spec=None):
+    """CHECK, add, step to the end; (output tokens, usage of the last event, decision). `spec`: the one the
+    CHECK decides with (default the engine's; `approximate(spec)` asks for the fallback)."""
+    keys, decision = check_prompt(tokens, spec or engine.spec, block_ledger=ledger, state_ledger=state_ledger,
                                   namespace=namespace, replay=replay)
     sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     engine.add_request(EngineRequest(request_id, tokens, keys, decision, sampling, namespace=namespace))
@@ -52,3 +53,11 @@ def flip_byte_of_block(store_root, key: bytes) -> Path:
         finally:
             os.close(fd)
     raise AssertionError(f"no segment under {store_root} holds block {key.hex()}")
+
+
+def approximate(spec):
+    """The same model (same fingerprint, same keys) deciding as V4 does: the truncated-window fallback when
+    L1 has no snapshot (rule 3), instead of rule 3′'s exact resume. For tests of the fallback itself."""
+    from dataclasses import replace
+
+    return replace(spec, approximate_fallback=True)

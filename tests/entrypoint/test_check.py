@@ -1,5 +1,7 @@
 """check_prompt: CHECK from metadata alone turns into the rule-3 decision."""
 
+from dataclasses import replace
+
 import numpy as np
 
 from kvledger.core import HitKind, ModelSpec, chain_keys
@@ -27,7 +29,10 @@ def test_full_attention_hit_is_capped(tmp_path):
 
 
 def test_snapshot_at_l1_decides(tmp_path):
+    """tiny-v4 resumes exactly (rule 3′): without a snapshot at L1 = 1024, the latest one below it, found by
+    the same CHECK (one batched lookup of every boundary), or a miss; the fallback only as V4 decides."""
     spec = ModelSpec.preset("tiny-v4")
+    v4_rule = replace(spec, approximate_fallback=True)
     tokens = np.arange(1200, dtype=np.uint32)
     states = StateLedger(spec, token="t", serve=False, heartbeat=False, capacity_bytes=1 << 22).start()
     try:
@@ -35,11 +40,17 @@ def test_snapshot_at_l1_decides(tmp_path):
             keys = chain_keys(tokens, spec)
             _store(ledger, keys, spec)
             _, d = check_prompt(tokens, spec, block_ledger=ledger, state_ledger=states)
+            assert d.kind is HitKind.MISS and d.hit_tokens == 0 and d.cap == 1024
+            _, d = check_prompt(tokens, v4_rule, block_ledger=ledger, state_ledger=states)
             assert d.kind is HitKind.FALLBACK and d.block_hit_tokens == 1024 and d.hit_tokens == 896
             _, d = check_prompt(tokens, spec, block_ledger=ledger, state_ledger=states, replay=True)
             assert d.kind is HitKind.REPLAY and d.hit_tokens == 1024 and d.truncate_from == 896
-            states.put(keys[6], 896, bytes(spec.state_size_to_disk()))  # an earlier snapshot does not count
-            assert check_prompt(tokens, spec, block_ledger=ledger, state_ledger=states)[1].kind is HitKind.FALLBACK
+            states.put(keys[2], 384, bytes(spec.state_size_to_disk()))
+            states.put(keys[6], 896, bytes(spec.state_size_to_disk()))
+            _, d = check_prompt(tokens, spec, block_ledger=ledger, state_ledger=states)
+            assert d.kind is HitKind.SNAPSHOT and d.hit_tokens == d.recompute_from == 896 and d.exact
+            # rule 3: only the snapshot at L1 counts for a model that falls back
+            assert check_prompt(tokens, v4_rule, block_ledger=ledger, state_ledger=states)[1].kind is HitKind.FALLBACK
             states.put(keys[7], 1024, bytes(spec.state_size_to_disk()))
             _, d = check_prompt(tokens, spec, block_ledger=ledger, state_ledger=states)
             assert d.kind is HitKind.SNAPSHOT and d.hit_tokens == 1024 and d.recompute_from == 1024

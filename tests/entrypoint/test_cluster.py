@@ -201,10 +201,9 @@ def test_windowed_model_decode_engine_pulls_the_snapshot_from_the_prefill_host(t
 
 def tiny_reference(tmp_path, prompt: list[int], n: int) -> list[int]:
     """What a single-process tiny-v4 server answers along the legs of P/D: the first token from the
-    prompt, the rest from prompt + first token. (tiny-v4's random weights leave near-ties between
-    logits; position L computed inside a prefill chunk rather than as a decode step moves them by
-    float rounding, so this is the exact reference for the cluster; SmolLM2's tests above compare
-    against a plain single-process run.)"""
+    prompt, the rest from prompt + first token. (tiny-v4's YoCo anchor is L − 134 of the prompt a
+    forward starts from, so the split is part of what the model computes; its floats do not depend on
+    the split otherwise. SmolLM2's tests above compare against a plain single-process run.)"""
     single = ServeProcess(tmp_path / "single", model="tiny-v4").start()
     try:
         body = {"model": "tiny-v4", "prompt": prompt, "max_tokens": 1, "temperature": 0}

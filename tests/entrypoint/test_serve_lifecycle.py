@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from kvledger.util.serve_process import free_port
+from kvledger.util.serve_process import free_port, spawn
 
 KVLEDGER = Path(sys.executable).parent / "kvledger"
 STOP_BOUND_S = 2.0   # the bound for a Ctrl-C, whatever is in flight
@@ -32,8 +32,7 @@ class Serve:
     def __init__(self, tmp: Path, *args: str, model: str = "tiny-v4") -> None:
         self.data = tmp / "data"
         cmd = [str(KVLEDGER), "serve", "--model", model, "--data-dir", str(self.data), *args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                     start_new_session=True)
+        self.proc = spawn(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()

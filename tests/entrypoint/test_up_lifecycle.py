@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from kvledger.util.serve_process import free_port
+from kvledger.util.serve_process import free_port, spawn
 
 TAG = "KVLEDGER_TEST_CLUSTER"
 START_S = 600.0   # the cluster's start: two model loads on a loaded 2-core machine
@@ -105,7 +105,7 @@ def start_up(data: Path, port: int, **popen) -> subprocess.Popen:
     so a signal reaches `up` alone, as a terminal's Ctrl-C reaches only its foreground process group."""
     cmd = [sys.executable, "-m", "kvledger", "up", "--model", "tiny-v4", "--prefill", "1", "--decode", "1",
            "--port", str(port), "--data-dir", str(data)]
-    return subprocess.Popen(cmd, env={**os.environ, TAG: str(data)}, start_new_session=True, **popen)
+    return spawn(cmd, env={**os.environ, TAG: str(data)}, start_new_session=True, **popen)   # SIGINT at default
 
 
 class Lines:

@@ -11,6 +11,8 @@ What each path computes, for a prompt of L tokens and L1 = the decision's block_
     replay     blocks [0, L1)                      [s, L1) encoder windows only  no: windows at L1 come
                                                    (entries reused, untouched),  from truncated windows
                                                    then [L1, L)
+    exact      blocks [0, L1)                      [0, L1) encoder windows only  yes (rule 3′): nothing
+    replay                                         (entries reused), [L1, L)     is truncated (s = 0)
 In every path the consumer layers compute [a, L) with a = L − 134 >= L1 (`tiny_v4` docstring).
 """
 
