@@ -43,3 +43,21 @@ def test_incomplete_folder_is_not_trusted(tmp_path):
     (tmp_path / "kvledger.json").write_text("{not json")
     assert not hf_folder._complete(tmp_path, {"format": hf_folder.FORMAT})
     assert not hf_folder._complete(tmp_path / "absent", {"format": hf_folder.FORMAT})
+
+
+def test_the_first_conversion_says_so_and_a_cached_folder_is_silent(tmp_path, monkeypatch, capsys):
+    """A newcomer's first `serve` converts the GGUF (~20 s here): one line before, one after. The conversion
+    itself is stood in for (it is tested above on the real file); what is checked is what the user sees."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+
+    def write_folder(gguf_path, out, source):
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "kvledger.json").write_text(json.dumps(source))
+
+    monkeypatch.setattr(hf_folder, "_write_folder", write_folder)
+    folder = hf_folder.gguf_to_hf_folder(hf_folder.smollm2_gguf_path(), "SmolLM2-135M-Instruct")
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 2 and "converting" in lines[0] and str(folder) in lines[0], lines
+    assert lines[1].startswith("kvledger: SmolLM2-135M-Instruct converted in "), lines
+    assert hf_folder.gguf_to_hf_folder(hf_folder.smollm2_gguf_path(), "SmolLM2-135M-Instruct") == folder
+    assert capsys.readouterr().err == ""
