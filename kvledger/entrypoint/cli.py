@@ -162,6 +162,8 @@ def _open_state(config: Any) -> Any:
         raise CliError(str(e)) from None
     except OSError as e:
         raise CliError(f"--data-dir {config.data_dir}: cannot open the ledgers ({e.strerror or e})") from None
+    except ValueError as e:   # cluster mode: the folder is not the volume the Redis index describes
+        raise CliError(f"--data-dir {config.data_dir}: {e}") from None
 
 
 def _load(state: Any, mode: str, routing: str) -> None:

@@ -22,6 +22,9 @@ from kvledger.core import KEY_BYTES
 from kvledger.core.keys import namespace_bytes
 
 Buffer = Any  # anything with the writable/readable buffer protocol: bytearray, memoryview, numpy array
+MISS = -1        # a get_into result: absent, expired, or proven damaged (checksum, short read of a present file)
+UNREADABLE = -2  # a get_into result: a local read error (EIO, ENOTCONN, ESTALE...): this machine's problem,
+                 # never proof that a shared block is bad (rule 8), so nothing is removed for it
 MAX_NAME_BYTES = 1024  # a namespace or class name is stored (for stats) in at most this many bytes
 
 
@@ -57,6 +60,7 @@ class Counters:
     misses_absent: int = 0        # get of a key the store does not hold (expired, collected, never written)
     misses_corrupt: int = 0       # checksum mismatch on read
     misses_truncated: int = 0     # short read: file truncated or removed under us
+    misses_unreadable: int = 0    # a local read error (the block may be fine elsewhere: kept)
     match_failures: int = 0       # CHECKs that answered 0 because the store was unreachable
     exists_failures: int = 0      # exists calls that answered "absent" because the store was unreachable
     gc_expired: int = 0

@@ -1,7 +1,8 @@
 """Reads of the embedded store: blocks that lie back to back in a segment are read with one
 `preadv` (through the directory's fd cache, segment_files.py) straight into the caller's
 buffers, and each is checked against its xxh3-64. A short read (a segment cut or removed
-under us) or a mismatch is a miss, counted, and the entry is dropped from the index.
+under us) or a mismatch is a miss, counted, and the entry is dropped from the index. A read
+that fails with an error (EIO, ENOTCONN, ESTALE) is `UNREADABLE`: counted, the entry kept.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from collections.abc import Sequence
 
 import xxhash
 
-from kvledger.store.backend import Buffer, Counters
+from kvledger.store.backend import UNREADABLE, Buffer, Counters
 from kvledger.store.index import Entry, MemoryIndex, runs
 from kvledger.store.segment_files import SegmentFiles, read_views
 
@@ -27,7 +28,7 @@ class BlockReader:
         self.counters = counters
 
     def get_into(self, keys: Sequence[bytes], bufs: Sequence[Buffer], now: float) -> list[int]:
-        """Per key its size, or -1 for a miss (absent, expired at `now`, truncated, corrupt)."""
+        """Per key its size, MISS (absent, expired at `now`, truncated, corrupt) or UNREADABLE (a read error)."""
         out = [-1] * len(keys)
         hits = []
         for i, k in enumerate(keys):
@@ -43,15 +44,18 @@ class BlockReader:
     def read_run(self, run: list[tuple[int, Entry]], bufs: Sequence[Buffer], out: list[int],
                  drop: bool = True) -> None:
         """Read blocks that lie back to back in one segment (index.runs) and check each;
-        `out[i]` = its size, or stays -1 for a miss (dropped from the index when `drop`)."""
+        `out[i]` = its size, or stays MISS (dropped from the index when `drop`), or UNREADABLE on a read error."""
         seg = run[0][1].seg
         views = read_views(run, bufs)
         start = run[0][1].offset
         try:
             got = self.files.read_into(seg.name, views, start)
-        except OSError as err:
+        except OSError as err:   # EIO, ENOTCONN, ESTALE, ...: not proof of damage; the entries stay
             log.warning("read of segment %s failed: %s", seg.name, err)
-            got = 0
+            for i, _ in run:
+                out[i] = UNREADABLE
+            self.counters.misses_unreadable += len(run)
+            return
         for (i, e), v in zip(run, views):
             if e.offset + e.size - start > got:
                 self.counters.misses_truncated += 1

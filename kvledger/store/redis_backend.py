@@ -29,12 +29,16 @@ into a miss (`match` → the blocks before the first key of a failed node, 0 on 
 from __future__ import annotations
 
 import logging
+import os
+import secrets
 import time
 from array import array
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import xxhash
+from redis.crc import key_slot
 
 from kvledger.store import redis_upkeep
 from kvledger.store.backend import (
@@ -42,6 +46,7 @@ from kvledger.store.backend import (
     BlockStore,
     Buffer,
     ChainWrite,
+    MISS,
     Counters,
     GcResult,
     PutResult,
@@ -56,6 +61,7 @@ log = logging.getLogger("kvledger.store")
 
 PUT_CHUNK_BYTES = 16 << 20           # bytes of one batched put/get round trip
 FILE_TTL_S = 100 * 365 * 86_400.0  # bytes on files in the cluster mode live until Redis forgets their block
+VOLUME_FILE = "volume.id"          # in the shared store folder: the id of the volume, as Redis records it
 GC_GRACE_S = 60.0                  # cluster-mode GC spares file blocks younger than this (published any moment)
 
 
@@ -78,6 +84,26 @@ class RedisStore:
         self._put = self.nodes.script(PUT)
         if check:  # raises: for the CLI, which reports an unreachable server (every master down) as bad input
             self._ping_any()
+        # cluster mode: the files must be the volume this Redis's index describes (`claim_volume`); until that
+        # is known, a block absent from them proves nothing and is never unpublished
+        self.volume_verified = files is not None and self._claim_volume(files.root)
+
+    def _claim_volume(self, root: Path) -> bool:
+        """Whether `root` holds the volume Redis records (`VOLUME_FILE`, whose id Redis keeps under
+        <prefix>volume). The first store to open a fresh pair writes both. ValueError when the folder is not
+        that volume: an empty mount point, or another volume (its reads would unpublish blocks other
+        machines can read). False when Redis cannot be asked now (nothing is unpublished then)."""
+        local = claim_volume_file(root)
+        name = self.prefix + b"volume"
+        slot = key_slot(name) if self.nodes.cluster else 0
+        reply = self.nodes.run([Call(slot, command("SET", name, local, "NX", "GET"))])[0]
+        if isinstance(reply, BaseException):
+            log.warning("cannot check the volume of %s against %s: %s", root, self.url, reply)
+            return False
+        if reply is not None and reply.decode() != local:
+            raise ValueError(f"{root} is not the volume the index at {self.url} describes ({VOLUME_FILE} says "
+                             f"{local}, Redis {reply.decode()}): is the shared filesystem mounted there?")
+        return True
 
     def _ping_any(self) -> None:
         """PING every master; raise a fault when none answers (a dead master of a cluster is logged)."""
@@ -234,14 +260,14 @@ class RedisStore:
             return out
         for i, size in zip(live, self.files.get_into([keys[i] for i in live], [bufs[i] for i in live])):
             out[i] = size
-        again = [i for i in live if out[i] < 0]
+        again = [i for i in live if out[i] == MISS]   # UNREADABLE (a local read error) proves nothing
         if again:  # another machine's segment may be newer than our listing: look again
             self.files.refresh(force=True)
             for i, size in zip(again, self.files.get_into([keys[i] for i in again], [bufs[i] for i in again])):
                 out[i] = size
-        lost = [keys[i] for i in again if out[i] < 0]
-        if lost:  # published but unreadable here: unpublish, so the next put writes them again
-            self._unpublish(lost)
+        lost = [keys[i] for i in again if out[i] == MISS]
+        if lost and self.volume_verified:  # absent after a fresh look, or damaged: unpublish, so that the next
+            self._unpublish(lost)          # put writes them again (rule 8: only proven loss removes a block)
         return out
 
     def _check_copy(self, key: bytes, m: bytes | None, d: bytes | None, buf: Buffer) -> int:
@@ -329,3 +355,18 @@ class RedisStore:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def claim_volume_file(root: Path) -> str:
+    """The volume id of the store folder `root` (`VOLUME_FILE`), created when the folder holds none (O_EXCL:
+    concurrent first opens agree on one). An empty mount point gets a new id, which Redis then refuses."""
+    path = Path(root) / VOLUME_FILE
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        return path.read_text().strip()
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(16) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    return path.read_text().strip()

@@ -4,6 +4,7 @@ Two ledgers with their own FileStore over one directory stand for two machines."
 
 from __future__ import annotations
 
+import pytest
 import redis
 
 from kvledger.store import redis_backend
@@ -24,7 +25,8 @@ def test_two_machines_share_index_and_files(tmp_path, redis_server):
     bufs = [bytearray(BLOCK) for _ in keys]
     assert a.get_into(keys, bufs) == [BLOCK] * 12 and [bytes(x) for x in bufs] == blocks
     r = redis.Redis.from_url(redis_server.url)
-    assert r.dbsize() == 12 and r.hget(b"kvl:b:" + keys[0], "d") is None  # Redis holds metadata only
+    assert r.dbsize() == 12 + 1 and r.hget(b"kvl:b:" + keys[0], "d") is None  # metadata only (+ the volume id)
+    assert r.get(b"kvl:volume").decode() == (tmp_path / "volume.id").read_text().strip()
     st = a.stats()
     assert st.blocks == 12 and st.segments == 2 and st.disk_bytes > 12 * BLOCK
 
@@ -64,3 +66,43 @@ def test_redis_down_in_cluster_mode_fails_soft(tmp_path, redis_server):
     res = led.put_chain(keys, blocks)
     assert res.written == 0 and res.failed == 3  # bytes may land on files, but nothing is published
     assert led.gc().expired == 0 and led.stats().blocks == 0
+
+
+def test_a_local_read_error_never_unpublishes_a_shared_block(tmp_path, redis_server):
+    """Rule 8: a read that fails with an error on this machine (EIO, ENOTCONN, ESTALE; here EISDIR, the segment
+    replaced by a folder after B listed it) is UNREADABLE: a miss here, and the block stays published for the
+    machines that can read it. (Before, B's failed read deleted A's whole chain from the shared index.)"""
+    import shutil
+
+    from kvledger.store.backend import UNREADABLE
+
+    a = BlockLedger.open(path=tmp_path, redis_url=redis_server.url, fsync=False)
+    keys, blocks = chain(6)
+    a.put_chain(keys, blocks)
+    b = RedisStore(redis_server.url, files=FileStore(tmp_path, fsync=False))
+    assert b.exists(keys) == [True] * 6
+    seg = next((tmp_path / "segments").iterdir())
+    saved = tmp_path / "saved.kvs"
+    shutil.move(seg, saved)
+    seg.mkdir()   # a read of it now fails with an error, not with a short read
+    assert b.get_into(keys, [bytearray(BLOCK) for _ in keys]) == [UNREADABLE] * 6
+    assert b.files.counters.misses_unreadable == 6 and b.files.counters.misses_truncated == 0
+    assert a.match(keys) == 6, "a local read error unpublished the shared chain"
+    seg.rmdir()
+    shutil.move(saved, seg)   # the mount is back: the blocks were never lost
+    assert a.get_into(keys, [bytearray(BLOCK) for _ in keys]) == [BLOCK] * 6
+
+
+def test_a_folder_that_is_not_the_shared_volume_is_refused(tmp_path, redis_server):
+    """The volume identity: an empty mount point (the shared filesystem not mounted) must not open as a private
+    store whose reads would unpublish everyone's blocks and whose puts nobody else could read."""
+    shared, empty = tmp_path / "mnt", tmp_path / "not-mounted"
+    a = BlockLedger.open(path=shared, redis_url=redis_server.url, fsync=False)
+    keys, blocks = chain(6)
+    a.put_chain(keys, blocks)
+    empty.mkdir()
+    with pytest.raises(ValueError, match="is not the volume"):
+        BlockLedger.open(path=empty, redis_url=redis_server.url, fsync=False)
+    assert a.match(keys) == 6
+    again = BlockLedger.open(path=shared, redis_url=redis_server.url, fsync=False)   # the right folder opens
+    assert again.read_prefix(keys, [bytearray(BLOCK) for _ in keys]) == 6
