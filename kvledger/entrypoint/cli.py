@@ -132,7 +132,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
                          redis_url=args.redis_url, cluster_token=token, routing=args.routing,
                          status_every_s=args.status_interval_s)
     mode = "serve" if args.redis_url is None else "entrypoint"
-    state, code = None, EXIT_INTERRUPTED
+    state, code = None, EXIT_INTERRUPTED   # until the server ran to its end: close as fast as after a Ctrl-C
     try:
         state = _open_state(config)
         _load(state, mode, args.routing)
