@@ -10,6 +10,7 @@ from kvledger.core.hit import (
     exact_replay,
     hit_cap,
     prefill_store_positions,
+    resumes_exactly,
     snapshot_candidates,
 )
 from kvledger.core.keys import (FORMAT_VERSION, KEY_BYTES, chain_keys, extend_chain, root_key, salted_namespace,
@@ -22,5 +23,5 @@ __all__ = [
     "ModelSpec",
     "PromptDiff", "Traffic", "break_even_tokens", "chain_keys", "decide_hit", "decode_replica_positions",
     "decode_store_position", "diff_prompts", "exact_replay", "extend_chain", "hit_cap", "plan",
-    "prefill_store_positions", "root_key", "salted_namespace", "snapshot_candidates", "token_bytes",
+    "prefill_store_positions", "resumes_exactly", "root_key", "salted_namespace", "snapshot_candidates", "token_bytes",
 ]

@@ -119,6 +119,12 @@ def decide_hit(
     return HitDecision(HitKind.MISS, 0, 0, False, 0, None, cap)
 
 
+def resumes_exactly(spec: ModelSpec, *, replay: bool = False) -> bool:
+    """Rule 3′: a windowed model that, without a snapshot at L1, resumes exactly rather than approximately
+    (it is not trained for the fallback, and no replay was asked for)."""
+    return spec.has_swa and not (replay or spec.approximate_fallback)
+
+
 def exact_replay(prompt_len: int, cached_blocks: int, spec: ModelSpec) -> HitDecision:
     """Rule 3′ with no snapshot in hand (a fault lowered the hit of a model that does not fall back): compute
     [0, L) through every layer, with untruncated windows, while the block KV of [0, L1) is read from the
@@ -141,9 +147,7 @@ def snapshot_candidates(prompt_len: int, cached_blocks: int, spec: ModelSpec, *,
     l1 = min(cached_blocks * b, hit_cap(prompt_len, spec))
     if l1 == 0:
         return []
-    if replay or spec.approximate_fallback:
-        return [l1]
-    return list(range(b, l1 + 1, b))
+    return list(range(b, l1 + 1, b)) if resumes_exactly(spec, replay=replay) else [l1]
 
 
 def prefill_store_positions(prompt_len: int, spec: ModelSpec) -> tuple[int, ...]:

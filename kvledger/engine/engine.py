@@ -151,7 +151,7 @@ class Engine:
         would outlive the process (the fetcher's shared memory). The fetcher process ends on its own when
         its socket closes with this process."""
         if self.fetcher is not None:
-            self.fetcher.abandon()
+            self.fetcher.unlink_staging()
 
     def wait_stored(self) -> None:
         """Until every block queued for the block ledger is written."""
@@ -195,11 +195,10 @@ class Engine:
             return None
         b = self.spec.block_size
         if was_prefill:
-            if seq.exact:   # rule 9: what a truncated window computed is never stored nor shared
-                self.writer.store_blocks(seq, seq.prompt_len // b)
-                self.writer.store_prefill_snapshots(seq)
+            self.writer.store_blocks(seq, seq.prompt_len // b)
+            self.writer.store_prefill_snapshots(seq)
             self._cache_blocks(seq)
-        elif self.spec.has_swa and seq.exact and seq.computed % b == 0:
+        elif self.spec.has_swa and seq.computed % b == 0:
             self.slots.copy_replica(self.model, seq.slot, seq.computed)
         if was_prefill and self.record_logits:
             self.first_logits[seq.request_id] = logits.clone()
@@ -240,9 +239,8 @@ class Engine:
     def _finish(self, seq: Sequence, reason: str, *, store: bool) -> None:
         seq.finish_reason = reason
         if store and seq.block_table:
-            if seq.exact:
-                self.writer.store_blocks(seq, seq.computed // self.spec.block_size)
-                self.writer.store_replica(seq)
+            self.writer.store_blocks(seq, seq.computed // self.spec.block_size)
+            self.writer.store_replica(seq)
             self._cache_blocks(seq)
         if seq.fetch_job is not None:
             if seq.fetch_job.done:

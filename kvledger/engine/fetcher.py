@@ -272,9 +272,9 @@ class Fetcher:
         self._stop()
         del self.staging
         self.shm.close()
-        self.abandon()
+        self.unlink_staging()
 
-    def abandon(self) -> None:
+    def unlink_staging(self) -> None:
         """Unlink the staging area's name (the mapping stays valid for whoever still uses it)."""
         with contextlib.suppress(FileNotFoundError):
             self.shm.unlink()

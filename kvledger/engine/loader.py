@@ -28,7 +28,7 @@ from collections import Counter
 
 import torch
 
-from kvledger.core import HitDecision, decide_hit, exact_replay, snapshot_candidates
+from kvledger.core import HitDecision, decide_hit, exact_replay, resumes_exactly, snapshot_candidates
 from kvledger.engine.block_pool import BlockPool
 from kvledger.engine.fetcher import Fetcher
 from kvledger.engine.models.base import Model
@@ -118,7 +118,7 @@ class HitLoader:
         """A fault: decide again with only `blocks` leading blocks in hand and no snapshot (rule 8). A model that
         does not fall back keeps its blocks and replays exactly from 0 (rule 3′: `exact_replay`)."""
         self.faults[cause] += 1
-        if self.spec.has_swa and not (self.replay or self.spec.approximate_fallback):
+        if resumes_exactly(self.spec, replay=self.replay):
             return exact_replay(seq.prompt_len, blocks, self.spec)
         return decide_hit(seq.prompt_len, blocks, set(), self.spec, replay=self.replay)
 

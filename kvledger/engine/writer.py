@@ -6,6 +6,8 @@
     | decode crosses k·B    | —                                   | window at k·B → the slot's replica    |
     | request end           | full blocks [L/B, computed/B)       | the latest replica, at its boundary   |
 
+Rule 9: a sequence that is not exact (`Sequence.exact`: a window was truncated) stores nothing.
+
 Blocks are copied from the device to host memory on the engine's thread (the device blocks may
 be reused right after); `put_chain` runs on a writer thread, so the engine never waits on the
 disk. `wait()` blocks until every queued put is done (tests, the demo's next turn). A failed put
@@ -78,9 +80,10 @@ class LedgerWriter:
         seq.keys.extend(extend_chain(parent, tokens, b))
 
     def store_blocks(self, seq: Sequence, upto: int) -> None:
-        """Queue blocks [seq.stored_blocks, upto) of the sequence for the block ledger."""
+        """Queue blocks [seq.stored_blocks, upto) of the sequence for the block ledger (none of a sequence
+        that is not exact: rule 9)."""
         first = seq.stored_blocks
-        if upto <= first:
+        if upto <= first or not seq.exact:
             return
         self.ensure_keys(seq, upto)
         seq.stored_blocks = upto
@@ -92,8 +95,8 @@ class LedgerWriter:
                               seq.request.ttl_class))
 
     def store_prefill_snapshots(self, seq: Sequence) -> None:
-        """Rule 4: the windows at the prompt's own cap and at its last boundary."""
-        if self.state_ledger is None or not self.spec.has_swa:
+        """Rule 4: the windows at the prompt's own cap and at its last boundary (rule 9: exact ones only)."""
+        if self.state_ledger is None or not self.spec.has_swa or not seq.exact:
             return
         b = self.spec.block_size
         for position in prefill_store_positions(seq.prompt_len, self.spec):
@@ -101,9 +104,9 @@ class LedgerWriter:
             self.state_ledger.put(seq.keys[position // b - 1], position, self.slots.staging.numpy())
 
     def store_replica(self, seq: Sequence) -> None:
-        """Rule 4 at request end: the latest decode replica, attached at its boundary."""
+        """Rule 4 at request end: the latest decode replica, attached at its boundary (rule 9: exact ones only)."""
         position = self.slots.replica_position[seq.slot] if seq.slot >= 0 else 0
-        if self.state_ledger is None or position == 0:
+        if self.state_ledger is None or position == 0 or not seq.exact:
             return
         self.ensure_keys(seq, position // self.spec.block_size)
         self.state_ledger.put(seq.keys[position // self.spec.block_size - 1], position,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvledger.store import gc as gc_plan
-from kvledger.store.backend import StoreStats, VerifyResult
+from kvledger.store.backend import MISS, StoreStats, VerifyResult
 from kvledger.store.index import runs
 from kvledger.store.segment_files import STALE_TMP_S
 
@@ -43,12 +43,12 @@ def file_verify(store: FileStore, remove: bool) -> VerifyResult:
         live = sorted(seg.live(), key=lambda e: e.idx)
         for chunk in gc_plan.batches(live, 256):
             bufs = [bytearray(e.size) for e in chunk]
-            res = [-1] * len(chunk)
+            res = [MISS] * len(chunk)
             for run in runs(enumerate(chunk)):
                 store.reader.read_run(run, bufs, res, drop=remove)
             checked += len(chunk)
             nbytes += sum(r for r in res if r > 0)
-            bad += res.count(-1)
+            bad += res.count(MISS)   # UNREADABLE (a read error here) is not proof a block is bad
         if remove and seg.trim:
             with store.files.flock():
                 store.collector.reclaim({seg})

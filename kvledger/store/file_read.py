@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import xxhash
 
-from kvledger.store.backend import UNREADABLE, Buffer, Counters
+from kvledger.store.backend import MISS, UNREADABLE, Buffer, Counters
 from kvledger.store.index import Entry, MemoryIndex, runs
 from kvledger.store.segment_files import SegmentFiles, read_views
 
@@ -29,7 +29,7 @@ class BlockReader:
 
     def get_into(self, keys: Sequence[bytes], bufs: Sequence[Buffer], now: float) -> list[int]:
         """Per key its size, MISS (absent, expired at `now`, truncated, corrupt) or UNREADABLE (a read error)."""
-        out = [-1] * len(keys)
+        out = [MISS] * len(keys)
         hits = []
         for i, k in enumerate(keys):
             e = self.index.live(k, now)
