@@ -47,7 +47,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-cache", action="store_true", help="compute every prompt in full (a baseline)")
     p.add_argument("--max-num-seqs", type=int, default=8, help="requests the engine batches at once")
     grace_arg(p)
-    p.set_defaults(func=cmd_serve, redis_url=None, token_file=None, routing="cache-aware")
+    p.set_defaults(func=cmd_serve, redis_url=None, token_file=None, routing="cache-aware", listen_fd=None)
 
     p = sub.add_parser("entrypoint", help="a cluster's HTTP front: tokenizer, CHECK, router (no model weights)",
                        description="A cluster's HTTP front (the same API as serve): tokenizer, CHECK on the shared "
@@ -60,6 +60,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--data-dir", type=Path, required=True, help="the shared store folder (blocks under it)")
     p.add_argument("--token-file", type=Path, default=None, help="the cluster token (or $KVLEDGER_CLUSTER_TOKEN)")
     p.add_argument("--routing", default="cache-aware", choices=POLICIES, help="how prefill engines are chosen")
+    p.add_argument("--listen-fd", type=int, default=None, help=argparse.SUPPRESS)  # `kvledger up`'s bound socket
     grace_arg(p)
     p.set_defaults(func=cmd_serve, no_cache=False, max_num_seqs=8)
 
@@ -102,7 +103,7 @@ def is_loopback(host: str) -> bool:
 
 def cmd_serve(args: argparse.Namespace) -> None:
     from kvledger.entrypoint.state import ServeConfig
-    from kvledger.util.http_server import listen
+    from kvledger.util.http_server import adopt, listen
 
     if args.api_keys is None and not is_loopback(args.host):
         raise CliError(f"--host {args.host}: without --api-keys the server is open to anyone, so it binds to "
@@ -123,7 +124,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
         except ValueError as e:
             raise CliError(str(e)) from None
     data_dir = writable_dir(args.data_dir or default_data_dir(), "--data-dir")
-    sock = listen(args.host, args.port)   # before the model load: a busy port fails at once
+    # before the model load: a busy port fails at once
+    sock = listen(args.host, args.port) if args.listen_fd is None else adopt(args.listen_fd)
     port = sock.getsockname()[1]
     config = ServeConfig(model=args.model, host=args.host, port=port, data_dir=data_dir,
                          api_keys=args.api_keys, no_cache=args.no_cache, max_body_bytes=args.max_body_bytes,

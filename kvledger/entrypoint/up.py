@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -65,6 +66,7 @@ class Child:
     proc: subprocess.Popen | None = None
     ready: bool = False
     notes: list[str] = field(default_factory=list)
+    pass_fds: tuple[int, ...] = ()   # descriptors it inherits (the entrypoint: its listening socket)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -124,6 +126,7 @@ class Cluster:
         self.args, self.data = args, data
         self.logs = data / "logs"
         self.redis = None
+        self.front: socket.socket | None = None   # the entrypoint's port, bound before anything else starts
         self.children: list[Child] = []
         self.out = LinePrinter()
         self.cause: str | None = None   # why it stops: a signal's name, "stdout closed"; None: it runs
@@ -143,6 +146,8 @@ class Cluster:
             pass
         finally:
             self._stop_all()
+            if self.front is not None:   # a stop before the entrypoint started
+                self.front.close()
         return self.code
 
     def _trap_signals(self) -> None:
@@ -174,7 +179,12 @@ class Cluster:
 
     def _start(self) -> None:
         from kvledger.util.cluster_token import load_token, new_token_file
+        from kvledger.util.http_server import listen
 
+        # bound first and handed to the entrypoint: a busy --port fails before anything starts, and no port
+        # picked later (Redis's, an engine's) can be this one
+        self.front = listen(self.args.host, self.args.port)
+        self.args.port = self.front.getsockname()[1]   # --port 0: the one the kernel gave
         self.logs.mkdir(parents=True, exist_ok=True)
         token_file = self.data / "cluster.token"
         try:
@@ -214,12 +224,15 @@ class Cluster:
                 name = f"{role}-{i}"
                 args = ["engine", "--role", role, "--engine-id", name, "--max-num-seqs", str(a.max_num_seqs), *common]
                 children.append(Child(name, args, self.logs / f"{name}.log"))
-        front = ["entrypoint", "--host", a.host, "--port", str(a.port), "--routing", a.routing, *common,
-                 "--max-concurrent-per-key", str(a.max_concurrent_per_key), "--max-body-bytes", str(a.max_body_bytes)]
+        assert self.front is not None
+        fd = self.front.fileno()
+        front = ["entrypoint", "--host", a.host, "--port", str(a.port), "--listen-fd", str(fd),
+                 "--routing", a.routing, *common, "--max-concurrent-per-key", str(a.max_concurrent_per_key),
+                 "--max-body-bytes", str(a.max_body_bytes)]
         for flag in ("api_keys", "max_prompt_tokens", "max_tokens_limit"):
             if getattr(a, flag) is not None:
                 front += [f"--{flag.replace('_', '-')}", str(getattr(a, flag))]
-        children.append(Child("entrypoint", front, self.logs / "entrypoint.log"))
+        children.append(Child("entrypoint", front, self.logs / "entrypoint.log", pass_fds=(fd,)))
         return children
 
     def _spawn(self, child: Child) -> None:
@@ -227,7 +240,10 @@ class Cluster:
         it dies with `up` (`spawn`)."""
         with open(child.log, "ab") as log:
             child.proc = spawn([sys.executable, "-m", "kvledger", *child.args], stdout=log,
-                               stderr=subprocess.STDOUT, start_new_session=True)
+                               stderr=subprocess.STDOUT, start_new_session=True, pass_fds=child.pass_fds)
+        if child.pass_fds and self.front is not None:   # the entrypoint holds the port now
+            self.front.close()
+            self.front = None
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S

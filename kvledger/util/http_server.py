@@ -45,6 +45,18 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def adopt(fd: int) -> socket.socket:
+    """The listening socket a parent bound and handed down as file descriptor `fd` (`kvledger up` binds the
+    entrypoint's port before it starts anything, so no port it picks later can take it)."""
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError as e:
+        raise CliError(f"--listen-fd {fd}: not a socket this process was given ({e.strerror})") from None
+    if sock.type != socket.SOCK_STREAM:
+        raise CliError(f"--listen-fd {fd}: not a TCP socket")
+    return sock
+
+
 class Server(uvicorn.Server):
     """uvicorn on an already bound socket, with the signals of the module docstring. `ready` is printed to
     stderr once the server accepts connections."""

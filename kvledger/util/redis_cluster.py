@@ -16,7 +16,8 @@ import time
 from dataclasses import dataclass
 from urllib.parse import unquote
 
-from kvledger.util.redis_server import RedisServer, free_port
+from kvledger.util.redis_server import RedisServer
+from kvledger.util.serve_process import free_ports
 
 SCHEME = "redis+cluster://"
 
@@ -90,11 +91,11 @@ class RedisCluster:
         if shutil.which("redis-cli") is None:
             raise RuntimeError("redis-cli is not installed (make setup installs Debian's redis-server/redis-tools)")
         self.nodes: list[RedisServer] = []
-        for _ in range(masters):  # the cluster bus port is given explicitly: port + 10000 may be taken or > 65535
+        ports = free_ports(2 * masters)   # all different: a node's port and its cluster bus port
+        for port, bus in zip(ports[::2], ports[1::2]):  # the bus port is explicit: port + 10000 may be taken
             opts = ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-port",
-                    str(free_port()), "--cluster-node-timeout", str(node_timeout_ms),
-                    "--cluster-require-full-coverage", "no")
-            self.nodes.append(RedisServer(extra_args=opts))
+                    str(bus), "--cluster-node-timeout", str(node_timeout_ms), "--cluster-require-full-coverage", "no")
+            self.nodes.append(RedisServer(port, extra_args=opts))
 
     @property
     def url(self) -> str:

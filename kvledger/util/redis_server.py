@@ -11,13 +11,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvledger.util.serve_process import spawn, terminate
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+from kvledger.util.serve_process import free_port, spawn, terminate
 
 
 class RedisServer:

@@ -53,9 +53,17 @@ def spawn(cmd: Sequence[str], **popen: Any) -> subprocess.Popen:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port free now; another process may take it before the caller binds it."""
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` different loopback ports free now (all held open together while they are picked)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
 
 
 def terminate(proc: subprocess.Popen | None, grace_s: float) -> int | None:

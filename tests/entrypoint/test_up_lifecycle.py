@@ -16,6 +16,7 @@ import http.client
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -281,3 +282,17 @@ def test_sigkill_of_up_takes_every_child_with_it(cluster_dir):
     left, took = census.wait_gone(GONE_S)
     assert not left, f"left behind {time.monotonic() - t0:.1f} s after the SIGKILL: {left}"
     print(f"SIGKILL of up: every child gone in {took:.2f} s ({len(census.seen) - 1} children)")
+
+
+def test_a_busy_port_fails_before_anything_starts(tmp_path):
+    """`up` binds the entrypoint's port first (and hands the socket down), so a taken --port is one line and
+    exit 2 before Redis or an engine starts, and no port `up` picks later can collide with it."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "kvledger", "up", "--model", "tiny-v4", "--port", str(port),
+                            "--data-dir", str(tmp_path / "c")], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr == f"kvledger: error: --port {port}: cannot listen on 127.0.0.1:{port}: Address already in use\n"
+    assert r.stdout == "" and not (tmp_path / "c" / "redis").exists()

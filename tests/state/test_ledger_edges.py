@@ -8,7 +8,7 @@ from kvledger.core import ModelSpec
 from kvledger.state import MemoryDirectory, RedisDirectory, StateLedger
 from kvledger.state.auth import derive_keys
 from kvledger.state.directory import SnapshotEntry, sign
-from kvledger.util.redis_server import free_port
+from kvledger.util.serve_process import free_port
 
 SPEC = ModelSpec.preset("tiny-v4")
 SIZE = SPEC.state_size_to_disk()

@@ -16,7 +16,7 @@ from kvledger.store.redis_backend import RedisStore
 from tests.store.test_cli import stats_gc_verify
 from kvledger.util.redis_cluster import ClusterUrl, RedisCluster, cluster_client, parse_cluster_url
 
-from kvledger.util.redis_server import free_port
+from kvledger.util.serve_process import free_port
 
 from .conftest import BLOCK, chain
 
