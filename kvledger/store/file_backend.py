@@ -201,7 +201,11 @@ class FileStore:
             raise ValueError(f"one buffer per key: {len(keys)} keys, {len(bufs)} buffers")
         with self._lock:
             self.refresh()
-            return self.reader.get_into(keys, bufs, self.clock())
+            out = self.reader.get_into(keys, bufs, self.clock())
+            if self.reader.damaged:
+                damaged, self.reader.damaged = self.reader.damaged, set()
+                self._reclaim(damaged, "flagging damaged blocks dead")
+            return out
 
     # --- removal, GC, write-back -------------------------------------------------------
 
@@ -210,12 +214,16 @@ class FileStore:
             victims = [e for k in keys if (e := self.index.get(k)) is not None]
             for e in victims:
                 self.index.remove(e)
-            try:
-                with self.files.flock():
-                    self.collector.reclaim({e.seg for e in victims})
-            except OSError as err:
-                log.warning("delete in %s: reclaiming failed: %s", self.root, err)
+            self._reclaim({e.seg for e in victims}, "delete")
         return len(victims)
+
+    def _reclaim(self, segs: set[Segment], what: str) -> None:
+        """Persist the dead flags of entries dropped from `segs` and give their space back (lock held)."""
+        try:
+            with self.files.flock():
+                self.collector.reclaim(segs)
+        except OSError as err:
+            log.warning("%s in %s: reclaiming failed: %s", what, self.root, err)
 
     def gc(self, batch: int = 4096) -> GcResult:
         """Remove expired blocks (tails first, `batch` at a time), then evict down to capacity."""

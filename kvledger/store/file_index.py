@@ -31,7 +31,7 @@ class IndexUpkeep:
         self.index = index
         self.clock = clock
         self.bad_segments: list[str] = []
-        self.duplicates = 0          # blocks found in two segments (the first loaded is kept)
+        self.duplicates = 0          # blocks found in two segments (the newer is kept)
         self._dir_mtime: int | None = None
 
     def stale(self, force: bool = False) -> bool:
@@ -87,10 +87,13 @@ class IndexUpkeep:
             elif expiry < now:  # expired before we opened: gc removes it and counts it
                 seg.trim = True
                 seg.expired_at_open += 1
-            elif key in self.index:
-                self.duplicates += 1
-                seg.trim = seg.dirty = True
             else:
+                if (older := self.index.get(key)) is not None:
+                    # another writer's copy: the newer one wins (a block written again after a damaged copy was
+                    # found supersedes it here too), keeping the later expiry and hit; the older is flagged dead
+                    self.duplicates += 1
+                    expiry, hit = max(expiry, older.expiry), max(hit, older.last_hit)
+                    self.index.remove(older)
                 self.index.add(Entry(key, parent, pos, size, xxh, offset, seg, i, expiry, hit))
 
 

@@ -1,7 +1,9 @@
 """Reads of the embedded store: blocks that lie back to back in a segment are read with one
 `preadv` (through the directory's fd cache, segment_files.py) straight into the caller's
 buffers, and each is checked against its xxh3-64. A short read (a segment cut or removed
-under us) or a mismatch is a miss, counted, and the entry is dropped from the index. A read
+under us) or a mismatch is a miss, counted, and the entry is dropped from the index (its segment
+noted in `damaged`, for the store to flag the entry dead on disk at once: a process that opens the
+store later must not find the bad copy again, rule 8). A read
 that fails with an error (EIO, ENOTCONN, ESTALE) is `UNREADABLE`: counted, the entry kept.
 """
 
@@ -13,7 +15,7 @@ from collections.abc import Sequence
 import xxhash
 
 from kvledger.store.backend import MISS, UNREADABLE, Buffer, Counters
-from kvledger.store.index import Entry, MemoryIndex, runs
+from kvledger.store.index import Entry, MemoryIndex, Segment, runs
 from kvledger.store.segment_files import SegmentFiles, read_views
 
 log = logging.getLogger("kvledger.store")
@@ -26,6 +28,7 @@ class BlockReader:
         self.files = files
         self.index = index
         self.counters = counters
+        self.damaged: set[Segment] = set()   # segments with entries dropped for proven damage, not yet on disk
 
     def get_into(self, keys: Sequence[bytes], bufs: Sequence[Buffer], now: float) -> list[int]:
         """Per key its size, MISS (absent, expired at `now`, truncated, corrupt) or UNREADABLE (a read error)."""
@@ -69,3 +72,4 @@ class BlockReader:
                 continue
             if drop:
                 self.index.remove(e)
+                self.damaged.add(e.seg)

@@ -334,3 +334,35 @@ def test_a_check_only_process_keeps_its_hits_alive_for_another_processes_gc(tmp_
     assert json.loads(r.stdout)["expired"] == 0
     with open_ledger(store_dir, time.time) as led:
         assert led.match(keys) == 6
+
+
+def test_a_damaged_block_is_flagged_dead_on_disk_at_once(tmp_path, clock):
+    """Issue 19 item 4: the first process that reads a damaged copy flags it dead in its segment, so the
+    processes that open the store later neither read it again nor take it for present (a put then writes
+    the block anew), and one that had indexed it takes the new copy. Before, each new process loaded the
+    bad copy, missed, and a put skipped it as present."""
+    keys, blocks = chain(20)
+    with open_ledger(tmp_path, clock) as led:
+        led.put_chain(keys, blocks)
+    for p in segs(tmp_path):
+        meta = sg.read_meta(os.open(p, os.O_RDONLY))
+        with open(p, "r+b") as f:
+            for e in meta.entries:
+                f.seek(e[5] + 7)
+                f.write(b"\xaa")
+    bufs = [bytearray(BLOCK) for _ in keys]
+    first = open_ledger(tmp_path, clock)   # stays open (a running engine): not its close writes the flags
+    stale = open_ledger(tmp_path, clock)   # opened before anyone read the bad copies: it indexed them
+    assert first.get_into(keys, bufs) == [-1] * 20 and first.store.counters.misses_corrupt == 20
+    with open_ledger(tmp_path, clock) as later:
+        assert later.match(keys) == 0 and later.get_into(keys, bufs) == [-1] * 20
+        assert later.store.counters.misses_corrupt == 0 and later.store.counters.misses_absent == 20
+        assert later.put_chain(keys, blocks) == (20, 0, 0)
+    # the copies written again supersede the bad ones it indexed (the newer copy of a key wins)
+    stale.store.refresh(force=True)
+    assert stale.get_into(keys, bufs) == [BLOCK] * 20 and stale.store.counters.misses_corrupt == 0
+    stale.close()
+    first.close()
+    with open_ledger(tmp_path, clock) as after:
+        assert after.get_into(keys, bufs) == [BLOCK] * 20
+        assert [bytes(b) for b in bufs] == [bytes(b) for b in blocks]
