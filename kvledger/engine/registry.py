@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
@@ -23,6 +24,7 @@ import redis
 log = logging.getLogger("kvledger.cluster")
 ROLES = ("prefill", "decode", "both")
 DEFAULT_TTL_S = 3.0
+FAULT_HOLD_S = 10.0   # an engine whose store failed a read stays out of the registry this long after the last
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,10 +109,18 @@ class Registry:
 
 
 class Heartbeat:
-    """Re-announces `info()` every ttl/3 seconds on a daemon thread until `stop()`; then withdraws."""
+    """Re-announces `info()` every ttl/3 seconds on a daemon thread until `stop()`; then withdraws.
 
-    def __init__(self, registry: Registry, info: Callable[[], EngineInfo]) -> None:
-        self.registry, self.info = registry, info
+    Before each announce it asks `fault()` (the engine's store: `BlockLedger.read_fault`). While that
+    names a fault, and for `hold_s` after the last one, the engine is withdrawn instead: out of the
+    registry, so no entrypoint routes to it (`fault_reason` says why), back once its store reads again."""
+
+    def __init__(self, registry: Registry, info: Callable[[], EngineInfo],
+                 fault: Callable[[], str | None] = lambda: None, hold_s: float = FAULT_HOLD_S) -> None:
+        self.registry, self.info, self.fault, self.hold_s = registry, info, fault, hold_s
+        self.fault_reason: str | None = None   # why it is out of the registry; None: it is in
+        self._out_until = 0.0                   # monotonic seconds: out of the registry until then
+        self._lock = threading.Lock()           # beats come from the thread and from `drain`
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvledger-heartbeat", daemon=True)
 
@@ -120,11 +130,28 @@ class Heartbeat:
         return self
 
     def beat(self) -> None:
-        """Announce now (a state change such as draining should not wait for the next beat)."""
-        try:
-            self.registry.announce(self.info())
-        except (redis.RedisError, OSError) as e:
-            log.warning("heartbeat failed: %s", e)
+        """Announce now (a state change such as draining should not wait for the next beat), or withdraw
+        while the store is at fault."""
+        with self._lock:
+            try:
+                if self._out():
+                    self.registry.withdraw(self.info().engine_id)
+                else:
+                    self.registry.announce(self.info())
+            except (redis.RedisError, OSError) as e:
+                log.warning("heartbeat failed: %s", e)
+
+    def _out(self) -> bool:
+        why, now = self.fault(), time.monotonic()
+        engine = self.info().engine_id
+        if why is not None:
+            if self.fault_reason is None:
+                log.warning("engine %s leaves the registry: %s", engine, why)
+            self.fault_reason, self._out_until = why, now + self.hold_s
+        if self.fault_reason is not None and now >= self._out_until:
+            log.warning("engine %s rejoins the registry: its store reads again", engine)
+            self.fault_reason = None
+        return self.fault_reason is not None
 
     def _run(self) -> None:
         while not self._stop.wait(self.registry.ttl_ms / 3000):

@@ -106,7 +106,7 @@ class EngineProcess:
                                     os.getpid())
             self.url = url
             self.engine.start(asyncio.get_running_loop())
-            self.heartbeat = Heartbeat(self.registry, self.info).start()
+            self.heartbeat = Heartbeat(self.registry, self.info, self.block_ledger.read_fault).start()
         finally:
             self.loading = False
 
@@ -246,9 +246,10 @@ def build_engine_app(proc: EngineProcess, url: str) -> FastAPI:
     async def health() -> JSONResponse:
         alive = proc.engine is not None and proc.engine.alive
         info = proc.info() if proc.engine is not None else None
-        return JSONResponse({"status": "ok" if alive else "down", "engine": proc.config.engine_id,
-                             "role": proc.config.role, "draining": proc.draining,
-                             "running": info.running if info else 0, "time": time.time()},
-                            status_code=200 if alive else 503)
+        fault = proc.heartbeat.fault_reason if proc.heartbeat is not None else None
+        status = "down" if not alive else "unhealthy" if fault else "ok"
+        return JSONResponse({"status": status, "engine": proc.config.engine_id, "role": proc.config.role,
+                             "draining": proc.draining, "fault": fault, "running": info.running if info else 0,
+                             "time": time.time()}, status_code=200 if status == "ok" else 503)
 
     return app

@@ -1,7 +1,7 @@
 """The entrypoint ↔ engine messages of the cluster mode: JSON over HTTP, never pickle.
 
     POST /engine/v1/generate   body: GenerateBody            → NDJSON stream of WireEvent lines
-    GET  /engine/v1/health     → {"status", "engine", "role", "running"}
+    GET  /engine/v1/health     → {"status": ok/unhealthy/down, "engine", "role", "fault", "running"}
 
 A stream is one `WireEvent` per line; an empty line is a keepalive (sent every
 `KEEPALIVE_S` while the engine computes), so a reader's timeout tells a hung engine from a

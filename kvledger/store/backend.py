@@ -14,6 +14,7 @@ or an unreachable server makes `put` return `failed` and `match` answer 0.
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple, Protocol
@@ -40,6 +41,15 @@ def stored_name(name: str) -> bytes:
     digest = "…#" + hashlib.sha256(raw).hexdigest()[:32]
     head = name[:(MAX_NAME_BYTES - 64) // 4]
     return namespace_bytes(head + digest)
+
+
+def probe_folder(path: os.PathLike) -> str | None:
+    """`BlockStore.probe` of a store kept in the folder `path`."""
+    try:
+        os.stat(path)
+    except OSError as e:
+        return f"{path} does not answer ({e.strerror})"
+    return None
 
 
 def read_name(raw: bytes) -> str:
@@ -183,5 +193,9 @@ class BlockStore(Protocol):
     def stats(self) -> StoreStats: ...
 
     def verify(self, remove: bool = True) -> VerifyResult: ...
+
+    def probe(self) -> str | None:
+        """None when this machine can read the store's folder now; else why not (a few metadata syscalls,
+        never raises). A dead mount answers ENOTCONN here while the blocks on it may be fine elsewhere."""
 
     def close(self) -> None: ...

@@ -36,6 +36,7 @@ from kvledger.store.backend import (
     PutResult,
     StoreStats,
     VerifyResult,
+    probe_folder,
     stored_name,
 )
 from kvledger.store.file_gc import Collector
@@ -271,6 +272,9 @@ class FileStore:
 
     def disk_bytes(self) -> int:
         return sum(s.file_size for s in self.index.segments)
+
+    def probe(self) -> str | None:
+        return probe_folder(self.root / "segments")
 
     def stats(self) -> StoreStats:
         from kvledger.store.file_inspect import file_stats

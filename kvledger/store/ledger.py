@@ -38,6 +38,7 @@ class BlockLedger:
     def __init__(self, store: BlockStore, policy: TtlPolicy | None = None) -> None:
         self.store = store
         self.policy = policy or TtlPolicy()
+        self._unreadable_seen = 0   # store.counters.misses_unreadable at the last `read_fault`
 
     @classmethod
     def open(cls, path: str | os.PathLike | None = None, redis_url: str | None = None, *,
@@ -122,6 +123,18 @@ class BlockLedger:
 
     def stats(self) -> StoreStats:
         return self.store.stats()
+
+    def read_fault(self) -> str | None:
+        """None while this machine reads its store; else why not: the folder does not answer (a dead mount,
+        ENOTCONN), or block reads failed with a local error (UNREADABLE) since the last call. A cluster
+        engine leaves the registry while this is not None (rule 8: a local fault takes the machine out of
+        service; it removes no block)."""
+        why = self.store.probe()
+        unreadable = self.store.counters.misses_unreadable
+        if why is None and unreadable > self._unreadable_seen:
+            why = f"{unreadable - self._unreadable_seen} block reads failed with a local error"
+        self._unreadable_seen = unreadable
+        return why
 
     def verify(self, remove: bool = True) -> VerifyResult:
         return self.store.verify(remove)

@@ -34,7 +34,7 @@ import xxhash
 
 from kvledger.store import lmdb_gc, lmdb_upkeep, lmdb_write
 from kvledger.store.backend import (BlockInfo, Buffer, ChainWrite, Counters, GcResult, PutResult, StoreStats,
-                                    VerifyResult)
+                                    VerifyResult, probe_folder)
 from kvledger.store.chain_check import leading_present
 from kvledger.store.lmdb_index import BLOCK, BlockRec, LmdbIndex, SegRec
 from kvledger.store.segment_files import HOST, bytes_view, preadv_all, read_views
@@ -326,6 +326,9 @@ class LmdbStore:
 
     def gc(self, batch: int = 4096) -> GcResult:
         return lmdb_gc.gc(self, batch)
+
+    def probe(self) -> str | None:
+        return probe_folder(self.root / "segments")
 
     def stats(self) -> StoreStats:
         return lmdb_upkeep.stats(self)

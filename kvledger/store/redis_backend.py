@@ -51,6 +51,7 @@ from kvledger.store.backend import (
     GcResult,
     PutResult,
     StoreStats,
+    UNREADABLE,
     VerifyResult,
 )
 from kvledger.store.redis_keys import Placement
@@ -86,6 +87,7 @@ class RedisStore:
             self._ping_any()
         # cluster mode: the files must be the volume this Redis's index describes (`claim_volume`); until that
         # is known, a block absent from them proves nothing and is never unpublished
+        self.volume_id = ""   # the id of `files`' volume (`_claim_volume`)
         self.volume_verified = files is not None and self._claim_volume(files.root)
 
     def _claim_volume(self, root: Path) -> bool:
@@ -93,7 +95,7 @@ class RedisStore:
         <prefix>volume). The first store to open a fresh pair writes both. ValueError when the folder is not
         that volume: an empty mount point, or another volume (its reads would unpublish blocks other
         machines can read). False when Redis cannot be asked now (nothing is unpublished then)."""
-        local = claim_volume_file(root)
+        local = self.volume_id = claim_volume_file(root)
         name = self.prefix + b"volume"
         slot = key_slot(name) if self.nodes.cluster else 0
         reply = self.nodes.run([Call(slot, command("SET", name, local, "NX", "GET"))])[0]
@@ -265,6 +267,7 @@ class RedisStore:
             self.files.refresh(force=True)
             for i, size in zip(again, self.files.get_into([keys[i] for i in again], [bufs[i] for i in again])):
                 out[i] = size
+        self.counters.misses_unreadable += sum(out[i] == UNREADABLE for i in live)   # the files counted them too
         lost = [keys[i] for i in again if out[i] == MISS]
         if lost and self.volume_verified:  # absent after a fresh look, or damaged: unpublish, so that the next
             self._unpublish(lost)          # put writes them again (rule 8: only proven loss removes a block)
@@ -344,6 +347,21 @@ class RedisStore:
         except FAULTS as e:
             log.warning("verify of %s stopped: %s", self.url, e)
             return VerifyResult(0, 0, 0, 0)
+
+    def probe(self) -> str | None:
+        """Cluster mode: the shared folder answers and is still the volume it was at open (an unmounted path
+        shows the empty mount point, which holds no `VOLUME_FILE` or another one)."""
+        if self.files is None:
+            return None
+        if (why := self.files.probe()) is not None:
+            return why
+        try:
+            volume = (self.files.root / VOLUME_FILE).read_text().strip()
+        except OSError as e:
+            return f"{self.files.root / VOLUME_FILE} does not read ({e.strerror})"
+        if volume != self.volume_id:
+            return f"{self.files.root} is no longer the volume opened ({VOLUME_FILE} says {volume or 'nothing'})"
+        return None
 
     def close(self) -> None:
         if self.files is not None:
