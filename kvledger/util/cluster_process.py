@@ -18,10 +18,11 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-from kvledger.util.serve_process import free_port, request, spawn, terminate
+from kvledger.util.serve_process import request, spawn, terminate
 
 START_TIMEOUT_S = 900.0   # several model loads at once on a loaded 2-core machine
 STATUS = re.compile(r"^\s+(\S+)\s+pid (\d+)\s+ready(?: at (\S+))?")
+READY = re.compile(r"^kvledger up: ready at http://[^:]+:(\d+)")
 
 
 class Member(NamedTuple):
@@ -50,9 +51,8 @@ class ClusterProcess:
         return (self.data_dir / "cluster.token").read_text().strip()
 
     def start(self) -> ClusterProcess:
-        self.port = free_port()
-        cmd = [sys.executable, "-m", "kvledger", "up", "--port", str(self.port), "--data-dir", str(self.data_dir),
-               *self.args]
+        """`up --port 0`: the port is the one `up` bound, read from its ready line (none can take it first)."""
+        cmd = [sys.executable, "-m", "kvledger", "up", "--port", "0", "--data-dir", str(self.data_dir), *self.args]
         self.proc = spawn(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ.copy())
         threading.Thread(target=self._read, daemon=True).start()
         if not self._ready.wait(START_TIMEOUT_S) or self.proc.poll() is not None:
@@ -68,7 +68,8 @@ class ClusterProcess:
             m = STATUS.match(line)
             if m:
                 self.members[m.group(1)] = Member(int(m.group(2)), m.group(3))
-            if line.startswith("kvledger up: ready at "):
+            if (ready := READY.match(line)) is not None:
+                self.port = int(ready.group(1))
                 self._ready.set()
         self._ready.set()
 

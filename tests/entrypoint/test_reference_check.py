@@ -17,11 +17,19 @@ from __future__ import annotations
 import json
 import random
 import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
+from kvledger.store import segment as sg
 from kvledger.util.cluster_process import ClusterProcess
-from kvledger.util.serve_process import ServeProcess, request
+from kvledger.util.serve_process import ServeProcess, request, spawn, terminate
 
 B = 128
 RESIDUES = [0, 1, 2, 3, 4, 5, 6, 122, 123, 124, 125, 126, 127, 64]
@@ -51,22 +59,59 @@ def post(url: str, body: dict) -> tuple[int, dict]:
     return status, json.loads(raw)
 
 
-def run_workload(server: ServeProcess | ClusterProcess, *, legs: bool = False) -> list[tuple[int, list[int], dict]]:
-    """(prompt length, reply token ids, usage) of every request, in order. With `legs`, each reply is asked as
-    P/D computes it: its first token from the prompt, the rest from prompt + that token as a new prompt.
-    (tiny-v4's YoCo anchor is L − 134 of the prompt a forward starts from, so the split is part of what the
-    model computes; tiny_reference in test_cluster.py does the same.)"""
+class Node:
+    """One kvledger process of a cluster laid out by hand (as on several machines): `up` gives every
+    process one data dir, and the dead-mount test gives each machine its own mount of the shared filesystem."""
+
+    def __init__(self, name: str, args: list[str], log: Path) -> None:
+        self.name, self.log = name, log
+        with open(log, "ab") as out:
+            self.proc = spawn([sys.executable, "-m", "kvledger", *args], stdout=out, stderr=subprocess.STDOUT)
+        self.url = ""
+
+    def wait_ready(self, timeout_s: float = 600) -> Node:
+        deadline = time.monotonic() + timeout_s
+        while not (found := re.search(r" ready at (http://\S+)", self.log.read_text(errors="replace"))):
+            assert self.proc.poll() is None and time.monotonic() < deadline, self.log.read_text()[-2000:]
+            time.sleep(0.2)
+        self.url = found.group(1)
+        return self
+
+
+class Reply(NamedTuple):
+    length: int          # the prompt's length
+    ids: list[int]       # the greedy reply of the server checked
+    reference: list[int]  # the no-cache server's, along the same legs
+    usage: dict
+    legs: dict           # the checked server's engine legs for it, by (leg kind, hit kind); {} for `serve`
+
+
+def run_workload(server: ServeProcess | ClusterProcess | Node, no_cache: ServeProcess,
+                 fault: Callable[[], None] | None = None, fault_at: int = 12) -> list[Reply]:
+    """Every request of the workload, in order, each checked against the no-cache server along the legs the
+    server took: split after the first token when a prefill leg ran (P/D: the decode leg is a new forward
+    from prompt + that token), whole otherwise. (tiny-v4's YoCo anchor is L − 134 of the prompt a forward
+    starts from, so where a reply is split is part of what the model computes; tiny_reference in
+    test_cluster.py does the same.) Each next turn extends the server's own reply. `fault` is called once,
+    before request `fault_at` (12: halfway; conversations 3-5 share their system prompts with 0-2)."""
     rng = random.Random(11)
     systems = {n: [rng.randrange(3, 32000) for _ in range(n)] for n in (300, 520, 700)}
     results = []
     for c, turns in enumerate(conversations()):
         tokens = list(systems[[300, 520, 700][c % 3]])
         for user, reply in turns:
+            if len(results) == fault_at and fault is not None:
+                fault()
             tokens += [rng.randrange(3, 32000) for _ in range(user)]
-            ids, usage = complete(server, tokens, 1 if legs else reply)
-            if legs:
-                ids += complete(server, tokens + ids, reply - 1)[0]
-            results.append((len(tokens), ids, usage))
+            before = legs(server.url)
+            ids, usage = complete(server, tokens, reply)
+            taken = {k: n - before.get(k, 0) for k, n in legs(server.url).items() if n > before.get(k, 0)}
+            if any(kind == "prefill" for kind, _ in taken):
+                ref = complete(no_cache, tokens, 1)[0]
+                ref += complete(no_cache, tokens + ref, reply - 1)[0]
+            else:
+                ref = complete(no_cache, tokens, reply)[0]
+            results.append(Reply(len(tokens), ids, ref, usage, taken))
             tokens += ids
     return results
 
@@ -85,49 +130,45 @@ def no_cache(tmp_path_factory):
     server.stop()
 
 
-@pytest.fixture(scope="module")
-def reference(no_cache):
-    return run_workload(no_cache)
-
-
-@pytest.fixture(scope="module")
-def reference_legs(no_cache):
-    return run_workload(no_cache, legs=True)
-
-
-def test_the_workload_covers_every_residue_near_a_boundary(reference):
-    residues = {length % B for length, _, _ in reference}
+def test_the_workload_covers_every_residue_near_a_boundary():
+    residues = set()
+    for c, turns in enumerate(conversations()):
+        length = [300, 520, 700][c % 3]
+        for user, reply in turns:
+            residues.add((length + user) % B)
+            length += user + reply
     assert set(RESIDUES) <= residues, sorted(residues)
 
 
-def assert_as_reference(got: list, reference: list) -> list[str]:
-    """0 mismatches, nothing approximate; the hit kinds, for the caller's own checks."""
-    kinds = [usage["kvledger"]["hit_kind"] for _, _, usage in got]
-    assert kinds.count("snapshot") >= len(got) // 2, kinds   # the ledgers were used, not bypassed
+def assert_as_reference(got: list[Reply], min_snapshot: int | None = None) -> list[str]:
+    """0 mismatches, nothing approximate; the hit kinds, for the caller's own checks. At least `min_snapshot`
+    (default half) of the replies resumed from a snapshot: the ledgers were used, not bypassed."""
+    kinds = [r.usage["kvledger"]["hit_kind"] for r in got]
+    assert kinds.count("snapshot") >= (len(got) // 2 if min_snapshot is None else min_snapshot), kinds
     assert "fallback" not in kinds and "replay" not in kinds, kinds   # tiny-v4 resumes exactly (rule 3′)
-    wrong = [(i, length, usage["kvledger"]["hit_kind"]) for i, ((length, ids, usage), (_, ref, _))
-             in enumerate(zip(got, reference)) if ids != ref]
+    wrong = [(i, r.length, r.usage["kvledger"]["hit_kind"], sorted(r.legs)) for i, r in enumerate(got)
+             if r.ids != r.reference]
     assert wrong == [], f"{len(wrong)} of {len(got)} replies differ from the no-cache reference: {wrong}"
     return kinds
 
 
-def test_kvledger_serve_answers_as_the_no_cache_reference(tmp_path, reference):
+def test_kvledger_serve_answers_as_the_no_cache_reference(tmp_path, no_cache):
     server = ServeProcess(tmp_path / "data", model="tiny-v4").start()
     try:
-        got = run_workload(server)
+        got = run_workload(server, no_cache)
     finally:
         server.stop()
-    assert_as_reference(got, reference)
+    assert_as_reference(got)
 
 
-def test_kvledger_up_with_prefill_and_decode_legs_answers_as_the_no_cache_reference(tmp_path, reference_legs):
+def test_kvledger_up_with_prefill_and_decode_legs_answers_as_the_no_cache_reference(tmp_path, no_cache):
     """P/D: the prefill engine computes the first token, the decode engine CHECKs prompt + that token and
     resumes from a snapshot of the prefill engine's (pulled between processes). For L ≡ 5 (mod 128) the
     decode leg's L1 = c + 128 has no snapshot: it resumes exactly from c or p, never falls back."""
     with ClusterProcess(tmp_path / "data", prefill=1, decode=1, model="tiny-v4") as cluster:
-        got = run_workload(cluster)
+        got = run_workload(cluster, no_cache)
         counts = legs(cluster.url)
-    assert_as_reference(got, reference_legs)
+    assert_as_reference(got)
     # every request ends with a decode leg, or (when the decode engine's heartbeat lapsed on a loaded machine)
     # runs whole on the prefill engine; most decode legs resume from a snapshot, none approximately
     ends = {kind: n for (kind, _), n in counts.items() if kind in ("decode", "whole")}
@@ -147,3 +188,110 @@ def legs(url: str) -> dict[tuple[str, str], float]:
             key = (labels["kind"], labels["hit_kind"])
             counts[key] = counts.get(key, 0) + float(line.rsplit(" ", 1)[1])
     return counts
+
+
+# --- the same with a fault injected halfway (conversations 3-5 share their system prompts with 0-2) ---------
+
+
+def test_a_decode_engine_killed_halfway_costs_no_wrong_answer_and_no_failed_request(tmp_path, no_cache):
+    """SIGKILL of the one decode engine between two requests. While its registry entry lives on (the
+    heartbeat TTL), a leg sent to it breaks and is continued on the prefill engine; then requests run
+    whole there. Every request answers 200 and as the reference."""
+    with ClusterProcess(tmp_path / "data", prefill=1, decode=1, model="tiny-v4") as cluster:
+        got = run_workload(cluster, no_cache, fault=lambda: cluster.signal("decode-0", signal.SIGKILL))
+        counts = legs(cluster.url)
+    assert_as_reference(got)
+    assert any(line.split()[:1] == ["decode-0"] and "exited with -9" in line for line in cluster.lines)
+    # the legs after the kill: one that broke on the dead engine is continued elsewhere; once the registry
+    # dropped it, requests run whole on the prefill engine
+    assert counts.get(("whole", "snapshot"), 0) >= 1, counts
+
+
+def flip_a_byte_of_every_block(blocks: Path) -> int:
+    """One byte flipped inside each stored block (past the segment's header and metadata); how many."""
+    n = 0
+    for path in (blocks / "segments").glob("*" + sg.SUFFIX):
+        with open(path, "r+b") as f:
+            for e in sg.read_meta(f.fileno()).entries:
+                f.seek(e[5] + e[3] // 2)
+                byte = f.read(1)
+                f.seek(e[5] + e[3] // 2)
+                f.write(bytes([byte[0] ^ 0x5A]))
+                n += 1
+    return n
+
+
+def test_flipped_bytes_in_blocks_another_engine_reads_cost_no_wrong_answer(tmp_path, no_cache):
+    """Round-robin over 2 prefill engines: turn t of every conversation runs on prefill-(t % 2), so the second
+    turn reads the blocks the first turn's engine wrote. After the first request, one byte of every stored
+    block is flipped: prefill-1's reads of them fail their checksum, are misses, and are recomputed."""
+    flipped = []
+    with ClusterProcess(tmp_path / "data", prefill=2, decode=1, routing="round-robin", model="tiny-v4") as cluster:
+        got = run_workload(cluster, no_cache,
+                           fault=lambda: flipped.append(flip_a_byte_of_every_block(tmp_path / "data" / "blocks")),
+                           fault_at=1)
+        corrupt = metric(cluster.url, "kvledger_store_read_misses_total", cause="corrupt")
+    assert flipped and flipped[0] > 0
+    assert_as_reference(got, min_snapshot=0)
+    assert corrupt > 0   # flipped blocks were read, found bad, and recomputed
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    """The sum of the samples of `name` at url/metrics whose labels include `labels`."""
+    status, raw = request(url + "/metrics")
+    assert status == 200
+    total = 0.0
+    for line in raw.decode().splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            got = dict(re.findall(r'(\w+)="([^"]*)"', line.split("}", 1)[0]))
+            if all(got.get(k) == v for k, v in labels.items()):
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_a_dead_mount_on_one_machine_costs_no_wrong_answer_and_removes_no_block(tmp_path, no_cache):
+    """A real JuiceFS volume with two clients, as two machines would mount it: prefill-0 on mount 1;
+    prefill-1, decode-0 and the entrypoint on mount 2; round-robin over the prefill engines. Halfway,
+    mount 1's client is SIGKILLed (every call there fails with ENOTCONN). prefill-0 leaves the registry
+    (its health says why), the workload answers as the reference, and no block leaves the shared index:
+    a read that fails on one machine proves nothing about the bytes (issue 19 item 3)."""
+    import redis
+
+    from kvledger.util.cluster_token import new_token_file
+    from kvledger.util.juicefs import JuiceFS
+    from kvledger.util.redis_server import RedisServer
+
+    with RedisServer() as r, JuiceFS(tmp_path / "jfs", r.url.rsplit("/", 1)[0] + "/1") as volume:
+        mounts = [volume.mount(tmp_path / "m1"), volume.mount(tmp_path / "m2")]
+        token = tmp_path / "cluster.token"
+        new_token_file(token)
+        common = ["--redis-url", r.url, "--token-file", str(token), "--model", "tiny-v4", "--grace-s", "1"]
+        layout = [("prefill-0", "prefill", 0), ("prefill-1", "prefill", 1), ("decode-0", "decode", 1)]
+        nodes = [Node(name, ["engine", "--role", role, "--engine-id", name, "--data-dir", str(mounts[m].path),
+                             *common], tmp_path / f"{name}.log") for name, role, m in layout]
+        nodes.append(Node("entrypoint", ["entrypoint", "--port", "0", "--routing", "round-robin", "--data-dir",
+                                         str(mounts[1].path), *common], tmp_path / "entrypoint.log"))
+        index = redis.Redis.from_url(r.url)
+        published: list[int] = []
+
+        def kill_mount_1() -> None:
+            published.append(sum(1 for _ in index.scan_iter(b"kvl:b:*", count=1000)))
+            mounts[0].kill()
+
+        try:
+            front = [n.wait_ready() for n in nodes][-1]
+            got = run_workload(front, no_cache, fault=kill_mount_1)
+            time.sleep(1.5)   # a heartbeat
+            status, raw = request(nodes[0].url + "/engine/v1/health",
+                                  headers={"Authorization": f"Bearer {token.read_text().strip()}"})
+            health = json.loads(raw)
+            members = {m.decode() for m in index.smembers("kvl:{engines}:set")}
+            published.append(sum(1 for _ in index.scan_iter(b"kvl:b:*", count=1000)))
+        finally:
+            for n in nodes:
+                terminate(n.proc, 30)
+    assert_as_reference(got, min_snapshot=0)
+    assert status == 503 and health["status"] == "unhealthy", health
+    assert "Transport endpoint is not connected" in health["fault"], health
+    assert "prefill-0" not in members and {"prefill-1", "decode-0"} <= members, members
+    assert published[0] > 0 and published[1] >= published[0], published   # nothing unpublished

