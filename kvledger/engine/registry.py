@@ -1,7 +1,13 @@
 """The engine registry of the cluster mode, on Redis: who serves, in which role, how loaded.
 
     {prefix}{engines}:set        SET of engine ids
-    {prefix}{engines}:e:<id>     JSON of `EngineInfo`, expiring `ttl_s` after its last heartbeat
+    {prefix}{engines}:e:<id>     {"info": EngineInfo, "issued": epoch s, "mac": hex}, expiring `ttl_s`
+                                 after its last heartbeat
+
+Redis is not trusted with who serves: an entry is MACed under the cluster token's registry key
+(`state/auth.py`) over the id, the info and the time it was issued. One that fails the MAC, names
+another id, or was issued more than MAX_AGE_S ago (a captured entry replayed) is absent, and
+logged. Whoever can write to Redis can still remove engines (deny service), never add one.
 
 Both keys share the hash tag `{engines}`, so on a Redis Cluster they live in one slot and a
 listing is one SMEMBERS + one MGET. An engine re-announces itself every `ttl_s / 3`; one that
@@ -12,18 +18,21 @@ from the set by the next listing). Every call has a socket timeout; a fault rais
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import redis
 
 log = logging.getLogger("kvledger.cluster")
 ROLES = ("prefill", "decode", "both")
 DEFAULT_TTL_S = 3.0
+MAX_AGE_S = 30.0      # an entry issued longer ago is absent, whatever Redis's expiry says (clocks may differ)
 FAULT_HOLD_S = 10.0   # an engine whose store failed a read stays out of the registry this long after the last
 
 
@@ -52,34 +61,69 @@ class EngineInfo:
     def decodes(self) -> bool:
         return self.role in ("decode", "both") and not self.draining
 
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), separators=(",", ":"))
-
     @classmethod
-    def from_json(cls, raw: bytes | str) -> EngineInfo:
-        d = json.loads(raw)
-        d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
-        return cls(**d)
+    def from_dict(cls, d: dict) -> EngineInfo:
+        """ValueError/TypeError/AssertionError for a dict that is not a sane EngineInfo."""
+        d = dict(d)
+        d["eos_token_ids"] = tuple(int(t) for t in d.get("eos_token_ids", ()))
+        info = cls(**d)
+        ints = (info.max_model_len, info.vocab_size, info.pid, info.running, info.queued_prefill_tokens)
+        if not all(isinstance(n, int) and not isinstance(n, bool) for n in ints):
+            raise TypeError("counts must be integers")
+        assert info.max_model_len >= 1 and info.vocab_size >= 1 and min(info.running, info.queued_prefill_tokens) >= 0
+        assert all(0 <= t < info.vocab_size for t in info.eos_token_ids), "eos ids lie in the vocabulary"
+        assert info.url.startswith(("http://", "https://")), "an http(s) URL"
+        return info
+
+
+def seal(info: EngineInfo, key: bytes, issued: float) -> str:
+    """The registry entry of `info`: its fields, the time, and their MAC."""
+    body = json.dumps(asdict(info), separators=(",", ":"), sort_keys=True)
+    return json.dumps({"info": body, "issued": repr(issued), "mac": _mac(key, info.engine_id, body, repr(issued))})
+
+
+def unseal(raw: bytes | str, engine_id: str, key: bytes, now: float) -> EngineInfo:
+    """The EngineInfo of an entry stored under `engine_id`; ValueError when it is not one an engine of this
+    cluster issued for that id within MAX_AGE_S of `now` (or it does not parse)."""
+    d = json.loads(raw)
+    body, issued, tag = str(d["info"]), str(d["issued"]), str(d["mac"])
+    if not hmac.compare_digest(tag, _mac(key, engine_id, body, issued)):
+        raise ValueError("its MAC is wrong: not written by an engine of this cluster")
+    if not abs(now - float(issued)) <= MAX_AGE_S:
+        raise ValueError(f"issued {now - float(issued):.0f} s ago: a replayed entry")
+    info = EngineInfo.from_dict(json.loads(body))
+    if info.engine_id != engine_id:
+        raise ValueError(f"it names engine {info.engine_id!r}")
+    return info
+
+
+def _mac(key: bytes, engine_id: str, body: str, issued: str) -> str:
+    parts = (b"kvledger/registry-entry", engine_id.encode(), body.encode(), issued.encode())
+    return hmac.digest(key, b"\0".join(parts), "sha256").hex()
 
 
 class Registry:
-    def __init__(self, client: redis.Redis, *, prefix: str = "kvl:", ttl_s: float = DEFAULT_TTL_S) -> None:
-        assert ttl_s > 0
-        self.r = client
+    """`key`: the cluster token's registry key (`derive_keys(token).registry`)."""
+
+    def __init__(self, client: redis.Redis, key: bytes, *, prefix: str = "kvl:", ttl_s: float = DEFAULT_TTL_S,
+                 clock: Callable[[], float] = time.time) -> None:
+        assert ttl_s > 0 and len(key) == 32
+        self.r, self.key, self.clock = client, key, clock
+        self.refused: set[str] = set()   # ids whose entry failed `unseal` (logged once each)
         self.set_key = f"{prefix}{{engines}}:set"
         self.entry_prefix = f"{prefix}{{engines}}:e:"
         self.ttl_ms = int(ttl_s * 1000)
 
     @classmethod
-    def from_url(cls, url: str, *, timeout_s: float = 2.0, **kw: object) -> Registry:
+    def from_url(cls, url: str, key: bytes, *, timeout_s: float = 2.0, **kw: Any) -> Registry:
         from kvledger.util.redis_client import redis_client
 
-        return cls(redis_client(url, timeout_s=timeout_s), **kw)
+        return cls(redis_client(url, timeout_s=timeout_s), key, **kw)
 
     def announce(self, info: EngineInfo) -> None:
         pipe = self.r.pipeline(transaction=False)
         pipe.sadd(self.set_key, info.engine_id)
-        pipe.set(self.entry_prefix + info.engine_id, info.to_json(), px=self.ttl_ms)
+        pipe.set(self.entry_prefix + info.engine_id, seal(info, self.key, self.clock()), px=self.ttl_ms)
         pipe.execute()
 
     def withdraw(self, engine_id: str) -> None:
@@ -89,20 +133,22 @@ class Registry:
         pipe.execute()
 
     def members(self) -> list[EngineInfo]:
-        """Live engines, sorted by id; entries that do not parse are skipped (and logged)."""
+        """Live engines, sorted by id; entries that fail `unseal` are skipped (and logged)."""
         ids = sorted(i.decode() if isinstance(i, bytes) else i for i in self.r.smembers(self.set_key))
         if not ids:
             return []
         raws = self.r.mget([self.entry_prefix + i for i in ids])
-        out, gone = [], []
+        out, gone, now = [], [], self.clock()
         for engine_id, raw in zip(ids, raws):
             if raw is None:
                 gone.append(engine_id)
                 continue
             try:
-                out.append(EngineInfo.from_json(raw))
-            except (ValueError, TypeError, AssertionError):
-                log.warning("registry entry of %s does not parse; skipped", engine_id)
+                out.append(unseal(raw, engine_id, self.key, now))
+            except (ValueError, TypeError, KeyError, AssertionError) as e:
+                if engine_id not in self.refused:   # once per id: the entrypoint lists every poll
+                    log.warning("registry entry of %r refused: %s", engine_id[:64], e)
+                    self.refused.add(engine_id[:64])
         if gone:
             self.r.srem(self.set_key, *gone)
         return out

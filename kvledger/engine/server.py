@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import os
 import time
@@ -33,6 +32,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from kvledger.engine.api import EngineRequest
 from kvledger.engine.async_engine import AsyncEngine, EngineFailed, EngineRejected
 from kvledger.engine.registry import EngineInfo, Heartbeat, Registry
+from kvledger.engine.session import H_MAC, H_SEQ, H_SESSION, SESSION_PATH, SessionTable
+from kvledger.state.auth import derive_keys
 from kvledger.engine.wire import KEEPALIVE_S, GenerateBody, WireEvent
 
 log = logging.getLogger("kvledger.cluster")
@@ -71,7 +72,8 @@ class EngineProcess:
         self.spec = ModelSpec.preset(config.model)
         self.block_ledger = BlockLedger.open(path=blocks_dir(config.data_dir), redis_url=config.redis_url)
         self.state_ledger = self._open_state_ledger()
-        self.registry = Registry.from_url(config.redis_url, ttl_s=config.heartbeat_ttl_s)
+        self.registry = Registry.from_url(config.redis_url, derive_keys(config.token).registry,
+                                          ttl_s=config.heartbeat_ttl_s)
         self.engine: AsyncEngine | None = None
         self.heartbeat: Heartbeat | None = None
         self.url = ""
@@ -211,15 +213,28 @@ def build_engine_app(proc: EngineProcess, url: str) -> FastAPI:
             await asyncio.to_thread(proc.close)
 
     app = FastAPI(title="kvledger engine", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    token = proc.config.token.encode()
+    sessions = SessionTable(proc.config.token)
 
     @app.middleware("http")
-    async def cluster_token(request: Request, call_next):
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), b"Bearer " + token):
-            return JSONResponse({"error": {"message": "this is an engine's internal API: the cluster token is "
-                                           "required", "type": "authentication_error"}}, status_code=401)
+    async def authenticated(request: Request, call_next):
+        """Every path but the session's needs a request MAC of a live session (engine/session.py)."""
+        if request.url.path != SESSION_PATH:
+            h = request.headers
+            why = sessions.check(h.get(H_SESSION), h.get(H_SEQ), h.get(H_MAC), request.method, request.url.path,
+                                 await request.body())
+            if why is not None:
+                code = "session_unknown" if why == "session_unknown" else "unauthenticated"
+                return JSONResponse({"error": {"message": why, "type": "authentication_error", "code": code}},
+                                    status_code=401)
         return await call_next(request)
+
+    @app.post(SESSION_PATH)
+    async def open_session(request: Request) -> JSONResponse:
+        try:
+            return JSONResponse(sessions.open(str((await request.json())["client_nonce"])))
+        except (ValueError, KeyError, TypeError):
+            return JSONResponse({"error": {"message": "send {\"client_nonce\": 64 hex digits}",
+                                           "type": "invalid_request_error"}}, status_code=400)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, e: RequestValidationError) -> JSONResponse:

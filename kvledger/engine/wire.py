@@ -15,13 +15,15 @@ both sides agree, and a body cannot make the engine read another tenant's blocks
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvledger.core import ModelSpec, chain_keys, decide_hit
-from kvledger.engine.api import EngineRequest, RequestUsage, SamplingParams, TokenEvent
+from kvledger.core.hit import HitKind
+from kvledger.engine.api import FINISH_REASONS, EngineRequest, RequestUsage, SamplingParams, TokenEvent
 
 KEEPALIVE_S = 1.0
 TOKEN_HEADER = "authorization"   # "Bearer <cluster token>"
@@ -93,7 +95,13 @@ class WireEvent(BaseModel):
                      "fetch_bytes": u.fetch_bytes, "fetch_misses": u.fetch_misses}
         return cls(token_ids=list(ev.token_ids), finished=ev.finished, finish_reason=ev.finish_reason, usage=usage)
 
-    def token_event(self, request_id: str) -> TokenEvent:
+    def token_event(self, request_id: str, vocab_size: int | None = None) -> TokenEvent:
+        """The event as the engine meant it; ValueError for one no engine of ours sends: a token outside the
+        vocabulary, a negative or impossible count, an unknown kind (the caller treats the leg as broken)."""
+        if vocab_size is not None and not all(0 <= t < vocab_size for t in self.token_ids):
+            raise ValueError("a token id outside the vocabulary")
+        if self.finish_reason is not None and self.finish_reason not in FINISH_REASONS:
+            raise ValueError(f"finish_reason {self.finish_reason!r}")
         usage = None
         if self.usage is not None:
             u = self.usage
@@ -102,7 +110,19 @@ class WireEvent(BaseModel):
                                  int(u.get("device_cached_tokens", 0)), u.get("engine"),
                                  int(u.get("fetch_bytes", 0)),
                                  {str(k): int(v) for k, v in (u.get("fetch_misses") or {}).items()})
+            _check_usage(usage)
         return TokenEvent(request_id, tuple(self.token_ids), self.finished, self.finish_reason, usage)
 
     def line(self) -> bytes:
         return self.model_dump_json(exclude_defaults=True).encode() + b"\n"
+
+
+def _check_usage(u: RequestUsage) -> None:
+    counts = (u.prompt_tokens, u.cached_tokens, u.completion_tokens, u.device_cached_tokens, u.fetch_bytes,
+              *u.fetch_misses.values())
+    if min(counts) < 0 or not u.device_cached_tokens <= u.cached_tokens <= u.prompt_tokens:
+        raise ValueError("impossible token counts in the usage")
+    if u.hit_kind not in set(HitKind):
+        raise ValueError(f"hit_kind {u.hit_kind!r}")
+    if u.ttft_s is not None and not (isinstance(u.ttft_s, (int, float)) and 0 <= u.ttft_s < math.inf):
+        raise ValueError("ttft_s must be a finite number >= 0")

@@ -35,6 +35,7 @@ from kvledger.core import HitDecision, ModelSpec
 from kvledger.engine.api import EngineRequest, RequestUsage, TokenEvent
 from kvledger.engine.async_engine import EngineFailed, EngineRejected
 from kvledger.engine.registry import EngineInfo, Registry
+from kvledger.engine.session import ProofFailed, SessionClient
 from kvledger.engine.wire import GenerateBody, WireEvent, WireSampling
 from kvledger.entrypoint.router import Load, PromptView, Router
 
@@ -43,6 +44,8 @@ CheckFn = Callable[[np.ndarray, str, "str | None"], tuple[list[bytes], HitDecisi
 MAX_LEGS = 8
 NO_ENGINE_WAIT_S = 15.0
 SUSPECT_S = 5.0   # a broken stream keeps other requests off its engine this long (> the registry's TTL)
+UNTRUSTED_S = 60.0   # an engine that failed the token proof gets no request this long (then it may try again)
+GENERATE_PATH = "/engine/v1/generate"
 
 
 class LegBroken(Exception):
@@ -55,7 +58,9 @@ class RemoteEngines:
                  on_engine: Callable[[EngineInfo], None] | None = None,
                  on_leg: Callable[[str, str, RequestUsage | None], None] | None = None) -> None:
         self.registry, self.router, self.check, self.spec = registry, router, check, spec
-        self.headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
+        self.sessions = SessionClient(token)   # the token is never sent: each engine proves it first
+        self.untrusted: dict[str, float] = {}  # engine id → monotonic time it failed the token proof
+        self.disagreeing: set[str] = set()     # engine ids left out for serving other limits (logged once)
         self.poll_s = poll_s
         self.timeout = httpx.Timeout(connect=2.0, read=read_timeout_s, write=10.0, pool=5.0)
         self.on_engine = on_engine
@@ -99,7 +104,7 @@ class RemoteEngines:
     async def _poll(self) -> None:
         while True:
             try:
-                members = await asyncio.to_thread(self.registry.members)
+                members = self._agreeing(await asyncio.to_thread(self.registry.members))
                 self.engines = {e.engine_id: e for e in members}
                 if members and self.on_engine is not None:
                     self.on_engine(members[0])
@@ -108,7 +113,20 @@ class RemoteEngines:
             await asyncio.sleep(self.poll_s)
 
     async def refresh(self) -> None:
-        self.engines = {e.engine_id: e for e in await asyncio.to_thread(self.registry.members)}
+        self.engines = {e.engine_id: e for e in self._agreeing(await asyncio.to_thread(self.registry.members))}
+
+    def _agreeing(self, members: list[EngineInfo]) -> list[EngineInfo]:
+        """The members that serve the model as the first one (by id) does: same model, context, vocabulary and
+        end tokens. One that differs is misconfigured: left out, and logged once."""
+        if not members:
+            return members
+        limits = _limits(members[0])
+        out = [e for e in members if _limits(e) == limits]
+        for e in members:
+            if _limits(e) != limits and e.engine_id not in self.disagreeing:
+                self.disagreeing.add(e.engine_id)
+                log.warning("engine %r left out: it serves %s, the others %s", e.engine_id[:64], _limits(e), limits)
+        return out
 
     # --- a request ------------------------------------------------------------------
 
@@ -183,7 +201,9 @@ class RemoteEngines:
         exist) not one whose stream broke in the last SUSPECT_S (the registry drops a dead one by then)."""
         now = time.monotonic()
         broken = {i for i, t in self.suspect.items() if now - t < SUSPECT_S}
-        live = [e for e in self.engines.values() if not e.draining and e.engine_id not in failed]
+        impostors = {i for i, t in self.untrusted.items() if now - t < UNTRUSTED_S}
+        live = [e for e in self.engines.values()
+                if not e.draining and e.engine_id not in failed and e.engine_id not in impostors]
         live = [e for e in live if e.engine_id not in broken] or live
         if phase == "decode":
             pool = [e for e in live if e.role == "decode"] or [e for e in live if e.decodes()]
@@ -221,10 +241,13 @@ class RemoteEngines:
         load.running += 1
         load.queued_prefill_tokens += queued
         try:
-            async with self.client.stream("POST", engine.url + "/engine/v1/generate", headers=self.headers,
-                                          content=body.model_dump_json()) as r:
+            content = body.model_dump_json().encode()
+            headers = await self._authenticated(engine, content)
+            async with self.client.stream("POST", engine.url + GENERATE_PATH, headers=headers, content=content) as r:
                 if r.status_code == 400 and rejectable:
                     raise EngineRejected(_message(await r.aread()))
+                if r.status_code == 401:   # it forgot our session (a restart): the next leg opens a new one
+                    self.sessions.forget(engine.url)
                 if r.status_code != 200:
                     raise LegBroken(f"HTTP {r.status_code}: {_message(await r.aread())}")
                 async for line in r.aiter_lines():
@@ -238,7 +261,7 @@ class RemoteEngines:
                         if ev.error.startswith("rejected") and rejectable:
                             raise EngineRejected(ev.error.removeprefix("rejected: "))
                         raise LegBroken(ev.error)
-                    yield ev.token_event(body.request_id)
+                    yield ev.token_event(body.request_id, engine.vocab_size)
                     if ev.finished:
                         return
             raise LegBroken("the stream ended without its last event")
@@ -249,6 +272,23 @@ class RemoteEngines:
         finally:
             load.running -= 1
             load.queued_prefill_tokens -= queued
+
+
+    async def _authenticated(self, engine: EngineInfo, content: bytes) -> dict[str, str]:
+        """The headers of one generate call; LegBroken (the engine set aside) when it cannot prove the token."""
+        assert self.client is not None
+        try:
+            auth = await self.sessions.headers(self.client, engine.url, "POST", GENERATE_PATH, content)
+        except ProofFailed as e:
+            self.untrusted[engine.engine_id] = time.monotonic()
+            log.warning("engine %r at %s is not one of this cluster's (%s): no request goes to it",
+                        engine.engine_id[:64], engine.url[:200], e)
+            raise LegBroken(f"not a cluster engine: {e}") from None
+        return {**auth, "Content-Type": "application/json"}
+
+
+def _limits(e: EngineInfo) -> tuple:
+    return e.model, e.max_model_len, e.vocab_size, e.eos_token_ids
 
 
 def _message(raw: bytes) -> str:

@@ -148,13 +148,15 @@ class ServerState:
         from kvledger.engine.registry import Registry
         from kvledger.entrypoint.check import check_prompt
         from kvledger.entrypoint.router import Router
+        from kvledger.state.auth import derive_keys
 
         def check(tokens: Any, namespace: str, ttl_class: str | None) -> Any:
             return check_prompt(tokens, self.spec, block_ledger=self.block_ledger, state_ledger=self.state_ledger,
                                 namespace=namespace, ttl_class=ttl_class, replay=self.config.replay)
 
         assert self.config.redis_url is not None and self.config.cluster_token is not None
-        self.engine = RemoteEngines(Registry.from_url(self.config.redis_url), Router(self.config.routing),
+        registry = Registry.from_url(self.config.redis_url, derive_keys(self.config.cluster_token).registry)
+        self.engine = RemoteEngines(registry, Router(self.config.routing),
                                     self.config.cluster_token, check, self.spec, on_engine=self._learn_model,
                                     on_leg=self.metrics.leg)
         self.engine.start(loop)

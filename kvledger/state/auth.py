@@ -1,12 +1,15 @@
-"""Keys and MACs of the state ledger, all derived from the cluster token, which is never sent.
+"""Keys and MACs of the cluster's internal APIs, all derived from the cluster token, which is never sent.
 
     root      = SHA-256("kvledger/state-token\\0" || token)
     handshake = HMAC-SHA256(root, "handshake")   proofs and session keys of the state server
     directory = HMAC-SHA256(root, "directory")   MACs of directory entries
+    registry  = HMAC-SHA256(root, "registry")    MACs of engine registry entries (engine/registry.py)
+    engine    = HMAC-SHA256(root, "engine")      proofs and session keys of an engine's internal API
 
-A connection proves the token both ways over fresh 32-byte nonces from both sides (see
-`protocol.py`): nothing on the wire can be replayed on another connection, and a peer that
-does not know the token learns only random nonces and MACs it cannot reuse. Every MAC is
+A state-server connection (and an engine API session, engine/session.py) proves the token both
+ways over fresh 32-byte nonces from both sides (see `protocol.py`): nothing on the wire can be
+replayed on another connection, and a peer that does not know the token learns only random nonces
+and MACs it cannot reuse. Every MAC is
 HMAC-SHA256 (32 B), compared with `hmac.compare_digest`.
 """
 
@@ -25,6 +28,8 @@ _CONTEXT = b"kvledger/state-token\x00"
 class Keys(NamedTuple):
     handshake: bytes  # 32 B
     directory: bytes  # 32 B
+    registry: bytes   # 32 B
+    engine: bytes     # 32 B
 
 
 def derive_keys(token: str | bytes) -> Keys:
@@ -34,7 +39,7 @@ def derive_keys(token: str | bytes) -> Keys:
         raise ValueError("the cluster token is empty: give every state server and client the same "
                          "non-empty secret token")
     root = hashlib.sha256(_CONTEXT + raw).digest()
-    return Keys(mac(root, b"handshake"), mac(root, b"directory"))
+    return Keys(*(mac(root, name.encode()) for name in Keys._fields))
 
 
 def mac(key: bytes, *parts: bytes) -> bytes:

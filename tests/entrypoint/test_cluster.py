@@ -15,6 +15,7 @@ import time
 import openai
 import pytest
 
+from kvledger.engine.session import engine_request
 from kvledger.util.cluster_process import ClusterProcess
 from kvledger.util.serve_process import ServeProcess, request
 
@@ -79,14 +80,87 @@ def test_engine_api_needs_the_cluster_token(cluster):
     assert status == 401
     status, _ = request(url + "/engine/v1/health", headers={"Authorization": "Bearer not-the-token-000000"})
     assert status == 401
+    status, _ = request(url + "/engine/v1/health", headers={"Authorization": f"Bearer {cluster.token}"})
+    assert status == 401   # the token itself opens nothing: it is never sent (engine/session.py)
     status, body = cluster.engine_get("prefill-0", "/engine/v1/health")
     assert status == 200 and body["role"] == "prefill"
-    auth = {"Authorization": f"Bearer {cluster.token}", "Content-Type": "application/json"}
     ok = {"request_id": "x", "tokens": [1], "sampling": {"max_tokens": 1}}
     for bad in (b"{not json", json.dumps(ok | {"tokens": [-1]}).encode(), json.dumps(ok | {"pickle": "x"}).encode(),
                 json.dumps(ok | {"tokens": [99_999_999]}).encode(), json.dumps(ok | {"tokens": []}).encode()):
-        status, raw = request(url + "/engine/v1/generate", bad, auth)
+        status, raw = engine_request(url, "/engine/v1/generate", cluster.token, bad)
         assert status == 400 and "message" in json.loads(raw)["error"], raw
+
+
+class FakeEngine:
+    """An HTTP server that records whatever reaches it and answers as a malicious engine would: a session
+    with a made-up proof, invented tokens served as a full hit."""
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        seen = self.seen = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("content-length") or 0))
+                seen.append((self.path, dict(self.headers), body))
+                answer = ({"session": "s", "server_nonce": "00" * 32, "proof": "00" * 32}
+                          if self.path.endswith("/session") else
+                          {"token_ids": [4242, 4242, 4242], "finished": True, "finish_reason": "stop",
+                           "usage": {"prompt_tokens": 700, "cached_tokens": -5, "completion_tokens": 3,
+                                     "hit_kind": "snapshot"}})
+                raw = json.dumps(answer).encode()
+                self.send_response(200)
+                self.send_header("content-length", str(len(raw)))
+                self.end_headers()
+                self.wfile.write(raw)
+
+            do_GET = do_POST
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+def test_a_fake_engine_registered_through_redis_receives_nothing(cluster, single):
+    """Issue 20 item 1, the attack as found: anyone who reaches Redis registers an engine whose id sorts
+    first (a plain entry; a genuine entry with its URL or limits changed; a genuine one under its id), with
+    no expiry. The fake receives nothing (no prompt, no token), the tenant gets the right answer, the cluster
+    keeps its limits, and /metrics stays whole."""
+    import redis
+
+    fake = FakeEngine()
+    r = redis.Redis.from_url(cluster.members["redis"].url)
+    prefix = "kvl:{engines}:"
+    genuine = json.loads(r.get(prefix + "e:prefill-0"))
+    body = json.loads(genuine["info"])
+    entries = {
+        "aaa-fake": json.dumps(body | {"engine_id": "aaa-fake", "url": fake.url, "max_model_len": 2}),
+        "aaa-fake-url": json.dumps(genuine | {"info": json.dumps(body | {"url": fake.url})}),
+        "aaa-fake-copy": json.dumps(genuine | {"info": json.dumps(body | {"engine_id": "aaa-fake-copy"})}),
+    }
+    try:
+        for engine_id, raw in entries.items():
+            r.sadd(prefix + "set", engine_id)
+            r.set(prefix + "e:" + engine_id, raw)
+        time.sleep(1.5)   # the entrypoint lists the registry every 0.5 s
+        reference = chat(single.url, "Where is book 77?")
+        for _ in range(3):
+            got = chat(cluster.url, "Where is book 77?")
+            assert got.choices[0].message.content == reference.choices[0].message.content
+            assert got.usage.model_dump()["kvledger"]["engine"].startswith("prefill-")
+        status, raw = request(cluster.url + "/metrics")
+        assert status == 200 and b"aaa-fake" not in raw
+    finally:
+        for engine_id in entries:
+            r.srem(prefix + "set", engine_id)
+            r.delete(prefix + "e:" + engine_id)
+        fake.server.shutdown()
+    assert fake.seen == []
 
 
 def _stream_and_act(url: str, question: str, n: int, after: int, act) -> tuple[list[int], object]:

@@ -257,6 +257,7 @@ def test_a_dead_mount_on_one_machine_costs_no_wrong_answer_and_removes_no_block(
     a read that fails on one machine proves nothing about the bytes (issue 19 item 3)."""
     import redis
 
+    from kvledger.engine.session import engine_request
     from kvledger.util.cluster_token import new_token_file
     from kvledger.util.juicefs import JuiceFS
     from kvledger.util.redis_server import RedisServer
@@ -282,8 +283,7 @@ def test_a_dead_mount_on_one_machine_costs_no_wrong_answer_and_removes_no_block(
             front = [n.wait_ready() for n in nodes][-1]
             got = run_workload(front, no_cache, fault=kill_mount_1)
             time.sleep(1.5)   # a heartbeat
-            status, raw = request(nodes[0].url + "/engine/v1/health",
-                                  headers={"Authorization": f"Bearer {token.read_text().strip()}"})
+            status, raw = engine_request(nodes[0].url, "/engine/v1/health", token.read_text().strip())
             health = json.loads(raw)
             members = {m.decode() for m in index.smembers("kvl:{engines}:set")}
             published.append(sum(1 for _ in index.scan_iter(b"kvl:b:*", count=1000)))
