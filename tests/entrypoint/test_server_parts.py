@@ -48,6 +48,7 @@ def test_requests_accept_what_vllm_and_sglang_clients_send():
     {"model": "m", "prompt": [1, -2]},
     {"model": "m", "prompt": "x", "top_p": 0},
     {"model": "m", "prompt": "x", "temperature": 3},
+    {"model": "m", "prompt": "x", "repetition_penalty": 1e-40},   # overflowed the logits to inf
     {"model": "m", "prompt": "x", "echo": True},
 ])
 def test_completion_request_rejects(bad):
