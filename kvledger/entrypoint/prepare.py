@@ -122,10 +122,10 @@ def chat_tokens(state: ServerState, body: ChatCompletionRequest) -> np.ndarray:
         raise bad_request(f"{state.model} has no chat template: use /v1/completions with token ids", "messages")
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
     try:
-        text = state.chat_template.render(messages)
+        ids = state.chat_template.tokenize(messages)
     except ChatTemplateError as e:
         raise bad_request(str(e), "messages") from None
-    return _nonempty(np.asarray(state.tokenizer.encode(text).ids, dtype=np.uint32), "messages")
+    return _nonempty(np.asarray(ids, dtype=np.uint32), "messages")
 
 
 def _nonempty(tokens: np.ndarray, param: str) -> np.ndarray:

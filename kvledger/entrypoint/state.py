@@ -199,7 +199,8 @@ def _text_side(model: str) -> tuple[Any, Any]:
     from kvledger.entrypoint.chat_template import ChatTemplate
     from kvledger.entrypoint.tokenizer import load_tokenizer
 
-    return load_tokenizer("smollm2"), ChatTemplate.from_folder(smollm2_folder())
+    tokenizer = load_tokenizer("smollm2")
+    return tokenizer, ChatTemplate.from_folder(smollm2_folder(), tokenizer)
 
 
 def _vocab_size(engine: Any, tokenizer: Any) -> int:
