@@ -14,6 +14,7 @@ from kvledger.core import diff_prompts
 from kvledger.entrypoint.errors import bad_request
 from kvledger.entrypoint.protocol import DiffRequest
 from kvledger.entrypoint.state import ServerState
+from kvledger.entrypoint.tokenizer import encode_ids
 from kvledger.render import diff_json
 
 
@@ -36,7 +37,7 @@ def _tokens(state: ServerState, prompt: str | list[int], param: str) -> list[int
     if isinstance(prompt, str):
         if state.tokenizer is None:
             raise bad_request(f"{state.model} has no tokenizer: give token ids", param)
-        return state.tokenizer.encode(prompt).ids
+        return encode_ids(state.tokenizer, prompt)
     ids = np.asarray(prompt, dtype=np.int64)
     if ids.size and int(ids.max()) >= state.vocab_size:
         raise bad_request(f"token ids must lie in [0, {state.vocab_size})", param, "invalid_token_id")

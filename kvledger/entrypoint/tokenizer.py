@@ -51,6 +51,18 @@ def load_tokenizer(name: str) -> Tokenizer:
         raise TokenizerError(f"{path}: not a tokenizer.json ({e})") from None
 
 
+def encode_ids(tok: Tokenizer, text: str, *, add_special_tokens: bool = True) -> list[int]:
+    """`tok.encode(text).ids`, with the GIL released while it runs: `encode` holds it for the whole call (a
+    megabyte: about a second in which no other thread, the event loop's included, runs), `encode_batch` not."""
+    return tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+
+def longest_token_bytes(tok: Tokenizer) -> int:
+    """The UTF-8 length of the longest vocabulary entry: no token spells more bytes of text (a byte-level
+    entry has one character per byte), so text of B bytes has at least B / this many tokens."""
+    return max((len(entry.encode()) for entry in tok.get_vocab(with_added_tokens=True)), default=1)
+
+
 class PieceEncoder:
     """Token ids of text given in pieces, each trusted or not: a control-token string (a special added
     token, `<|im_start|>` ...) in a trusted piece is that token, in an untrusted one plain text.
@@ -83,7 +95,7 @@ class PieceEncoder:
 
     def _plain_ids(self, text: list[str]) -> list[int]:
         joined = "".join(text)
-        return self.plain.encode(joined, add_special_tokens=False).ids if joined else []
+        return encode_ids(self.plain, joined, add_special_tokens=False) if joined else []
 
 
 def _cache_path(gguf: Path) -> Path:
