@@ -140,12 +140,16 @@ def completion_tokens(state: ServerState, body: CompletionRequest) -> np.ndarray
         if state.tokenizer is None:
             raise bad_request(f"{state.model} has no tokenizer: send the prompt as a list of token ids", "prompt")
         return _nonempty(np.asarray(encode_ids(state.tokenizer, prompt), dtype=np.uint32), "prompt")
-    ids = np.asarray(prompt, dtype=np.int64)
-    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= state.vocab_size):
-        bad = int(ids[(ids < 0) | (ids >= state.vocab_size)][0])
-        raise bad_request(f"token id {bad} is outside the vocabulary [0, {state.vocab_size})", "prompt",
+    return _nonempty(token_ids(prompt, state.vocab_size, "prompt"), "prompt")
+
+
+def token_ids(ids: list[int], vocab_size: int, param: str) -> np.ndarray:
+    """`ids` as uint32, each checked in [0, vocab_size) first: a 400 naming the first outside."""
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise bad_request(f"{param}: token ids must be in [0, {vocab_size}), the vocabulary; {bad} is not", param,
                           "invalid_token_id")
-    return _nonempty(ids.astype(np.uint32), "prompt")
+    return np.asarray(ids, dtype=np.uint32)
 
 
 def chat_tokens(state: ServerState, body: ChatCompletionRequest) -> np.ndarray:
