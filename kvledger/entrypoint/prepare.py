@@ -108,19 +108,29 @@ def _check(state: ServerState, tokens: np.ndarray, namespace: str, ttl_class: st
 
 def refuse_oversized_text(state: ServerState, body: SamplingFields) -> None:
     """A 400 before any tokenizing for prompt text that cannot fit: no token spells more than
-    `state.max_token_bytes` bytes, so text over the prompt token limit × that many bytes has too many tokens."""
+    `state.max_token_bytes` bytes, so text over the prompt token limit × that many bytes has too many tokens.
+    Text that is not valid Unicode (a lone surrogate, which JSON can carry) is a 400 here too."""
     chat = isinstance(body, ChatCompletionRequest)
     prompt = None if chat else body.prompt_one()
     if state.tokenizer is None or isinstance(prompt, list):
         return
-    size = sum(len(m.text().encode()) for m in body.messages) if chat else len(prompt.encode())
+    param = "messages" if chat else "prompt"
+    size = sum(utf8_bytes(m.text(), param) for m in body.messages) if chat else utf8_bytes(prompt, param)
     cap = prompt_token_limit(state)
     most = cap * state.max_token_bytes
     if size > most:
         code = "context_length_exceeded" if cap == state.max_model_len - 1 else "prompt_too_long"
         raise ApiError(400, f"The prompt has {size} bytes of text; this server takes at most {cap} tokens, so at "
-                       f"most {most} bytes ({state.max_token_bytes} per token, its longest).",
-                       param="messages" if chat else "prompt", code=code)
+                       f"most {most} bytes ({state.max_token_bytes} per token, its longest).", param=param, code=code)
+
+
+def utf8_bytes(text: str, param: str) -> int:
+    """The text's UTF-8 length; a 400 naming `param` for text that has none (a lone surrogate)."""
+    try:
+        return len(text.encode())
+    except UnicodeEncodeError as e:
+        raise bad_request(f"{param}: the text is not valid Unicode (a lone surrogate at character {e.start})", param,
+                          "invalid_value") from None
 
 
 def prompt_token_limit(state: ServerState) -> int:

@@ -44,6 +44,7 @@ BAD = [
     ({"model": MODEL, "prompt": [1, 2, 49152]}, 400, "invalid_token_id"),
     ({"model": MODEL, "prompt": [1, -1]}, 400, "invalid_token_id"),
     ({"model": MODEL, "prompt": "hi", "n": 1.0}, 400, "invalid_value"),
+    ({"model": MODEL, "prompt": "a\ud800b"}, 400, "invalid_value"),   # a lone surrogate: the tokenizer's TypeError
     ({"model": MODEL, "prompt": "hi", "stop_token_ids": [10**6]}, 400, "invalid_token_id"),
     ({"model": "gpt-4o", "prompt": "hi"}, 404, "model_not_found"),
     ({"prompt": "hi"}, 400, "invalid_value"),
@@ -71,6 +72,7 @@ BAD_CHAT = [
     ({"model": MODEL, "messages": "hello"}, "invalid_value"),
     ({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, "invalid_value"),
     ({"model": MODEL, "messages": [{"role": "user", "content": 3}]}, "invalid_value"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "\udfff"}]}, "invalid_value"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, "invalid_value"),
 ]
 
