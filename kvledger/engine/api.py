@@ -11,7 +11,8 @@ from typing import Any
 
 from kvledger.core import HitDecision
 
-FINISH_REASONS = ("stop", "length", "abort", "handoff")  # "handoff": continued elsewhere (cluster mode)
+# "handoff": continued elsewhere (cluster mode); "error": this request failed in the engine, the others went on
+FINISH_REASONS = ("stop", "length", "abort", "handoff", "error")
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,5 +87,5 @@ class TokenEvent:
     request_id: str
     token_ids: tuple[int, ...]   # tokens produced in this step (usually 1; 0 on an error end or abort)
     finished: bool
-    finish_reason: str | None    # "stop" | "length" | "abort" | None
+    finish_reason: str | None    # one of FINISH_REASONS, or None while it runs
     usage: RequestUsage | None = None  # on the first event (prompt) and the last (totals)

@@ -8,9 +8,11 @@ long prefill blocks only this thread, never `/health` or the other routes.
     engine = AsyncEngine(Engine(...)); engine.start(asyncio.get_running_loop())
     async for event in engine.generate(request): ...     # TokenEvents; the last has finished=True
 
-Faults: a request the engine refuses (`ValueError`) ends with `EngineRejected`; an exception
-inside `step` ends every running request with `EngineFailed` and the thread keeps serving
-(never a dead worker). A consumer that goes away aborts its request.
+Faults: a request the engine refuses (`ValueError`) ends with `EngineRejected`; one that failed alone
+inside a step (its event's finish_reason "error": sampling, its write-back) ends with `EngineFailed`,
+and the others go on; an exception out of `step` itself (the batch's forward) ends every running
+request with `EngineFailed`. Either way the thread keeps serving (never a dead worker). A consumer
+that goes away aborts its request.
 """
 
 from __future__ import annotations
@@ -199,4 +201,5 @@ class AsyncEngine:
 
     def _put_many(self, events: list[TokenEvent]) -> None:
         for ev in events:
-            self._put(ev.request_id, ev)
+            failed = ev.finish_reason == "error"
+            self._put(ev.request_id, EngineFailed("the engine failed on this request alone") if failed else ev)

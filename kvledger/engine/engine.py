@@ -9,11 +9,14 @@
 Single-threaded: `add_request`, `step`, `abort` and `close` come from one thread. One step
 collects finished fetches, schedules (decode first, then prefill chunks, then admissions), runs
 one forward (swap-in of fresh hits overlapped), samples, and writes back what rule 4 and rule 7
-ask. Invariant when idle: every device block is free or cached (`check_integrity`).
+ask. A failure after the forward (sampling, write-back) ends only the sequence it belongs to, with
+finish_reason "error"; the batch's others go on. Invariant when idle: every device block is free or
+cached (`check_integrity`).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 
 import numpy as np
@@ -34,6 +37,7 @@ from kvledger.engine.swapin import SwapItem
 from kvledger.engine.writer import LedgerWriter
 
 DEFAULT_KV_BYTES = 512 << 20
+log = logging.getLogger("kvledger.engine")
 
 
 class Engine:
@@ -109,7 +113,7 @@ class Engine:
             seq.add_time("swapin_wait_s", cost.swapin_wait_s)
             self._retire_fetch(seq)
         for (seq, n), row in zip(batch, logits):
-            event = self._advance(seq, n, row, cost)
+            event = self._advance_or_fail(seq, n, row, cost)
             if event is not None:
                 events.append(event)
         return events
@@ -185,6 +189,16 @@ class Engine:
                 else:
                     swaps.append((seq, item))
         return swaps
+
+    def _advance_or_fail(self, seq: Sequence, n: int, logits: torch.Tensor, cost: StepCost) -> TokenEvent | None:
+        """`_advance`; an exception in it ends this sequence alone (finish_reason "error", nothing more stored)."""
+        try:
+            return self._advance(seq, n, logits, cost)
+        except Exception:
+            log.exception("request %s failed after the forward; the batch's other requests go on", seq.request_id)
+            if seq.status is not Status.FINISHED:
+                self._finish(seq, "error", store=False)
+            return TokenEvent(seq.request_id, (), True, "error", self._usage(seq))
 
     def _advance(self, seq: Sequence, n: int, logits: torch.Tensor, cost: StepCost) -> TokenEvent | None:
         was_prefill = seq.in_prefill

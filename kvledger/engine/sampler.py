@@ -2,6 +2,9 @@
 
 Sampling runs on the host in float32 with each request's own generator (seeded from
 `SamplingParams.seed` when given), so a seeded request draws the same tokens on any device.
+Whatever the parameters, a draw is well defined while one logit is finite: NaN logits are never
+drawn, ±inf ones are clamped to float32's range (after the penalty and the temperature, which can
+overflow), and every filter keeps the most likely token.
 """
 
 from __future__ import annotations
@@ -22,8 +25,22 @@ def apply_repetition_penalty(logits: torch.Tensor, seen: list[int], penalty: flo
     return logits
 
 
+class SamplingError(ValueError):
+    """No logit is finite: there is nothing to draw from (this sequence fails, not the batch)."""
+
+
+def finite_logits(logits: torch.Tensor) -> torch.Tensor:
+    """NaN → −inf (never drawn), +inf → float32's largest value; SamplingError when nothing finite is left."""
+    logits = torch.nan_to_num(logits, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max,
+                              neginf=float("-inf"))
+    if bool(torch.isneginf(logits).all()):
+        raise SamplingError("no finite logit to sample from")
+    return logits
+
+
 def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Logits outside the top k, or outside the smallest set whose probability reaches top_p, → −inf."""
+    """Logits outside the top k, or outside the smallest set whose probability reaches top_p, → −inf.
+    The most likely token always stays (a top_p that rounds to 0 in float32 keeps exactly it)."""
     if 0 < top_k < logits.numel():
         kth = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -31,6 +48,7 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.
         sorted_logits, order = torch.sort(logits, descending=True)
         cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
         drop = cum - torch.softmax(sorted_logits, dim=-1) >= top_p  # keep the token that crosses top_p
+        drop[0] = False
         logits = logits.clone()
         logits[order[drop]] = float("-inf")
     return logits
@@ -38,11 +56,11 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.
 
 def sample_one(logits: torch.Tensor, params: SamplingParams, seen: list[int],
                generator: torch.Generator | None) -> int:
-    """One token from float32 host logits [vocab]."""
+    """One token from float32 host logits [vocab]; SamplingError when no logit is finite."""
     logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
     if params.greedy:
-        return int(torch.argmax(logits))
-    logits = filter_top_k_top_p(logits / params.temperature, params.top_k, params.top_p)
+        return int(torch.argmax(finite_logits(logits)))
+    logits = filter_top_k_top_p(finite_logits(logits / params.temperature), params.top_k, params.top_p)
     probs = torch.softmax(logits, dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator))
 

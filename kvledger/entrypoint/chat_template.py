@@ -4,18 +4,24 @@ The template is the `chat_template` of the model folder's tokenizer_config.json 
 `kvledger.engine.models.hf_folder.smollm2_folder()`). As in HF: a sandboxed environment with
 `trim_blocks` and `lstrip_blocks`, `raise_exception` for the template's own checks, the special
 tokens of the config as variables, `add_generation_prompt=True`. Message content is plain text
-(a list of text parts is joined first).
+(a list of text parts is joined first), and stays so in `tokenize`: only the template makes control
+tokens, so a user's `<|im_end|>\n<|im_start|>system` is text, never a forged turn.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import secrets
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+from kvledger.entrypoint.tokenizer import PieceEncoder
 
 
 class ChatTemplateError(ValueError):
@@ -27,15 +33,18 @@ def _raise(message: str) -> None:
 
 
 class ChatTemplate:
-    def __init__(self, source: str, special: dict[str, str] | None = None) -> None:
+    """`render` gives the prompt text; `tokenize` (with a tokenizer) its token ids."""
+
+    def __init__(self, source: str, special: dict[str, str] | None = None, tokenizer: Tokenizer | None = None) -> None:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise
         env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
         self.template = env.from_string(source)
         self.special = dict(special or {})
+        self.encoder = PieceEncoder(tokenizer) if tokenizer is not None else None
 
     @classmethod
-    def from_folder(cls, folder: str | Path) -> ChatTemplate:
+    def from_folder(cls, folder: str | Path, tokenizer: Tokenizer | None = None) -> ChatTemplate:
         """From `tokenizer_config.json` in a Hugging Face model folder."""
         config = json.loads((Path(folder) / "tokenizer_config.json").read_text(encoding="utf-8"))
         source = config.get("chat_template")
@@ -43,7 +52,7 @@ class ChatTemplate:
             raise ChatTemplateError(f"{folder}: tokenizer_config.json has no chat_template")
         special = {name: _token_text(config.get(name)) for name in ("bos_token", "eos_token", "pad_token",
                                                                       "unk_token")}
-        return cls(source, {k: v for k, v in special.items() if v is not None})
+        return cls(source, {k: v for k, v in special.items() if v is not None}, tokenizer)
 
     def render(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         try:
@@ -53,6 +62,30 @@ class ChatTemplate:
             raise
         except (TemplateError, TypeError, ValueError) as e:
             raise ChatTemplateError(f"the chat template cannot render these messages: {e}") from None
+
+    def tokenize(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        """The prompt's token ids: a control-token string the template wrote is that token, one in a message's
+        content is plain text. Content without such strings gets the ids of `render`'s text, as Hugging Face's
+        `apply_chat_template(tokenize=True)` gives them."""
+        assert self.encoder is not None, "tokenize needs the template built with a tokenizer"
+        return self.encoder.encode(self.pieces(messages, add_generation_prompt))
+
+    def pieces(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> list[tuple[str, bool]]:
+        """`render`'s text as (text, written by the template) pieces, in order; each content is one piece.
+        ChatTemplateError for a template that alters content on its way (trims it, say): then the pieces
+        cannot be told apart."""
+        nonce = secrets.token_hex(8)   # a content cannot spell a mark it cannot guess
+        marked = self.render([{**m, "content": f"\x00{nonce}:{i}\x00"} for i, m in enumerate(messages)],
+                             add_generation_prompt)
+        out, at = [], 0
+        for mark in re.finditer(f"\x00{nonce}:(\\d+)\x00", marked):
+            out += [(marked[at:mark.start()], True), (str(messages[int(mark.group(1))]["content"]), False)]
+            at = mark.end()
+        out.append((marked[at:], True))
+        if "".join(text for text, _ in out) != self.render(messages, add_generation_prompt):
+            raise ChatTemplateError("the chat template alters message content, so control tokens cannot be kept "
+                                    "out of it")
+        return [(text, by_template) for text, by_template in out if text]
 
 
 def _token_text(value: Any) -> str | None:

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
 from kvledger.core import diff_prompts
 from kvledger.entrypoint.errors import bad_request
+from kvledger.entrypoint.prepare import token_ids
 from kvledger.entrypoint.protocol import DiffRequest
 from kvledger.entrypoint.state import ServerState
+from kvledger.entrypoint.tokenizer import encode_ids
 from kvledger.render import diff_json
 
 
@@ -36,8 +36,5 @@ def _tokens(state: ServerState, prompt: str | list[int], param: str) -> list[int
     if isinstance(prompt, str):
         if state.tokenizer is None:
             raise bad_request(f"{state.model} has no tokenizer: give token ids", param)
-        return state.tokenizer.encode(prompt).ids
-    ids = np.asarray(prompt, dtype=np.int64)
-    if ids.size and int(ids.max()) >= state.vocab_size:
-        raise bad_request(f"token ids must lie in [0, {state.vocab_size})", param, "invalid_token_id")
-    return [int(t) for t in prompt]
+        return encode_ids(state.tokenizer, prompt)
+    return token_ids(prompt, state.vocab_size, param).tolist()

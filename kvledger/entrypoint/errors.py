@@ -1,6 +1,7 @@
 """OpenAI-style errors: `{"error": {"message", "type", "param", "code"}}` with a 4xx status for bad input.
 
 Every failure a client can cause maps to an `ApiError`; the routes never let one become a 5xx.
+A 5xx body names no internals (no exception, path or engine message): the server's log has those.
 `kind` is the label of `kvledger_errors_total`.
 """
 
@@ -49,3 +50,13 @@ def too_many(limit: int) -> ApiError:
 def model_not_found(name: str, served: str) -> ApiError:
     return ApiError(404, f"The model `{name}` does not exist; this server serves `{served}`.",
                     "invalid_request_error", "model", "model_not_found")
+
+
+def internal_error() -> ApiError:
+    return ApiError(500, "The server had an error while processing your request; its log has the detail.",
+                    "server_error", None, "internal_error")
+
+
+def engine_error() -> ApiError:
+    return ApiError(500, "The engine failed while running this request; the server's log has the detail.",
+                    "server_error", None, "engine_error")

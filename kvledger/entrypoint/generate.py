@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -19,11 +20,13 @@ from kvledger.engine.api import RequestUsage, TokenEvent
 from kvledger.entrypoint.activity import RequestRecord
 from kvledger.engine.async_engine import EngineFailed, EngineRejected
 from kvledger.entrypoint.detokenize import TextStream
-from kvledger.entrypoint.errors import ApiError
+from kvledger.entrypoint.errors import ApiError, engine_error
 from kvledger.entrypoint.metrics import tenant_of
 from kvledger.entrypoint.prepare import Prepared
 from kvledger.entrypoint.protocol import Usage
 from kvledger.entrypoint.state import ServerState
+
+log = logging.getLogger("kvledger.serve")
 
 
 @dataclass(slots=True)
@@ -73,7 +76,8 @@ async def run(state: ServerState, prep: Prepared, out: Outcome) -> AsyncIterator
     except EngineRejected as e:
         raise ApiError(400, str(e), code="engine_rejected") from None
     except EngineFailed as e:
-        raise ApiError(500, str(e), "server_error", code="engine_error") from None
+        log.error("request %s failed in the engine: %s", prep.request_id, e)
+        raise engine_error() from None
     finally:
         state.metrics.running.dec()
     out.text = text.text

@@ -1,8 +1,9 @@
 """A validated HTTP request → the engine's request: tokenize, check limits, CHECK (rule 5).
 
-Order: model name, prompt tokens (chat template applied), length limits, sampling, namespace
-(the tenant's, split by `cache_salt`), then CHECK: chain keys + the index + the directory's
-snapshot at L1 + `decide_hit` — all before the engine sees the request, from metadata alone.
+Order: model name, prompt text too long to fit (by its bytes), prompt tokens (chat template applied),
+length limits, sampling, namespace (the tenant's, split by `cache_salt`), then CHECK: chain keys +
+the index + the directory's snapshot at L1 + `decide_hit` — all before the engine sees the request,
+from metadata alone. Tokenizing and CHECK run in worker threads, never on the event loop.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from kvledger.entrypoint.check import check_prompt
 from kvledger.entrypoint.errors import ApiError, bad_request, model_not_found
 from kvledger.entrypoint.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from kvledger.entrypoint.state import ServerState
+from kvledger.entrypoint.tokenizer import encode_ids
 
 DEFAULT_TEMPERATURE = 1.0   # OpenAI's default; send 0 for greedy
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -63,7 +65,8 @@ async def prepare(state: ServerState, tenant: Tenant, body: SamplingFields, endp
     if state.max_model_len == 0:   # cluster mode: no engine has registered yet
         raise ApiError(503, "No engine serves this model yet; retry in a few seconds.", "server_error",
                        code="no_engine")
-    tokens = chat_tokens(state, body) if isinstance(body, ChatCompletionRequest) else completion_tokens(state, body)
+    refuse_oversized_text(state, body)
+    tokens = await asyncio.to_thread(prompt_tokens, state, body)
     sampling = sampling_params(state, body, len(tokens))
     namespace = salted_namespace(tenant.namespace, body.cache_salt)
     keys, decision = await asyncio.to_thread(_check, state, tokens, namespace, tenant.ttl_class)
@@ -103,18 +106,60 @@ def _check(state: ServerState, tokens: np.ndarray, namespace: str, ttl_class: st
                         namespace=namespace, ttl_class=ttl_class, replay=state.config.replay)
 
 
+def refuse_oversized_text(state: ServerState, body: SamplingFields) -> None:
+    """A 400 before any tokenizing for prompt text that cannot fit: no token spells more than
+    `state.max_token_bytes` bytes, so text over the prompt token limit × that many bytes has too many tokens.
+    Text that is not valid Unicode (a lone surrogate, which JSON can carry) is a 400 here too."""
+    chat = isinstance(body, ChatCompletionRequest)
+    prompt = None if chat else body.prompt_one()
+    if state.tokenizer is None or isinstance(prompt, list):
+        return
+    param = "messages" if chat else "prompt"
+    size = sum(utf8_bytes(m.text(), param) for m in body.messages) if chat else utf8_bytes(prompt, param)
+    cap = prompt_token_limit(state)
+    most = cap * state.max_token_bytes
+    if size > most:
+        code = "context_length_exceeded" if cap == state.max_model_len - 1 else "prompt_too_long"
+        raise ApiError(400, f"The prompt has {size} bytes of text; this server takes at most {cap} tokens, so at "
+                       f"most {most} bytes ({state.max_token_bytes} per token, its longest).", param=param, code=code)
+
+
+def utf8_bytes(text: str, param: str) -> int:
+    """The text's UTF-8 length; a 400 naming `param` for text that has none (a lone surrogate)."""
+    try:
+        return len(text.encode())
+    except UnicodeEncodeError as e:
+        raise bad_request(f"{param}: the text is not valid Unicode (a lone surrogate at character {e.start})", param,
+                          "invalid_value") from None
+
+
+def prompt_token_limit(state: ServerState) -> int:
+    """The most prompt tokens a request may have: `--max-prompt-tokens`, and one short of the context."""
+    cap = state.config.max_prompt_tokens
+    return state.max_model_len - 1 if cap is None else min(cap, state.max_model_len - 1)
+
+
+def prompt_tokens(state: ServerState, body: SamplingFields) -> np.ndarray:
+    """The prompt's token ids (seconds for a long text: call it off the event loop)."""
+    return chat_tokens(state, body) if isinstance(body, ChatCompletionRequest) else completion_tokens(state, body)
+
+
 def completion_tokens(state: ServerState, body: CompletionRequest) -> np.ndarray:
     prompt = body.prompt_one()
     if isinstance(prompt, str):
         if state.tokenizer is None:
             raise bad_request(f"{state.model} has no tokenizer: send the prompt as a list of token ids", "prompt")
-        return _nonempty(np.asarray(state.tokenizer.encode(prompt).ids, dtype=np.uint32), "prompt")
-    ids = np.asarray(prompt, dtype=np.int64)
-    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= state.vocab_size):
-        bad = int(ids[(ids < 0) | (ids >= state.vocab_size)][0])
-        raise bad_request(f"token id {bad} is outside the vocabulary [0, {state.vocab_size})", "prompt",
+        return _nonempty(np.asarray(encode_ids(state.tokenizer, prompt), dtype=np.uint32), "prompt")
+    return _nonempty(token_ids(prompt, state.vocab_size, "prompt"), "prompt")
+
+
+def token_ids(ids: list[int], vocab_size: int, param: str) -> np.ndarray:
+    """`ids` as uint32, each checked in [0, vocab_size) first: a 400 naming the first outside."""
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise bad_request(f"{param}: token ids must be in [0, {vocab_size}), the vocabulary; {bad} is not", param,
                           "invalid_token_id")
-    return _nonempty(ids.astype(np.uint32), "prompt")
+    return np.asarray(ids, dtype=np.uint32)
 
 
 def chat_tokens(state: ServerState, body: ChatCompletionRequest) -> np.ndarray:
@@ -122,10 +167,10 @@ def chat_tokens(state: ServerState, body: ChatCompletionRequest) -> np.ndarray:
         raise bad_request(f"{state.model} has no chat template: use /v1/completions with token ids", "messages")
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
     try:
-        text = state.chat_template.render(messages)
+        ids = state.chat_template.tokenize(messages)
     except ChatTemplateError as e:
         raise bad_request(str(e), "messages") from None
-    return _nonempty(np.asarray(state.tokenizer.encode(text).ids, dtype=np.uint32), "messages")
+    return _nonempty(np.asarray(ids, dtype=np.uint32), "messages")
 
 
 def _nonempty(tokens: np.ndarray, param: str) -> np.ndarray:

@@ -1,7 +1,7 @@
 """The HTTP request and response models of `kvledger serve` (OpenAI's shapes, pydantic).
 
-Requests are validated strictly (no "5" for 5): a wrong type is a 400 with OpenAI's error
-object, never a 5xx. Fields that vLLM's and SGLang's benchmark clients send are accepted
+Requests are validated strictly (no "5" for 5, no 1.0 or true for 1): a wrong type is a 400 with
+OpenAI's error object, never a 5xx. Fields that vLLM's and SGLang's benchmark clients send are accepted
 (`ignore_eos`, `top_k`, `repetition_penalty`, `cache_salt`, ...); unknown fields are ignored,
 as vLLM does. Fields that would change the answer's shape and are not supported yet (`tools`,
 `tool_choice`, `response_format`) are refused with a 400 unless harmless (prepare.py), never
@@ -13,12 +13,32 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, WrapValidator,
+                      model_validator)
+from pydantic_core import PydanticCustomError
 
-TokenIds = Annotated[list[Annotated[int, Field(ge=0, lt=2**31)]], Field(min_length=1)]
+TokenIds = Annotated[list[int], Field(min_length=1)]   # the range is the vocabulary's (prepare.token_ids)
+PROMPT_SHAPES = "a string, a list of token ids, or a list of one of either"
+
+
+def _one_shape(value: Any, handler: Any) -> Any:
+    """One error naming the shapes a prompt may take, for pydantic's one per union member (whose first,
+    "prompt.str: Input should be a valid string", answered a list of ids)."""
+    try:
+        return handler(value)
+    except ValidationError:
+        raise PydanticCustomError("prompt_shape", f"Input should be {PROMPT_SHAPES}") from None
+
+
+def _only_false(value: bool) -> bool:
+    if value:
+        raise ValueError("not supported (send false)")
+    return value
+
+
 # one prompt: a string, token ids, or a batch of one of either (the openai client sends those shapes)
-PromptInput = str | TokenIds | Annotated[list[str], Field(min_length=1, max_length=1)] \
-    | Annotated[list[TokenIds], Field(min_length=1, max_length=1)]
+PromptInput = Annotated[str | TokenIds | Annotated[list[str], Field(min_length=1, max_length=1)]
+                        | Annotated[list[TokenIds], Field(min_length=1, max_length=1)], WrapValidator(_one_shape)]
 
 
 class _Request(BaseModel):
@@ -36,10 +56,10 @@ class SamplingFields(_Request):
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     top_k: Annotated[int, Field(ge=-1, le=1_000_000)] | None = None          # -1 or 0: off
-    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
+    repetition_penalty: Annotated[float, Field(ge=0.01, le=10.0)] | None = None   # 1e-40 overflowed logits
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
-    n: Literal[1] = 1
+    n: Annotated[int, Field(ge=1, le=1)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=16)] | None = None
@@ -77,7 +97,7 @@ class CompletionRequest(SamplingFields):
 
     prompt: PromptInput
     max_tokens: Annotated[int, Field(ge=1)] | None = None
-    echo: Literal[False] = False
+    echo: Annotated[bool, AfterValidator(_only_false)] = False
     suffix: None = None
 
     def prompt_one(self) -> str | list[int]:

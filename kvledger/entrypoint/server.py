@@ -29,7 +29,7 @@ from kvledger.entrypoint import dashboard
 from kvledger.entrypoint.activity import status_line
 from kvledger.entrypoint.auth import Tenant, authenticate
 from kvledger.entrypoint.body_limit import BodyLimit
-from kvledger.entrypoint.errors import ApiError, bad_request, too_many, unauthorized
+from kvledger.entrypoint.errors import ApiError, bad_request, internal_error, too_many, unauthorized
 from kvledger.entrypoint.generate import Outcome, chat_body, completion_body, record, run, sse
 from kvledger.entrypoint.prepare import prepare
 from kvledger.entrypoint.protocol import (ChatCompletionRequest, CompletionRequest, DiffRequest, ErrorResponse,
@@ -203,7 +203,8 @@ def _error_handlers(app: FastAPI, state: ServerState) -> None:
     @app.exception_handler(Exception)
     async def internal(request: Request, e: Exception) -> JSONResponse:
         state.metrics.error("internal")
-        return ApiError(500, f"internal error: {type(e).__name__}", "server_error", code="internal_error").response()
+        log.error("internal error on %s %s: %s: %s", request.method, request.url.path, type(e).__name__, e)
+        return internal_error().response()
 
 
 def _validation_error(e: RequestValidationError) -> ApiError:

@@ -20,6 +20,7 @@ from kvledger.entrypoint.remote import RemoteEngines
 from kvledger.entrypoint.auth import Tenant, load_keys
 from kvledger.entrypoint.cli import MODELS, default_data_dir
 from kvledger.entrypoint.metrics import ServeMetrics
+from kvledger.entrypoint.tokenizer import longest_token_bytes
 from kvledger.store.ledger import BlockLedger, blocks_dir
 from kvledger.store.ttl import TtlPolicy
 
@@ -75,6 +76,7 @@ class ServerState:
                                              policy=self.policy)
         self.state_ledger = self._open_state_ledger()
         self.tokenizer, self.chat_template = _text_side(config.model)
+        self.max_token_bytes = longest_token_bytes(self.tokenizer) if self.tokenizer is not None else 0
         self.metrics = ServeMetrics(self.store_stats)
         self.activity = Activity()
         self.in_flight: dict[str, int] = {}   # tenant label → requests admitted and not finished
@@ -201,7 +203,8 @@ def _text_side(model: str) -> tuple[Any, Any]:
     from kvledger.entrypoint.chat_template import ChatTemplate
     from kvledger.entrypoint.tokenizer import load_tokenizer
 
-    return load_tokenizer("smollm2"), ChatTemplate.from_folder(smollm2_folder())
+    tokenizer = load_tokenizer("smollm2")
+    return tokenizer, ChatTemplate.from_folder(smollm2_folder(), tokenizer)
 
 
 def _vocab_size(engine: Any, tokenizer: Any) -> int:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import re
+from collections.abc import Iterable
 from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -47,6 +49,53 @@ def load_tokenizer(name: str) -> Tokenizer:
         return Tokenizer.from_file(str(path))
     except Exception as e:  # the tokenizers library raises plain Exception subclasses
         raise TokenizerError(f"{path}: not a tokenizer.json ({e})") from None
+
+
+def encode_ids(tok: Tokenizer, text: str, *, add_special_tokens: bool = True) -> list[int]:
+    """`tok.encode(text).ids`, with the GIL released while it runs: `encode` holds it for the whole call (a
+    megabyte: about a second in which no other thread, the event loop's included, runs), `encode_batch` not."""
+    return tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+
+def longest_token_bytes(tok: Tokenizer) -> int:
+    """The UTF-8 length of the longest vocabulary entry: no token spells more bytes of text (a byte-level
+    entry has one character per byte), so text of B bytes has at least B / this many tokens."""
+    return max((len(entry.encode()) for entry in tok.get_vocab(with_added_tokens=True)), default=1)
+
+
+class PieceEncoder:
+    """Token ids of text given in pieces, each trusted or not: a control-token string (a special added
+    token, `<|im_start|>` ...) in a trusted piece is that token, in an untrusted one plain text.
+
+    The text between the trusted pieces' control tokens is encoded as one string, so when no untrusted
+    piece spells a control token the ids equal `tok.encode("".join(pieces), add_special_tokens=False)`
+    (added tokens' lstrip/rstrip are not applied: SmolLM2's have none)."""
+
+    def __init__(self, tok: Tokenizer) -> None:
+        self.plain = Tokenizer.from_str(tok.to_str())
+        self.plain.encode_special_tokens = True   # a copy: the flag is the tokenizer's, shared by threads
+        self.controls = {t.content: i for i, t in tok.get_added_tokens_decoder().items() if t.special}
+        longest_first = sorted(self.controls, key=len, reverse=True)
+        self.split = re.compile("(" + "|".join(map(re.escape, longest_first)) + ")") if longest_first else None
+
+    def encode(self, pieces: Iterable[tuple[str, bool]]) -> list[int]:
+        """`pieces`: (text, trusted) in order."""
+        ids: list[int] = []
+        text: list[str] = []   # plain text since the last control token
+        for piece, trusted in pieces:
+            parts = self.split.split(piece) if trusted and self.split is not None else [piece]
+            for k, part in enumerate(parts):
+                if k % 2 == 0:
+                    text.append(part)
+                    continue
+                ids += self._plain_ids(text)
+                ids.append(self.controls[part])
+                text = []
+        return ids + self._plain_ids(text)
+
+    def _plain_ids(self, text: list[str]) -> list[int]:
+        joined = "".join(text)
+        return encode_ids(self.plain, joined, add_special_tokens=False) if joined else []
 
 
 def _cache_path(gguf: Path) -> Path:

@@ -1,9 +1,12 @@
-"""Sampling: greedy, seeded draws, top-k / top-p filters, repetition penalty."""
+"""Sampling: greedy, seeded draws, top-k / top-p filters, repetition penalty, parameters and logits that
+once broke a draw."""
 
+import pytest
 import torch
 
 from kvledger.engine.api import SamplingParams
-from kvledger.engine.sampler import apply_repetition_penalty, filter_top_k_top_p, make_generator, sample_one
+from kvledger.engine.sampler import (SamplingError, apply_repetition_penalty, filter_top_k_top_p, make_generator,
+                                     sample_one)
 
 
 def test_greedy_and_seeded():
@@ -28,3 +31,41 @@ def test_repetition_penalty():
     logits = torch.tensor([2.0, -2.0, 1.0])
     out = apply_repetition_penalty(logits, [0, 1], 2.0)
     assert out.tolist() == [1.0, -4.0, 1.0] and logits.tolist() == [2.0, -2.0, 1.0]
+
+
+POISON = [   # each made torch.multinomial raise, and so failed every request of the batch
+    {"top_p": 1e-300},                # 0 in float32: the top-p filter dropped every token
+    {"repetition_penalty": 1e-40},    # a seen positive logit / 1e-40 → inf, softmax → NaN
+    {"top_p": 1e-300, "top_k": 1, "repetition_penalty": 1e-40},
+]
+
+
+@pytest.mark.parametrize("poison", POISON, ids=range(len(POISON)))
+def test_poison_parameters_still_draw_a_token(poison):
+    logits = torch.tensor([0.5, 3.0, 1.0, -2.0])
+    sp = SamplingParams(max_tokens=1, temperature=0.7, seed=3, **poison)
+    g = make_generator(sp)
+    drawn = {sample_one(logits, sp, [0, 1, 2], g) for _ in range(20)}
+    assert drawn <= {0, 1, 2, 3}
+    if poison == {"top_p": 1e-300}:
+        assert drawn == {1}   # only the most likely token is left
+
+
+def test_nan_and_inf_logits_are_never_a_failed_draw():
+    nan, inf = float("nan"), float("inf")
+    logits = torch.tensor([nan, 1.0, inf, -inf, nan])
+    for sp in (SamplingParams(max_tokens=1), SamplingParams(max_tokens=1, temperature=1e-5, seed=1),
+               SamplingParams(max_tokens=1, temperature=2.0, top_p=0.5, seed=1)):
+        assert sample_one(logits, sp, [], make_generator(sp)) == 2
+    sp = SamplingParams(max_tokens=1, temperature=1.0, seed=1)
+    assert {sample_one(torch.tensor([nan, 2.0, nan, 2.0]), sp, [], g) for g in [make_generator(sp)]
+            for _ in range(20)} == {1, 3}
+    with pytest.raises(SamplingError):
+        sample_one(torch.tensor([nan, -inf]), sp, [], make_generator(sp))
+
+
+def test_filters_keep_the_most_likely_token():
+    logits = torch.tensor([1.0, 9.0, 2.0])
+    for top_k, top_p in ((0, 1e-300), (0, 1e-9), (1, 1e-300), (2, 0.0)):
+        kept = filter_top_k_top_p(logits, top_k, top_p)
+        assert not torch.isinf(kept[1]), (top_k, top_p)

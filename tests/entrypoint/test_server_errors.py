@@ -42,7 +42,9 @@ BAD = [
     ({"model": MODEL, "prompt": "hi", "max_tokens": 10**9}, 400, "max_tokens_too_large"),
     ({"model": MODEL, "prompt": "word " * 400}, 400, "prompt_too_long"),
     ({"model": MODEL, "prompt": [1, 2, 49152]}, 400, "invalid_token_id"),
-    ({"model": MODEL, "prompt": [1, -1]}, 400, "invalid_value"),
+    ({"model": MODEL, "prompt": [1, -1]}, 400, "invalid_token_id"),
+    ({"model": MODEL, "prompt": "hi", "n": 1.0}, 400, "invalid_value"),
+    ({"model": MODEL, "prompt": "a\ud800b"}, 400, "invalid_value"),   # a lone surrogate: the tokenizer's TypeError
     ({"model": MODEL, "prompt": "hi", "stop_token_ids": [10**6]}, 400, "invalid_token_id"),
     ({"model": "gpt-4o", "prompt": "hi"}, 404, "model_not_found"),
     ({"prompt": "hi"}, 400, "invalid_value"),
@@ -54,11 +56,23 @@ def test_bad_completion_requests_are_4xx_errors(open_server, body, status, code)
     _error(*open_server.post("/v1/completions", body), status, code)
 
 
+def test_a_bad_prompt_is_named_for_what_is_wrong(open_server):
+    """`prompt: [-1]` was "prompt.str: Input should be a valid string"."""
+    status, body = open_server.post("/v1/completions", {"model": MODEL, "prompt": [-1]})
+    _error(status, body, 400, "invalid_token_id")
+    assert body["error"]["message"] == "prompt: token ids must be in [0, 49152), the vocabulary; -1 is not"
+    status, body = open_server.post("/v1/completions", {"model": MODEL, "prompt": [3, "a"]})
+    _error(status, body, 400, "invalid_value")
+    assert body["error"]["message"] == ("prompt: Input should be a string, a list of token ids, or a list of one "
+                                        "of either")
+
+
 BAD_CHAT = [
     ({"model": MODEL, "messages": []}, "invalid_value"),
     ({"model": MODEL, "messages": "hello"}, "invalid_value"),
     ({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, "invalid_value"),
     ({"model": MODEL, "messages": [{"role": "user", "content": 3}]}, "invalid_value"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "\udfff"}]}, "invalid_value"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, "invalid_value"),
 ]
 

@@ -1,6 +1,8 @@
 """`kvledger serve --model tiny-v4`: token-id prompts, both ledgers, the hit cap of a sliding-window model."""
 
 import json
+import threading
+import urllib.request
 
 import numpy as np
 
@@ -81,5 +83,45 @@ def test_fetch_bytes_count_only_store_reads_and_a_corrupt_block_reaches_metrics(
         # three that arrived intact are counted, and the hit is lowered to the leading one
         assert metric(text, "kvledger_fetch_bytes_total") == 3 * spec.block_bytes()
         assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 128
+    finally:
+        server.stop()
+
+
+def _stream(url: str, body: dict, started: threading.Event, out: list) -> None:
+    """The SSE chunks of one streamed completion into `out`; `started` set at the first one."""
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if line.startswith("data: {"):
+                out.append(json.loads(line.removeprefix("data: ")))
+                started.set()
+    started.set()
+
+
+def test_a_poisoned_sampling_request_never_stops_another_stream(tmp_path):
+    """top_p=1e-300 (0 in float32) at temperature > 0 made torch.multinomial raise, and the engine failed every
+    running request: another tenant's stream stopped half-way with engine_error. Now the poisoned request is
+    served (its top-1 token kept) and repetition_penalty=1e-40 is a 400; the stream gets all its tokens."""
+    server = ServeProcess(tmp_path / "data", model="tiny-v4").start()
+    try:
+        normal = {"model": "tiny-v4", "prompt": list(range(1, 60)), "max_tokens": 120, "temperature": 0.8,
+                  "seed": 1, "ignore_eos": True, "stream": True}
+        started, chunks = threading.Event(), []
+        reader = threading.Thread(target=_stream, args=(server.url, normal, started, chunks))
+        reader.start()
+        assert started.wait(120)
+        poison = {"model": "tiny-v4", "prompt": list(range(7, 30)), "max_tokens": 4, "temperature": 1.0}
+        tiny_top_p = server.post("/v1/completions", poison | {"top_p": 1e-300})
+        tiny_penalty = server.post("/v1/completions", poison | {"repetition_penalty": 1e-40})
+        reader.join(300)
+        tokens = [t for c in chunks if "choices" in c for t in c["choices"][0]["token_ids"]]
+        assert not any("error" in c for c in chunks), (len(tokens), [c for c in chunks if "error" in c])
+        assert len(tokens) == 120 and chunks[-1]["choices"][0]["finish_reason"] == "length"
+        status, body = tiny_top_p
+        assert status == 200 and len(body["choices"][0]["token_ids"]) == 4, body
+        status, body = tiny_penalty
+        assert status == 400 and body["error"]["param"] == "repetition_penalty", body
     finally:
         server.stop()
