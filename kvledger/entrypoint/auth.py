@@ -17,6 +17,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvledger.util.private_file import read_private
+
 OPEN_NAMESPACE = "default"
 _NAMESPACE = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 
@@ -38,11 +40,14 @@ OPEN_TENANT = Tenant(OPEN_NAMESPACE)
 
 
 def load_keys(path: str | Path, known_classes: set[str]) -> dict[str, Tenant]:
-    """Parse the key file. Namespaces are plain names ([A-Za-z0-9_.:-], ≤ 128 characters)."""
+    """Parse the key file. Namespaces are plain names ([A-Za-z0-9_.:-], ≤ 128 characters). A file another
+    user owns or may write is refused (`private_file.read_private`: a planted key is a planted tenant)."""
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError) as e:
-        raise KeyFileError(f"{path}: cannot read ({e})") from None
+        text = read_private(path, "--api-keys")
+    except ValueError as e:
+        raise KeyFileError(str(e)) from None
+    try:
+        data = json.loads(text)
     except json.JSONDecodeError as e:
         raise KeyFileError(f"{path}: not JSON ({e.msg} at line {e.lineno})") from None
     if not isinstance(data, dict) or not data:

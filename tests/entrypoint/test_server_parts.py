@@ -122,6 +122,33 @@ def test_bad_key_files_are_refused(tmp_path, content):
         load_keys(f, CLASSES)
 
 
+@pytest.mark.parametrize("planted", ["group-writable", "world-writable", "owned by nobody"])
+def test_a_key_file_another_user_could_have_written_is_refused(tmp_path, planted):
+    """`nobody` planting a key for tenant alpha: the file is refused, never read as keys."""
+    import os
+
+    f = tmp_path / "keys.json"
+    f.write_text(json.dumps({"sk-planted-0000": "alpha"}))
+    if planted == "owned by nobody":
+        if os.geteuid() != 0:
+            pytest.skip("giving a file to another user needs root")
+        os.chown(f, 65534, 65534)
+    else:
+        f.chmod(0o620 if planted == "group-writable" else 0o646)
+    with pytest.raises(KeyFileError, match="^--api-keys .*(writable by group or others|owned by uid 65534)"):
+        load_keys(f, CLASSES)
+
+
+def test_serve_refuses_a_writable_key_file_in_one_line_with_exit_2(run_cli, tmp_path):
+    f = tmp_path / "keys.json"
+    f.write_text(json.dumps({"sk-planted-0000": "alpha"}))
+    f.chmod(0o666)
+    r = run_cli("serve", "--model", "tiny-v4", "--port", "0", "--data-dir", str(tmp_path / "d"), "--api-keys", str(f),
+                timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith("kvledger: error: --api-keys ") and r.stderr.count("\n") == 1, r.stderr
+
+
 def test_cache_salt_splits_a_namespace_without_collisions():
     spec = ModelSpec.preset("smollm2-135m")
     tokens = list(range(300))
