@@ -213,9 +213,10 @@ def configure_logging(level: str) -> None:
 
 
 def writable_dir(path: Path, flag: str) -> Path:
-    """`path`, created if missing; CliError naming `flag` when it cannot be created or written."""
+    """`path`, created if missing (0700: the ledgers' bytes and namespace names are the user's alone); CliError
+    naming `flag` when it cannot be created or written. A folder that exists keeps its mode."""
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=path):
             pass
     except OSError as e:

@@ -185,7 +185,7 @@ class Cluster:
         # picked later (Redis's, an engine's) can be this one
         self.front = listen(self.args.host, self.args.port)
         self.args.port = self.front.getsockname()[1]   # --port 0: the one the kernel gave
-        self.logs.mkdir(parents=True, exist_ok=True)
+        self.logs.mkdir(mode=0o700, parents=True, exist_ok=True)
         token_file = self.data / "cluster.token"
         try:
             load_token(token_file)
@@ -209,7 +209,7 @@ class Cluster:
             self._status("redis", f"pid {self.redis.nodes[0].proc.pid}", f"ready at {self.redis.url}  (3 masters)")
             return self.redis.url
         self.redis = RedisServer(data_dir=self.data / "redis", persist=True)
-        (self.data / "redis").mkdir(parents=True, exist_ok=True)
+        (self.data / "redis").mkdir(mode=0o700, parents=True, exist_ok=True)
         self.redis.start()
         self._status("redis", f"pid {self.redis.proc.pid}", f"ready at {self.redis.url}  (data {self.data / 'redis'})")
         return self.redis.url
