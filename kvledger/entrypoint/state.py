@@ -75,7 +75,7 @@ class ServerState:
                                              policy=self.policy)
         self.state_ledger = self._open_state_ledger()
         self.tokenizer, self.chat_template = _text_side(config.model)
-        self.metrics = ServeMetrics(self.store_stats)
+        self.metrics = ServeMetrics(self.store_stats, lambda: self.block_ledger.store.counters.as_dict())
         self.activity = Activity()
         self.in_flight: dict[str, int] = {}   # tenant label → requests admitted and not finished
         self.engine: AsyncEngine | RemoteEngines | None = None
