@@ -6,7 +6,8 @@ responses); this module only wires them to HTTP.
 
 Every client mistake is a 4xx with OpenAI's error object (`errors.py`): malformed JSON and wrong
 types (400), a missing or wrong key (401), a tenant's key on an operator endpoint (403), an
-unknown model (404), an oversized body (413), too many concurrent requests of one key (429).
+unknown model (404), a body not in within --body-timeout-s (408), an oversized body (413), too many
+concurrent requests of one key (429).
 
 The operator endpoints (`/metrics`, `/dashboard/*`) name every namespace and show every tenant's
 last requests: with a key file they need an operator key (`auth.may_operate`).
@@ -65,8 +66,8 @@ def build_app(config: ServeConfig, state: ServerState | None = None) -> FastAPI:
     app = FastAPI(title="kvledger serve", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible completions on kvledger's shared, persistent KV cache.")
     app.state.kv = state
-    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes,
-                       on_reject=lambda: state.metrics.error("request_too_large"))
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes, timeout_s=config.body_timeout_s,
+                       on_reject=state.metrics.error)
     _error_handlers(app, state)
     _api_routes(app)
     _operator_routes(app)

@@ -228,7 +228,8 @@ class Cluster:
         fd = self.front.fileno()
         front = ["entrypoint", "--host", a.host, "--port", str(a.port), "--listen-fd", str(fd),
                  "--routing", a.routing, *common, "--max-concurrent-per-key", str(a.max_concurrent_per_key),
-                 "--max-body-bytes", str(a.max_body_bytes)]
+                 "--max-body-bytes", str(a.max_body_bytes), "--header-timeout-s", str(a.header_timeout_s),
+                 "--body-timeout-s", str(a.body_timeout_s), "--max-connections", str(a.max_connections)]
         for flag in ("api_keys", "max_prompt_tokens", "max_tokens_limit"):
             if getattr(a, flag) is not None:
                 front += [f"--{flag.replace('_', '-')}", str(getattr(a, flag))]

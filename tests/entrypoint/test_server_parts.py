@@ -239,6 +239,27 @@ def test_body_limit_refuses_large_bodies_with_413():
     assert r.status_code == 413
 
 
+def test_a_body_trickled_a_byte_at_a_time_is_cut_off_with_408():
+    """Slowloris on the body: 1 byte per 0.2 s of a declared 1000. The whole body has `timeout_s` (here 1 s)."""
+    import socket
+    import time
+
+    from tests.util.servers import closed_within, running, trickling
+
+    async def echo(request):
+        return PlainTextResponse(str(len(await request.body())))
+
+    app = BodyLimit(Starlette(routes=[Route("/", echo, methods=["POST"])]), max_bytes=4096, timeout_s=1.0)
+    with running(app) as port, socket.create_connection(("127.0.0.1", port), timeout=5) as conn:
+        conn.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n")
+        started = time.monotonic()
+        with trickling(conn, b"x" * 1000, 0.2):
+            closed, got = closed_within(conn, 10)
+        assert closed and got.startswith(b"HTTP/1.1 408 "), got
+        assert json.loads(got.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_timeout"
+        assert time.monotonic() - started < 5
+
+
 # --- metrics and the Grafana dashboard ---------------------------------------------------------
 
 
