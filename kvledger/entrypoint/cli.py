@@ -78,8 +78,9 @@ def http_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (non-loopback needs --api-keys)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port")
     p.add_argument("--api-keys", type=Path, default=None, metavar="FILE",
-                   help='JSON: {"KEY": "namespace"} or {"KEY": {"namespace": ..., "ttl_class": ...}} '
-                        "(default: none, open to every caller on loopback)")
+                   help='JSON: {"KEY": "namespace"} or {"KEY": {"namespace": ..., "ttl_class": ..., "role": '
+                        '"operator"}} (operator keys read /metrics and /dashboard; the file must be owned by you and '
+                        "writable by nobody else) (default: none, open to every caller on loopback)")
     p.add_argument("--model", default=DEFAULT_MODEL, choices=MODELS, help="the model served")
     p.add_argument("--max-concurrent-per-key", type=int, default=16, help="running + waiting requests of one API "
                    "key; more at once → 429")
