@@ -108,6 +108,9 @@ def cmd_up(args: argparse.Namespace) -> None:
         raise CliError(f"--host {args.host}: without --api-keys the entrypoint binds to loopback only")
     if args.grace_s < 0:
         raise CliError("--grace-s must be >= 0")
+    for flag in ("header_timeout_s", "body_timeout_s", "max_connections"):   # the entrypoint's, checked here first
+        if getattr(args, flag) <= 0:
+            raise CliError(f"--{flag.replace('_', '-')} must be > 0")
     data = (args.data_dir or default_data_dir().with_name("cluster")).resolve()
     cluster = Cluster(args, data)
     code = cluster.run()
