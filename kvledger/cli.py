@@ -20,6 +20,10 @@ EXIT_USAGE = 2
 # Command groups that live with their packages; each module has `register(subparsers)`.
 COMMAND_GROUPS = ("kvledger.store.cli", "kvledger.bench.cli", "kvledger.entrypoint.cli", "kvledger.entrypoint.up",
                   "kvledger.engine.cli")
+# Commands that write the ledgers, Redis's dump, logs or the cluster token: what they (and every child they
+# start) create is the user's alone (files 0600, folders 0700), whatever umask they were started with.
+PRIVATE_COMMANDS = frozenset({"serve", "entrypoint", "engine", "up", "store"})
+PRIVATE_UMASK = 0o077
 
 
 class _Parser(argparse.ArgumentParser):
@@ -253,6 +257,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     moment after this module's few imports), or the status a server's own stop chose (SystemExit)."""
     try:
         args = build_parser().parse_args(argv)
+        if args.command in PRIVATE_COMMANDS:
+            os.umask(PRIVATE_UMASK)
         args.func(args)
     except CliError as e:
         _fail(str(e))

@@ -1,8 +1,10 @@
 """API keys → tenants (DESIGN.md rule 2: a tenant is a namespace; two never share a block).
 
 The key file is a JSON object: each key maps to its namespace, or to
-`{"namespace": ..., "ttl_class": ...}`. Without a key file the server runs open: every
-request is the tenant `default` (and the server binds to loopback only).
+`{"namespace": ..., "ttl_class": ..., "role": "tenant" | "operator"}`. Only an operator key opens
+the operator endpoints (`/metrics`, `/dashboard*`: every tenant's figures and last requests); it is
+a tenant too, of its own namespace. Without a key file the server runs open: every request is
+the tenant `default`, the operator endpoints are open too (and the server binds to loopback only).
 
 A request's `cache_salt` splits its tenant further: the namespace becomes
 `core.salted_namespace(namespace, salt)`, a hash of both (length-prefixed), so no choice of
@@ -17,7 +19,10 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvledger.util.private_file import read_private
+
 OPEN_NAMESPACE = "default"
+TENANT, OPERATOR = "tenant", "operator"   # the roles of a key
 _NAMESPACE = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 
 
@@ -27,22 +32,26 @@ class KeyFileError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class Tenant:
-    """Who sends a request: its namespace (rule 2), TTL class (None: the namespace's) and key label."""
+    """Who sends a request: its namespace (rule 2), TTL class (None: the namespace's), key label and role."""
 
     namespace: str
     ttl_class: str | None = None
     label: str = "open"   # what metrics and logs show for the key (never the key itself)
+    role: str = TENANT    # OPERATOR: may read the operator endpoints too
 
 
 OPEN_TENANT = Tenant(OPEN_NAMESPACE)
 
 
 def load_keys(path: str | Path, known_classes: set[str]) -> dict[str, Tenant]:
-    """Parse the key file. Namespaces are plain names ([A-Za-z0-9_.:-], ≤ 128 characters)."""
+    """Parse the key file. Namespaces are plain names ([A-Za-z0-9_.:-], ≤ 128 characters). A file another
+    user owns or may write is refused (`private_file.read_private`: a planted key is a planted tenant)."""
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError) as e:
-        raise KeyFileError(f"{path}: cannot read ({e})") from None
+        text = read_private(path, "--api-keys")
+    except ValueError as e:
+        raise KeyFileError(str(e)) from None
+    try:
+        data = json.loads(text)
     except json.JSONDecodeError as e:
         raise KeyFileError(f"{path}: not JSON ({e.msg} at line {e.lineno})") from None
     if not isinstance(data, dict) or not data:
@@ -54,19 +63,21 @@ def _tenant(path: str | Path, key: str, value: object, known_classes: set[str]) 
     where = f"{path}: key {key[:4]}…"
     if len(key) < 8:
         raise KeyFileError(f"{where}: an API key must have at least 8 characters")
-    ttl_class = None
+    ttl_class, role = None, TENANT
     if isinstance(value, dict):
-        unknown = set(value) - {"namespace", "ttl_class"}
+        unknown = set(value) - {"namespace", "ttl_class", "role"}
         if unknown:
             raise KeyFileError(f"{where}: unknown field(s) {', '.join(sorted(unknown))}")
-        namespace, ttl_class = value.get("namespace"), value.get("ttl_class")
+        namespace, ttl_class, role = value.get("namespace"), value.get("ttl_class"), value.get("role", TENANT)
     else:
         namespace = value
     if not isinstance(namespace, str) or not _NAMESPACE.match(namespace):
         raise KeyFileError(f"{where}: namespace must be a name of [A-Za-z0-9_.:-], 1 to 128 characters")
     if ttl_class is not None and ttl_class not in known_classes:
         raise KeyFileError(f"{where}: unknown ttl_class {ttl_class!r}; known: {', '.join(sorted(known_classes))}")
-    return Tenant(namespace, ttl_class, label=namespace)
+    if role not in (TENANT, OPERATOR):
+        raise KeyFileError(f"{where}: role must be {TENANT!r} or {OPERATOR!r}, not {role!r}")
+    return Tenant(namespace, ttl_class, label=namespace, role=role)
 
 
 def bearer_token(header: str | None) -> str | None:
@@ -92,3 +103,9 @@ def authenticate(keys: dict[str, Tenant] | None, header: str | None) -> Tenant |
         if hmac.compare_digest(key.encode(), token.encode()):
             found = tenant
     return found
+
+
+def may_operate(keys: dict[str, Tenant] | None, tenant: Tenant) -> bool:
+    """Whether `tenant` may read the operator endpoints: anyone on an open (loopback-only) server, else
+    an operator key only."""
+    return keys is None or tenant.role == OPERATOR

@@ -1,24 +1,33 @@
-"""An ASGI middleware that refuses request bodies over a limit with 413 and OpenAI's error object.
+"""An ASGI middleware that bounds request bodies in bytes (413) and in time (408), with OpenAI's error object.
 
 A declared Content-Length over the limit is refused before any byte is read; a body sent
 without one (chunked) is counted as it arrives and refused once it passes the limit. Bytes
-are counted, not characters.
+are counted, not characters. The whole body must be in within `timeout_s` seconds of the
+request's start (its headers in): a body trickled a byte at a time is cut off then, never
+waited on forever. Both refusals close the connection.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+BODY_TIMEOUT_S = 30.0   # default --body-timeout-s: 4 MiB (the default --max-body-bytes) at ≥ 140 KB/s
+
 
 class BodyLimit:
-    def __init__(self, app: ASGIApp, max_bytes: int, on_reject: Callable[[], None] | None = None) -> None:
-        assert max_bytes > 0
+    def __init__(self, app: ASGIApp, max_bytes: int, on_reject: Callable[[str], None] | None = None,
+                 timeout_s: float = BODY_TIMEOUT_S) -> None:
+        """`on_reject(code)`: called with the error code of each refusal ("request_too_large", "request_timeout")."""
+        assert max_bytes > 0 and timeout_s > 0
         self.app = app
         self.max_bytes = max_bytes
         self.on_reject = on_reject
+        self.timeout_s = timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -26,30 +35,38 @@ class BodyLimit:
             return
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
-            await self._reject(send)
+            await self._too_large(send)
             return
+        deadline = time.monotonic() + self.timeout_s
         body, more = [], True
         size = 0
         while more:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), deadline - time.monotonic())
+            except TimeoutError:
+                await self._reject(send, 408, f"The request body did not arrive within {self.timeout_s:g} s.",
+                                   "request_timeout")
+                return
             if message["type"] != "http.request":
                 break
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_bytes:
-                await self._reject(send)
+                await self._too_large(send)
                 return
             body.append(chunk)
             more = message.get("more_body", False)
         await self.app(scope, _replay(b"".join(body), receive), send)
 
-    async def _reject(self, send: Send) -> None:
+    async def _too_large(self, send: Send) -> None:
+        await self._reject(send, 413, f"The request body is larger than {self.max_bytes} bytes.", "request_too_large")
+
+    async def _reject(self, send: Send, status: int, message: str, code: str) -> None:
         if self.on_reject is not None:
-            self.on_reject()
-        payload = json.dumps({"error": {"message": f"The request body is larger than {self.max_bytes} bytes.",
-                                        "type": "invalid_request_error", "param": None,
-                                        "code": "request_too_large"}}).encode()
-        await send({"type": "http.response.start", "status": 413,
+            self.on_reject(code)
+        payload = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                        "code": code}}).encode()
+        await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
                                 (b"connection", b"close")]})
         await send({"type": "http.response.body", "body": payload})

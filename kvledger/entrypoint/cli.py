@@ -16,7 +16,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvledger.entrypoint.body_limit import BODY_TIMEOUT_S
 from kvledger.entrypoint.router import POLICIES
+from kvledger.util.http_server import HEADER_TIMEOUT_S, MAX_CONNECTIONS
 from kvledger.util.output import EXIT_INTERRUPTED, CliError
 
 MODELS = ("smollm2-135m", "tiny-v4")
@@ -76,13 +78,20 @@ def http_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (non-loopback needs --api-keys)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port")
     p.add_argument("--api-keys", type=Path, default=None, metavar="FILE",
-                   help='JSON: {"KEY": "namespace"} or {"KEY": {"namespace": ..., "ttl_class": ...}} '
-                        "(default: none, open to every caller on loopback)")
+                   help='JSON: {"KEY": "namespace"} or {"KEY": {"namespace": ..., "ttl_class": ..., "role": '
+                        '"operator"}} (operator keys read /metrics and /dashboard; the file must be owned by you and '
+                        "writable by nobody else) (default: none, open to every caller on loopback)")
     p.add_argument("--model", default=DEFAULT_MODEL, choices=MODELS, help="the model served")
     p.add_argument("--max-concurrent-per-key", type=int, default=16, help="running + waiting requests of one API "
                    "key; more at once → 429")
     p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies → 413 "
                    "(default: %(default)s = 4 MiB)")
+    p.add_argument("--header-timeout-s", type=float, default=HEADER_TIMEOUT_S, help="a request's headers not all "
+                   "in within this long of the connection's start (or its previous response) → 408 and closed")
+    p.add_argument("--body-timeout-s", type=float, default=BODY_TIMEOUT_S, help="a request body not all in within "
+                   "this long of its headers → 408 and closed")
+    p.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS, help="open connections before further "
+                   "requests get 503")
     p.add_argument("--max-prompt-tokens", type=int, default=None, help="longer prompts → 400 (default: the context)")
     p.add_argument("--max-tokens-limit", type=int, default=None, help="larger max_tokens → 400 (default: the context)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
@@ -112,7 +121,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
         raise CliError("--port must lie in [0, 65535]")
     if args.status_interval_s < 0 or args.grace_s < 0:
         raise CliError("--status-interval-s and --grace-s must be >= 0")
-    for flag in ("max_concurrent_per_key", "max_body_bytes", "max_num_seqs", "max_prompt_tokens", "max_tokens_limit"):
+    for flag in ("max_concurrent_per_key", "max_body_bytes", "max_num_seqs", "max_prompt_tokens", "max_tokens_limit",
+                 "header_timeout_s", "body_timeout_s", "max_connections"):
         if getattr(args, flag) is not None and getattr(args, flag) <= 0:
             raise CliError(f"--{flag.replace('_', '-')} must be > 0")
     token = None
@@ -129,6 +139,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     port = sock.getsockname()[1]
     config = ServeConfig(model=args.model, host=args.host, port=port, data_dir=data_dir,
                          api_keys=args.api_keys, no_cache=args.no_cache, max_body_bytes=args.max_body_bytes,
+                         body_timeout_s=args.body_timeout_s,
                          max_concurrent_per_key=args.max_concurrent_per_key, max_num_seqs=args.max_num_seqs,
                          max_prompt_tokens=args.max_prompt_tokens, max_tokens_limit=args.max_tokens_limit,
                          redis_url=args.redis_url, cluster_token=token, routing=args.routing,
@@ -138,7 +149,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     try:
         state = _open_state(config)
         _load(state, mode, args.routing)
-        code = _run(config, state, mode, sock, args.log_level, args.grace_s)
+        code = _run(config, state, mode, sock, args)
     except KeyboardInterrupt:   # Ctrl-C before the server ran (during the load)
         code = EXIT_INTERRUPTED
     finally:
@@ -183,21 +194,22 @@ def _load(state: Any, mode: str, routing: str) -> None:
         print(f"kvledger {mode}: loaded in {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
 
 
-def _run(config: Any, state: Any, mode: str, sock: socket.socket, log_level: str, grace_s: float) -> int:
+def _run(config: Any, state: Any, mode: str, sock: socket.socket, args: argparse.Namespace) -> int:
     """Serve until a signal (util/http_server.py): Ctrl-C ends what is in flight with an error at once; SIGTERM
-    lets it finish for up to `grace_s` seconds first. Returns the exit status."""
-    import uvicorn
-
+    lets it finish for up to `--grace-s` seconds first. Returns the exit status."""
     from kvledger.entrypoint.server import build_app
-    from kvledger.util.http_server import Server
+    from kvledger.util.http_server import Config, Server
+
+    log_level, grace_s = args.log_level, args.grace_s
 
     def drain() -> None:
         if state.loop is not None:
             state.loop.call_soon_threadsafe(state.loop.call_later, grace_s, state.stop_requests)
 
     configure_logging(log_level)
-    uv = uvicorn.Config(build_app(config, state), log_level=log_level, access_log=log_level in ("debug", "info"),
-                        timeout_graceful_shutdown=int(grace_s) + 5, log_config=None)
+    uv = Config(build_app(config, state), log_level=log_level, access_log=log_level in ("debug", "info"),
+                timeout_graceful_shutdown=int(grace_s) + 5, log_config=None, header_timeout_s=args.header_timeout_s,
+                max_connections=args.max_connections)
     server = Server(uv, on_interrupt=state.interrupt, on_terminate=drain,
                     ready=f"kvledger {mode}: ready at http://{_url_host(config.host)}:{config.port}")
     server.run(sockets=[sock])
@@ -213,9 +225,10 @@ def configure_logging(level: str) -> None:
 
 
 def writable_dir(path: Path, flag: str) -> Path:
-    """`path`, created if missing; CliError naming `flag` when it cannot be created or written."""
+    """`path`, created if missing (0700: the ledgers' bytes and namespace names are the user's alone); CliError
+    naming `flag` when it cannot be created or written. A folder that exists keeps its mode."""
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=path):
             pass
     except OSError as e:

@@ -42,6 +42,12 @@ def unauthorized() -> ApiError:
                     "authentication_error", None, "invalid_api_key")
 
 
+def forbidden() -> ApiError:
+    return ApiError(403, "This endpoint needs an operator key (an entry of the key file with "
+                    '"role": "operator"); a tenant\'s key cannot read it.', "permission_error", None,
+                    "operator_key_required")
+
+
 def too_many(limit: int) -> ApiError:
     return ApiError(429, f"Too many concurrent requests for this API key (limit {limit}); retry later.",
                     "rate_limit_error", None, "rate_limit_exceeded")

@@ -11,12 +11,16 @@ Misses are counted in blocks, by cause:
   unreachable: rule 8, recomputed and reported honestly in `cached_tokens`).
 The store's read faults are `kvledger_store_read_misses_total{cause}` (absent, corrupt,
 unreachable): those of this process's store, plus those the engines' fetcher processes saw while
-reading hit blocks (reported per request in `RequestUsage.fetch_misses`); the store's size is
-read at scrape time (`StoreCollector`).
+reading hit blocks (reported per request in `RequestUsage.fetch_misses`). The store's size comes
+from a scan of its index (seconds at a million blocks), so a scrape never runs one itself: it reads
+the last figures of `StoreFigures` (at most STATS_EVERY_S old, plus one scan), and the counters live.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import threading
+import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -30,6 +34,8 @@ TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 FETCH_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
 SALT_MARK = "#salt-"   # core.salted_namespace writes "<namespace>#salt-<hash>"
+STATS_EVERY_S = 10.0   # store figures in /metrics: a scrape that finds them older starts a scan
+STATS_WAIT_S = 0.5     # ... and waits this long for it before it serves the older figures
 
 
 def tenant_of(namespace: str) -> str:
@@ -37,8 +43,62 @@ def tenant_of(namespace: str) -> str:
     return namespace.split(SALT_MARK, 1)[0]
 
 
+class StoreFigures:
+    """The store's statistics for `/metrics`, scanned in the background, one scan at a time.
+
+    A scrape (`latest()`) that finds the last scan older than `every_s` seconds (or none) starts one on a
+    thread of its own, unless one runs, and waits up to `wait_s` seconds for it; every other scrape serves
+    the last figures at once. So N concurrent scrapes cost at most one scan, a scrape waits at most `wait_s`
+    on one, and the figures are at most `every_s` + one scan old. `counters` (cheap, exact: misses,
+    evictions) replace the scanned ones at each scrape when given."""
+
+    def __init__(self, scan: Callable[[], StoreStats | None], counters: Callable[[], dict[str, int]] | None = None,
+                 *, every_s: float = STATS_EVERY_S, wait_s: float = STATS_WAIT_S) -> None:
+        assert every_s >= 0 and wait_s >= 0
+        self.scan, self.counters, self.every_s, self.wait_s = scan, counters, every_s, wait_s
+        self._lock = threading.Lock()
+        self._figures: StoreStats | None = None
+        self._scanned_at = -float("inf")          # time.monotonic() when the last scan started
+        self._running: threading.Event | None = None   # set when the scan in flight ends
+        self.scans = 0                            # scans started (a test counts them)
+
+    def latest(self) -> StoreStats | None:
+        started = self._start_if_stale()
+        if started is not None:
+            started.wait(self.wait_s)
+        figures = self._figures
+        if figures is None or self.counters is None:
+            return figures
+        return dataclasses.replace(figures, counters=self.counters())
+
+    def _start_if_stale(self) -> threading.Event | None:
+        """The event of the scan this call started, or None (figures fresh, or a scan already runs)."""
+        with self._lock:
+            if self._running is not None or time.monotonic() - self._scanned_at < self.every_s:
+                return None
+            self._running, self._scanned_at = threading.Event(), time.monotonic()
+            self.scans += 1
+            done = self._running
+        threading.Thread(target=self._scan, args=(done,), name="kvledger-store-stats", daemon=True).start()
+        return done
+
+    def _scan(self, done: threading.Event) -> None:
+        try:
+            figures = self.scan()
+        except Exception:  # noqa: BLE001 - a scrape never fails on a store fault (rule 8): keep the last figures
+            figures = None
+        with self._lock:
+            if figures is not None:
+                self._figures = figures
+            self._running = None
+        done.set()
+
+
 class ServeMetrics:
-    def __init__(self, stats: Callable[[], StoreStats | None]) -> None:
+    def __init__(self, stats: Callable[[], StoreStats | None],
+                 counters: Callable[[], dict[str, int]] | None = None) -> None:
+        """`stats`: a scan of the store (`BlockLedger.stats`, run by `StoreFigures`); `counters`: its live
+        event counters."""
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("kvledger_requests", "Finished generation requests", ["namespace", "hit_kind"],
@@ -67,7 +127,8 @@ class ServeMetrics:
                                          "where they came from (device cache or the ledgers)", ["kind", "source"],
                                          registry=r)
         self.fetch_misses: dict[str, int] = {}   # cause → blocks the fetchers missed (read_misses)
-        r.register(StoreCollector(stats, self.fetch_misses))
+        self.store = StoreFigures(stats, counters)
+        r.register(StoreCollector(self.store.latest, self.fetch_misses))
 
     def leg(self, kind: str, engine: str, usage: RequestUsage | None) -> None:
         self.legs.labels(kind, engine, usage.hit_kind if usage is not None else "broken").inc()
@@ -85,7 +146,7 @@ class ServeMetrics:
 
 
 class StoreCollector(Collector):
-    """The block ledger's size and upkeep, read from `BlockLedger.stats()` at each scrape.
+    """The block ledger's size and upkeep, from `stats()` at each scrape (`StoreFigures.latest`: no scan).
 
     Bytes per class and namespace are the live bytes split in proportion to blocks (exact when
     all blocks have one size, as for one model)."""

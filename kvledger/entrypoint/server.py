@@ -5,8 +5,12 @@ responses); this module only wires them to HTTP.
     app = build_app(ServeConfig(...)); then util/http_server.Server (entrypoint/cli.py)
 
 Every client mistake is a 4xx with OpenAI's error object (`errors.py`): malformed JSON and wrong
-types (400), a missing or wrong key (401), an unknown model (404), an oversized body (413),
-too many concurrent requests of one key (429).
+types (400), a missing or wrong key (401), a tenant's key on an operator endpoint (403), an
+unknown model (404), a body not in within --body-timeout-s (408), an oversized body (413), too many
+concurrent requests of one key (429).
+
+The operator endpoints (`/metrics`, `/dashboard/*`) name every namespace and show every tenant's
+last requests: with a key file they need an operator key (`auth.may_operate`).
 """
 
 from __future__ import annotations
@@ -27,9 +31,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvledger.entrypoint import dashboard
 from kvledger.entrypoint.activity import status_line
-from kvledger.entrypoint.auth import Tenant, authenticate
+from kvledger.entrypoint.auth import Tenant, authenticate, may_operate
 from kvledger.entrypoint.body_limit import BodyLimit
-from kvledger.entrypoint.errors import ApiError, bad_request, internal_error, too_many, unauthorized
+from kvledger.entrypoint.errors import ApiError, bad_request, forbidden, internal_error, too_many, unauthorized
 from kvledger.entrypoint.generate import Outcome, chat_body, completion_body, record, run, sse
 from kvledger.entrypoint.prepare import prepare
 from kvledger.entrypoint.protocol import (ChatCompletionRequest, CompletionRequest, DiffRequest, ErrorResponse,
@@ -40,6 +44,7 @@ STATIC = Path(__file__).with_name("static")
 log = logging.getLogger("kvledger.serve")
 ERRORS = {400: {"model": ErrorResponse}, 401: {"model": ErrorResponse}, 404: {"model": ErrorResponse},
           413: {"model": ErrorResponse}, 429: {"model": ErrorResponse}}
+OPERATOR_ERRORS = {**ERRORS, 403: {"model": ErrorResponse}}
 
 
 def build_app(config: ServeConfig, state: ServerState | None = None) -> FastAPI:
@@ -61,8 +66,8 @@ def build_app(config: ServeConfig, state: ServerState | None = None) -> FastAPI:
     app = FastAPI(title="kvledger serve", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible completions on kvledger's shared, persistent KV cache.")
     app.state.kv = state
-    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes,
-                       on_reject=lambda: state.metrics.error("request_too_large"))
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes, timeout_s=config.body_timeout_s,
+                       on_reject=state.metrics.error)
     _error_handlers(app, state)
     _api_routes(app)
     _operator_routes(app)
@@ -96,6 +101,18 @@ def authenticated(request: Request) -> Tenant:
 
 
 AuthTenant = Annotated[Tenant, Depends(authenticated)]
+
+
+def operator(request: Request) -> Tenant:
+    """The caller of an operator endpoint: 401 without a valid key, 403 for a key that is not an operator's
+    (open servers: anyone)."""
+    tenant = authenticated(request)
+    if not may_operate(_state(request).keys, tenant):
+        raise forbidden()
+    return tenant
+
+
+Operator = Annotated[Tenant, Depends(operator)]
 
 
 def _admit(state: ServerState, tenant: Tenant) -> Callable[[], None]:
@@ -171,17 +188,17 @@ def _operator_routes(app: FastAPI) -> None:
     async def favicon() -> Response:
         return Response(status_code=204)
 
-    @app.get("/metrics", tags=["operator"])
-    async def metrics(request: Request) -> Response:
+    @app.get("/metrics", responses=OPERATOR_ERRORS, tags=["operator"])
+    async def metrics(request: Request, _: Operator) -> Response:
         registry = _state(request).metrics.registry
         return Response(await asyncio.to_thread(generate_latest, registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/dashboard/activity", tags=["operator"])
-    async def activity(request: Request) -> JSONResponse:
+    @app.get("/dashboard/activity", responses=OPERATOR_ERRORS, tags=["operator"])
+    async def activity(request: Request, _: Operator) -> JSONResponse:
         return JSONResponse(dashboard.activity(_state(request)))
 
-    @app.post("/dashboard/diff", responses=ERRORS, tags=["operator"])
-    async def diff(request: Request, body: DiffRequest, tenant: AuthTenant) -> JSONResponse:
+    @app.post("/dashboard/diff", responses=OPERATOR_ERRORS, tags=["operator"])
+    async def diff(request: Request, body: DiffRequest, _: Operator) -> JSONResponse:
         return JSONResponse(await asyncio.to_thread(dashboard.diff, _state(request), body))
 
 

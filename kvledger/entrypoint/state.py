@@ -18,6 +18,7 @@ from kvledger.entrypoint.activity import Activity
 from kvledger.engine.async_engine import AsyncEngine
 from kvledger.entrypoint.remote import RemoteEngines
 from kvledger.entrypoint.auth import Tenant, load_keys
+from kvledger.entrypoint.body_limit import BODY_TIMEOUT_S
 from kvledger.entrypoint.cli import MODELS, default_data_dir
 from kvledger.entrypoint.metrics import ServeMetrics
 from kvledger.entrypoint.tokenizer import longest_token_bytes
@@ -39,6 +40,7 @@ class ServeConfig:
     api_keys: Path | None = None
     no_cache: bool = False             # every request computes its whole prompt (bench baseline)
     max_body_bytes: int = 4 * MIB
+    body_timeout_s: float = BODY_TIMEOUT_S   # the whole body in within this long of the headers, else 408
     max_concurrent_per_key: int = 16   # running + waiting requests of one key; more → 429
     default_max_tokens: int = 256      # chat requests that name no limit
     max_prompt_tokens: int | None = None   # None: the model's context minus one
@@ -58,6 +60,7 @@ class ServeConfig:
             raise ValueError(f"unknown model {self.model!r}; known: {', '.join(MODELS)}")
         assert (self.redis_url is None) == (self.cluster_token is None), "the cluster mode needs both"
         assert self.max_body_bytes > 0 and self.max_concurrent_per_key > 0 and self.default_max_tokens > 0
+        assert self.body_timeout_s > 0
 
 
 class ServerState:
@@ -77,7 +80,7 @@ class ServerState:
         self.state_ledger = self._open_state_ledger()
         self.tokenizer, self.chat_template = _text_side(config.model)
         self.max_token_bytes = longest_token_bytes(self.tokenizer) if self.tokenizer is not None else 0
-        self.metrics = ServeMetrics(self.store_stats)
+        self.metrics = ServeMetrics(self.store_stats, lambda: self.block_ledger.store.counters.as_dict())
         self.activity = Activity()
         self.in_flight: dict[str, int] = {}   # tenant label → requests admitted and not finished
         self.engine: AsyncEngine | RemoteEngines | None = None

@@ -108,6 +108,9 @@ def cmd_up(args: argparse.Namespace) -> None:
         raise CliError(f"--host {args.host}: without --api-keys the entrypoint binds to loopback only")
     if args.grace_s < 0:
         raise CliError("--grace-s must be >= 0")
+    for flag in ("header_timeout_s", "body_timeout_s", "max_connections"):   # the entrypoint's, checked here first
+        if getattr(args, flag) <= 0:
+            raise CliError(f"--{flag.replace('_', '-')} must be > 0")
     data = (args.data_dir or default_data_dir().with_name("cluster")).resolve()
     cluster = Cluster(args, data)
     code = cluster.run()
@@ -185,7 +188,7 @@ class Cluster:
         # picked later (Redis's, an engine's) can be this one
         self.front = listen(self.args.host, self.args.port)
         self.args.port = self.front.getsockname()[1]   # --port 0: the one the kernel gave
-        self.logs.mkdir(parents=True, exist_ok=True)
+        self.logs.mkdir(mode=0o700, parents=True, exist_ok=True)
         token_file = self.data / "cluster.token"
         try:
             load_token(token_file)
@@ -209,7 +212,7 @@ class Cluster:
             self._status("redis", f"pid {self.redis.nodes[0].proc.pid}", f"ready at {self.redis.url}  (3 masters)")
             return self.redis.url
         self.redis = RedisServer(data_dir=self.data / "redis", persist=True)
-        (self.data / "redis").mkdir(parents=True, exist_ok=True)
+        (self.data / "redis").mkdir(mode=0o700, parents=True, exist_ok=True)
         self.redis.start()
         self._status("redis", f"pid {self.redis.proc.pid}", f"ready at {self.redis.url}  (data {self.data / 'redis'})")
         return self.redis.url
@@ -228,7 +231,8 @@ class Cluster:
         fd = self.front.fileno()
         front = ["entrypoint", "--host", a.host, "--port", str(a.port), "--listen-fd", str(fd),
                  "--routing", a.routing, *common, "--max-concurrent-per-key", str(a.max_concurrent_per_key),
-                 "--max-body-bytes", str(a.max_body_bytes)]
+                 "--max-body-bytes", str(a.max_body_bytes), "--header-timeout-s", str(a.header_timeout_s),
+                 "--body-timeout-s", str(a.body_timeout_s), "--max-connections", str(a.max_connections)]
         for flag in ("api_keys", "max_prompt_tokens", "max_tokens_limit"):
             if getattr(a, flag) is not None:
                 front += [f"--{flag.replace('_', '-')}", str(getattr(a, flag))]

@@ -2,15 +2,17 @@ import pytest
 
 from kvledger.util.serve_process import ServeProcess
 
-ALPHA, BETA = "sk-alpha-0123456789", "sk-beta-9876543210"
-KEYS = {ALPHA: "alpha", BETA: {"namespace": "beta", "ttl_class": "agent"}}
+ALPHA, BETA, OPS = "sk-alpha-0123456789", "sk-beta-9876543210", "sk-ops-5555555555"
+KEYS = {ALPHA: "alpha", BETA: {"namespace": "beta", "ttl_class": "agent"},
+        OPS: {"namespace": "ops", "role": "operator"}}
+OPERATOR = {"Authorization": f"Bearer {OPS}"}   # /metrics and /dashboard* need the operator key
 # Limits of the shared server: small enough that a fuzzer's request never runs for long.
 LIMITS = ("--max-prompt-tokens", "320", "--max-tokens-limit", "8", "--max-body-bytes", "65536",
           "--max-concurrent-per-key", "2")
 
 
 class SharedServer:
-    """One `kvledger serve` (SmolLM2, two API keys) for all the server tests: starting one costs
+    """One `kvledger serve` (SmolLM2, two tenant keys and an operator key) for all the server tests: starting one costs
     tens of seconds of model load. `restart()` stops it and starts it again on the same data
     directory (the restart test); later tests use the new process."""
 

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis.checks import not_a_server_error
 
-from tests.entrypoint.conftest import ALPHA
+from tests.entrypoint.conftest import ALPHA, OPERATOR
 from tests.entrypoint.metrics_text import metric
 
 MODEL = "smollm2-135m"
@@ -168,7 +168,7 @@ def test_the_worker_lives_after_bad_input(open_server):
         status, body = open_server.post("/v1/completions", {"model": MODEL, "prompt": "Hello", "max_tokens": 2,
                                                             **extreme})
         assert status == 200, (extreme, body)
-    text = open_server.get("/metrics")[1].decode()
+    text = open_server.get("/metrics", OPERATOR)[1].decode()
     assert metric(text, "kvledger_errors_total", kind="invalid_json") >= 2
     assert metric(text, "kvledger_errors_total", kind="model_not_found") >= 1
 

@@ -8,6 +8,7 @@ from html.parser import HTMLParser
 
 import pytest
 
+from tests.entrypoint.conftest import OPERATOR, OPS
 from tests.entrypoint.metrics_text import metric
 
 CHROMIUM = shutil.which("chromium")
@@ -67,12 +68,12 @@ def test_page_numbers_equal_metrics(open_server, tmp_path):
                                                             "temperature": 0})
         assert status == 200, body
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
-    run = chromium(open_server.url + "/", tmp_path / "profile", "--dump-dom")
+    run = chromium(open_server.url + f"/#key={OPS}", tmp_path / "profile", "--dump-dom")
     assert run.returncode == 0, run.stderr[-2000:]
     page = Values()
     page.feed(run.stdout)
     assert page.body_loaded, run.stdout[:2000]
-    text = open_server.get("/metrics")[1].decode()
+    text = open_server.get("/metrics", OPERATOR)[1].decode()
     prompt = metric(text, "kvledger_prompt_tokens_total")
     hit = metric(text, "kvledger_prompt_cache_hit_tokens_total")
     assert prompt > 0 and hit > 0
@@ -80,7 +81,7 @@ def test_page_numbers_equal_metrics(open_server, tmp_path):
     assert float(page.values["hit-tokens"]) == hit
     assert float(page.values["hit-rate"]) == pytest.approx(hit / prompt)
     assert float(page.values["requests"]) == metric(text, "kvledger_requests_total")
-    ttft = json.loads(open_server.get("/dashboard/activity")[1])["ttft_by_length"]["buckets"]
+    ttft = json.loads(open_server.get("/dashboard/activity", OPERATOR)[1])["ttft_by_length"]["buckets"]
     rows = [row for row in page.tables["ttft"][1:] if row]
     assert len(rows) == len(ttft) >= 1   # one row per prompt-length bucket, cold and hit side by side
     for row, b in zip(rows, ttft):
@@ -97,7 +98,8 @@ def test_page_numbers_equal_metrics(open_server, tmp_path):
 @pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (make system installs it)")
 def test_page_renders_offline_screenshot(open_server, tmp_path):
     shot = tmp_path / "page.png"
-    run = chromium(open_server.url + "/", tmp_path / "profile", f"--screenshot={shot}", "--window-size=1280,1500")
+    run = chromium(open_server.url + f"/#key={OPS}", tmp_path / "profile", f"--screenshot={shot}",
+                   "--window-size=1280,1500")
     assert run.returncode == 0, run.stderr[-2000:]
     assert shot.stat().st_size > 10_000
 
@@ -105,14 +107,16 @@ def test_page_renders_offline_screenshot(open_server, tmp_path):
 def test_diff_form_says_why_a_prompt_missed(open_server):
     """The page's "why did this miss?" form: `kvledger diff` on two prompts, text or token ids."""
     a = "Report generated at 10:21:04. " + "The quarterly numbers follow, one line per shop. " * 40
-    status, d = open_server.post("/dashboard/diff", {"a": a, "b": a.replace("10:21:04", "10:25:37")})
+    status, d = open_server.post("/dashboard/diff", {"a": a, "b": a.replace("10:21:04", "10:25:37")}, OPERATOR)
     assert status == 200, d
     assert d["hit_blocks"] == 0 and 0 < d["first_divergence"] < 128 and d["recoverable_blocks"] > 0
     assert "1:04" in d["context"]["a_differs"] and "5:37" in d["context"]["b_differs"]   # digits are single tokens
     ids = list(range(1000, 1300))
-    status, d = open_server.post("/dashboard/diff", {"a": ids, "b": ids[:200] + [7] + ids[201:]})
+    status, d = open_server.post("/dashboard/diff", {"a": ids, "b": ids[:200] + [7] + ids[201:]}, OPERATOR)
     assert status == 200 and d["first_divergence"] == 200 and d["hit_blocks"] == 1
-    status, d = open_server.post("/dashboard/diff", {"a": [1, 2], "b": [10**6]})
+    status, d = open_server.post("/dashboard/diff", {"a": [1, 2], "b": [10**6]}, OPERATOR)
     assert status == 400 and d["error"]["code"] == "invalid_token_id"
     status, d = open_server.post("/dashboard/diff", {"a": [1], "b": [2]}, {"Authorization": "Bearer sk-nope-00000"})
     assert status == 401   # with a key file, the form needs a key (the page has a field for it)
+    status, d = open_server.post("/dashboard/diff", {"a": [1], "b": [2]})   # a tenant's key (alpha)
+    assert status == 403 and d["error"]["code"] == "operator_key_required"

@@ -193,6 +193,33 @@ def test_bad_key_files_are_refused(tmp_path, content):
         load_keys(f, CLASSES)
 
 
+@pytest.mark.parametrize("planted", ["group-writable", "world-writable", "owned by nobody"])
+def test_a_key_file_another_user_could_have_written_is_refused(tmp_path, planted):
+    """`nobody` planting a key for tenant alpha: the file is refused, never read as keys."""
+    import os
+
+    f = tmp_path / "keys.json"
+    f.write_text(json.dumps({"sk-planted-0000": "alpha"}))
+    if planted == "owned by nobody":
+        if os.geteuid() != 0:
+            pytest.skip("giving a file to another user needs root")
+        os.chown(f, 65534, 65534)
+    else:
+        f.chmod(0o620 if planted == "group-writable" else 0o646)
+    with pytest.raises(KeyFileError, match="^--api-keys .*(writable by group or others|owned by uid 65534)"):
+        load_keys(f, CLASSES)
+
+
+def test_serve_refuses_a_writable_key_file_in_one_line_with_exit_2(run_cli, tmp_path):
+    f = tmp_path / "keys.json"
+    f.write_text(json.dumps({"sk-planted-0000": "alpha"}))
+    f.chmod(0o666)
+    r = run_cli("serve", "--model", "tiny-v4", "--port", "0", "--data-dir", str(tmp_path / "d"), "--api-keys", str(f),
+                timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith("kvledger: error: --api-keys ") and r.stderr.count("\n") == 1, r.stderr
+
+
 def test_cache_salt_splits_a_namespace_without_collisions():
     spec = ModelSpec.preset("smollm2-135m")
     tokens = list(range(300))
@@ -325,6 +352,27 @@ def test_body_limit_refuses_large_bodies_with_413():
 
     r = client.post("/", content=chunks())   # no Content-Length: counted as it arrives
     assert r.status_code == 413
+
+
+def test_a_body_trickled_a_byte_at_a_time_is_cut_off_with_408():
+    """Slowloris on the body: 1 byte per 0.2 s of a declared 1000. The whole body has `timeout_s` (here 1 s)."""
+    import socket
+    import time
+
+    from tests.util.servers import closed_within, running, trickling
+
+    async def echo(request):
+        return PlainTextResponse(str(len(await request.body())))
+
+    app = BodyLimit(Starlette(routes=[Route("/", echo, methods=["POST"])]), max_bytes=4096, timeout_s=1.0)
+    with running(app) as port, socket.create_connection(("127.0.0.1", port), timeout=5) as conn:
+        conn.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n")
+        started = time.monotonic()
+        with trickling(conn, b"x" * 1000, 0.2):
+            closed, got = closed_within(conn, 10)
+        assert closed and got.startswith(b"HTTP/1.1 408 "), got
+        assert json.loads(got.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_timeout"
+        assert time.monotonic() - started < 5
 
 
 # --- metrics and the Grafana dashboard ---------------------------------------------------------

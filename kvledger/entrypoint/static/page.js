@@ -1,9 +1,17 @@
 // kvledger serve operator page: plain JS + SVG, no build step, no network beyond this server.
 // Cumulative figures are parsed from /metrics (Prometheus text format), so they equal what a
-// scrape shows; the chart and the last requests come from /dashboard/activity.
+// scrape shows; the chart and the last requests come from /dashboard/activity. With a key file,
+// both (and the diff) need an operator key: typed in, or given as the page's fragment (/#key=KEY),
+// which the browser never sends to the server.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
+$("op-key").value = new URLSearchParams(location.hash.slice(1)).get("key") || "";
+
+function auth() {
+  const key = $("op-key").value;
+  return key ? { Authorization: "Bearer " + key } : {};
+}
 
 function parseMetrics(text) {
   // → [{name, labels: {k: v}, value}], comments skipped
@@ -137,7 +145,14 @@ function drawChart(series, bucketS) {
 
 async function refresh() {
   try {
-    const [m, a] = await Promise.all([fetch("/metrics"), fetch("/dashboard/activity")]);
+    const [m, a] = await Promise.all([fetch("/metrics", { headers: auth() }),
+      fetch("/dashboard/activity", { headers: auth() })]);
+    const bad = [m, a].find((r) => !r.ok);
+    if (bad) {
+      $("status").textContent = [401, 403].includes(bad.status) ? "this server needs an operator key (above)"
+        : "error " + bad.status;
+      return;
+    }
     renderMetrics(parseMetrics(await m.text()));
     renderActivity(await a.json());
     $("status").textContent = "updated " + new Date().toLocaleTimeString();
@@ -164,8 +179,7 @@ function renderDiff(d) {
 
 $("diff-form").addEventListener("submit", async (ev) => {
   ev.preventDefault();
-  const headers = { "Content-Type": "application/json" };
-  if ($("diff-key").value) headers.Authorization = "Bearer " + $("diff-key").value;
+  const headers = { "Content-Type": "application/json", ...auth() };
   const r = await fetch("/dashboard/diff", { method: "POST", headers,
     body: JSON.stringify({ a: $("diff-a").value, b: $("diff-b").value }) });
   const d = await r.json();
