@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 import uuid
 from pathlib import Path
@@ -10,6 +11,7 @@ from typing import Any
 
 from kvledger.core.spec import DEFAULT_MODEL
 from kvledger.util.output import CliError, examples
+from kvledger.util.redis_client import REDIS_URL_ENV
 
 MODELS = ("smollm2-135m", "tiny-v4")
 
@@ -23,7 +25,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                        epilog=examples("kvledger engine --role prefill --redis-url redis://127.0.0.1:6379/0 "
                                        "--data-dir /mnt/kvl --token-file cluster.token"))
     p.add_argument("--role", required=True, choices=("prefill", "decode", "both"), help="what the router sends it")
-    p.add_argument("--redis-url", required=True, help="the cluster's Redis: index, directory, registry")
+    p.add_argument("--redis-url", default=os.environ.get(REDIS_URL_ENV), required=REDIS_URL_ENV not in os.environ,
+                   help=f"the cluster's Redis: index, directory, engine registry (default: ${REDIS_URL_ENV}, which "
+                   "keeps a password off the command line)")
     p.add_argument("--data-dir", type=Path, required=True, help="the shared store folder (blocks under it)")
     p.add_argument("--token-file", type=Path, default=None, help="the cluster token (or $KVLEDGER_CLUSTER_TOKEN)")
     p.add_argument("--model", default=DEFAULT_MODEL, choices=MODELS, help="the model served")

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import select
 import signal
 import socket
@@ -36,6 +37,7 @@ from multiprocessing import resource_tracker, shared_memory
 import numpy as np
 
 from kvledger.core import KEY_BYTES
+from kvledger.util.redis_client import REDIS_URL_ENV
 from kvledger.util.serve_process import spawn
 
 MAGIC = b"KVF2"
@@ -118,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--fd", type=int, required=True)
     p.add_argument("--shm", required=True)
     p.add_argument("--path")
-    p.add_argument("--redis-url")
+    p.add_argument("--redis-url", default=os.environ.get(REDIS_URL_ENV))
     a = p.parse_args(argv)
     # the engine owns this process's lifetime: a terminal's Ctrl-C reaches the whole process group, and
     # this process ends when the engine's socket closes (EOF), not with a traceback of its own
@@ -177,8 +179,9 @@ class Fetcher:
         ours, theirs = socket.socketpair()
         cmd = [sys.executable, "-m", "kvledger.engine.fetcher", "--fd", str(theirs.fileno()), "--shm", self.shm.name]
         cmd += ["--path", self.path] if self.path else []
-        cmd += ["--redis-url", self.redis_url] if self.redis_url else []
-        self.proc = spawn(cmd, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)   # dies with the engine
+        env = {k: v for k, v in os.environ.items() if k != REDIS_URL_ENV}   # the URL may carry a password:
+        env |= {REDIS_URL_ENV: self.redis_url} if self.redis_url else {}    # not on the command line
+        self.proc = spawn(cmd, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env)   # dies with us
         theirs.close()
         self.sock = ours
 

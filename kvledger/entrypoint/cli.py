@@ -20,6 +20,7 @@ from kvledger.entrypoint.body_limit import BODY_TIMEOUT_S
 from kvledger.entrypoint.router import POLICIES
 from kvledger.util.http_server import HEADER_TIMEOUT_S, MAX_CONNECTIONS
 from kvledger.util.output import EXIT_INTERRUPTED, CliError
+from kvledger.util.redis_client import REDIS_URL_ENV
 
 MODELS = ("smollm2-135m", "tiny-v4")
 GRACE_S = 10.0   # SIGTERM: seconds requests in flight may finish (then they end with a 503), default --grace-s
@@ -58,7 +59,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                        epilog=examples("kvledger entrypoint --redis-url redis://127.0.0.1:6379/0 --data-dir /mnt/kvl "
                                        "--token-file cluster.token"))
     http_args(p)
-    p.add_argument("--redis-url", required=True, help="the cluster's Redis: index, directory, engine registry")
+    p.add_argument("--redis-url", default=os.environ.get(REDIS_URL_ENV), required=REDIS_URL_ENV not in os.environ,
+                   help=f"the cluster's Redis: index, directory, engine registry (default: ${REDIS_URL_ENV}, which "
+                   "keeps a password off the command line)")
     p.add_argument("--data-dir", type=Path, required=True, help="the shared store folder (blocks under it)")
     p.add_argument("--token-file", type=Path, default=None, help="the cluster token (or $KVLEDGER_CLUSTER_TOKEN)")
     p.add_argument("--routing", default="cache-aware", choices=POLICIES, help="how prefill engines are chosen")

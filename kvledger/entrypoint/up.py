@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import signal
 import socket
 import subprocess
@@ -45,6 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvledger.util.output import EXIT_INTERRUPTED, CliError, LinePrinter
+from kvledger.util.redis_client import REDIS_URL_ENV
 from kvledger.util.serve_process import spawn, terminate_all
 
 START_TIMEOUT_S = 600.0   # model loads: tens of seconds each on a loaded 2-core machine
@@ -129,6 +131,7 @@ class Cluster:
         self.args, self.data = args, data
         self.logs = data / "logs"
         self.redis = None
+        self.env: dict[str, str] = dict(os.environ)   # the children's (with the Redis URL: `_plan`)
         self.front: socket.socket | None = None   # the entrypoint's port, bound before anything else starts
         self.children: list[Child] = []
         self.out = LinePrinter()
@@ -202,24 +205,32 @@ class Cluster:
         self._wait_ready()
 
     def _start_redis(self) -> str:
+        """A Redis of this cluster's own, with a fresh password (in a 0600 file beside its data; the children
+        get the URL in their environment, never on a command line)."""
+        import secrets
+
         from kvledger.util.redis_server import RedisServer
 
+        password = secrets.token_hex(24)
         if self.args.redis_cluster:
             from kvledger.util.redis_cluster import RedisCluster
 
-            self.redis = RedisCluster()
+            self.redis = RedisCluster(password=password)
             self.redis.start()
-            self._status("redis", f"pid {self.redis.nodes[0].proc.pid}", f"ready at {self.redis.url}  (3 masters)")
+            self._status("redis", f"pid {self.redis.nodes[0].proc.pid}",
+                         f"ready at {self.redis.shown_url}  (3 masters, password required)")
             return self.redis.url
-        self.redis = RedisServer(data_dir=self.data / "redis", persist=True)
+        self.redis = RedisServer(data_dir=self.data / "redis", persist=True, password=password)
         (self.data / "redis").mkdir(mode=0o700, parents=True, exist_ok=True)
         self.redis.start()
-        self._status("redis", f"pid {self.redis.proc.pid}", f"ready at {self.redis.url}  (data {self.data / 'redis'})")
+        self._status("redis", f"pid {self.redis.proc.pid}", f"ready at {self.redis.shown_url}  (data "
+                     f"{self.data / 'redis'}, password in {self.redis.dir / 'redis-auth.conf'})")
         return self.redis.url
 
     def _plan(self, redis_url: str, token_file: Path) -> list[Child]:
         a = self.args
-        common = ["--redis-url", redis_url, "--data-dir", str(self.data), "--token-file", str(token_file),
+        self.env = {**os.environ, REDIS_URL_ENV: redis_url}   # not --redis-url: /proc/*/cmdline is public
+        common = ["--data-dir", str(self.data), "--token-file", str(token_file),
                   "--model", a.model, "--log-level", a.log_level, "--grace-s", str(a.grace_s)]
         children = []
         for role, n in (("prefill", a.prefill), ("decode", a.decode), ("both", a.both)):
@@ -243,7 +254,7 @@ class Cluster:
         """Its own session (a Ctrl-C at the terminal reaches `up` alone, which stops the children in order);
         it dies with `up` (`spawn`)."""
         with open(child.log, "ab") as log:
-            child.proc = spawn([sys.executable, "-m", "kvledger", *child.args], stdout=log,
+            child.proc = spawn([sys.executable, "-m", "kvledger", *child.args], stdout=log, env=self.env,
                                stderr=subprocess.STDOUT, start_new_session=True, pass_fds=child.pass_fds)
         if child.pass_fds and self.front is not None:   # the entrypoint holds the port now
             self.front.close()

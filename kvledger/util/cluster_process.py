@@ -47,6 +47,15 @@ class ClusterProcess:
         return f"http://127.0.0.1:{self.port}"
 
     @property
+    def redis_url(self) -> str:
+        """The URL of the Redis `up` started, with its password (from the 0600 file beside its data)."""
+        url = self.members["redis"].url
+        assert url is not None
+        conf = self.data_dir / "redis" / "redis-auth.conf"
+        password = conf.read_text().split()[1] if conf.exists() else None
+        return url.replace("redis://", f"redis://:{password}@", 1) if password else url
+
+    @property
     def token(self) -> str:
         return (self.data_dir / "cluster.token").read_text().strip()
 

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from kvledger.util.redis_cluster import cluster_client, is_cluster_url
 
 _local = threading.local()
+REDIS_URL_ENV = "KVLEDGER_REDIS_URL"   # the default of --redis-url: a URL with a password stays off command lines
 
 
 def redis_client(url: str, *, timeout_s: float = 2.0, deadlines: bool = False):  # -> redis.Redis | RedisCluster

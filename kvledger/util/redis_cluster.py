@@ -10,6 +10,7 @@ script, round trips grouped per node).
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import time
@@ -86,7 +87,7 @@ class RedisCluster:
     unserved (no replicas) while the others keep serving theirs (`cluster-require-full-coverage no`).
     """
 
-    def __init__(self, masters: int = 3, *, node_timeout_ms: int = 2000) -> None:
+    def __init__(self, masters: int = 3, *, node_timeout_ms: int = 2000, password: str | None = None) -> None:
         assert masters >= 3, "redis-cli --cluster create wants at least 3 masters"
         if shutil.which("redis-cli") is None:
             raise RuntimeError("redis-cli is not installed (make setup installs Debian's redis-server/redis-tools)")
@@ -95,10 +96,19 @@ class RedisCluster:
         for port, bus in zip(ports[::2], ports[1::2]):  # the bus port is explicit: port + 10000 may be taken
             opts = ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-port",
                     str(bus), "--cluster-node-timeout", str(node_timeout_ms), "--cluster-require-full-coverage", "no")
-            self.nodes.append(RedisServer(port, extra_args=opts))
+            self.nodes.append(RedisServer(port, password=password, extra_args=opts))
+        self.password = password
+        # redis-cli takes the password from its environment, not its command line
+        self._cli_env = {**os.environ, "REDISCLI_AUTH": password} if password else None
 
     @property
     def url(self) -> str:
+        auth = f":{self.password}@" if self.password else ""
+        return SCHEME + auth + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
+
+    @property
+    def shown_url(self) -> str:
+        """`url` without the password, for logs and status lines."""
         return SCHEME + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
 
     def start(self, timeout_s: float = 30.0) -> RedisCluster:
@@ -108,7 +118,8 @@ class RedisCluster:
                 n.start()
             addrs = [f"127.0.0.1:{n.port}" for n in self.nodes]
             create = ["redis-cli", "--cluster", "create", *addrs, "--cluster-replicas", "0", "--cluster-yes"]
-            subprocess.run(create, check=True, capture_output=True, timeout=max(deadline - time.monotonic(), 1))
+            subprocess.run(create, check=True, capture_output=True, timeout=max(deadline - time.monotonic(), 1),
+                           env=self._cli_env)
             self._wait_ok(deadline)
         except BaseException:
             self.stop()
@@ -119,7 +130,7 @@ class RedisCluster:
         pending = list(self.nodes)
         while pending:
             out = subprocess.run(["redis-cli", "-p", str(pending[0].port), "cluster", "info"], capture_output=True,
-                                 text=True, timeout=5).stdout
+                                 text=True, timeout=5, env=self._cli_env).stdout
             if "cluster_state:ok" in out:
                 pending.pop(0)
             elif time.monotonic() > deadline:

@@ -4,6 +4,7 @@ that started it (`serve_process.spawn`)."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -39,13 +40,28 @@ class RedisServer:
         auth = f":{self.password}@" if self.password else ""
         return f"redis://{auth}127.0.0.1:{self.port}/0"
 
+    @property
+    def shown_url(self) -> str:
+        """`url` without the password, for logs and status lines."""
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def _auth_config(self) -> list[str]:
+        """The password goes in a 0600 file in the data dir (`requirepass`, and `masterauth` for a cluster's
+        nodes), never on the command line, which every local user can read in /proc."""
+        if not self.password:
+            return []
+        path = self.dir / "redis-auth.conf"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(f"requirepass {self.password}\nmasterauth {self.password}\n")
+        return [str(path)]
+
     def start(self, timeout_s: float = 10.0) -> RedisServer:
         assert self.proc is None or self.proc.poll() is not None, "already running"
-        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
-                "--save", "60 1" if self.persist else "", "--appendonly", "no", "--protected-mode", "yes",
-                "--daemonize", "no", "--loglevel", "warning", "--logfile", str(self.dir / "redis.log")]
-        if self.password:
-            args += ["--requirepass", self.password]
+        args = [self.binary, *self._auth_config(), "--port", str(self.port), "--bind", "127.0.0.1",
+                "--dir", str(self.dir), "--save", "60 1" if self.persist else "", "--appendonly", "no",
+                "--protected-mode", "yes", "--daemonize", "no", "--loglevel", "warning",
+                "--logfile", str(self.dir / "redis.log")]
         args += list(self.extra_args)
         # its own session: a Ctrl-C at the terminal reaches the supervisor, which stops Redis last
         self.proc = spawn(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)

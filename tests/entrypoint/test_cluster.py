@@ -134,7 +134,7 @@ def test_a_fake_engine_registered_through_redis_receives_nothing(cluster, single
     import redis
 
     fake = FakeEngine()
-    r = redis.Redis.from_url(cluster.members["redis"].url)
+    r = redis.Redis.from_url(cluster.redis_url)   # the password `up` made: as if a Redis writer had it
     prefix = "kvl:{engines}:"
     genuine = json.loads(r.get(prefix + "e:prefill-0"))
     body = json.loads(genuine["info"])

@@ -296,3 +296,30 @@ def test_a_busy_port_fails_before_anything_starts(tmp_path):
     assert r.returncode == 2, r.stderr
     assert r.stderr == f"kvledger: error: --port {port}: cannot listen on 127.0.0.1:{port}: Address already in use\n"
     assert r.stdout == "" and not (tmp_path / "c" / "redis").exists()
+
+
+def test_the_redis_up_starts_needs_a_password_no_command_line_shows(tmp_path):
+    """Issue 20 item 1: the Redis of `kvledger up` had no password, so any local process could write the
+    registry and the index. Now it has a fresh one, in a 0600 file beside its data; the children get the
+    URL in their environment, so no command line (world-readable in /proc) carries it."""
+    import redis
+
+    from kvledger.util.cluster_process import ClusterProcess
+
+    with ClusterProcess(tmp_path / "c", prefill=1, decode=0, model="tiny-v4") as c:
+        conf = tmp_path / "c" / "redis" / "redis-auth.conf"
+        password = conf.read_text().split()[1]
+        assert conf.stat().st_mode & 0o777 == 0o600 and len(password) >= 32
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis.from_url(c.members["redis"].url).ping()
+        assert redis.Redis.from_url(c.redis_url).ping()
+        assert not any(password.encode() in cmd for cmd in cmdlines())
+        assert password not in "\n".join(c.lines)
+
+
+def cmdlines() -> list[bytes]:
+    out = []
+    for p in Path("/proc").glob("[0-9]*/cmdline"):
+        with contextlib.suppress(OSError):   # a process that ended meanwhile
+            out.append(p.read_bytes())
+    return out
