@@ -98,8 +98,9 @@ class ServerState:
             return None
         from kvledger.state.ledger import StateLedger
 
-        if self.config.redis_url is None:
-            return StateLedger(self.spec, token=secrets.token_hex(16), serve=False, heartbeat=False).start()
+        if self.config.redis_url is None:   # snapshots also on disk beside the blocks: a restart keeps exact hits
+            return StateLedger(self.spec, token=secrets.token_hex(16), strategy="full",
+                               root=blocks_dir(self.config.data_dir), serve=False, heartbeat=False).start()
         from kvledger.state.redis_directory import RedisDirectory
 
         # the entrypoint holds no snapshot: it only looks positions up (CHECK)
