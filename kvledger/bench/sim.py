@@ -1,7 +1,7 @@
 """`kvledger bench sim`: the cluster simulator, driven by a Mooncake trace or a generated workload.
 
 Prints the hit rates, the TTFT distribution and the store size over time of one run, side by
-side with the same cluster without a cache tier (baseline), or one of the sweeps the README
+side with the same cluster without a cache tier (baseline), or one of the sweeps docs/simulator.md
 tables come from (`--sweep ttl|capacity|routing|swa`).
 """
 
@@ -130,7 +130,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--affinity-balance-s", type=float, default=5.0, help="affinity: queue gap that overrides affinity")
     p.add_argument("--time-scale", type=float, default=1.0, help="multiply arrival times (< 1: more load)")
     p.add_argument("--ideal", action="store_true", help="unlimited capacity, no TTL, no hit cap, no in-flight delay")
-    p.add_argument("--sweep", choices=sim_sweep.SWEEPS, help="run one of the README sweeps")
+    p.add_argument("--sweep", choices=sim_sweep.SWEEPS, help="run one of the sweeps of docs/simulator.md")
     p.add_argument("--sweep-capacity", default="8G", help="the limited capacity the routing and swa sweeps add")
 
 

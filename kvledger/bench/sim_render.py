@@ -37,7 +37,7 @@ def _cell(col: str, value: Any) -> str:
 
 
 def sweep_markdown(report: dict[str, Any]) -> str:
-    """A sweep as a Markdown table (what the README shows), with its reuse ceiling."""
+    """A sweep as a Markdown table (what docs/simulator.md shows), with its reuse ceiling."""
     cols = [*report["columns"], *_METRICS]
     lines = [f"sweep {report['sweep']}: {report['source']}, {report['requests']} requests, "
              f"reuse ceiling {report['reuse_ceiling']:.3f}", "",

@@ -1,4 +1,4 @@
-"""The sweeps behind the README's simulator tables: one base config, one knob varied per row.
+"""The sweeps behind the simulator tables of docs/simulator.md: one base config, one knob varied per row.
 
 Every row is a full simulator run over the same requests; rates are in [0, 1], times in seconds.
 """

@@ -185,7 +185,7 @@ def _tiny_v4() -> ModelSpec:
         swa_stored_layers=4, swa_bytes_per_token=128, csa_ratio=csa, hca_ratio=hca,
         prefill_store_extra=128, yoco_keep=134,
         description="DeepSeek-V4 structure at toy size (reference engine)",
-        # README "kvledger bench ttft": a cold 32,768-token prompt in 47.0 s on the 2-core CPU reference
+        # docs/engine.md "kvledger bench ttft": a cold 32,768-token prompt in 47.0 s on the 2-core CPU reference
         # engine (2026-11-30, a loaded machine)
         prefill_tokens_per_s=32_768 / 47.0,
         prefill_source="measured: 32,768 tokens cold in 47 s on the CPU reference engine",

@@ -11,7 +11,7 @@ present: the last block is then loaded whole and vLLM computes one token into it
 rewriting that token's slot, instead of recomputing all B tokens (the block is this
 request's own vLLM block, shared with nobody yet). A 4,096-token hit of SmolLM2 under
 vLLM's CPU build took ~2.7 s with the block-aligned cap, nearly all of it those 128
-tokens, and ~0.16 s with this one (README, Under vLLM).
+tokens, and ~0.16 s with this one (docs/vllm.md).
 
 Ranges, in tokens, for one request (B = 128):
 
