@@ -27,6 +27,7 @@ from kvledger.entrypoint.protocol import Usage
 from kvledger.entrypoint.state import ServerState
 
 log = logging.getLogger("kvledger.serve")
+CLIENT_GONE = "client_disconnected"   # the error kind counted for a request whose client hung up
 
 
 @dataclass(slots=True)
@@ -208,6 +209,9 @@ async def sse(state: ServerState, prep: Prepared, release) -> AsyncIterator[str]
     except ApiError as e:
         state.metrics.error(e.kind)
         yield _data(e.body())
+    except asyncio.CancelledError:   # the client hung up: Starlette cancels the stream, `run` closes the engine's
+        state.metrics.error(CLIENT_GONE)
+        raise
     finally:
         release()
     yield "data: [DONE]\n\n"
