@@ -107,11 +107,18 @@ async def until_stopped(events: AsyncIterator[TokenEvent], stopping: asyncio.Eve
                 return
     finally:
         stop.cancel()
-        if step is not None and not step.done():   # the generator runs inside `step` until it is cancelled
-            step.cancel()
-            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
-                await step
-        await events.aclose()
+        # in a task of its own: a stream whose client hung up is unwound under Starlette's cancel scope, which
+        # cancels every await here too, and a close cut short would leave the engine generating for nobody
+        await asyncio.shield(asyncio.ensure_future(_close(events, step)))
+
+
+async def _close(events: AsyncIterator[TokenEvent], step: asyncio.Future | None) -> None:
+    """Close the engine's stream, which aborts the request in the engine (a cluster leg: its connection)."""
+    if step is not None and not step.done():   # the generator runs inside `step` until it is cancelled
+        step.cancel()
+        with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+            await step
+    await events.aclose()
 
 
 def _tick(state: ServerState, out: Outcome) -> None:

@@ -13,7 +13,8 @@ import time
 import httpx
 import pytest
 
-from kvledger.util.serve_process import ServeProcess
+from kvledger.util.cluster_process import ClusterProcess
+from kvledger.util.serve_process import ServeProcess, request
 from tests.entrypoint.conftest import ALPHA, BETA, KEYS, OPERATOR
 from tests.entrypoint.metrics_text import metric
 
@@ -128,20 +129,51 @@ def test_a_flood_of_one_key_leaves_another_keys_first_token_within_twice_idle(se
     assert _running(server) == 0
 
 
-def test_a_non_streamed_request_whose_client_hangs_up_stops_running(server):
-    body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": LONG, "ignore_eos": True}).encode()
-    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {BETA}\r\n"
+def _hang_up_on_a_long_request(port: int, key: str | None, started, stream: bool = False) -> float:
+    """Send a request of LONG tokens on a raw socket, wait until `started()`, close the socket; the
+    time.monotonic() of the close."""
+    body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": LONG, "ignore_eos": True,
+                       "stream": stream}).encode()
+    auth = f"Authorization: Bearer {key}\r\n" if key else ""
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n{auth}"
             f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
-    conn = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+    conn = socket.create_connection(("127.0.0.1", port), timeout=10)
     try:
         conn.sendall(head + body)
-        deadline = time.monotonic() + 10
-        while _running(server) < 1 and time.monotonic() < deadline:
+        deadline = time.monotonic() + 30
+        while not started() and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert _running(server) == 1
+        assert started()
     finally:
         conn.close()
-    gone = time.monotonic()
-    while _running(server) > 0 and time.monotonic() - gone < 5:
+    return time.monotonic()
+
+
+def _within(seconds: float, done) -> bool:
+    deadline = time.monotonic() + seconds
+    while not done() and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert _running(server) == 0, f"still running {time.monotonic() - gone:.1f} s after the client hung up"
+    return done()
+
+
+def test_a_non_streamed_request_whose_client_hangs_up_stops_running(server):
+    gone = _hang_up_on_a_long_request(server.port, BETA, lambda: _running(server) == 1)
+    assert _within(5, lambda: _running(server) == 0), \
+        f"still running {time.monotonic() - gone:.1f} s after the client hung up"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_through_the_cluster_the_engine_stops_a_request_whose_client_hung_up(tmp_path, stream):
+    """`kvledger up`: the entrypoint closes the leg's stream, and the engine aborts the request."""
+    with ClusterProcess(tmp_path / "data", prefill=0, decode=0, both=1, model=MODEL) as cluster:
+        def engine_running() -> int:
+            return cluster.engine_get("both-0", "/engine/v1/health")[1]["running"]
+
+        def front_running() -> float:
+            status, text = request(cluster.url + "/metrics")
+            assert status == 200, text
+            return metric(text.decode(), "kvledger_requests_running")
+
+        gone = _hang_up_on_a_long_request(cluster.port, None, lambda: engine_running() == 1, stream)
+        assert _within(5, lambda: engine_running() == 0 and front_running() == 0), \
+            f"{time.monotonic() - gone:.1f} s after the hang-up: engine {engine_running()}, front {front_running()}"
