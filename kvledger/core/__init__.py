@@ -14,7 +14,7 @@ from kvledger.core.hit import (
     snapshot_candidates,
 )
 from kvledger.core.keys import (FORMAT_VERSION, KEY_BYTES, chain_keys, extend_chain, root_key, salted_namespace,
-                                token_bytes)
+                                tenant_of, token_bytes)
 from kvledger.core.plan import CapacityPlan, Link, Traffic, break_even_tokens, plan
 from kvledger.core.spec import DEFAULT_MODEL, LayerKind, ModelSpec
 
@@ -23,5 +23,6 @@ __all__ = [
     "ModelSpec",
     "PromptDiff", "Traffic", "break_even_tokens", "chain_keys", "decide_hit", "decode_replica_positions",
     "decode_store_position", "diff_prompts", "exact_replay", "extend_chain", "hit_cap", "plan",
-    "prefill_store_positions", "resumes_exactly", "root_key", "salted_namespace", "snapshot_candidates", "token_bytes",
+    "prefill_store_positions", "resumes_exactly", "root_key", "salted_namespace", "snapshot_candidates", "tenant_of",
+    "token_bytes",
 ]

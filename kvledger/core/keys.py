@@ -67,6 +67,9 @@ def namespace_bytes(namespace: str) -> bytes:
     return raw
 
 
+SALT_MARK = "#salt-"   # salted_namespace writes "<namespace>#salt-<hash>"
+
+
 def salted_namespace(namespace: str, salt: str | None) -> str:
     """The namespace of a request that carries a cache salt (vLLM's `cache_salt`): its own namespace,
     split by the salt. Both are length-prefixed into a hash, so no (namespace, salt) pair can be
@@ -79,7 +82,13 @@ def salted_namespace(namespace: str, salt: str | None) -> str:
     h.update(struct.pack("<II", len(ns), len(sb)))
     h.update(ns)
     h.update(sb)
-    return f"{namespace}#salt-{h.hexdigest()[:32]}"
+    return f"{namespace}{SALT_MARK}{h.hexdigest()[:32]}"
+
+
+def tenant_of(namespace: str) -> str:
+    """The tenant's own namespace of a (possibly salted) namespace: what metric labels and the engine's
+    fair share count by, so that no choice of cache salts multiplies one tenant."""
+    return namespace.split(SALT_MARK, 1)[0]
 
 
 def token_bytes(tokens: Sequence[int] | Any) -> bytes:

@@ -7,22 +7,69 @@ admitted from the waiting queue while `max_num_seqs` and the token budget
 holds its place but computes nothing until they arrive; prefills of others go on meanwhile.
 
 Admission asks the engine (`admit`), which allocates the blocks, the slot and starts the fetch;
-it answers False when the resources are not there, and the queue waits (first come, first served).
+it answers False when the resources are not there, and the queue waits. The waiting queue is fair
+across tenants (`FairQueue`): one FIFO per tenant, served in turn, so one tenant's flood of waiting
+requests delays another's by at most one admission per tenant ahead of it, never by the whole flood.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
+from kvledger.core import tenant_of
 from kvledger.engine.sequence import Sequence, Status
+
+
+class FairQueue:
+    """Waiting sequences, one FIFO per tenant (`core.tenant_of` its namespace: cache salts do not make more
+    tenants), tenants in turn. Example: A1 A2 A3 B1 added in that order leave as A1 B1 A2 A3.
+
+    Invariants: no tenant has an empty FIFO here; the dict's order is the turn order, its first tenant is
+    served next, and a tenant that is served goes to the end of the turn."""
+
+    def __init__(self) -> None:
+        self._fifos: dict[str, deque[Sequence]] = {}
+
+    def append(self, seq: Sequence) -> None:
+        self._fifos.setdefault(tenant_of(seq.request.namespace), deque()).append(seq)
+
+    def peek(self) -> Sequence | None:
+        """The next sequence to admit (None: none waits)."""
+        return next(iter(self._fifos.values()))[0] if self._fifos else None
+
+    def pop(self) -> Sequence:
+        """Take `peek()`'s sequence; its tenant's turn moves to the end."""
+        tenant, fifo = next(iter(self._fifos.items()))
+        seq = fifo.popleft()
+        del self._fifos[tenant]
+        if fifo:
+            self._fifos[tenant] = fifo
+        return seq
+
+    def remove(self, seq: Sequence) -> None:
+        tenant = tenant_of(seq.request.namespace)
+        fifo = self._fifos[tenant]
+        fifo.remove(seq)
+        if not fifo:
+            del self._fifos[tenant]
+
+    def __contains__(self, seq: object) -> bool:
+        return any(seq in fifo for fifo in self._fifos.values())
+
+    def __iter__(self) -> Iterator[Sequence]:
+        for fifo in self._fifos.values():
+            yield from fifo
+
+    def __len__(self) -> int:
+        return sum(len(fifo) for fifo in self._fifos.values())
 
 
 class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int) -> None:
         assert max_num_seqs > 0 and max_num_batched_tokens > 0
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
-        self.waiting: deque[Sequence] = deque()
+        self.waiting = FairQueue()
         self.running: list[Sequence] = []
 
     def add(self, seq: Sequence) -> None:
@@ -44,11 +91,10 @@ class Scheduler:
                 n = min(seq.prompt_len - seq.computed, budget)
                 batch.append((seq, n))
                 budget -= n
-        while self.waiting and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            if not admit(seq):
+        while (seq := self.waiting.peek()) is not None and len(self.running) < self.max_num_seqs:
+            if not admit(seq):   # the resources are not there: it waits, and its turn with it
                 break
-            self.waiting.popleft()
+            self.waiting.pop()
             self.running.append(seq)
             if seq.status is Status.RUNNING and budget > 0:
                 n = min(seq.prompt_len - seq.computed, budget)

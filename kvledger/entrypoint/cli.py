@@ -24,6 +24,16 @@ from kvledger.util.redis_client import REDIS_URL_ENV
 
 MODELS = ("smollm2-135m", "tiny-v4")
 GRACE_S = 10.0   # SIGTERM: seconds requests in flight may finish (then they end with a 503), default --grace-s
+MAX_TOKENS_LIMIT = 4096   # default --max-tokens-limit: tokens one request may generate (minutes of a batch slot)
+OPEN_PER_KEY = 16         # default --max-concurrent-per-key without --api-keys: every caller is one tenant
+
+
+def per_key_default(max_num_seqs: int, keyed: bool) -> int:
+    """The default --max-concurrent-per-key. With a key file: half of one engine's batch (at least 1), so one
+    key never fills the batch, and another tenant's request is admitted at the next step rather than after one
+    of the flood's requests (each up to --max-tokens-limit tokens) ends. Without one every caller is the same
+    tenant, with no other to starve: OPEN_PER_KEY."""
+    return max(1, max_num_seqs // 2) if keyed else OPEN_PER_KEY
 
 
 def default_data_dir() -> Path:
@@ -85,8 +95,9 @@ def http_args(p: argparse.ArgumentParser) -> None:
                         '"operator"}} (operator keys read /metrics and /dashboard; the file must be owned by you and '
                         "writable by nobody else) (default: none, open to every caller on loopback)")
     p.add_argument("--model", default=DEFAULT_MODEL, choices=MODELS, help="the model served")
-    p.add_argument("--max-concurrent-per-key", type=int, default=16, help="running + waiting requests of one API "
-                   "key; more at once → 429")
+    p.add_argument("--max-concurrent-per-key", type=int, default=None, help="running + waiting requests of one API "
+                   f"key; more at once → 429 (default: with --api-keys half of --max-num-seqs, so one key never "
+                   f"fills the batch; without, {OPEN_PER_KEY})")
     p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies → 413 "
                    "(default: %(default)s = 4 MiB)")
     p.add_argument("--header-timeout-s", type=float, default=HEADER_TIMEOUT_S, help="a request's headers not all "
@@ -96,7 +107,8 @@ def http_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS, help="open connections before further "
                    "requests get 503")
     p.add_argument("--max-prompt-tokens", type=int, default=None, help="longer prompts → 400 (default: the context)")
-    p.add_argument("--max-tokens-limit", type=int, default=None, help="larger max_tokens → 400 (default: the context)")
+    p.add_argument("--max-tokens-limit", type=int, default=MAX_TOKENS_LIMIT, help="larger max_tokens → 400 "
+                   "(default %(default)s)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                    help="info: an access log line per request and the status lines (default %(default)s)")
     p.add_argument("--status-interval-s", type=float, default=10.0,
@@ -140,10 +152,11 @@ def cmd_serve(args: argparse.Namespace) -> None:
     # before the model load: a busy port fails at once
     sock = listen(args.host, args.port) if args.listen_fd is None else adopt(args.listen_fd)
     port = sock.getsockname()[1]
+    per_key = args.max_concurrent_per_key or per_key_default(args.max_num_seqs, args.api_keys is not None)
     config = ServeConfig(model=args.model, host=args.host, port=port, data_dir=data_dir,
                          api_keys=args.api_keys, no_cache=args.no_cache, max_body_bytes=args.max_body_bytes,
                          body_timeout_s=args.body_timeout_s,
-                         max_concurrent_per_key=args.max_concurrent_per_key, max_num_seqs=args.max_num_seqs,
+                         max_concurrent_per_key=per_key, max_num_seqs=args.max_num_seqs,
                          max_prompt_tokens=args.max_prompt_tokens, max_tokens_limit=args.max_tokens_limit,
                          redis_url=args.redis_url, cluster_token=token, routing=args.routing,
                          status_every_s=args.status_interval_s)

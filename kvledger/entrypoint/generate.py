@@ -16,17 +16,18 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from kvledger.core import tenant_of
 from kvledger.engine.api import RequestUsage, TokenEvent
 from kvledger.entrypoint.activity import RequestRecord
 from kvledger.engine.async_engine import EngineFailed, EngineRejected
 from kvledger.entrypoint.detokenize import TextStream
 from kvledger.entrypoint.errors import ApiError, engine_error
-from kvledger.entrypoint.metrics import tenant_of
 from kvledger.entrypoint.prepare import Prepared
 from kvledger.entrypoint.protocol import Usage
 from kvledger.entrypoint.state import ServerState
 
 log = logging.getLogger("kvledger.serve")
+CLIENT_GONE = "client_disconnected"   # the error kind counted for a request whose client hung up
 
 
 @dataclass(slots=True)
@@ -106,11 +107,18 @@ async def until_stopped(events: AsyncIterator[TokenEvent], stopping: asyncio.Eve
                 return
     finally:
         stop.cancel()
-        if step is not None and not step.done():   # the generator runs inside `step` until it is cancelled
-            step.cancel()
-            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
-                await step
-        await events.aclose()
+        # in a task of its own: a stream whose client hung up is unwound under Starlette's cancel scope, which
+        # cancels every await here too, and a close cut short would leave the engine generating for nobody
+        await asyncio.shield(asyncio.ensure_future(_close(events, step)))
+
+
+async def _close(events: AsyncIterator[TokenEvent], step: asyncio.Future | None) -> None:
+    """Close the engine's stream, which aborts the request in the engine (a cluster leg: its connection)."""
+    if step is not None and not step.done():   # the generator runs inside `step` until it is cancelled
+        step.cancel()
+        with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+            await step
+    await events.aclose()
 
 
 def _tick(state: ServerState, out: Outcome) -> None:
@@ -208,6 +216,9 @@ async def sse(state: ServerState, prep: Prepared, release) -> AsyncIterator[str]
     except ApiError as e:
         state.metrics.error(e.kind)
         yield _data(e.body())
+    except asyncio.CancelledError:   # the client hung up: Starlette cancels the stream, `run` closes the engine's
+        state.metrics.error(CLIENT_GONE)
+        raise
     finally:
         release()
     yield "data: [DONE]\n\n"

@@ -27,20 +27,15 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kvledger.core import tenant_of
 from kvledger.engine.api import RequestUsage
 from kvledger.store.backend import StoreStats
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 120.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 FETCH_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
-SALT_MARK = "#salt-"   # core.salted_namespace writes "<namespace>#salt-<hash>"
 STATS_EVERY_S = 10.0   # store figures in /metrics: a scrape that finds them older starts a scan
 STATS_WAIT_S = 0.5     # ... and waits this long for it before it serves the older figures
-
-
-def tenant_of(namespace: str) -> str:
-    """The tenant namespace of a (possibly salted) namespace: metric labels stay bounded."""
-    return namespace.split(SALT_MARK, 1)[0]
 
 
 class StoreFigures:

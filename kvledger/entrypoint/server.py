@@ -7,7 +7,9 @@ responses); this module only wires them to HTTP.
 Every client mistake is a 4xx with OpenAI's error object (`errors.py`): malformed JSON and wrong
 types (400), a missing or wrong key (401), a tenant's key on an operator endpoint (403), an
 unknown model (404), a body not in within --body-timeout-s (408), an oversized body (413), too many
-concurrent requests of one key (429).
+concurrent requests of one key (429). A client that hangs up ends its request: a stream is cancelled by
+Starlette, a non-streamed request by `_while_connected`; either way the engine's stream is closed, which
+aborts the request in the engine (embedded) or closes the leg's connection (cluster: the engine aborts it).
 
 The operator endpoints (`/metrics`, `/dashboard/*`) name every namespace and show every tenant's
 last requests: with a key file they need an operator key (`auth.may_operate`).
@@ -18,9 +20,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -34,8 +36,8 @@ from kvledger.entrypoint.activity import status_line
 from kvledger.entrypoint.auth import Tenant, authenticate, may_operate
 from kvledger.entrypoint.body_limit import BodyLimit
 from kvledger.entrypoint.errors import ApiError, bad_request, forbidden, internal_error, too_many, unauthorized
-from kvledger.entrypoint.generate import Outcome, chat_body, completion_body, record, run, sse
-from kvledger.entrypoint.prepare import prepare
+from kvledger.entrypoint.generate import CLIENT_GONE, Outcome, chat_body, completion_body, record, run, sse
+from kvledger.entrypoint.prepare import Prepared, prepare
 from kvledger.entrypoint.protocol import (ChatCompletionRequest, CompletionRequest, DiffRequest, ErrorResponse,
                                           ModelCard, ModelList)
 from kvledger.entrypoint.state import ServeConfig, ServerState
@@ -45,6 +47,7 @@ log = logging.getLogger("kvledger.serve")
 ERRORS = {400: {"model": ErrorResponse}, 401: {"model": ErrorResponse}, 404: {"model": ErrorResponse},
           413: {"model": ErrorResponse}, 429: {"model": ErrorResponse}}
 OPERATOR_ERRORS = {**ERRORS, 403: {"model": ErrorResponse}}
+CLIENT_GONE_STATUS = 499              # nginx's "client closed request"; no client ever sees it
 
 
 def build_app(config: ServeConfig, state: ServerState | None = None) -> FastAPI:
@@ -143,12 +146,45 @@ async def _serve(request: Request, tenant: Tenant, body, endpoint: str) -> Respo
             return StreamingResponse(stream, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         out = Outcome()
-        async for _ in run(state, prep, out):
-            pass
+        if not await _while_connected(request, _complete(state, prep, out)):
+            state.metrics.error(CLIENT_GONE)
+            log.info("request %s: the client hung up; aborted", prep.request_id)
+            return Response(status_code=CLIENT_GONE_STATUS)   # nobody reads it
         record(state, prep, out)
         return JSONResponse(chat_body(state, prep, out) if endpoint == "chat" else completion_body(state, prep, out))
     finally:
         release()
+
+
+async def _complete(state: ServerState, prep: Prepared, out: Outcome) -> None:
+    async for _ in run(state, prep, out):
+        pass
+
+
+async def _while_connected(request: Request, work: Coroutine[Any, Any, None]) -> bool:
+    """Run `work` to its end (True; its exception, if any, is raised), or until the client hangs up (False):
+    then `work` is cancelled before this returns, so nothing of it runs on for nobody."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_hung_up(request))
+    try:
+        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    if task.cancelled():
+        return False
+    task.result()
+    return True
+
+
+async def _hung_up(request: Request) -> None:
+    """Returns when the client disconnects. The body was read (validated) before: what the server receives
+    after it is `http.disconnect`, sent when the connection closes."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _nothing() -> None:

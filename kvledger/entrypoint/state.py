@@ -19,7 +19,7 @@ from kvledger.engine.async_engine import AsyncEngine
 from kvledger.entrypoint.remote import RemoteEngines
 from kvledger.entrypoint.auth import Tenant, load_keys
 from kvledger.entrypoint.body_limit import BODY_TIMEOUT_S
-from kvledger.entrypoint.cli import MODELS, default_data_dir
+from kvledger.entrypoint.cli import MAX_TOKENS_LIMIT, MODELS, OPEN_PER_KEY, default_data_dir
 from kvledger.entrypoint.metrics import ServeMetrics
 from kvledger.entrypoint.tokenizer import longest_token_bytes
 from kvledger.store.ledger import BlockLedger, blocks_dir
@@ -41,10 +41,10 @@ class ServeConfig:
     no_cache: bool = False             # every request computes its whole prompt (bench baseline)
     max_body_bytes: int = 4 * MIB
     body_timeout_s: float = BODY_TIMEOUT_S   # the whole body in within this long of the headers, else 408
-    max_concurrent_per_key: int = 16   # running + waiting requests of one key; more → 429
+    max_concurrent_per_key: int = OPEN_PER_KEY   # running + waiting requests of one key; more → 429
     default_max_tokens: int = 256      # chat requests that name no limit
     max_prompt_tokens: int | None = None   # None: the model's context minus one
-    max_tokens_limit: int | None = None    # None: what the context leaves after the prompt
+    max_tokens_limit: int | None = MAX_TOKENS_LIMIT   # None: what the context leaves after the prompt
     max_num_seqs: int = 8
     status_every_s: float = 10.0           # a status line per this many seconds of activity; 0: none
     device: str = "cpu"

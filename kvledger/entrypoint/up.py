@@ -228,6 +228,8 @@ class Cluster:
         return self.redis.url
 
     def _plan(self, redis_url: str, token_file: Path) -> list[Child]:
+        from kvledger.entrypoint.cli import per_key_default
+
         a = self.args
         self.env = {**os.environ, REDIS_URL_ENV: redis_url}   # not --redis-url: /proc/*/cmdline is public
         common = ["--data-dir", str(self.data), "--token-file", str(token_file),
@@ -241,7 +243,8 @@ class Cluster:
         assert self.front is not None
         fd = self.front.fileno()
         front = ["entrypoint", "--host", a.host, "--port", str(a.port), "--listen-fd", str(fd),
-                 "--routing", a.routing, *common, "--max-concurrent-per-key", str(a.max_concurrent_per_key),
+                 "--routing", a.routing, *common, "--max-concurrent-per-key",
+                 str(a.max_concurrent_per_key or per_key_default(a.max_num_seqs, a.api_keys is not None)),
                  "--max-body-bytes", str(a.max_body_bytes), "--header-timeout-s", str(a.header_timeout_s),
                  "--body-timeout-s", str(a.body_timeout_s), "--max-connections", str(a.max_connections)]
         for flag in ("api_keys", "max_prompt_tokens", "max_tokens_limit"):

@@ -8,8 +8,10 @@ from types import SimpleNamespace
 import pytest
 
 from kvledger.entrypoint.errors import ApiError
-from kvledger.entrypoint.prepare import refuse_oversized_text
+from kvledger.cli import build_parser
+from kvledger.entrypoint.prepare import refuse_oversized_text, sampling_params
 from kvledger.entrypoint.protocol import ChatCompletionRequest, CompletionRequest
+from kvledger.entrypoint.state import ServeConfig
 from kvledger.util.serve_process import ServeProcess
 
 MODEL = "smollm2-135m"
@@ -60,3 +62,20 @@ def test_the_byte_bound_counts_every_message_and_names_the_limit():
     with pytest.raises(ApiError) as e:
         refuse_oversized_text(state, CompletionRequest.model_validate({"model": "m", "prompt": "z" * 201}))
     assert e.value.param == "prompt"
+
+
+@pytest.mark.parametrize("command", ["serve", "entrypoint", "up"])
+def test_max_tokens_is_limited_by_default_not_by_the_context(command):
+    """`max_tokens=131069` on tiny-v4's 131,072-token context was accepted: one request held a batch slot for
+    hours. The default limit is stated, and a request over it is a 400 that names it."""
+    required = ["--redis-url", "redis://x", "--data-dir", "/tmp/x"] if command == "entrypoint" else []
+    limit = build_parser().parse_args([command, *required]).max_tokens_limit
+    assert limit == ServeConfig().max_tokens_limit == 4096
+    state = SimpleNamespace(config=ServeConfig(model="tiny-v4"), max_model_len=131072, vocab_size=1024)
+    body = CompletionRequest(model="tiny-v4", prompt=[1, 2, 3], max_tokens=131069)
+    with pytest.raises(ApiError) as e:
+        sampling_params(state, body, 3)
+    assert (e.value.status, e.value.code, e.value.param) == (400, "max_tokens_too_large", "max_tokens")
+    assert "at most 4096 tokens" in e.value.message
+    fits = CompletionRequest(model="tiny-v4", prompt=[1, 2, 3], max_tokens=4096)
+    assert sampling_params(state, fits, 3).max_tokens == 4096

@@ -1,0 +1,62 @@
+"""Admission is fair across tenants: one tenant's flood of waiting requests does not put another's behind all of it."""
+
+from types import SimpleNamespace
+
+from kvledger.core import salted_namespace
+from kvledger.engine.scheduler import Scheduler
+from kvledger.engine.sequence import Status
+
+
+def _seq(request_id: str, namespace: str) -> SimpleNamespace:
+    """What the scheduler reads of a Sequence: a one-token prompt, admitted straight to RUNNING."""
+    return SimpleNamespace(request_id=request_id, request=SimpleNamespace(namespace=namespace),
+                           status=Status.RUNNING, in_prefill=True, prompt_len=1, computed=0)
+
+
+def _admitted(scheduler: Scheduler) -> list[str]:
+    return [seq.request_id for seq, _ in scheduler.schedule(lambda seq: True)]
+
+
+def test_a_second_tenant_is_admitted_before_the_first_tenants_flood():
+    scheduler = Scheduler(max_num_seqs=2, max_num_batched_tokens=64)
+    for i in range(8):
+        scheduler.add(_seq(f"a{i}", "alpha"))
+    scheduler.add(_seq("b0", "beta"))
+    assert _admitted(scheduler) == ["a0", "b0"]
+
+
+def test_tenants_take_turns_and_each_keeps_its_own_order():
+    scheduler = Scheduler(max_num_seqs=8, max_num_batched_tokens=64)
+    for rid, ns in (("a0", "alpha"), ("a1", "alpha"), ("a2", "alpha"), ("b0", "beta"), ("c0", "gamma"),
+                    ("b1", "beta")):
+        scheduler.add(_seq(rid, ns))
+    assert _admitted(scheduler) == ["a0", "b0", "c0", "a1", "b1", "a2"]
+
+
+def test_cache_salts_do_not_make_one_tenant_many():
+    scheduler = Scheduler(max_num_seqs=2, max_num_batched_tokens=64)
+    for i in range(4):
+        scheduler.add(_seq(f"a{i}", salted_namespace("alpha", f"salt-{i}")))
+    scheduler.add(_seq("b0", "beta"))
+    assert _admitted(scheduler) == ["a0", "b0"]
+
+
+def test_a_request_that_cannot_be_admitted_keeps_its_turn():
+    scheduler = Scheduler(max_num_seqs=8, max_num_batched_tokens=64)
+    for rid, ns in (("a0", "alpha"), ("b0", "beta")):
+        scheduler.add(_seq(rid, ns))
+    assert scheduler.schedule(lambda seq: False) == []
+    assert _admitted(scheduler) == ["a0", "b0"]
+
+
+def test_removed_and_found_while_waiting():
+    scheduler = Scheduler(max_num_seqs=1, max_num_batched_tokens=64)
+    a0, a1, b0 = _seq("a0", "alpha"), _seq("a1", "alpha"), _seq("b0", "beta")
+    for seq in (a0, a1, b0):
+        scheduler.add(seq)
+    assert scheduler.find("a1") is a1
+    scheduler.remove(a0)
+    scheduler.remove(b0)
+    assert [s.request_id for s in scheduler.waiting] == ["a1"] and scheduler.has_unfinished()
+    assert _admitted(scheduler) == ["a1"]
+    assert not scheduler.waiting
