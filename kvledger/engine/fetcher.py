@@ -58,13 +58,17 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
 # --- the fetcher process -------------------------------------------------------------------
 
 
-def _open_store(path: str | None, redis_url: str | None):  # -> BlockStore
+def _open_store(path: str | None, redis_url: str | None, index: str = "lmdb"):  # -> BlockStore
+    """The store `ledger_location` names: `index` is the embedded store's ("lmdb" or "scan"), never changed
+    here (opening a scan store as LmdbStore would build an LMDB index inside it)."""
     from kvledger.store.file_backend import FileStore
 
     if redis_url:
         from kvledger.store.redis_backend import RedisStore
 
         return RedisStore(redis_url, files=FileStore(path, fsync=False) if path else None)
+    if index == "scan":
+        return FileStore(path, fsync=False, create=False)
     from kvledger.store.lmdb_store import LmdbStore
 
     return LmdbStore(path, fsync=False, create=False)   # the embedded store (BlockLedger.open(path))
@@ -82,12 +86,12 @@ def miss_counts(store) -> tuple[int, int]:
     return absent, corrupt
 
 
-def serve(sock: socket.socket, shm_name: str, path: str | None, redis_url: str | None) -> None:
+def serve(sock: socket.socket, shm_name: str, path: str | None, redis_url: str | None, index: str = "lmdb") -> None:
     """Answer jobs until the engine closes its end."""
     shm = shared_memory.SharedMemory(name=shm_name)
     with contextlib.suppress(Exception):  # attached, not owned: the engine unlinks it
         resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
-    store = _open_store(path, redis_url)
+    store = _open_store(path, redis_url, index)
     view = memoryview(shm.buf)
     try:
         while True:
@@ -120,12 +124,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--fd", type=int, required=True)
     p.add_argument("--shm", required=True)
     p.add_argument("--path")
+    p.add_argument("--index", choices=("lmdb", "scan"), default="lmdb", help="the embedded store's index")
     p.add_argument("--redis-url", default=os.environ.get(REDIS_URL_ENV))
     a = p.parse_args(argv)
     # the engine owns this process's lifetime: a terminal's Ctrl-C reaches the whole process group, and
     # this process ends when the engine's socket closes (EOF), not with a traceback of its own
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    serve(socket.socket(fileno=a.fd), a.shm, a.path, a.redis_url)
+    serve(socket.socket(fileno=a.fd), a.shm, a.path, a.redis_url, a.index)
 
 
 # --- the engine's side ---------------------------------------------------------------------
@@ -148,13 +153,15 @@ class FetchJob:
         return self.intact is not None
 
 
-def ledger_location(ledger: object) -> tuple[str | None, str | None]:
-    """(path, redis_url) that open the same store in another process."""
+def ledger_location(ledger: object) -> tuple[str | None, str | None, str]:
+    """(path, redis_url, embedded index) that open the same store in another process."""
+    from kvledger.store.file_backend import FileStore
+
     store = ledger.store  # type: ignore[attr-defined]
     if store.backend == "file":
-        return str(store.root), None
+        return str(store.root), None, "scan" if isinstance(store, FileStore) else "lmdb"
     files = getattr(store, "files", None)
-    return (str(files.root) if files is not None else None), store.url
+    return (str(files.root) if files is not None else None), store.url, "lmdb"
 
 
 class Fetcher:
@@ -163,7 +170,7 @@ class Fetcher:
     def __init__(self, ledger: object, block_bytes: int, capacity_blocks: int, *, timeout_s: float = 10.0) -> None:
         assert block_bytes > 0 and capacity_blocks > 0
         self.block_bytes, self.capacity, self.timeout_s = block_bytes, capacity_blocks, timeout_s
-        self.path, self.redis_url = ledger_location(ledger)
+        self.path, self.redis_url, self.index = ledger_location(ledger)
         self.shm = shared_memory.SharedMemory(create=True, size=block_bytes * capacity_blocks)
         self.staging = np.ndarray((capacity_blocks, block_bytes), dtype=np.uint8, buffer=self.shm.buf)
         self.staging.fill(0)  # fault the pages in once, not on the first hit
@@ -178,7 +185,7 @@ class Fetcher:
     def _start(self) -> None:
         ours, theirs = socket.socketpair()
         cmd = [sys.executable, "-m", "kvledger.engine.fetcher", "--fd", str(theirs.fileno()), "--shm", self.shm.name]
-        cmd += ["--path", self.path] if self.path else []
+        cmd += ["--path", self.path, "--index", self.index] if self.path else []
         env = {k: v for k, v in os.environ.items() if k != REDIS_URL_ENV}   # the URL may carry a password:
         env |= {REDIS_URL_ENV: self.redis_url} if self.redis_url else {}    # not on the command line
         self.proc = spawn(cmd, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env)   # dies with us
