@@ -281,6 +281,10 @@ def test_a_dead_mount_on_one_machine_costs_no_wrong_answer_and_removes_no_block(
 
         try:
             front = [n.wait_ready() for n in nodes][-1]
+            deadline = time.monotonic() + 120   # as `up` does: the entrypoint serves once it knows an engine
+            while request(front.url + "/health")[0] != 200:
+                assert time.monotonic() < deadline, "the entrypoint never saw an engine"
+                time.sleep(0.2)
             got = run_workload(front, no_cache, fault=kill_mount_1)
             time.sleep(1.5)   # a heartbeat
             status, raw = engine_request(nodes[0].url, "/engine/v1/health", token.read_text().strip())
