@@ -211,8 +211,9 @@ def _api_routes(app: FastAPI) -> None:
     async def health(request: Request) -> JSONResponse:
         state = _state(request)
         alive = state.engine is not None and state.engine.alive
-        return JSONResponse({"status": "ok" if alive else "engine down", "model": state.model},
-                            status_code=200 if alive else 503)
+        engines = len(getattr(state.engine, "engines", ())) if alive else 0   # cluster mode: those it routes to
+        return JSONResponse({"status": "ok" if alive else "engine down", "model": state.model,
+                             "engines": engines or int(alive)}, status_code=200 if alive else 503)
 
 
 def _operator_routes(app: FastAPI) -> None:

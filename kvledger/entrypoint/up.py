@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -289,10 +290,11 @@ class Cluster:
     def _is_ready(self, c: Child) -> bool:
         if c.name != "entrypoint":
             return " ready at " in _tail(c.log, 4000)
-        try:
+        try:   # ready once it routes to every engine `up` started (not only the first one it saw)
             with urllib.request.urlopen(f"http://{self.args.host}:{self.args.port}/health", timeout=1) as r:
-                return r.status == 200
-        except OSError:
+                engines = json.loads(r.read()).get("engines", 0)
+                return r.status == 200 and engines >= len(self.children) - 1
+        except (OSError, ValueError, AttributeError):
             return False
 
     def _stop_all(self) -> None:
