@@ -22,6 +22,16 @@ def segs(path: Path) -> list[Path]:
     return sorted((path / "segments").glob("*" + sg.SUFFIX))
 
 
+def overwrite_in_every_block(path: Path, at: int, byte: bytes) -> None:
+    """`byte` written at offset `at` inside every block of every segment under `path`."""
+    for p in segs(path):
+        meta = sg.read_meta(os.open(p, os.O_RDONLY))
+        with open(p, "r+b") as f:
+            for e in meta.entries:
+                f.seek(e[5] + at)
+                f.write(byte)
+
+
 def test_one_segment_per_put(tmp_path, clock):
     """(The contract itself — round trip, idempotence, CHECK — is in test_contract.py, for every backend.)"""
     keys, blocks = chain(40)
@@ -36,12 +46,7 @@ def test_index_rebuilt_at_open_without_reading_blocks(tmp_path, clock):
     with open_ledger(tmp_path, clock) as led:
         led.put_chain(keys, blocks)
     # flip a byte of every block: a rebuild that read blocks would notice; CHECK must not
-    for p in segs(tmp_path):
-        meta = sg.read_meta(os.open(p, os.O_RDONLY))
-        with open(p, "r+b") as f:
-            for e in meta.entries:
-                f.seek(e[5])
-                f.write(b"\xff")
+    overwrite_in_every_block(tmp_path, 0, b"\xff")
     with open_ledger(tmp_path, clock) as led:
         assert len(led.store.index) == 20 and led.match(keys) == 20
         bufs = [bytearray(BLOCK) for _ in keys]
@@ -344,12 +349,7 @@ def test_a_damaged_block_is_flagged_dead_on_disk_at_once(tmp_path, clock):
     keys, blocks = chain(20)
     with open_ledger(tmp_path, clock) as led:
         led.put_chain(keys, blocks)
-    for p in segs(tmp_path):
-        meta = sg.read_meta(os.open(p, os.O_RDONLY))
-        with open(p, "r+b") as f:
-            for e in meta.entries:
-                f.seek(e[5] + 7)
-                f.write(b"\xaa")
+    overwrite_in_every_block(tmp_path, 7, b"\xaa")
     bufs = [bytearray(BLOCK) for _ in keys]
     first = open_ledger(tmp_path, clock)   # stays open (a running engine): not its close writes the flags
     stale = open_ledger(tmp_path, clock)   # opened before anyone read the bad copies: it indexed them
