@@ -28,7 +28,8 @@ class HitKind(StrEnum):
 class HitDecision:
     """What a request reuses and where computation starts.
 
-    Invariants: 0 <= hit_tokens <= block_hit_tokens <= cap; all three are multiples of B;
+    Invariants: 0 <= hit_tokens <= block_hit_tokens <= cap; all three are multiples of B, except a cap of
+    L − 1 under `own_last_block` (`hit_cap`), which the other two may equal;
     recompute_from <= hit_tokens; block KV in [0, reused_block_tokens) is reused, never recomputed;
     truncate_from is None or equals recompute_from (> 0). A replay with truncate_from None is the
     exact replay of rule 3′ (`exact_replay`).
@@ -67,10 +68,20 @@ def _check_count(name: str, n: object) -> None:
         raise ValueError(f"{name} must be >= 0, got {n}")
 
 
-def hit_cap(prompt_len: int, spec: ModelSpec) -> int:
-    """⌊(L − R) / B⌋ · B, floored at 0: the last R prompt tokens are always computed."""
+def hit_cap(prompt_len: int, spec: ModelSpec, *, own_last_block: bool = False) -> int:
+    """⌊(L − R) / B⌋ · B, floored at 0: the last R prompt tokens are always computed.
+
+    `own_last_block` (full-attention models only): the engine owns the device block the last prompt
+    token falls in (it is shared with no other request yet, as in vLLM's connector), so that block may be
+    loaded whole and one slot rewritten: the cap is L − 1, not block-aligned. It differs from rule 3's
+    cap only for a prompt of whole blocks. Worked example, B = 128, L = 4096, all 32 blocks cached:
+    rule 3's cap ⌊4095/128⌋·128 = 3968 loads 31 blocks and computes 128 tokens; this cap, 4095, loads
+    all 32 and computes 1. At L = 4000 both are 3968 (the tail after the last whole block is in no block)."""
     _check_count("prompt_len", prompt_len)
     b = spec.block_size
+    if own_last_block:
+        assert not spec.has_swa, "a windowed model computes its last R tokens (its windows need them)"
+        return max(prompt_len - 1, 0)
     return max((prompt_len - spec.reserve_tokens) // b * b, 0)
 
 
@@ -81,6 +92,7 @@ def decide_hit(
     spec: ModelSpec,
     *,
     replay: bool = False,
+    own_last_block: bool = False,
 ) -> HitDecision:
     """Rules 3 and 3′. `cached_blocks`: leading blocks the block ledger holds (may exceed the cap);
     `swa_snapshots`: positions that hold a snapshot for this prefix (`snapshot_candidates` says which
@@ -96,11 +108,13 @@ def decide_hit(
         |                                         | snapshot q < L1, or MISS |       | (or 0)   |
 
     An exact resume at q < L1 computes [q, L) through every layer: it is the snapshot hit of the
-    prefix [0, q), so L1 is lowered to q (`block_hit_tokens` = q)."""
+    prefix [0, q), so L1 is lowered to q (`block_hit_tokens` = q).
+
+    `own_last_block`: the cap of `hit_cap(..., own_last_block=True)`, L − 1 (full-attention models)."""
     _check_count("cached_blocks", cached_blocks)
     b = spec.block_size
-    cap = hit_cap(prompt_len, spec)
-    l1 = min(cached_blocks * b, cap)
+    cap = hit_cap(prompt_len, spec, own_last_block=own_last_block)
+    l1 = min(min(cached_blocks, prompt_len // b) * b, cap)   # a partial block has no key: never cached
     if l1 == 0:
         return HitDecision(HitKind.MISS, 0, 0, False, 0, None, cap)
     if not spec.has_swa:

@@ -63,6 +63,32 @@ def test_full_attention_needs_no_snapshot():
     assert decide_hit(257, 2, set(), LLAMA).hit_tokens == 256  # R = 1: only the last token is computed
 
 
+
+@pytest.mark.parametrize("L, cached, rule3, owned", [
+    (4096, 32, 3968, 4095),   # hit_cap's worked example: a prompt of whole blocks, all cached
+    (4000, 31, 3968, 3968),   # the tail after the last whole block is in no block: the caps agree
+    (4096, 10, 1280, 1280),   # blocks run out first: the cap does not matter
+    (1, 0, 0, 0),
+    (129, 1, 128, 128),
+])
+def test_the_owned_last_block_cap(L, cached, rule3, owned):
+    assert decide_hit(L, cached, (), LLAMA).hit_tokens == rule3
+    d = decide_hit(L, cached, (), LLAMA, own_last_block=True)
+    assert d.hit_tokens == d.block_hit_tokens == d.recompute_from == owned and d.cap == max(L - 1, 0)
+
+
+@given(lengths, blocks)
+def test_the_owned_cap_only_adds_the_last_block_of_whole_block_prompts(L, cached):
+    plain = decide_hit(L, cached, (), LLAMA).hit_tokens
+    owned = decide_hit(L, cached, (), LLAMA, own_last_block=True).hit_tokens
+    assert owned == min(min(cached, L // B) * B, max(L - 1, 0))
+    assert owned == plain or (L % B == 0 and cached * B >= L and owned == L - 1 == plain + B - 1)
+
+
+def test_the_owned_cap_is_for_full_attention_models():
+    with pytest.raises(AssertionError):
+        decide_hit(4096, 32, (), TINY, own_last_block=True)
+
 def test_fallback_to_zero_is_not_a_truncation():
     d = decide_hit(400, 1, set(), V4)
     assert (d.hit_tokens, d.recompute_from, d.truncate_from) == (0, 0, None)

@@ -4,12 +4,13 @@ A thin adapter: the hit comes from the block ledger's metadata (`exists`, no KV 
 read); keys are `core.chain_keys` of the request's token ids in the request's namespace
 (its `cache_salt`).
 
-The hit is every leading block present, less the last prompt token, which vLLM must
-compute for its logits: min(cached · B, L − 1). It differs from DESIGN rule 3's
-full-attention cap ⌊(L − 1)/B⌋ · B only for a prompt of whole blocks that are all
-present: the last block is then loaded whole and vLLM computes one token into it,
-rewriting that token's slot, instead of recomputing all B tokens (the block is this
-request's own vLLM block, shared with nobody yet). A 4,096-token hit of SmolLM2 under
+The hit is core's rule with the owned-last-block cap (`core.hit_cap(..., own_last_block=True)`):
+every leading block present, less the last prompt token, which vLLM must compute for its
+logits: min(cached · B, L − 1). It differs from DESIGN rule 3's full-attention cap
+⌊(L − 1)/B⌋ · B only for a prompt of whole blocks that are all present: the last block is
+then loaded whole and vLLM computes one token into it, rewriting that token's slot, instead
+of recomputing all B tokens (the block is this request's own vLLM block, shared with nobody
+yet). A 4,096-token hit of SmolLM2 under
 vLLM's CPU build took ~2.7 s with the block-aligned cap, nearly all of it those 128
 tokens, and ~0.16 s with this one (docs/vllm.md).
 
@@ -38,7 +39,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvledger.core import ModelSpec, extend_chain, root_key
+from kvledger.core import ModelSpec, decide_hit, extend_chain, root_key
 from kvledger.integrations.vllm.config import namespace_of
 from kvledger.integrations.vllm.records import BlockRun, StepPlan
 from kvledger.store.ledger import BlockLedger
@@ -106,7 +107,7 @@ class SchedulerSide:
             return 0
         prompt = request.prompt_token_ids
         cached = self.cached_blocks(prompt, namespace_of(request.cache_salt))
-        hit = min(cached * self.block, len(prompt) - 1)
+        hit = decide_hit(len(prompt), cached, (), self.spec, own_last_block=True).hit_tokens
         return max(hit - num_computed_tokens, 0)
 
     # --- allocation and steps ------------------------------------------------------
