@@ -133,6 +133,35 @@ def decide_hit(
     return HitDecision(HitKind.MISS, 0, 0, False, 0, None, cap)
 
 
+
+def check_decision(d: HitDecision, prompt_len: int, spec: ModelSpec) -> None:
+    """`ValueError` unless `d` is a decision `decide_hit` (or `exact_replay`) can make for a prompt of
+    `prompt_len` tokens of `spec`: the engine's check of a decision made by the entrypoint's CHECK and carried
+    to it, O(1) and without the CHECK's inputs (so without hashing or looking anything up again)."""
+    b = spec.block_size
+    hit, l1, start, s = d.hit_tokens, d.block_hit_tokens, d.recompute_from, d.truncate_from
+    owned = not spec.has_swa and d.cap == max(prompt_len - 1, 0)   # `own_last_block`
+    problems = [
+        (d.cap != hit_cap(prompt_len, spec) and not owned, f"its cap {d.cap} is not this prompt's"),
+        (not 0 <= start <= hit <= l1 <= d.cap, "needs 0 <= recompute_from <= hit <= L1 <= cap"),
+        (not owned and (hit % b or l1 % b or start % b), f"positions are multiples of B = {b}"),
+        (s is not None and not 0 < s == start, "a truncation starts where computation does"),
+        (d.swa_hit != (d.kind is HitKind.SNAPSHOT), "swa_hit says whether a snapshot is used"),
+        (d.kind is HitKind.MISS and l1, "a miss reuses nothing"),
+        (d.kind is HitKind.FULL and (spec.has_swa or not hit == l1 == start), "FULL is a full-attention hit at L1"),
+        (d.kind is not HitKind.FULL and d.kind is not HitKind.MISS and not spec.has_swa,
+         f"{d.kind.value} needs sliding-window layers"),
+        (d.kind is HitKind.SNAPSHOT and (not hit == l1 == start > 0 or s is not None),
+         "a snapshot hit resumes exactly at L1"),
+        (d.kind is HitKind.FALLBACK and (hit != l1 - b or start != hit),   # an option for any windowed model
+         "a fallback recomputes [L1 − B, L1)"),
+        (d.kind is HitKind.REPLAY and not (hit == l1 and start == l1 - b or hit == start == 0 and s is None),
+         "a replay replays [L1 − B, L1) or, exactly, [0, L)"),
+    ]
+    for bad, why in problems:
+        if bad:
+            raise ValueError(f"decision {d} is not one core.decide_hit makes for this prompt: {why}")
+
 def resumes_exactly(spec: ModelSpec, *, replay: bool = False) -> bool:
     """Rule 3′: a windowed model that, without a snapshot at L1, resumes exactly rather than approximately
     (it is not trained for the fallback, and no replay was asked for)."""

@@ -9,7 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvledger.core import HitDecision
+import numpy as np
+
+from kvledger.core import KEY_BYTES, HitDecision, ModelSpec, extend_chain, root_key
 
 # "handoff": continued elsewhere (cluster mode); "error": this request failed in the engine, the others went on
 FINISH_REASONS = ("stop", "length", "abort", "handoff", "error")
@@ -56,6 +58,19 @@ class EngineRequest:
     sampling: SamplingParams
     namespace: str = "default"
     ttl_class: str | None = None
+
+
+def check_request_keys(req: EngineRequest, tokens: np.ndarray, spec: ModelSpec) -> None:
+    """`ValueError` unless `req.keys` can be the chain keys of `tokens`: one 16-byte key per full block, and
+    the first one that of this model's and this namespace's root over the first block. The keys come from
+    the CHECK that made the decision (the entrypoint's, once; in the cluster mode over an authenticated
+    session), so the engine hashes one block of them, not the prompt: a key list made for another
+    namespace or model is refused, the rest is the CHECK's."""
+    b = spec.block_size
+    if len(req.keys) != tokens.size // b or any(len(k) != KEY_BYTES for k in req.keys):
+        raise ValueError(f"keys: one {KEY_BYTES}-byte core.chain_keys key per full block of the prompt")
+    if req.keys and req.keys[0] != extend_chain(root_key(spec, req.namespace), tokens[:b].astype(np.uint32), b)[0]:
+        raise ValueError("keys are not this prompt's core.chain_keys in this namespace (its first block differs)")
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,8 +22,8 @@ import time
 import numpy as np
 import torch
 
-from kvledger.core import ModelSpec, extend_chain, hit_cap, root_key
-from kvledger.engine.api import EngineRequest, RequestUsage, TokenEvent
+from kvledger.core import ModelSpec, check_decision
+from kvledger.engine.api import EngineRequest, RequestUsage, TokenEvent, check_request_keys
 from kvledger.engine.block_pool import BlockPool
 from kvledger.engine.fetcher import Fetcher
 from kvledger.engine.loader import HitLoader
@@ -85,12 +85,8 @@ class Engine:
             raise ValueError(f"prompt of {tokens.size} tokens does not fit the context of {self.max_model_len}")
         if self.scheduler.find(req.request_id) is not None:
             raise ValueError(f"request {req.request_id!r} is already running")
-        if list(req.keys) != extend_chain(root_key(self.spec, req.namespace), tokens.astype(np.uint32),
-                                          self.spec.block_size):
-            raise ValueError("keys are not core.chain_keys(tokens, spec, namespace)")
-        d = req.decision
-        if d.cap != hit_cap(tokens.size, self.spec) or d.hit_tokens > len(req.keys) * self.spec.block_size:
-            raise ValueError("decision was not made for this prompt (core.decide_hit over its length)")
+        check_request_keys(req, tokens, self.spec)
+        check_decision(req.decision, tokens.size, self.spec)
         seq = Sequence.from_request(req)
         if self.loader.blocks_needed(seq) > self.pool.total:
             raise ValueError(f"prompt + max_tokens needs {self.loader.blocks_needed(seq)} blocks; "

@@ -8,9 +8,12 @@ A stream is one `WireEvent` per line; an empty line is a keepalive (sent every
 long prefill. The last line has `finished: true`; a stream that ends without one broke (the
 engine died) and the entrypoint continues the request elsewhere.
 
-The engine recomputes the chain keys from the tokens and the namespace and the decision from
-the entrypoint's CHECK figures (`cached_blocks`, `snapshots`): `core.decide_hit` is pure, so
-both sides agree, and a body cannot make the engine read another tenant's blocks.
+The chain keys and the hit decision are the entrypoint's (its CHECK computed them, once) and
+travel with the tokens. The engine checks them without hashing the prompt again: one 16-byte key
+per full block, the first one this namespace's (one block hashed: `api.check_request_keys`), and a
+decision `core.decide_hit` can make for this prompt (`core.check_decision`, O(1)). It can
+trust the keys because every body is authenticated (engine/session.py: a MAC under a key derived
+from the cluster token), so only an entrypoint of this cluster can name which blocks a leg reads.
 """
 
 from __future__ import annotations
@@ -21,9 +24,10 @@ from typing import Annotated, Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvledger.core import ModelSpec, chain_keys, decide_hit
+from kvledger.core import KEY_BYTES, HitDecision, ModelSpec, check_decision
 from kvledger.core.hit import HitKind
-from kvledger.engine.api import FINISH_REASONS, EngineRequest, RequestUsage, SamplingParams, TokenEvent
+from kvledger.engine.api import (FINISH_REASONS, EngineRequest, RequestUsage, SamplingParams, TokenEvent,
+                                 check_request_keys)
 
 KEEPALIVE_S = 1.0
 TOKEN_HEADER = "authorization"   # "Bearer <cluster token>"
@@ -53,6 +57,32 @@ class WireSampling(BaseModel):
                               stop_token_ids=tuple(self.stop_token_ids), ignore_eos=self.ignore_eos, seed=self.seed)
 
 
+class WireDecision(BaseModel):
+    """`core.HitDecision` as JSON."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: HitKind
+    hit_tokens: Annotated[int, Field(ge=0)]
+    block_hit_tokens: Annotated[int, Field(ge=0)]
+    swa_hit: bool
+    recompute_from: Annotated[int, Field(ge=0)]
+    truncate_from: Annotated[int, Field(gt=0)] | None
+    cap: Annotated[int, Field(ge=0)]
+
+    @classmethod
+    def of(cls, d: HitDecision) -> WireDecision:
+        return cls(kind=d.kind, hit_tokens=d.hit_tokens, block_hit_tokens=d.block_hit_tokens, swa_hit=d.swa_hit,
+                   recompute_from=d.recompute_from, truncate_from=d.truncate_from, cap=d.cap)
+
+    def decision(self) -> HitDecision:
+        return HitDecision(self.kind, self.hit_tokens, self.block_hit_tokens, self.swa_hit, self.recompute_from,
+                           self.truncate_from, self.cap)
+
+
+HexKey = Annotated[str, Field(pattern=f"^[0-9a-f]{{{2 * KEY_BYTES}}}$")]
+
+
 class GenerateBody(BaseModel):
     """One leg of a request on one engine: the whole request, its prefill only (`max_tokens` 1), or
     the decode of a prefilled or handed-off request (tokens = prompt + output so far)."""
@@ -61,20 +91,27 @@ class GenerateBody(BaseModel):
 
     request_id: Annotated[str, Field(min_length=1, max_length=128)]
     tokens: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+    keys: list[HexKey]           # the chain keys of `tokens`' full blocks (the entrypoint's CHECK)
+    decision: WireDecision       # the CHECK's decision for `tokens`
     namespace: str = "default"
     ttl_class: str | None = None
-    cached_blocks: Annotated[int, Field(ge=0)] = 0       # the CHECK: leading blocks the index holds
-    snapshots: list[int] = []                            # the CHECK: snapshot positions found (at L1)
-    replay: bool = False
     sampling: WireSampling
     wait_stored: bool = False    # hold the last event until this engine's writes are on the ledgers
 
+    @classmethod
+    def of(cls, req: EngineRequest, *, wait_stored: bool = False) -> GenerateBody:
+        return cls(request_id=req.request_id, tokens=[int(t) for t in req.tokens], keys=[k.hex() for k in req.keys],
+                   decision=WireDecision.of(req.decision), namespace=req.namespace, ttl_class=req.ttl_class,
+                   sampling=WireSampling.of(req.sampling), wait_stored=wait_stored)
+
     def engine_request(self, spec: ModelSpec) -> EngineRequest:
+        """The request this body names; `ValueError` when its keys or decision cannot be this prompt's."""
         tokens = np.asarray(self.tokens, dtype=np.uint32)
-        keys = chain_keys(tokens, spec, self.namespace)
-        decision = decide_hit(len(tokens), self.cached_blocks, set(self.snapshots), spec, replay=self.replay)
-        return EngineRequest(self.request_id, tokens, keys, decision, self.sampling.params(), self.namespace,
-                             self.ttl_class)
+        req = EngineRequest(self.request_id, tokens, [bytes.fromhex(k) for k in self.keys], self.decision.decision(),
+                            self.sampling.params(), self.namespace, self.ttl_class)
+        check_request_keys(req, tokens, spec)
+        check_decision(req.decision, tokens.size, spec)
+        return req
 
 
 class WireEvent(BaseModel):

@@ -10,24 +10,31 @@ rule 3′), in one batched lookup; `core.decide_hit` turns both into the decisio
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from kvledger.core import HitDecision, ModelSpec, decide_hit, snapshot_candidates
+from kvledger.core import HitDecision, ModelSpec, decide_hit, extend_chain, root_key, snapshot_candidates
 from kvledger.state.ledger import StateLedger
 from kvledger.store.ledger import BlockLedger
 
 
 def check_prompt(tokens: Any, spec: ModelSpec, *, block_ledger: BlockLedger, state_ledger: StateLedger | None,
-                 namespace: str = "default", ttl_class: str | None = None, replay: bool = False
-                 ) -> tuple[list[bytes], HitDecision]:
+                 namespace: str = "default", ttl_class: str | None = None, replay: bool = False,
+                 known_keys: Sequence[bytes] = ()) -> tuple[list[bytes], HitDecision]:
     """Chain keys + CHECK on the index + the directory's snapshot positions + decide_hit.
 
-    Faults read as misses (the ledgers never raise on them): a CHECK that cannot reach its index
-    answers 0 blocks, a directory that cannot be reached answers no snapshot."""
+    `known_keys`: the keys of the leading blocks of `tokens`, computed earlier in this process (a later leg
+    of the same request): only the blocks after them are hashed. Faults read as misses (the ledgers never
+    raise on them): a CHECK that cannot reach its index answers 0 blocks, a directory that cannot be
+    reached answers no snapshot."""
     arr = np.asarray(tokens, dtype=np.uint32)
-    keys, cached = block_ledger.match_tokens(arr, spec, namespace=namespace, ttl_class=ttl_class)
+    b = spec.block_size
+    assert len(known_keys) <= len(arr) // b, "known keys name full blocks of this prompt"
+    parent = known_keys[-1] if known_keys else root_key(spec, namespace)
+    keys = [*known_keys, *extend_chain(parent, arr[len(known_keys) * b:], b)]
+    cached = block_ledger.match(keys, namespace=namespace, ttl_class=ttl_class)
     snapshots: set[int] = set()
     at = snapshot_candidates(len(arr), cached, spec, replay=replay)
     if at and state_ledger is not None:

@@ -36,11 +36,11 @@ from kvledger.engine.api import EngineRequest, RequestUsage, TokenEvent
 from kvledger.engine.async_engine import EngineFailed, EngineRejected
 from kvledger.engine.registry import EngineInfo, Registry
 from kvledger.engine.session import ProofFailed, SessionClient
-from kvledger.engine.wire import GenerateBody, WireEvent, WireSampling
+from kvledger.engine.wire import GenerateBody, WireEvent
 from kvledger.entrypoint.router import Load, PromptView, Router
 
 log = logging.getLogger("kvledger.cluster")
-CheckFn = Callable[[np.ndarray, str, "str | None"], tuple[list[bytes], HitDecision]]
+CheckFn = Callable[[np.ndarray, str, "str | None", list[bytes]], tuple[list[bytes], HitDecision]]  # + known keys
 MAX_LEGS = 8
 NO_ENGINE_WAIT_S = 15.0
 SUSPECT_S = 5.0   # a broken stream keeps other requests off its engine this long (> the registry's TTL)
@@ -135,25 +135,22 @@ class RemoteEngines:
         output: list[int] = []
         budget = req.sampling.max_tokens
         first: RequestUsage | None = None
-        decision, failed = req.decision, set[str]()
+        keys, decision, failed = req.keys, req.decision, set[str]()
         phase = "prefill" if budget > 1 and self._disaggregated() else "whole"
         kind = phase   # what this leg is, for the metrics: whole | prefill | decode | continue
         for leg in range(1, MAX_LEGS + 1):
-            if leg > 1:
+            if leg > 1:   # the keys so far are kept: only the output's new blocks are hashed
                 tokens = np.asarray(prompt + output, dtype=np.uint32)
-                _, decision = await asyncio.to_thread(self.check, tokens, req.namespace, req.ttl_class)
+                keys, decision = await asyncio.to_thread(self.check, tokens, req.namespace, req.ttl_class, keys)
             left = budget - len(output)
             if left <= 0:   # every token arrived and the end did not (the engine died right after)
                 yield TokenEvent(req.request_id, (), True, "length", self._usage(first, prompt, output))
                 return
             engine = await self._pick(phase, prompt + output, decision, req, failed)
             sampling = replace(req.sampling, max_tokens=1 if phase == "prefill" else left)
-            body = GenerateBody(request_id=f"{req.request_id}.{leg}", tokens=prompt + output, namespace=req.namespace,
-                                ttl_class=req.ttl_class,
-                                cached_blocks=decision.block_hit_tokens // self.spec.block_size,
-                                snapshots=[decision.block_hit_tokens] if decision.swa_hit else [],
-                                replay=decision.replay, sampling=WireSampling.of(sampling),
-                                wait_stored=phase == "prefill")
+            body = GenerateBody.of(replace(req, request_id=f"{req.request_id}.{leg}", tokens=prompt + output,
+                                           keys=keys, decision=decision, sampling=sampling),
+                                   wait_stored=phase == "prefill")
             reason, leg_usage = None, None
             events = self._leg(engine, body, decision.hit_tokens, leg == 1 and not output)
             try:

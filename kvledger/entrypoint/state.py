@@ -156,9 +156,10 @@ class ServerState:
         from kvledger.entrypoint.router import Router
         from kvledger.state.auth import derive_keys
 
-        def check(tokens: Any, namespace: str, ttl_class: str | None) -> Any:
+        def check(tokens: Any, namespace: str, ttl_class: str | None, known_keys: list[bytes]) -> Any:
             return check_prompt(tokens, self.spec, block_ledger=self.block_ledger, state_ledger=self.state_ledger,
-                                namespace=namespace, ttl_class=ttl_class, replay=self.config.replay)
+                                namespace=namespace, ttl_class=ttl_class, replay=self.config.replay,
+                                known_keys=known_keys)
 
         assert self.config.redis_url is not None and self.config.cluster_token is not None
         registry = Registry.from_url(self.config.redis_url, derive_keys(self.config.cluster_token).registry)

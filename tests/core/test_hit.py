@@ -10,7 +10,9 @@ from kvledger import (
     decode_store_position,
     prefill_store_positions,
 )
-from kvledger.core import exact_replay, snapshot_candidates
+from dataclasses import replace
+
+from kvledger.core import check_decision, exact_replay, hit_cap, snapshot_candidates
 
 V4 = ModelSpec.preset("deepseek-v4.1-flash")
 TINY = ModelSpec.preset("tiny-v4")
@@ -266,3 +268,44 @@ def test_decide_hit_validation_survives_python_O():
             "    raise SystemExit(f'accepted {bad}')\n")
     out = subprocess.run([sys.executable, "-O", "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+@given(lengths, blocks, positions, specs, st.booleans())
+def test_every_decision_passes_the_engines_check(L, cached, snaps, spec, replay):
+    check_decision(decide_hit(L, cached, snaps, spec, replay=replay), L, spec)
+    if spec.has_swa:
+        check_decision(exact_replay(L, cached, spec), L, spec)
+    else:
+        check_decision(decide_hit(L, cached, snaps, spec, own_last_block=True), L, spec)
+
+
+@pytest.mark.parametrize("change", [
+    {"cap": 896},                        # made for another prompt length
+    {"hit_tokens": 1024},                # more than the cap
+    {"hit_tokens": 900, "block_hit_tokens": 900, "recompute_from": 900},   # not block-aligned
+    {"recompute_from": 128},             # computes less than it reuses... after the hit
+    {"swa_hit": True},                   # a snapshot a full-attention model cannot have
+    {"kind": HitKind.SNAPSHOT},
+    {"truncate_from": 0},
+])
+def test_the_engines_check_refuses_a_decision_made_for_something_else(change):
+    d = decide_hit(1100, 7, (), LLAMA)   # FULL at 896 of a 1,100-token prompt (cap 1024)
+    check_decision(d, 1100, LLAMA)
+    with pytest.raises(ValueError, match="not one core.decide_hit makes"):
+        check_decision(replace(d, **change), 1100, LLAMA)
+    with pytest.raises(ValueError):
+        check_decision(d, 2000, LLAMA)
+
+
+def test_the_engines_check_knows_which_kinds_a_model_has():
+    snapshot = decide_hit(1000, 8, {768}, TINY)
+    fallback = decide_hit(131072, 1024, (), V4)
+    assert (snapshot.kind, fallback.kind) == (HitKind.SNAPSHOT, HitKind.FALLBACK)
+    check_decision(snapshot, 1000, TINY)
+    check_decision(fallback, 131072, V4)
+    with pytest.raises(ValueError, match="needs sliding-window layers"):   # same cap, a model without windows
+        check_decision(replace(snapshot, cap=hit_cap(1000, LLAMA)), 1000, LLAMA)
+    with pytest.raises(ValueError, match="recomputes"):
+        check_decision(replace(fallback, hit_tokens=fallback.block_hit_tokens), 131072, V4)
+    with pytest.raises(ValueError, match="needs sliding-window layers"):
+        check_decision(replace(fallback, cap=hit_cap(131072, LLAMA)), 131072, LLAMA)

@@ -29,3 +29,29 @@ def test_an_answer_no_engine_of_ours_sends_is_refused():
     for fields in bad:
         with pytest.raises(ValueError):
             WireEvent(**({"token_ids": [5]} | fields)).token_event("r", vocab_size=100)
+
+
+def test_a_leg_carries_the_entrypoints_keys_and_decision():
+    """Keys and the decision are computed once, by the entrypoint's CHECK, and carried; the engine checks them
+    (the first key against its namespace's root, the decision against the prompt) without hashing the prompt."""
+    import numpy as np
+    import pytest
+
+    from kvledger.core import ModelSpec, chain_keys, decide_hit
+    from kvledger.engine.api import EngineRequest, SamplingParams
+    from kvledger.engine.wire import GenerateBody
+
+    spec = ModelSpec.preset("smollm2-135m")
+    tokens = np.arange(1000, dtype=np.uint32)
+    req = EngineRequest("r.1", tokens, chain_keys(tokens, spec, "t"), decide_hit(1000, 5, (), spec),
+                        SamplingParams(max_tokens=3), "t")
+    body = GenerateBody.of(req, wait_stored=True)
+    back = GenerateBody.model_validate_json(body.model_dump_json()).engine_request(spec)
+    assert (back.keys, back.decision, back.namespace, list(back.tokens)) == (req.keys, req.decision, "t", list(tokens))
+    wrong = [GenerateBody.of(EngineRequest("r", tokens, chain_keys(tokens, spec, "other"), req.decision, req.sampling,
+                                           "t")),
+             GenerateBody.of(EngineRequest("r", tokens, req.keys[:-1], req.decision, req.sampling, "t")),
+             GenerateBody.of(EngineRequest("r", tokens, req.keys, decide_hit(2000, 5, (), spec), req.sampling, "t"))]
+    for bad in wrong:
+        with pytest.raises(ValueError, match="keys|decision"):
+            bad.engine_request(spec)
