@@ -5,7 +5,7 @@ The engine is single-threaded: only the loop thread below calls `add_request`, `
 each step; each step's events go back to the event loop in one `call_soon_threadsafe`. So a
 long prefill blocks only this thread, never `/health` or the other routes.
 
-    engine = AsyncEngine(Engine(...)); engine.start(asyncio.get_running_loop())
+    engine = AsyncEngine(Engine(...)); engine.start(asyncio.get_running_loop())   # an EngineClient (client.py)
     async for event in engine.generate(request): ...     # TokenEvents; the last has finished=True
 
 Faults: a request the engine refuses (`ValueError`) ends with `EngineRejected`; one that failed alone
@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 from kvledger.engine.api import EngineRequest, TokenEvent
+from kvledger.engine.client import EngineFailed, EngineRejected
 
 log = logging.getLogger("kvledger.serve")
 IDLE_WAIT_S = 0.05
@@ -43,16 +44,9 @@ class StepEngine(Protocol):
     def abandon(self) -> None: ...
 
 
-class EngineRejected(ValueError):
-    """The engine refused the request (its message says why): a client error."""
-
-
-class EngineFailed(RuntimeError):
-    """The engine failed while running the request: a server error, the worker lives on."""
-
-
 class AsyncEngine:
-    """Invariant: every request added gets exactly one terminal item (a finished event or an error)."""
+    """The in-process `EngineClient`. Invariant: every request added gets exactly one terminal item (a
+    finished event or an error)."""
 
     def __init__(self, engine: StepEngine) -> None:
         self.engine = engine
@@ -96,6 +90,10 @@ class AsyncEngine:
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def engine_count(self) -> int:
+        return int(self.alive)
 
     async def generate(self, req: EngineRequest) -> AsyncIterator[TokenEvent]:
         """The request's events until it finishes; aborts it if the consumer stops early."""

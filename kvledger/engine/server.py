@@ -30,7 +30,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from kvledger.engine.api import EngineRequest
-from kvledger.engine.async_engine import AsyncEngine, EngineFailed, EngineRejected
+from kvledger.engine.async_engine import AsyncEngine
+from kvledger.engine.client import EngineFailed, EngineRejected
 from kvledger.engine.registry import EngineInfo, Heartbeat, Registry
 from kvledger.engine.session import H_MAC, H_SEQ, H_SESSION, SESSION_PATH, SessionTable
 from kvledger.state.auth import derive_keys
@@ -66,12 +67,13 @@ class EngineProcess:
 
     def __init__(self, config: EngineConfig) -> None:
         from kvledger.core import ModelSpec
-        from kvledger.store.ledger import BlockLedger, blocks_dir
+        from kvledger.engine.ledgers import Part, open_ledgers
 
         self.config = config
         self.spec = ModelSpec.preset(config.model)
-        self.block_ledger = BlockLedger.open(path=blocks_dir(config.data_dir), redis_url=config.redis_url)
-        self.state_ledger = self._open_state_ledger()
+        self.ledgers = open_ledgers(self.spec, config.data_dir, Part.ENGINE, redis_url=config.redis_url,
+                                    token=config.token, engine_id=config.engine_id, host=config.host)
+        self.block_ledger, self.state_ledger = self.ledgers.block, self.ledgers.state
         self.registry = Registry.from_url(config.redis_url, derive_keys(config.token).registry,
                                           ttl_s=config.heartbeat_ttl_s)
         self.engine: AsyncEngine | None = None
@@ -81,15 +83,6 @@ class EngineProcess:
         self.loading = False     # inside `start`: a stop signal raises StartupInterrupted there
         self.abandoned = False   # a stop signal came before the start finished: it does not (go on)
         self.prefill_left: dict[str, int] = {}   # request id → prompt tokens not yet computed
-
-    def _open_state_ledger(self) -> Any:
-        if not self.spec.has_swa:
-            return None
-        from kvledger.state.ledger import StateLedger
-        from kvledger.state.redis_directory import RedisDirectory
-
-        return StateLedger(self.spec, token=self.config.token, directory=RedisDirectory(self.config.redis_url),
-                           engine_id=self.config.engine_id, host=self.config.host).start()
 
     def start(self, url: str) -> None:
         """Load the model (seconds), start the step loop, then register (from the event loop)."""
@@ -142,9 +135,7 @@ class EngineProcess:
             self.heartbeat.stop()
         if self.engine is not None:
             self.engine.close()
-        if self.state_ledger is not None:
-            self.state_ledger.close()
-        self.block_ledger.close()
+        self.ledgers.close()
 
     async def stream(self, body: GenerateBody, req: EngineRequest) -> AsyncIterator[bytes]:
         """The NDJSON lines of one leg: events, keepalives while computing, a last finished line."""

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from kvledger.core import tenant_of
 from kvledger.engine.api import RequestUsage, TokenEvent
 from kvledger.entrypoint.activity import RequestRecord
-from kvledger.engine.async_engine import EngineFailed, EngineRejected
+from kvledger.engine.client import EngineFailed, EngineRejected
 from kvledger.entrypoint.detokenize import TextStream
 from kvledger.entrypoint.errors import ApiError, engine_error
 from kvledger.entrypoint.prepare import Prepared

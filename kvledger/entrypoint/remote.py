@@ -1,7 +1,8 @@
 """The cluster's engines behind the entrypoint: routing, prefill/decode legs, hand-off and retry.
 
-`RemoteEngines.generate(req)` yields the same `TokenEvent`s as the embedded `AsyncEngine`, so the
-HTTP side (generate.py) is one code path for both modes. A request runs as one or more *legs*,
+`RemoteEngines` is the cross-process `EngineClient` (engine/client.py): its `generate(req)` yields the
+same `TokenEvent`s as the embedded `AsyncEngine`, so the HTTP side (generate.py) is one code path for
+both modes. A request runs as one or more *legs*,
 each one `POST /engine/v1/generate` on one engine (wire.py):
 
 | leg      | engine                        | tokens sent            | max_tokens    | then                  |
@@ -33,7 +34,7 @@ import numpy as np
 
 from kvledger.core import HitDecision, ModelSpec
 from kvledger.engine.api import EngineRequest, RequestUsage, TokenEvent
-from kvledger.engine.async_engine import EngineFailed, EngineRejected
+from kvledger.engine.client import EngineFailed, EngineRejected
 from kvledger.engine.registry import EngineInfo, Registry
 from kvledger.engine.session import ProofFailed, SessionClient
 from kvledger.engine.wire import GenerateBody, WireEvent
@@ -100,6 +101,10 @@ class RemoteEngines:
     def alive(self) -> bool:
         """At least one engine can take a prompt."""
         return any(e.prefills() for e in self.engines.values())
+
+    @property
+    def engine_count(self) -> int:
+        return len(self.engines)
 
     async def _poll(self) -> None:
         while True:

@@ -211,9 +211,9 @@ def _api_routes(app: FastAPI) -> None:
     async def health(request: Request) -> JSONResponse:
         state = _state(request)
         alive = state.engine is not None and state.engine.alive
-        engines = len(getattr(state.engine, "engines", ())) if alive else 0   # cluster mode: those it routes to
+        engines = state.engine.engine_count if alive else 0   # cluster mode: those it routes to
         return JSONResponse({"status": "ok" if alive else "engine down", "model": state.model,
-                             "engines": engines or int(alive)}, status_code=200 if alive else 503)
+                             "engines": engines}, status_code=200 if alive else 503)
 
 
 def _operator_routes(app: FastAPI) -> None:

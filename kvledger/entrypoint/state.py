@@ -7,7 +7,6 @@ sliding-window layers), the tokenizer and one engine whose step loop runs in its
 
 from __future__ import annotations
 
-import secrets
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,13 +15,14 @@ from typing import Any
 from kvledger.core import DEFAULT_MODEL, ModelSpec
 from kvledger.entrypoint.activity import Activity
 from kvledger.engine.async_engine import AsyncEngine
+from kvledger.engine.client import EngineClient
+from kvledger.engine.ledgers import Part, open_ledgers
 from kvledger.entrypoint.remote import RemoteEngines
 from kvledger.entrypoint.auth import Tenant, load_keys
 from kvledger.entrypoint.body_limit import BODY_TIMEOUT_S
 from kvledger.entrypoint.cli import MAX_TOKENS_LIMIT, MODELS, OPEN_PER_KEY, default_data_dir
 from kvledger.entrypoint.metrics import ServeMetrics
 from kvledger.entrypoint.tokenizer import longest_token_bytes
-from kvledger.store.ledger import BlockLedger, blocks_dir
 from kvledger.store.ttl import TtlPolicy
 
 MIB = 1 << 20
@@ -75,15 +75,16 @@ class ServerState:
         self.policy = TtlPolicy()
         self.keys: dict[str, Tenant] | None = (load_keys(config.api_keys, set(self.policy.classes))
                                                if config.api_keys is not None else None)
-        self.block_ledger = BlockLedger.open(path=blocks_dir(config.data_dir), redis_url=config.redis_url,
-                                             policy=self.policy)
-        self.state_ledger = self._open_state_ledger()
+        part = Part.EMBEDDED if config.redis_url is None else Part.ENTRYPOINT
+        self.ledgers = open_ledgers(self.spec, config.data_dir, part, redis_url=config.redis_url,
+                                    token=config.cluster_token, policy=self.policy)
+        self.block_ledger, self.state_ledger = self.ledgers.block, self.ledgers.state
         self.tokenizer, self.chat_template = _text_side(config.model)
         self.max_token_bytes = longest_token_bytes(self.tokenizer) if self.tokenizer is not None else 0
         self.metrics = ServeMetrics(self.store_stats, lambda: self.block_ledger.store.counters.as_dict())
         self.activity = Activity()
         self.in_flight: dict[str, int] = {}   # tenant label → requests admitted and not finished
-        self.engine: AsyncEngine | RemoteEngines | None = None
+        self.engine: EngineClient | None = None
         self._engine_core: Any = None          # the loaded embedded engine, before its loop starts
         self.stopping: Any = None              # asyncio.Event: set → requests in flight end with a 503
         self.loop: Any = None                  # the event loop serving the routes, once started
@@ -92,20 +93,6 @@ class ServerState:
         self.max_model_len = 0
         self.vocab_size = 0
         self.eos_token_ids: tuple[int, ...] = ()
-
-    def _open_state_ledger(self) -> Any:
-        if not self.spec.has_swa:
-            return None
-        from kvledger.state.ledger import StateLedger
-
-        if self.config.redis_url is None:   # snapshots also on disk beside the blocks: a restart keeps exact hits
-            return StateLedger(self.spec, token=secrets.token_hex(16), strategy="full",
-                               root=blocks_dir(self.config.data_dir), serve=False, heartbeat=False).start()
-        from kvledger.state.redis_directory import RedisDirectory
-
-        # the entrypoint holds no snapshot: it only looks positions up (CHECK)
-        return StateLedger(self.spec, token=self.config.cluster_token, directory=RedisDirectory(self.config.redis_url),
-                           capacity_bytes=0, serve=False, heartbeat=False).start()
 
     def load_engine(self) -> None:
         """Embedded: load the model (seconds; the first run converts its weights, tens of seconds).
@@ -125,7 +112,7 @@ class ServerState:
         self.eos_token_ids = tuple(engine.eos_token_ids)
         self.vocab_size = _vocab_size(engine, self.tokenizer)
 
-    def start_engine(self) -> AsyncEngine | RemoteEngines:
+    def start_engine(self) -> EngineClient:
         """Embedded: start the loaded engine's step loop (loading it first if `load_engine` was not
         called). Cluster: start following the engine registry. Call from the event loop's thread."""
         import asyncio
@@ -195,9 +182,7 @@ class ServerState:
                 return
         elif self._engine_core is not None:   # loaded, its loop never started
             self._engine_core.close()
-        if self.state_ledger is not None:
-            self.state_ledger.close()
-        self.block_ledger.close()
+        self.ledgers.close()
 
 
 def _text_side(model: str) -> tuple[Any, Any]:

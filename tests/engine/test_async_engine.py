@@ -8,7 +8,8 @@ import pytest
 from kvledger.core import chain_keys, decide_hit
 from kvledger.engine import engine as engine_module
 from kvledger.engine.api import EngineRequest, SamplingParams
-from kvledger.engine.async_engine import AsyncEngine, EngineFailed
+from kvledger.engine.async_engine import AsyncEngine
+from kvledger.engine.client import EngineFailed
 from tests.engine.helpers import prompt
 
 POISON_SEED = 666     # the request whose sampling fails (the patched sampler recognises it by its seed)

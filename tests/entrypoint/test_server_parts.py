@@ -103,7 +103,7 @@ def test_an_engine_failure_names_no_internals(caplog):
     import asyncio
     from types import SimpleNamespace
 
-    from kvledger.engine.async_engine import EngineFailed
+    from kvledger.engine.client import EngineFailed
     from kvledger.entrypoint.errors import ApiError
     from kvledger.entrypoint.generate import Outcome, run
 
