@@ -1,21 +1,26 @@
-"""The demo's main job: a multi-turn chat with SmolLM2-135M on the embedded block ledger.
+"""The demo's main job: a multi-turn chat with SmolLM2-135M, served by `kvledger serve` on its embedded ledgers.
 
-Each turn prints the reply, the prompt tokens the block ledger served (cached) and the TTFT on
-that hit next to the TTFT of the same prompt computed cold (run in a namespace of its own, so
-nothing is cached for it). Then the engine and the ledger are closed and reopened on the same
-directory, as after a restart, and the last prompt is sent again: it still hits.
+The demo is a client of the same path every user's request takes: it starts `kvledger serve` on a
+fresh data dir and sends each turn to `/v1/chat/completions` (streamed). Each turn prints the reply,
+the prompt tokens the block ledger served (`cached_tokens`) and the TTFT on that hit next to the TTFT
+of the same prompt computed cold (sent with a `cache_salt` of its own, so nothing is cached for it).
+Then the server is stopped and started again on the same data dir, as after a restart, and the last
+prompt is sent again: it still hits.
 """
 
 from __future__ import annotations
 
-import os
 import tempfile
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
+from kvledger.bench.serve_client import Reply, stream_chat
 from kvledger.demo import _PREAMBLE
+from kvledger.util.serve_process import ServeProcess
+
+MODEL = "smollm2-135m"
 
 SYSTEM = _PREAMBLE + (
     "\nYou are also a concise assistant for engineers who run language model services. "
@@ -28,52 +33,36 @@ QUESTIONS = ("What is a KV cache, in one sentence?",
 
 
 def chat_demo(console: Console, turns: int = 3, max_tokens: int = 40) -> None:
-    import torch
-
-    from kvledger.engine.chat import Chat
-    from kvledger.engine.engine import Engine
-    from kvledger.engine.models.hf_folder import smollm2_folder
-    from kvledger.store.ledger import BlockLedger
-
-    if (os.cpu_count() or 1) <= 2:  # a second intra-op thread on 2 shared cores spins more than it helps
-        torch.set_num_threads(1)
-    folder = smollm2_folder()
-    with tempfile.TemporaryDirectory(prefix="kvledger-demo-") as data_dir:
-        last = _turns(console, folder, data_dir, turns, max_tokens)
-        console.print("Restart: the engine and the ledger closed and reopened on the same directory.")
-        ledger = BlockLedger.open(path=data_dir)
-        engine = Engine("smollm2-135m", block_ledger=ledger, max_num_seqs=2, kv_cache_bytes=256 << 20)
+    with tempfile.TemporaryDirectory(prefix="kvledger-demo-") as top:
+        data_dir = Path(top) / "data"
+        server = ServeProcess(data_dir, "--max-num-seqs", "2", model=MODEL).start()
         try:
-            _, again = Chat(engine, ledger, folder).run(last, 1)
-            console.print(f"After the restart the last prompt ({again.prompt_tokens:,} tokens) still hits: "
-                          f"{again.cached_tokens:,} tokens cached, TTFT {again.ttft_s:.2f} s.")
+            messages = _turns(console, server.url, turns, max_tokens)
         finally:
-            engine.close()
-            ledger.close()
+            server.stop()
+        console.print("Restart: the server stopped and started again on the same data dir.")
+        server = ServeProcess(data_dir, "--max-num-seqs", "2", model=MODEL).start()
+        try:
+            again = stream_chat(server.url, MODEL, messages, 1)
+        finally:
+            server.stop()
+        console.print(f"After the restart the last prompt ({again.prompt_tokens:,} tokens) still hits: "
+                      f"{again.cached_tokens:,} tokens cached, TTFT {again.ttft_s:.2f} s.")
 
 
-def _turns(console: Console, folder: Path, data_dir: str, turns: int, max_tokens: int) -> list[int]:
-    """The chat's turns on a fresh engine; the last turn's prompt."""
-    from kvledger.engine.chat import Chat
-    from kvledger.engine.engine import Engine
-    from kvledger.store.ledger import BlockLedger
-
-    ledger = BlockLedger.open(path=data_dir)
-    engine = Engine("smollm2-135m", block_ledger=ledger, max_num_seqs=2, kv_cache_bytes=256 << 20)
-    try:
-        chat = Chat(engine, ledger, folder, max_tokens=max_tokens)
-        chat.messages.append({"role": "system", "content": SYSTEM})
-        table = Table("turn", "prompt tokens", "cached", "TTFT hit s", "TTFT cold s", title="chat, SmolLM2-135M")
-        for i, question in enumerate(QUESTIONS[:turns], 1):
-            turn = chat.say(question)
-            _, cold = chat.run(chat.prompt_ids(chat.messages[:-1]), 1, namespace=f"demo-cold-{i}")
-            console.print(f"[bold]user[/bold]: {question}\n[bold]SmolLM2[/bold]: {turn.reply.strip()}")
-            console.print(f"   {turn.cached_tokens:,} of {turn.prompt_tokens:,} prompt tokens cached; TTFT "
-                          f"{turn.ttft_s:.2f} s vs {cold.ttft_s:.2f} s cold")
-            table.add_row(str(i), f"{turn.prompt_tokens:,}", f"{turn.cached_tokens:,}", f"{turn.ttft_s:.2f}",
-                          f"{cold.ttft_s:.2f}")
-        console.print(table)
-        return chat.prompt_ids(chat.messages[:-1])
-    finally:
-        engine.close()
-        ledger.close()
+def _turns(console: Console, url: str, turns: int, max_tokens: int) -> list[dict[str, str]]:
+    """The chat's turns on a fresh server; the messages of the last turn's prompt."""
+    messages = [{"role": "system", "content": SYSTEM}]
+    table = Table("turn", "prompt tokens", "cached", "TTFT hit s", "TTFT cold s", title="chat, SmolLM2-135M")
+    for i, question in enumerate(QUESTIONS[:turns], 1):
+        messages.append({"role": "user", "content": question})
+        turn: Reply = stream_chat(url, MODEL, messages, max_tokens)
+        cold = stream_chat(url, MODEL, messages, 1, cache_salt=f"demo-cold-{i}")
+        console.print(f"[bold]user[/bold]: {question}\n[bold]SmolLM2[/bold]: {turn.text.strip()}")
+        console.print(f"   {turn.cached_tokens:,} of {turn.prompt_tokens:,} prompt tokens cached; TTFT "
+                      f"{turn.ttft_s:.2f} s vs {cold.ttft_s:.2f} s cold")
+        table.add_row(str(i), f"{turn.prompt_tokens:,}", f"{turn.cached_tokens:,}", f"{turn.ttft_s:.2f}",
+                      f"{cold.ttft_s:.2f}")
+        messages.append({"role": "assistant", "content": turn.text})   # as generated: the next prompt starts with it
+    console.print(table)
+    return messages[:-1]
