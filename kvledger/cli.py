@@ -7,6 +7,7 @@ With `--json`, a command prints exactly one JSON object on stdout.
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -78,7 +79,7 @@ def _pairs(text: str, what: str) -> dict[str, float]:
 def cmd_plan(args: argparse.Namespace) -> None:
     from kvledger.core import Link, Traffic, plan
     from kvledger.core.plan import DEFAULT_TTL_DAYS, check_tokens
-    from kvledger.render import plan_json, plan_table
+    from kvledger.util.render import plan_json, plan_table
 
     spec = _spec(args.model)
     try:
@@ -129,7 +130,7 @@ def _read_prompt(arg: str, encode: Callable[[str], list[int]] | None) -> tuple[l
 
 def cmd_diff(args: argparse.Namespace) -> None:
     from kvledger.core import diff_prompts
-    from kvledger.render import diff_json, diff_view
+    from kvledger.util.render import diff_json, diff_view
 
     spec = _spec(args.model)
     tok = None
@@ -173,9 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     _diff_parser(sub)
     _demo_parser(sub)
     for name in COMMAND_GROUPS:
-        module = optional_module(name)
-        if module is not None:
-            module.register(sub)
+        importlib.import_module(name).register(sub)
     return p
 
 
@@ -238,18 +237,6 @@ def _demo_parser(sub: argparse._SubParsersAction) -> None:
     dm.add_argument("--turns", type=int, default=3, choices=range(4), metavar="{0..3}",
                     help="chat turns with SmolLM2 on the reference engine (default %(default)s; 0: skip the chat)")
     dm.set_defaults(func=cmd_demo)
-
-
-def optional_module(name: str):
-    """Import `name`, or None when that module (not one it imports) does not exist yet."""
-    import importlib
-
-    try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError as e:
-        if e.name is not None and name.startswith(e.name):
-            return None
-        raise
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from kvledger.demo import agent_prompt
+from kvledger.demo.prompts import agent_prompt
 
 
 def _one_json(out: str) -> dict:

@@ -6,6 +6,7 @@ with its baseline) and `--out DIR` (the JSON and PNG charts written there)."""
 from __future__ import annotations
 
 import argparse
+import importlib
 from types import ModuleType
 
 from kvledger.util.output import examples
@@ -24,17 +25,13 @@ BENCHES = {
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from kvledger.cli import optional_module
-
     parser = sub.add_parser("bench", help="benchmarks, each side by side with its baseline",
                             description="Benchmarks, each printing its figures side by side with its baseline "
                             "(--json: one JSON object;\n--out DIR: the JSON and PNG charts).",
                             epilog=examples("kvledger bench ttft --json", "kvledger bench NAME --help"))
     benches = parser.add_subparsers(dest="bench", required=True, parser_class=type(parser))
     for name, module_name in BENCHES.items():
-        module = optional_module(module_name)
-        if module is None:
-            continue
+        module = importlib.import_module(module_name)
         p = benches.add_parser(name, help=module.HELP, description=_description(module),
                                epilog=examples(*module.EXAMPLES))
         p.add_argument("--json", action="store_true", help="print one JSON object")

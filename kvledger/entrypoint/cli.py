@@ -17,29 +17,14 @@ from pathlib import Path
 from typing import Any
 
 from kvledger.entrypoint.body_limit import BODY_TIMEOUT_S
+from kvledger.entrypoint.config import MAX_TOKENS_LIMIT, MODELS, OPEN_PER_KEY, per_key_default
 from kvledger.entrypoint.router import POLICIES
 from kvledger.util.http_server import HEADER_TIMEOUT_S, MAX_CONNECTIONS
 from kvledger.util.output import EXIT_INTERRUPTED, CliError
+from kvledger.util.paths import default_data_dir
 from kvledger.util.redis_client import REDIS_URL_ENV
 
-MODELS = ("smollm2-135m", "tiny-v4")
 GRACE_S = 10.0   # SIGTERM: seconds requests in flight may finish (then they end with a 503), default --grace-s
-MAX_TOKENS_LIMIT = 4096   # default --max-tokens-limit: tokens one request may generate (minutes of a batch slot)
-OPEN_PER_KEY = 16         # default --max-concurrent-per-key without --api-keys: every caller is one tenant
-
-
-def per_key_default(max_num_seqs: int, keyed: bool) -> int:
-    """The default --max-concurrent-per-key. With a key file: half of one engine's batch (at least 1), so one
-    key never fills the batch, and another tenant's request is admitted at the next step rather than after one
-    of the flood's requests (each up to --max-tokens-limit tokens) ends. Without one every caller is the same
-    tenant, with no other to starve: OPEN_PER_KEY."""
-    return max(1, max_num_seqs // 2) if keyed else OPEN_PER_KEY
-
-
-def default_data_dir() -> Path:
-    """$XDG_DATA_HOME/kvledger/serve (~/.local/share/kvledger/serve)."""
-    base = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
-    return Path(base) / "kvledger" / "serve"
 
 
 def register(sub: argparse._SubParsersAction) -> None:

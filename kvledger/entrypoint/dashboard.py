@@ -14,7 +14,7 @@ from kvledger.entrypoint.prepare import token_ids
 from kvledger.entrypoint.protocol import DiffRequest
 from kvledger.entrypoint.state import ServerState
 from kvledger.entrypoint.tokenizer import encode_ids
-from kvledger.render import diff_json
+from kvledger.util.render import diff_json
 
 
 def activity(state: ServerState) -> dict[str, Any]:

@@ -8,59 +8,21 @@ sliding-window layers), the tokenizer and one engine whose step loop runs in its
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from kvledger.core import DEFAULT_MODEL, ModelSpec
+from kvledger.core import ModelSpec
 from kvledger.entrypoint.activity import Activity
 from kvledger.engine.async_engine import AsyncEngine
 from kvledger.engine.client import EngineClient
 from kvledger.engine.ledgers import Part, open_ledgers
 from kvledger.entrypoint.remote import RemoteEngines
 from kvledger.entrypoint.auth import Tenant, load_keys
-from kvledger.entrypoint.body_limit import BODY_TIMEOUT_S
-from kvledger.entrypoint.cli import MAX_TOKENS_LIMIT, MODELS, OPEN_PER_KEY, default_data_dir
+from kvledger.entrypoint.config import ServeConfig
 from kvledger.entrypoint.metrics import ServeMetrics
 from kvledger.entrypoint.tokenizer import longest_token_bytes
 from kvledger.store.ttl import TtlPolicy
 
-MIB = 1 << 20
 INTERRUPT_GRACE_S = 1.0   # Ctrl-C: an engine step still running after this long is left to the exit
-
-
-@dataclass(frozen=True, slots=True)
-class ServeConfig:
-    """What `kvledger serve` was started with. Limits are per request unless named otherwise."""
-
-    model: str = DEFAULT_MODEL
-    host: str = "127.0.0.1"
-    port: int = 8000
-    data_dir: Path = field(default_factory=default_data_dir)
-    api_keys: Path | None = None
-    no_cache: bool = False             # every request computes its whole prompt (bench baseline)
-    max_body_bytes: int = 4 * MIB
-    body_timeout_s: float = BODY_TIMEOUT_S   # the whole body in within this long of the headers, else 408
-    max_concurrent_per_key: int = OPEN_PER_KEY   # running + waiting requests of one key; more → 429
-    default_max_tokens: int = 256      # chat requests that name no limit
-    max_prompt_tokens: int | None = None   # None: the model's context minus one
-    max_tokens_limit: int | None = MAX_TOKENS_LIMIT   # None: what the context leaves after the prompt
-    max_num_seqs: int = 8
-    status_every_s: float = 10.0           # a status line per this many seconds of activity; 0: none
-    device: str = "cpu"
-    replay: bool = False
-    # cluster mode (`kvledger entrypoint`): no engine here; Redis holds the index, the directory and
-    # the engine registry, and the engines are reached with the cluster token
-    redis_url: str | None = None
-    cluster_token: str | None = field(default=None, repr=False)
-    routing: str = "cache-aware"
-
-    def __post_init__(self) -> None:
-        if self.model not in MODELS:
-            raise ValueError(f"unknown model {self.model!r}; known: {', '.join(MODELS)}")
-        assert (self.redis_url is None) == (self.cluster_token is None), "the cluster mode needs both"
-        assert self.max_body_bytes > 0 and self.max_concurrent_per_key > 0 and self.default_max_tokens > 0
-        assert self.body_timeout_s > 0
 
 
 class ServerState:

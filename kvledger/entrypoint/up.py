@@ -73,7 +73,8 @@ class Child:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from kvledger.entrypoint.cli import default_data_dir, http_args
+    from kvledger.entrypoint.cli import http_args
+    from kvledger.util.paths import default_data_dir
     from kvledger.entrypoint.router import POLICIES
     from kvledger.util.output import examples
 
@@ -101,7 +102,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_up(args: argparse.Namespace) -> None:
-    from kvledger.entrypoint.cli import default_data_dir, is_loopback
+    from kvledger.entrypoint.cli import is_loopback
+    from kvledger.util.paths import default_data_dir
 
     if min(args.prefill, args.decode, args.both) < 0 or args.prefill + args.both == 0:
         raise CliError("--prefill/--decode/--both must be >= 0, with at least one engine that prefills")
@@ -229,7 +231,7 @@ class Cluster:
         return self.redis.url
 
     def _plan(self, redis_url: str, token_file: Path) -> list[Child]:
-        from kvledger.entrypoint.cli import per_key_default
+        from kvledger.entrypoint.config import per_key_default
 
         a = self.args
         self.env = {**os.environ, REDIS_URL_ENV: redis_url}   # not --redis-url: /proc/*/cmdline is public

@@ -36,7 +36,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _location_args(p: argparse.ArgumentParser) -> None:
-    from kvledger.entrypoint.cli import default_data_dir
+    from kvledger.util.paths import default_data_dir
 
     p.add_argument("--path", metavar="DIR", help="a file block store, or the --data-dir of `kvledger serve`/`up` "
                    f"(its {BLOCKS_DIR}/ is used); with --redis-url: its bytes (default without --redis-url: "
@@ -84,7 +84,7 @@ def store_root(path: str | None, redis_url: str | None) -> Path | None:
     if path is None and redis_url is not None:
         return None
     if path is None:
-        from kvledger.entrypoint.cli import default_data_dir
+        from kvledger.util.paths import default_data_dir
 
         default = default_data_dir()
         if not _is_store(blocks_dir(default)):

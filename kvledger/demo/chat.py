@@ -17,12 +17,12 @@ from rich.console import Console
 from rich.table import Table
 
 from kvledger.bench.serve_client import Reply, stream_chat
-from kvledger.demo import _PREAMBLE
+from kvledger.demo.prompts import PREAMBLE
 from kvledger.util.serve_process import ServeProcess
 
 MODEL = "smollm2-135m"
 
-SYSTEM = _PREAMBLE + (
+SYSTEM = PREAMBLE + (
     "\nYou are also a concise assistant for engineers who run language model services. "
     "Answer in two or three sentences, plainly. The service keeps the key-value cache of every prompt "
     "in a shared store, so that a prompt which starts like an earlier one skips that part of the "

@@ -1,0 +1,61 @@
+"""What `kvledger serve` and `kvledger entrypoint` are started with (`ServeConfig`), and its defaults.
+
+A light module (no engine, no torch): the CLIs read its defaults for `--help` before anything loads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvledger.core import DEFAULT_MODEL
+from kvledger.entrypoint.body_limit import BODY_TIMEOUT_S
+from kvledger.util.paths import default_data_dir
+
+MIB = 1 << 20
+MODELS = ("smollm2-135m", "tiny-v4")
+MAX_TOKENS_LIMIT = 4096   # default --max-tokens-limit: tokens one request may generate (minutes of a batch slot)
+OPEN_PER_KEY = 16         # default --max-concurrent-per-key without --api-keys: every caller is one tenant
+
+
+def per_key_default(max_num_seqs: int, keyed: bool) -> int:
+    """The default --max-concurrent-per-key. With a key file: half of one engine's batch (at least 1), so one
+    key never fills the batch, and another tenant's request is admitted at the next step rather than after one
+    of the flood's requests (each up to --max-tokens-limit tokens) ends. Without one every caller is the same
+    tenant, with no other to starve: OPEN_PER_KEY."""
+    return max(1, max_num_seqs // 2) if keyed else OPEN_PER_KEY
+
+
+
+@dataclass(frozen=True, slots=True)
+class ServeConfig:
+    """What `kvledger serve` was started with. Limits are per request unless named otherwise."""
+
+    model: str = DEFAULT_MODEL
+    host: str = "127.0.0.1"
+    port: int = 8000
+    data_dir: Path = field(default_factory=default_data_dir)
+    api_keys: Path | None = None
+    no_cache: bool = False             # every request computes its whole prompt (bench baseline)
+    max_body_bytes: int = 4 * MIB
+    body_timeout_s: float = BODY_TIMEOUT_S   # the whole body in within this long of the headers, else 408
+    max_concurrent_per_key: int = OPEN_PER_KEY   # running + waiting requests of one key; more → 429
+    default_max_tokens: int = 256      # chat requests that name no limit
+    max_prompt_tokens: int | None = None   # None: the model's context minus one
+    max_tokens_limit: int | None = MAX_TOKENS_LIMIT   # None: what the context leaves after the prompt
+    max_num_seqs: int = 8
+    status_every_s: float = 10.0           # a status line per this many seconds of activity; 0: none
+    device: str = "cpu"
+    replay: bool = False
+    # cluster mode (`kvledger entrypoint`): no engine here; Redis holds the index, the directory and
+    # the engine registry, and the engines are reached with the cluster token
+    redis_url: str | None = None
+    cluster_token: str | None = field(default=None, repr=False)
+    routing: str = "cache-aware"
+
+    def __post_init__(self) -> None:
+        if self.model not in MODELS:
+            raise ValueError(f"unknown model {self.model!r}; known: {', '.join(MODELS)}")
+        assert (self.redis_url is None) == (self.cluster_token is None), "the cluster mode needs both"
+        assert self.max_body_bytes > 0 and self.max_concurrent_per_key > 0 and self.default_max_tokens > 0
+        assert self.body_timeout_s > 0
