@@ -5,7 +5,7 @@ the same number of tokens), `stream` with `stream_options.include_usage`, and th
 `cache_salt` (a fresh salt per run keeps blocks an earlier run left on the server from counting
 as hits). TTFT = request sent → the first SSE chunk that carries a generated token (seconds).
 Every failure — refused connection, timeout, HTTP error, a stream without usage — is an
-`Outcome` with `error` set, never an exception: one bad request does not stop a replay.
+`ReplayOutcome` with `error` set, never an exception: one bad request does not stop a replay.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 
 
 @dataclass(frozen=True, slots=True)
-class Outcome:
+class ReplayOutcome:
     """What one request got. Tokens are counts; times are seconds from the request's send."""
 
     index: int
@@ -48,7 +48,7 @@ def completion_body(model: str, tokens: list[int], max_tokens: int, salt: str | 
 
 
 def send(url: str, body: dict, index: int, *, api_key: str | None = None, timeout_s: float = 300.0,
-         sent_at: float = 0.0) -> Outcome:
+         sent_at: float = 0.0) -> ReplayOutcome:
     """POST `body` to `url`/v1/completions and read the stream; never raises for a bad answer."""
     parts = urlsplit(url)
     headers = {"Content-Type": "application/json"}
@@ -60,15 +60,15 @@ def send(url: str, body: dict, index: int, *, api_key: str | None = None, timeou
         conn.request("POST", "/v1/completions", json.dumps(body), headers)
         resp = conn.getresponse()
         if resp.status != 200:
-            return Outcome(index, sent_at=sent_at, error=f"HTTP {resp.status}: {resp.read(300)!r}")
+            return ReplayOutcome(index, sent_at=sent_at, error=f"HTTP {resp.status}: {resp.read(300)!r}")
         return _read_stream(resp, t0, index, sent_at)
     except (OSError, http.client.HTTPException, ValueError, KeyError, TypeError, AttributeError) as e:
-        return Outcome(index, sent_at=sent_at, error=f"{type(e).__name__}: {e}")
+        return ReplayOutcome(index, sent_at=sent_at, error=f"{type(e).__name__}: {e}")
     finally:
         conn.close()
 
 
-def _read_stream(resp: http.client.HTTPResponse, t0: float, index: int, sent_at: float) -> Outcome:
+def _read_stream(resp: http.client.HTTPResponse, t0: float, index: int, sent_at: float) -> ReplayOutcome:
     ttft, usage, error = None, None, None
     for raw in resp:
         line = raw.strip()
@@ -84,15 +84,15 @@ def _read_stream(resp: http.client.HTTPResponse, t0: float, index: int, sent_at:
                 ttft = time.perf_counter() - t0
         usage = chunk.get("usage") or usage
     if error or ttft is None or usage is None:
-        return Outcome(index, sent_at=sent_at, error=error or "the stream ended without tokens or usage")
+        return ReplayOutcome(index, sent_at=sent_at, error=error or "the stream ended without tokens or usage")
     return outcome_of(usage, index, ttft, time.perf_counter() - t0, sent_at)
 
 
-def outcome_of(usage: dict, index: int, ttft_s: float, latency_s: float, sent_at: float) -> Outcome:
-    """An Outcome from a response's `usage` (OpenAI's fields plus kvledger's `usage.kvledger`)."""
+def outcome_of(usage: dict, index: int, ttft_s: float, latency_s: float, sent_at: float) -> ReplayOutcome:
+    """An ReplayOutcome from a response's `usage` (OpenAI's fields plus kvledger's `usage.kvledger`)."""
     cached = int(usage["prompt_tokens_details"]["cached_tokens"])
     details = usage.get("kvledger") or {}
     device = int(details.get("device_cached_tokens", 0))
     store = int(details.get("store_cached_tokens", cached - device))
-    return Outcome(index, int(usage["prompt_tokens"]), cached, device, store, int(usage["completion_tokens"]),
+    return ReplayOutcome(index, int(usage["prompt_tokens"]), cached, device, store, int(usage["completion_tokens"]),
                    str(details.get("hit_kind", "")), details.get("engine"), ttft_s, latency_s, sent_at)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvledger.bench.replay_client import Outcome, completion_body, send
+from kvledger.bench.replay_client import ReplayOutcome, completion_body, send
 from kvledger.bench.replay_scale import ScaledRequest, block_tokens_of
 
 CAL_SHORT, CAL_PAIRS = 128, 2
@@ -75,7 +75,7 @@ class Target:
     timeout_s: float = 300.0
 
     def send(self, tokens: np.ndarray, max_tokens: int, index: int, salt: str | None = None,
-             sent_at: float = 0.0) -> Outcome:
+             sent_at: float = 0.0) -> ReplayOutcome:
         body = completion_body(self.model, [int(t) for t in tokens], max_tokens, salt or self.salt)
         return send(self.url, body, index, api_key=self.api_key, timeout_s=self.timeout_s, sent_at=sent_at)
 
@@ -125,10 +125,10 @@ def fetch_seconds(url: str, api_key: str | None = None) -> float | None:
 
 
 def drive(target: Target, requests: Sequence[ScaledRequest], max_inflight: int,
-          on_done: Callable[[Outcome], None] = lambda o: None) -> tuple[list[Outcome], float, int]:
+          on_done: Callable[[ReplayOutcome], None] = lambda o: None) -> tuple[list[ReplayOutcome], float, int]:
     """Send every request at its arrival time; (outcomes in request order, wall seconds, late sends).
     A send counts as late when it starts more than 0.5 s after its arrival time."""
-    outcomes: list[Outcome | None] = [None] * len(requests)
+    outcomes: list[ReplayOutcome | None] = [None] * len(requests)
     late = 0
     lock = threading.Lock()
     start = time.perf_counter()

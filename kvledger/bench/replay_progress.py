@@ -9,11 +9,11 @@ from contextlib import contextmanager
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from kvledger.bench.replay_client import Outcome
+from kvledger.bench.replay_client import ReplayOutcome
 
 
 @contextmanager
-def progress(total: int, policy: str) -> Iterator[Callable[[Outcome], None]]:
+def progress(total: int, policy: str) -> Iterator[Callable[[ReplayOutcome], None]]:
     """Yields the callback each finished request calls (from any thread)."""
     bar = Progress(TextColumn("[bold]replay[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
                    TimeElapsedColumn(), console=Console(stderr=True), transient=False)
@@ -21,7 +21,7 @@ def progress(total: int, policy: str) -> Iterator[Callable[[Outcome], None]]:
     lock = threading.Lock()
     sums = {"prompt": 0, "cached": 0, "errors": 0}
 
-    def done(o: Outcome) -> None:
+    def done(o: ReplayOutcome) -> None:
         with lock:
             sums["prompt"] += o.prompt_tokens
             sums["cached"] += o.cached_tokens

@@ -16,11 +16,11 @@ from typing import Any
 
 import numpy as np
 
-from kvledger.bench.replay_client import Outcome
+from kvledger.bench.replay_client import ReplayOutcome
 from kvledger.bench.replay_drive import Calibration
 from kvledger.bench.replay_scale import ScaledRequest
 from kvledger.bench.sim_core import SimConfig, percentile, simulate
-from kvledger.bench.trace import Request
+from kvledger.bench.trace import TraceRequest
 from kvledger.core import ModelSpec
 
 ASSUMED_PREFILL_TPS = 1000.0   # only when the calibration probes failed (said in the report)
@@ -32,7 +32,7 @@ def _pct(values: Sequence[float], q: float) -> float | None:
     return round(percentile(values, q), 4) if values else None
 
 
-def summarize(outcomes: Sequence[Outcome], wall_s: float) -> dict[str, Any]:
+def summarize(outcomes: Sequence[ReplayOutcome], wall_s: float) -> dict[str, Any]:
     """The live figures of one run (see the module docstring)."""
     ok = [o for o in outcomes if o.ok]
     prompt = sum(o.prompt_tokens for o in ok)
@@ -61,14 +61,14 @@ def summarize(outcomes: Sequence[Outcome], wall_s: float) -> dict[str, Any]:
     }
 
 
-def decode_rate(ok: Sequence[Outcome]) -> float | None:
+def decode_rate(ok: Sequence[ReplayOutcome]) -> float | None:
     """Median tokens/s of one request's decode (after its first token), over the requests that had one."""
     rates = [(o.completion_tokens - 1) / (o.latency_s - o.ttft_s) for o in ok
              if o.completion_tokens > 1 and o.latency_s > o.ttft_s]
     return float(np.median(rates)) if rates else None
 
 
-def busy_prefill_rate(ok: Sequence[Outcome]) -> tuple[float | None, float]:
+def busy_prefill_rate(ok: Sequence[ReplayOutcome]) -> tuple[float | None, float]:
     """(computed prompt tokens per busy second of a prefill engine, busy seconds of all of them).
 
     An engine is busy while one of its requests is between send and first token (its prefill,
@@ -117,7 +117,7 @@ def sim_config(model: str, engines: tuple[int, int], prefill_tps: float | None, 
     return cfg, assumptions
 
 
-def as_sent(requests: Sequence[ScaledRequest], outcomes: Sequence[Outcome]) -> list[Request]:
+def as_sent(requests: Sequence[ScaledRequest], outcomes: Sequence[ReplayOutcome]) -> list[TraceRequest]:
     """The simulator's requests, each arriving when the replay really sent it (its scaled arrival
     time, unless the in-flight limit held it back: `late_sends`), sorted by that time."""
     assert [r.index for r in requests] == [o.index for o in outcomes]
@@ -125,7 +125,7 @@ def as_sent(requests: Sequence[ScaledRequest], outcomes: Sequence[Outcome]) -> l
                   key=lambda r: r.arrival_s)
 
 
-def predict(requests: Sequence[Request], cfg: SimConfig) -> dict[str, Any]:
+def predict(requests: Sequence[TraceRequest], cfg: SimConfig) -> dict[str, Any]:
     """`kvledger bench sim`'s figures for the scaled requests, in this process."""
     res = simulate(requests, cfg)
     return {"token_hit_rate": res.token_hit_rate, "block_hit_rate": res.block_hit_rate,
@@ -133,7 +133,7 @@ def predict(requests: Sequence[Request], cfg: SimConfig) -> dict[str, Any]:
             "ttft_p50_s": _pct(res.ttft_s, 50), "ttft_p99_s": _pct(res.ttft_s, 99), "hit_kinds": res.kinds}
 
 
-def policy_report(policy: str, server: str, outcomes: Sequence[Outcome], wall_s: float, late: int,
+def policy_report(policy: str, server: str, outcomes: Sequence[ReplayOutcome], wall_s: float, late: int,
                   requests: Sequence[ScaledRequest], cal: Calibration, engines: tuple[int, int], model: str
                   ) -> dict[str, Any]:
     """One policy's live figures beside the simulator's prediction for the same requests."""

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvledger.bench.trace import Request, Trace
+from kvledger.bench.trace import TraceRequest, Trace
 from kvledger.bench.workloads import VOCAB
 
 BLOCK = 128  # kvledger's block (every preset's block_size)
@@ -104,7 +104,7 @@ class ScaledRequest:
     arrival_s: float
     tokens: np.ndarray        # uint32 token ids
     max_tokens: int
-    sim: Request
+    sim: TraceRequest
 
 
 def _sub_id(h: int, j: int, u: int) -> int:
@@ -119,7 +119,7 @@ def block_tokens_of(block_id: int, n: int = BLOCK) -> np.ndarray:
     return np.random.default_rng([block_id & (2**63 - 1), 0x5CA1E]).integers(0, VOCAB, n, dtype=np.uint32)
 
 
-def scale_request(r: Request, index: int, s: Scaling, t0: float) -> ScaledRequest:
+def scale_request(r: TraceRequest, index: int, s: Scaling, t0: float) -> ScaledRequest:
     """Scale one request (see the module docstring); `t0` is the first selected arrival."""
     bt, k, u = r.block_tokens, s.block_stride, s.blocks_per_id
     full = min(len(r.hash_ids), r.input_length // bt)
@@ -143,7 +143,7 @@ def scale_request(r: Request, index: int, s: Scaling, t0: float) -> ScaledReques
     sim_ids = tuple(ids) + ((tail_id ^ (0x7A11 << 48),) if tail else ())
     max_tokens = min(max(round(r.output_length * s.factor), 1), s.max_tokens_cap)
     arrival = (r.arrival_s - t0) * s.time_factor
-    sim = Request(arrival, length, max_tokens, sim_ids, BLOCK, (), r.ttl_class, r.session)
+    sim = TraceRequest(arrival, length, max_tokens, sim_ids, BLOCK, (), r.ttl_class, r.session)
     return ScaledRequest(index, arrival, tokens, max_tokens, sim)
 
 

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvledger.bench.sim_store import BlockStore, StatePool
-from kvledger.bench.trace import Request
+from kvledger.bench.sim_store import SimBlockStore, StatePool
+from kvledger.bench.trace import TraceRequest
 from kvledger.core import HitKind, ModelSpec, decide_hit, decode_replica_positions, decode_store_position
 from kvledger.core import prefill_store_positions
 from kvledger.core.plan import PUBLISHED_PREFILL_TOKENS_PER_S
@@ -105,7 +105,7 @@ class SimResult:
         return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
-def reuse_ceiling(requests: Sequence[Request]) -> float:
+def reuse_ceiling(requests: Sequence[TraceRequest]) -> float:
     """Share of prompt block references whose id appeared earlier (in a prompt or a decode write)."""
     seen: set[int] = set()
     refs = repeats = 0
@@ -118,7 +118,7 @@ def reuse_ceiling(requests: Sequence[Request]) -> float:
     return repeats / refs if refs else 0.0
 
 
-def _ids_hit(r: Request, hit_tokens: int) -> float:
+def _ids_hit(r: TraceRequest, hit_tokens: int) -> float:
     """How many of r's ids lie in [0, hit_tokens), counting a cut id by its covered share."""
     bt = r.block_tokens
     whole = min(hit_tokens // bt, len(r.hash_ids))
@@ -142,7 +142,7 @@ class _Decision:
 class Simulator:
     """One run over `requests` (sorted by arrival) under `cfg`; `run()` returns the SimResult."""
 
-    def __init__(self, requests: Sequence[Request], cfg: SimConfig) -> None:
+    def __init__(self, requests: Sequence[TraceRequest], cfg: SimConfig) -> None:
         spec = cfg.spec
         self.reqs, self.cfg, self.spec, self.B = requests, cfg, spec, spec.block_size
         for r in requests:
@@ -150,7 +150,7 @@ class Simulator:
                 raise ValueError(f"request blocks of {r.block_tokens} tokens are not whole {self.B}-token blocks")
         n, m = cfg.prefill_engines, cfg.decode_engines
         per_store = cfg.capacity_bytes / n if cfg.local else cfg.capacity_bytes
-        self.stores = [BlockStore(per_store) for _ in range(n if cfg.local else 1)]
+        self.stores = [SimBlockStore(per_store) for _ in range(n if cfg.local else 1)]
         self.pools = [StatePool(cfg.state_slots) for _ in range(n + m)]
         self.busy = [0.0] * n
         self.decoding = [0] * m
@@ -165,10 +165,10 @@ class Simulator:
 
     # --- helpers ------------------------------------------------------------------
 
-    def _ttl(self, r: Request) -> float:
+    def _ttl(self, r: TraceRequest) -> float:
         return math.inf if self.cfg.ttl_s is None else self.cfg.ttl_s[r.ttl_class]
 
-    def _id_at(self, r: Request, pos: int) -> int | None:
+    def _id_at(self, r: TraceRequest, pos: int) -> int | None:
         """Id of the block holding token pos − 1 of prompt + output (None: unknown)."""
         i = (pos - 1) // r.block_tokens
         first_out = r.input_length // r.block_tokens
@@ -177,7 +177,7 @@ class Simulator:
         j = i - first_out
         return r.output_hash_ids[j] if 0 <= j < len(r.output_hash_ids) else None
 
-    def _cached_blocks(self, r: Request, store: BlockStore, now: float) -> int:
+    def _cached_blocks(self, r: TraceRequest, store: SimBlockStore, now: float) -> int:
         """Leading 128-token blocks of r's prompt the store holds (stops inside a short entry)."""
         per, blocks = r.block_tokens // self.B, 0
         for i, h in enumerate(r.hash_ids):
@@ -189,7 +189,7 @@ class Simulator:
                 break
         return blocks
 
-    def _decide(self, r: Request, engine: int, now: float) -> _Decision:
+    def _decide(self, r: TraceRequest, engine: int, now: float) -> _Decision:
         cfg, spec = self.cfg, self.spec
         store = self.stores[engine if cfg.local else 0]
         cached = self._cached_blocks(r, store, now)
@@ -204,7 +204,7 @@ class Simulator:
                 return _Decision(d.hit_tokens, d.recompute_from, d.kind.value, l1, *found)
         return _Decision(d.hit_tokens, d.recompute_from, d.kind.value, l1)
 
-    def _snapshot(self, r: Request, pos: int, engine: int, store: BlockStore, now: float
+    def _snapshot(self, r: TraceRequest, pos: int, engine: int, store: SimBlockStore, now: float
                   ) -> tuple[int, int | None, tuple | None] | None:
         """None when no snapshot at `pos` of r's prefix is reachable from `engine`; else
         (bytes moved to use it, holding engine or None for storage, its key). Touches nothing."""
@@ -224,7 +224,7 @@ class Simulator:
                 return self.snapshot_bytes, e, key
         return None
 
-    def _service(self, r: Request, d: _Decision, engine: int) -> tuple[float, float, int]:
+    def _service(self, r: TraceRequest, d: _Decision, engine: int) -> tuple[float, float, int]:
         """(fetch seconds, compute seconds, bytes fetched) of r on `engine` under decision d.
         A snapshot in the serving engine's own pool costs nothing to use; elsewhere it is pulled."""
         cfg = self.cfg
@@ -236,7 +236,7 @@ class Simulator:
 
     # --- events ---------------------------------------------------------------------
 
-    def _route(self, r: Request, now: float) -> tuple[int, _Decision]:
+    def _route(self, r: TraceRequest, now: float) -> tuple[int, _Decision]:
         cfg, n = self.cfg, self.cfg.prefill_engines
         wait = [max(b - now, 0.0) for b in self.busy]
         if cfg.routing == "random":
@@ -259,7 +259,7 @@ class Simulator:
             return d
         return _Decision(d.hit_tokens, d.recompute_from, d.kind, d.l1, d.swa_bytes, engine, d.snap_key)
 
-    def _touch_reused(self, r: Request, store: BlockStore, d: _Decision, now: float) -> None:
+    def _touch_reused(self, r: TraceRequest, store: SimBlockStore, d: _Decision, now: float) -> None:
         """A hit renews what it reuses: its blocks (tail first) and its snapshot."""
         ttl = self._ttl(r)
         for h in reversed(r.hash_ids[: -(-d.l1 // r.block_tokens)]):
@@ -270,7 +270,7 @@ class Simulator:
             else:
                 store.touch(d.snap_key, now, ttl)
 
-    def _write_prompt(self, r: Request, engine: int, now: float) -> None:
+    def _write_prompt(self, r: TraceRequest, engine: int, now: float) -> None:
         store, ttl, B = self.stores[engine if self.cfg.local else 0], self._ttl(r), self.B
         # snapshots first (useless without their blocks, they go before them), then blocks tail first
         self._store_snapshots(r, engine, now, self._prefill_positions(r), store)
@@ -279,7 +279,7 @@ class Simulator:
             if units:
                 store.put(r.hash_ids[i], units, units * self.unit_bytes, now, ttl)
 
-    def _prefill_positions(self, r: Request) -> list[int]:
+    def _prefill_positions(self, r: TraceRequest) -> list[int]:
         positions = prefill_store_positions(r.input_length, self.spec)
         if not positions:
             return []
@@ -288,7 +288,8 @@ class Simulator:
             return list(range(step, positions[-1] + 1, step))
         return list(positions) if self.cfg.swa == "memory" else []
 
-    def _store_snapshots(self, r: Request, engine: int, now: float, positions: list[int], store: BlockStore) -> None:
+    def _store_snapshots(self, r: TraceRequest, engine: int, now: float, positions: list[int],
+                         store: SimBlockStore) -> None:
         for p in positions:
             h = self._id_at(r, p)
             if h is None:
@@ -298,7 +299,7 @@ class Simulator:
             else:
                 self.pools[engine].put((h, p))
 
-    def _write_decode(self, r: Request, prefill_engine: int, decode_engine: int, now: float) -> None:
+    def _write_decode(self, r: TraceRequest, prefill_engine: int, decode_engine: int, now: float) -> None:
         cfg = self.cfg
         store, ttl, per = self.stores[prefill_engine if cfg.local else 0], self._ttl(r), r.block_tokens // self.B
         for h in reversed(r.output_hash_ids):
@@ -314,7 +315,7 @@ class Simulator:
             qs = [q for q in decode_replica_positions(r.input_length, total, self.spec) if q % step == 0]
             self._store_snapshots(r, prefill_engine, now, qs, store)
 
-    def _arrive_ideal(self, r: Request) -> _Decision:
+    def _arrive_ideal(self, r: TraceRequest) -> _Decision:
         found = 0
         for h in r.hash_ids:
             if h not in self.ideal_seen:
@@ -377,7 +378,7 @@ class Simulator:
         return res
 
 
-def simulate(requests: Sequence[Request], cfg: SimConfig) -> SimResult:
+def simulate(requests: Sequence[TraceRequest], cfg: SimConfig) -> SimResult:
     return Simulator(requests, cfg).run()
 
 

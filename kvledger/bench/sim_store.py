@@ -12,7 +12,7 @@ from collections import OrderedDict
 from collections.abc import Hashable
 
 
-class BlockStore:
+class SimBlockStore:
     """Entries (a block, or a snapshot kept on storage) with a size, a unit count and an expiry.
 
     Invariants: `bytes` == the sum of live entries' sizes <= `capacity` after every `put`;

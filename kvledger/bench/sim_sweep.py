@@ -11,7 +11,7 @@ from dataclasses import replace
 from typing import Any
 
 from kvledger.bench.sim_core import ROUTINGS, SimConfig, downsample, percentile, simulate
-from kvledger.bench.trace import TTL_CLASSES, Request
+from kvledger.bench.trace import TTL_CLASSES, TraceRequest
 
 SWEEPS = ("ttl", "capacity", "routing", "swa")
 TTL_DAYS = (None, 7.0, 3.0, 1.0, 0.25)
@@ -20,7 +20,7 @@ SWA_ROWS = (("memory", "memory", 4, False), ("memory+replay", "memory", 4, True)
             ("periodic:4", "periodic", 4, False), ("periodic:16", "periodic", 16, False), ("full", "full", 4, False))
 
 
-def _row(requests: Sequence[Request], cfg: SimConfig, **labels: Any) -> dict[str, Any]:
+def _row(requests: Sequence[TraceRequest], cfg: SimConfig, **labels: Any) -> dict[str, Any]:
     res = simulate(requests, cfg)
     hits = sum(v for k, v in res.kinds.items() if k != "miss")
     peak = max((b for _, b in res.store_series), default=0)
@@ -35,7 +35,7 @@ def _gb(capacity: float) -> float | None:
     return None if math.isinf(capacity) else capacity / 1e9
 
 
-def run_sweep(name: str, requests: Sequence[Request], base: SimConfig, sweep_capacity: float,
+def run_sweep(name: str, requests: Sequence[TraceRequest], base: SimConfig, sweep_capacity: float,
               span_days: float, span_s: float) -> dict[str, Any]:
     """{"columns": [...], "rows": [...]} for sweep `name` around `base`."""
     assert name in SWEEPS

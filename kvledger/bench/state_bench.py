@@ -131,10 +131,10 @@ def _asyncio_server(conn: Any, size: int, token: str) -> None:
                 seq += 1
                 pinned = pool.pin(req.key)
                 if pinned is None:
-                    writer.write(P.pack_response(session, P.Status.MISS, req.seq, req.key))
+                    writer.write(P.pack_response(session, P.PullStatus.MISS, req.seq, req.key))
                     continue
                 try:
-                    writer.write(P.pack_response(session, P.Status.OK, req.seq, req.key, pinned.size,
+                    writer.write(P.pack_response(session, P.PullStatus.OK, req.seq, req.key, pinned.size,
                                                  pinned.position, pinned.checksum))
                     writer.write(pinned.view)
                     async with asyncio.timeout(5):

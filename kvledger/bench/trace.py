@@ -28,7 +28,7 @@ class TraceError(ValueError):
 
 
 @dataclass(frozen=True, slots=True)
-class Segment:
+class TraceSegment:
     """A run of `length` tokens whose ids are a pure function of `seed` (see workloads.segment_tokens)."""
 
     seed: int
@@ -36,7 +36,7 @@ class Segment:
 
 
 @dataclass(frozen=True, slots=True)
-class Request:
+class TraceRequest:
     """One request. Times in seconds, lengths in tokens.
 
     Invariants: len(hash_ids) <= ceil(input_length / block_tokens) (ids past the end of the
@@ -54,7 +54,7 @@ class Request:
     output_hash_ids: tuple[int, ...] = ()
     ttl_class: str = "chatbot"
     session: int = -1
-    segments: tuple[Segment, ...] = field(default=(), repr=False)
+    segments: tuple[TraceSegment, ...] = field(default=(), repr=False)
 
     def __post_init__(self) -> None:
         assert self.arrival_s >= 0 and self.input_length >= 0 and self.output_length >= 0
@@ -88,7 +88,7 @@ class Request:
 class Trace:
     """Requests sorted by arrival (ties keep file order), with where they came from."""
 
-    requests: tuple[Request, ...]
+    requests: tuple[TraceRequest, ...]
     source: str
 
     def __post_init__(self) -> None:
@@ -130,8 +130,8 @@ def _ids(obj: dict, key: str, where: str, required: bool) -> tuple[int, ...]:
     return tuple(value)
 
 
-def parse_line(line: str, where: str) -> Request:
-    """One JSONL line → Request; `TraceError` (naming `where`) for anything malformed."""
+def parse_line(line: str, where: str) -> TraceRequest:
+    """One JSONL line → TraceRequest; `TraceError` (naming `where`) for anything malformed."""
     try:
         obj = loads_strict(line)
     except ValueError as e:
@@ -157,7 +157,7 @@ def parse_line(line: str, where: str) -> Request:
         raise TraceError(f"{where}: 'ttl_class' must be one of {', '.join(TTL_CLASSES)}")
     segs = obj.get("segments", [])
     try:
-        segments = tuple(Segment(int(s), int(n)) for s, n in segs)
+        segments = tuple(TraceSegment(int(s), int(n)) for s, n in segs)
         if any(not 0 < s.length <= MAX_TOKENS for s in segments):
             raise ValueError
     except (TypeError, ValueError, OverflowError):
@@ -167,7 +167,7 @@ def parse_line(line: str, where: str) -> Request:
     session = obj.get("session", -1)
     if isinstance(session, bool) or not isinstance(session, int) or session < -1:
         raise TraceError(f"{where}: 'session' must be an integer >= -1")
-    return Request(ts / 1000.0, length, out, ids, bt, _ids(obj, "output_hash_ids", where, False), ttl_class,
+    return TraceRequest(ts / 1000.0, length, out, ids, bt, _ids(obj, "output_hash_ids", where, False), ttl_class,
                    session, segments)
 
 
@@ -195,7 +195,7 @@ def read_trace(path: str | Path) -> Trace:
     return Trace(tuple(requests), str(path))
 
 
-def write_trace(requests: Iterable[Request], path: str | Path) -> None:
+def write_trace(requests: Iterable[TraceRequest], path: str | Path) -> None:
     """Write requests as Mooncake JSONL (read back by `read_trace`)."""
     with open(path, "w", encoding="utf-8") as f:
         for r in requests:

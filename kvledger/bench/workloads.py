@@ -21,25 +21,25 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from kvledger.bench.trace import Request, Segment, Trace
+from kvledger.bench.trace import TraceRequest, TraceSegment, Trace
 
 VOCAB = 49_152  # SmolLM2's vocabulary: token ids are drawn from [0, VOCAB)
 WORKLOADS = ("chat", "agent")
 
 
-def segment_tokens(seg: Segment, vocab: int = VOCAB) -> np.ndarray:
+def segment_tokens(seg: TraceSegment, vocab: int = VOCAB) -> np.ndarray:
     """The token ids of one segment (uint32), the same on every machine for the same seed."""
     return np.random.default_rng([seg.seed, 0x6B76]).integers(0, vocab, seg.length, dtype=np.uint32)
 
 
-def sequence_tokens(r: Request, vocab: int = VOCAB) -> np.ndarray:
+def sequence_tokens(r: TraceRequest, vocab: int = VOCAB) -> np.ndarray:
     """Prompt followed by output, as token ids (workload requests only: traces carry no output)."""
     if not r.segments:
         raise ValueError("this request has no segments (trace requests carry only block ids)")
     return np.concatenate([segment_tokens(s, vocab) for s in r.segments])
 
 
-def prompt_tokens(r: Request, vocab: int = VOCAB, salt: int = 0) -> np.ndarray:
+def prompt_tokens(r: TraceRequest, vocab: int = VOCAB, salt: int = 0) -> np.ndarray:
     """The prompt's token ids (uint32). A workload request spells them from its segments; a
     trace request gets block i's tokens from its hash id alone (equal ids → equal tokens, so a
     live replay reuses exactly the prefixes the trace reuses), and tokens past its last id from
@@ -66,12 +66,12 @@ class BlockChain:
         assert block_tokens > 0
         self.bt = block_tokens
         self.root = root
-        self.segments: list[Segment] = []
+        self.segments: list[TraceSegment] = []
         self.starts: list[int] = []
         self.total = 0
         self._full: list[int] = []
 
-    def append(self, seg: Segment) -> None:
+    def append(self, seg: TraceSegment) -> None:
         assert seg.length > 0
         self.segments.append(seg)
         self.starts.append(self.total)
@@ -148,9 +148,9 @@ class _Gen:
         self.rng = np.random.default_rng(seed)
         self._next_seed = (seed & 0xFFFF) << 40
 
-    def seg(self, length: int) -> Segment:
+    def seg(self, length: int) -> TraceSegment:
         self._next_seed += 1
-        return Segment(self._next_seed, max(int(length), 1))
+        return TraceSegment(self._next_seed, max(int(length), 1))
 
     def lognormal(self, median: float, sigma: float = 0.8, cap: int = 1 << 20) -> int:
         return int(min(max(self.rng.lognormal(np.log(median), sigma), 1), cap))
@@ -159,14 +159,14 @@ class _Gen:
         return float(self.rng.uniform(*lo_hi))
 
     @staticmethod
-    def request(t: float, chain: BlockChain, reply: Segment, ttl_class: str, session: int) -> Request:
+    def request(t: float, chain: BlockChain, reply: TraceSegment, ttl_class: str, session: int) -> TraceRequest:
         """The request whose prompt is the chain so far and whose output is `reply` (appended)."""
         length = chain.total
         chain.append(reply)
         ids = chain.ids(chain.total)
         bt = chain.bt
         first_out, last_out = length // bt, chain.total // bt
-        return Request(t, length, reply.length, tuple(chain.ids(length)), bt, tuple(ids[first_out:last_out]),
+        return TraceRequest(t, length, reply.length, tuple(chain.ids(length)), bt, tuple(ids[first_out:last_out]),
                        ttl_class, session, tuple(chain.segments))
 
 
@@ -176,7 +176,7 @@ def chat(cfg: ChatConfig = ChatConfig()) -> Trace:
     popularity = 1.0 / np.arange(1, cfg.system_prompts + 1)  # Zipf-like: a few prompts dominate
     popularity /= popularity.sum()
     starts = np.sort(g.rng.uniform(0, cfg.duration_s, cfg.sessions))
-    requests: list[Request] = []
+    requests: list[TraceRequest] = []
     for s, t in enumerate(starts):
         chain = BlockChain(cfg.block_tokens)
         chain.append(systems[g.rng.choice(cfg.system_prompts, p=popularity)])
@@ -194,7 +194,7 @@ def agent(cfg: AgentConfig = AgentConfig()) -> Trace:
     g = _Gen(cfg.seed)
     systems = [g.seg(g.rng.integers(*cfg.system_tokens)) for _ in range(cfg.apps)]
     starts = np.sort(g.rng.uniform(0, cfg.duration_s, cfg.sessions))
-    requests: list[Request] = []
+    requests: list[TraceRequest] = []
     for s, t in enumerate(starts):
         chain = BlockChain(cfg.block_tokens)
         chain.append(systems[int(g.rng.integers(cfg.apps))])

@@ -31,7 +31,7 @@ from kvledger.engine.models.base import load_model
 from kvledger.engine.runner import ModelRunner, StepCost
 from kvledger.engine.sampler import make_generator, sample_one
 from kvledger.engine.scheduler import Scheduler
-from kvledger.engine.sequence import Sequence, Status
+from kvledger.engine.sequence import Sequence, SequenceStatus
 from kvledger.engine.state_slots import StateSlots
 from kvledger.engine.swapin import SwapItem
 from kvledger.engine.writer import LedgerWriter
@@ -99,7 +99,7 @@ class Engine:
         swaps = self._collect_fetches()
         batch = self.scheduler.schedule(self.loader.admit)
         if not batch and not swaps:
-            if self.fetcher is not None and any(s.status is Status.LOADING for s in self.scheduler.running):
+            if self.fetcher is not None and any(s.status is SequenceStatus.LOADING for s in self.scheduler.running):
                 self.fetcher.poll(0.05)
             return events
         logits, cost = self.runner.run(batch, [item for _, item in swaps])
@@ -178,7 +178,7 @@ class Engine:
             self.orphans.remove(job)
         swaps = []
         for seq in self.scheduler.running:
-            if seq.status is Status.LOADING and seq.fetch_job.done:
+            if seq.status is SequenceStatus.LOADING and seq.fetch_job.done:
                 item = self.loader.on_fetched(seq)
                 if item is None:
                     self._retire_fetch(seq)
@@ -192,7 +192,7 @@ class Engine:
             return self._advance(seq, n, logits, cost)
         except Exception:
             log.exception("request %s failed after the forward; the batch's other requests go on", seq.request_id)
-            if seq.status is not Status.FINISHED:
+            if seq.status is not SequenceStatus.FINISHED:
                 self._finish(seq, "error", store=False)
             return TokenEvent(seq.request_id, (), True, "error", self._usage(seq))
 
@@ -260,7 +260,7 @@ class Engine:
             seq.fetch_job = None
         if seq.block_table:
             self.loader.release(seq)
-        seq.status = Status.FINISHED
+        seq.status = SequenceStatus.FINISHED
         self.scheduler.remove(seq)
 
     def _usage(self, seq: Sequence) -> RequestUsage:

@@ -26,13 +26,12 @@ from __future__ import annotations
 
 from collections import Counter
 
-import torch
 
 from kvledger.core import HitDecision, decide_hit, exact_replay, resumes_exactly, snapshot_candidates
 from kvledger.engine.block_pool import BlockPool
 from kvledger.engine.fetcher import Fetcher
 from kvledger.engine.models.base import Model
-from kvledger.engine.sequence import Sequence, Status
+from kvledger.engine.sequence import Sequence, SequenceStatus
 from kvledger.engine.state_slots import StateSlots
 from kvledger.engine.swapin import SwapItem
 
@@ -78,7 +77,7 @@ class HitLoader:
             if job is None:  # staging full: wait for a later step
                 self.release(seq)
                 return False
-            seq.fetch_job, seq.status = job, Status.LOADING
+            seq.fetch_job, seq.status = job, SequenceStatus.LOADING
             return True
         if missing:  # no fetcher: recompute from the first block not on the device
             decision = self._lower(seq, len(on_device), "no_fetcher")
@@ -158,7 +157,7 @@ class HitLoader:
         seq.keep_blocks_until = d.reused_block_tokens if d.replay else 0
         seq.truncate_from = d.truncate_from
         seq.stored_blocks = d.reused_block_tokens // self.spec.block_size  # put_chain skips blocks already stored
-        seq.status = Status.RUNNING
+        seq.status = SequenceStatus.RUNNING
 
     def release(self, seq: Sequence) -> None:
         """Give back blocks and slot (the fetch job, if any, is the engine's to retire)."""
@@ -166,6 +165,3 @@ class HitLoader:
         seq.block_table = []
         self.slots.release(seq.slot)
         seq.slot = -1
-
-    def device_tensor(self, ids: list[int]) -> torch.Tensor:
-        return torch.tensor(ids, dtype=torch.long, device=self.model.device)

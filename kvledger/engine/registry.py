@@ -108,7 +108,7 @@ class Registry:
     def __init__(self, client: redis.Redis, key: bytes, *, prefix: str = "kvl:", ttl_s: float = DEFAULT_TTL_S,
                  clock: Callable[[], float] = time.time) -> None:
         assert ttl_s > 0 and len(key) == 32
-        self.r, self.key, self.clock = client, key, clock
+        self.redis, self.key, self.clock = client, key, clock
         self.refused: set[str] = set()   # ids whose entry failed `unseal` (logged once each)
         self.set_key = f"{prefix}{{engines}}:set"
         self.entry_prefix = f"{prefix}{{engines}}:e:"
@@ -121,23 +121,23 @@ class Registry:
         return cls(redis_client(url, timeout_s=timeout_s), key, **kw)
 
     def announce(self, info: EngineInfo) -> None:
-        pipe = self.r.pipeline(transaction=False)
+        pipe = self.redis.pipeline(transaction=False)
         pipe.sadd(self.set_key, info.engine_id)
         pipe.set(self.entry_prefix + info.engine_id, seal(info, self.key, self.clock()), px=self.ttl_ms)
         pipe.execute()
 
     def withdraw(self, engine_id: str) -> None:
-        pipe = self.r.pipeline(transaction=False)
+        pipe = self.redis.pipeline(transaction=False)
         pipe.srem(self.set_key, engine_id)
         pipe.delete(self.entry_prefix + engine_id)
         pipe.execute()
 
     def members(self) -> list[EngineInfo]:
         """Live engines, sorted by id; entries that fail `unseal` are skipped (and logged)."""
-        ids = sorted(i.decode() if isinstance(i, bytes) else i for i in self.r.smembers(self.set_key))
+        ids = sorted(i.decode() if isinstance(i, bytes) else i for i in self.redis.smembers(self.set_key))
         if not ids:
             return []
-        raws = self.r.mget([self.entry_prefix + i for i in ids])
+        raws = self.redis.mget([self.entry_prefix + i for i in ids])
         out, gone, now = [], [], self.clock()
         for engine_id, raw in zip(ids, raws):
             if raw is None:
@@ -150,7 +150,7 @@ class Registry:
                     log.warning("registry entry of %r refused: %s", engine_id[:64], e)
                     self.refused.add(engine_id[:64])
         if gone:
-            self.r.srem(self.set_key, *gone)
+            self.redis.srem(self.set_key, *gone)
         return out
 
 

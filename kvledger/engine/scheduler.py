@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 
 from kvledger.core import tenant_of
-from kvledger.engine.sequence import Sequence, Status
+from kvledger.engine.sequence import Sequence, SequenceStatus
 
 
 class FairQueue:
@@ -83,11 +83,11 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         batch: list[tuple[Sequence, int]] = []
         for seq in self.running:
-            if seq.status is Status.RUNNING and not seq.in_prefill and budget > 0:
+            if seq.status is SequenceStatus.RUNNING and not seq.in_prefill and budget > 0:
                 batch.append((seq, 1))
                 budget -= 1
         for seq in self.running:
-            if seq.status is Status.RUNNING and seq.in_prefill and budget > 0:
+            if seq.status is SequenceStatus.RUNNING and seq.in_prefill and budget > 0:
                 n = min(seq.prompt_len - seq.computed, budget)
                 batch.append((seq, n))
                 budget -= n
@@ -96,7 +96,7 @@ class Scheduler:
                 break
             self.waiting.pop()
             self.running.append(seq)
-            if seq.status is Status.RUNNING and budget > 0:
+            if seq.status is SequenceStatus.RUNNING and budget > 0:
                 n = min(seq.prompt_len - seq.computed, budget)
                 batch.append((seq, n))
                 budget -= n

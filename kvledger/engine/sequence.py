@@ -25,7 +25,7 @@ from kvledger.core import HitDecision
 from kvledger.engine.api import EngineRequest, SamplingParams
 
 
-class Status(Enum):
+class SequenceStatus(Enum):
     WAITING = auto()   # queued, nothing allocated
     LOADING = auto()   # blocks allocated, hit blocks being fetched into host shared memory
     RUNNING = auto()   # prefilling (chunked) or decoding
@@ -39,7 +39,7 @@ class Sequence:
     prompt_len: int
     decision: HitDecision                  # the decision actually followed (may be lowered on a fault)
     keys: list[bytes]                      # chain keys of the full blocks known so far (prompt, then decode)
-    status: Status = Status.WAITING
+    status: SequenceStatus = SequenceStatus.WAITING
     block_table: list[int] = field(default_factory=list)
     slot: int = -1
     device_hit_blocks: int = 0             # leading blocks taken from the device prefix cache

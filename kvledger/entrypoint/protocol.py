@@ -10,7 +10,6 @@ silently ignored. Lengths are in tokens.
 
 from __future__ import annotations
 
-import time
 from typing import Annotated, Any, Literal
 
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, WrapValidator,
@@ -176,44 +175,6 @@ class Usage(BaseModel):
                    prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
                    kvledger=CacheDetails(hit_kind=hit_kind, device_cached_tokens=device_cached,
                                          store_cached_tokens=cached - device_cached, engine=engine))
-
-
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str
-    token_ids: list[int]          # the generated ids (tiny-v4 has no tokenizer to spell them)
-    logprobs: None = None
-    finish_reason: str | None
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-
-
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str
-
-
-class ChatChoice(BaseModel):
-    index: int = 0
-    message: AssistantMessage
-    logprobs: None = None
-    finish_reason: str | None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
 
 
 class ModelCard(BaseModel):

@@ -28,7 +28,8 @@ from kvledger.state import auth
 from kvledger.state.pool import checksum
 from kvledger.state.handshake import Refused, open_session, recv_exact
 from kvledger.state.handshake import settimeout as _settimeout
-from kvledger.state.protocol import RESPONSE_BYTES, Op, ProtocolError, Response, Status, pack_request, unpack_response
+from kvledger.state.protocol import (RESPONSE_BYTES, Op, ProtocolError, PullResponse, PullStatus, pack_request,
+                                     unpack_response)
 
 DEFAULT_TIMEOUT_S = 2.0
 MISS_CAUSES = ("miss", "denied", "auth", "busy", "bad", "unreachable", "timeout", "eof", "reset", "protocol",
@@ -111,7 +112,7 @@ class StateClient:
             _settimeout(conn.sock, deadline)
             conn.sock.sendall(frame)
             resp = unpack_response(recv_exact(conn.sock, RESPONSE_BYTES, deadline), conn.session, bytes(KEY_BYTES))
-            return resp.status is Status.OK and resp.seq == seq
+            return resp.status is PullStatus.OK and resp.seq == seq
         except (OSError, EOFError, _Fault, ProtocolError):
             return False
         finally:
@@ -184,7 +185,7 @@ class StateClient:
         except OSError:
             raise _Fault("reset") from None
         resp = _answer(head, conn.session, key, seq, extra=got > RESPONSE_BYTES)
-        if resp.status is Status.MISS:
+        if resp.status is PullStatus.MISS:
             return None
         early = got - RESPONSE_BYTES  # payload bytes the scatter read already put into `out`
         if out is None:
@@ -259,20 +260,20 @@ class StateClient:
         conn.sock.close()
 
 
-def _answer(head: bytearray, session: bytes, key: bytes, seq: int, extra: bool) -> Response:
+def _answer(head: bytearray, session: bytes, key: bytes, seq: int, extra: bool) -> PullResponse:
     """The checked answer header to request `seq` for `key` (OK or MISS); _Fault otherwise.
     `extra`: payload bytes already arrived behind the header."""
     try:
         resp = unpack_response(head, session, key)
     except ProtocolError:
         raise _Fault("protocol") from None
-    if resp.status is Status.DENIED:
+    if resp.status is PullStatus.DENIED:
         raise _Fault("denied")
-    if resp.seq != seq or (extra and resp.status is not Status.OK):
+    if resp.seq != seq or (extra and resp.status is not PullStatus.OK):
         raise _Fault("protocol")  # out of step: an old, injected or trailing answer
-    if resp.status is Status.BUSY:
+    if resp.status is PullStatus.BUSY:
         raise _Fault("busy")
-    if resp.status is Status.BAD:
+    if resp.status is PullStatus.BAD:
         raise _Fault("bad")
     return resp
 

@@ -21,7 +21,7 @@ from kvledger.state.protocol import (
     HELLO_BYTES,
     PROOF_BYTES,
     ProtocolError,
-    Status,
+    PullStatus,
     pack_challenge,
     pack_hello,
     pack_proof,
@@ -70,8 +70,8 @@ def open_session(sock: socket.socket, key: bytes, deadline: float) -> tuple[byte
         status, server_nonce, proof = unpack_challenge(recv_exact(sock, CHALLENGE_BYTES, deadline))
     except ProtocolError:
         raise Refused("protocol") from None
-    if status is not Status.OK:
-        raise Refused("busy" if status is Status.BUSY else "bad")
+    if status is not PullStatus.OK:
+        raise Refused("busy" if status is PullStatus.BUSY else "bad")
     if not auth.same(proof, auth.server_proof(key, client_nonce, server_nonce)):
         raise Refused("auth")
     return (auth.session_key(key, client_nonce, server_nonce),

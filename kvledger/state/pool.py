@@ -73,7 +73,7 @@ class Pinned(NamedTuple):
     checksum: int
 
 
-class PutResult(NamedTuple):
+class SnapshotPut(NamedTuple):
     stored: bool              # False only when every slot is pinned (or the data does not fit)
     evicted: list[bytes]      # keys that left the pool to make room
 
@@ -130,17 +130,17 @@ class SlotPool:
                 return idx, [key]
         return None, []
 
-    def put(self, key: bytes, position: int, data: bytes | bytearray | memoryview) -> PutResult:
+    def put(self, key: bytes, position: int, data: bytes | bytearray | memoryview) -> SnapshotPut:
         """Store a snapshot (copied into a slot); evicts the LRU unpinned slot when full."""
         assert len(key) == KEY_BYTES and position >= 0
         data = memoryview(data).cast("B")
         if data.nbytes > self.slot_bytes:
-            return PutResult(False, [])
+            return SnapshotPut(False, [])
         with self._lock:
             idx = self._index.get(key)
             if idx is not None:
                 self._index.move_to_end(key)
-                return PutResult(True, [])
+                return SnapshotPut(True, [])
             idx, evicted = self._allocate()
             if idx is not None:
                 self._reserved += 1
@@ -163,7 +163,7 @@ class SlotPool:
                     self._index[key] = idx
         if evicted and self.on_evict is not None:
             self.on_evict(evicted)
-        return PutResult(idx is not None, evicted)
+        return SnapshotPut(idx is not None, evicted)
 
     def discard(self, key: bytes) -> bool:
         """Drop a snapshot now; False when absent or pinned (it then stays until evicted later)."""

@@ -10,7 +10,7 @@ each answered in order. Keys are from `auth.py` (K = the token's handshake key, 
                         (sent together with the first request)   = HMAC(K, "client" | cn | sn)
   Request   (64 B) C→S  magic "KVLS" | version u8 | op u8 | reserved u16 | seq u64 | key 16 B
                         | mac 32 B                     mac = HMAC(S, bytes 0..31 of the frame)
-  Response  (72 B) S→C  magic "KVLR" | version u8 | status u8 | reserved u16 | seq u64 | length u64
+  PullResponse  (72 B) S→C  magic "KVLR" | version u8 | status u8 | reserved u16 | seq u64 | length u64
                         | position u64 | checksum u64 | mac 32 B, then `length` payload bytes
                                                        mac = HMAC(S, bytes 0..39 | request key)
 
@@ -60,7 +60,7 @@ class Op(IntEnum):
     GET = 2   # pull one snapshot by key
 
 
-class Status(IntEnum):
+class PullStatus(IntEnum):
     OK = 0
     MISS = 1     # no such snapshot (never stored, evicted, or not yet committed)
     DENIED = 2   # wrong proof; the server closes the connection
@@ -72,14 +72,14 @@ class ProtocolError(ValueError):
     """A frame that is not a valid kvledger state frame (wrong magic, version, op, length or MAC)."""
 
 
-class Request(NamedTuple):
+class PullRequest(NamedTuple):
     op: Op
     seq: int
     key: bytes
 
 
-class Response(NamedTuple):
-    status: Status
+class PullResponse(NamedTuple):
+    status: PullStatus
     seq: int
     length: int
     position: int
@@ -108,18 +108,18 @@ def unpack_hello(frame: bytes | bytearray | memoryview) -> bytes:
     return client_nonce
 
 
-def pack_challenge(server_nonce: bytes, proof: bytes, status: Status = Status.OK) -> bytes:
+def pack_challenge(server_nonce: bytes, proof: bytes, status: PullStatus = PullStatus.OK) -> bytes:
     return _CHALLENGE.pack(MAGIC_CHALLENGE, VERSION, int(status), 0, server_nonce, proof)
 
 
-def unpack_challenge(frame: bytes | bytearray | memoryview) -> tuple[Status, bytes, bytes]:
+def unpack_challenge(frame: bytes | bytearray | memoryview) -> tuple[PullStatus, bytes, bytes]:
     """(status, server nonce, server proof) of a 72-byte Challenge; `ProtocolError` otherwise."""
     if len(frame) != CHALLENGE_BYTES:
         raise ProtocolError(f"challenge is {len(frame)} B, expected {CHALLENGE_BYTES}")
     magic, version, status, _, server_nonce, proof = _CHALLENGE.unpack(frame)
     _check_magic(magic, version, MAGIC_CHALLENGE)
     try:
-        return Status(status), server_nonce, proof
+        return PullStatus(status), server_nonce, proof
     except ValueError:
         raise ProtocolError(f"unknown status {status}") from None
 
@@ -145,7 +145,7 @@ def pack_request(session: bytes, op: Op, seq: int, key: bytes = bytes(KEY_BYTES)
     return head + mac(session, head)
 
 
-def unpack_request(frame: bytes | bytearray | memoryview, session: bytes) -> Request:
+def unpack_request(frame: bytes | bytearray | memoryview, session: bytes) -> PullRequest:
     """Parse and authenticate a 64-byte request; `ProtocolError` for anything else."""
     if len(frame) != REQUEST_BYTES:
         raise ProtocolError(f"request is {len(frame)} B, expected {REQUEST_BYTES}")
@@ -155,21 +155,21 @@ def unpack_request(frame: bytes | bytearray | memoryview, session: bytes) -> Req
     if not same(frame[_REQUEST_HEAD.size:], mac(session, head)):
         raise ProtocolError("bad request MAC")
     try:
-        return Request(Op(op), seq, key)
+        return PullRequest(Op(op), seq, key)
     except ValueError:
         raise ProtocolError(f"unknown op {op}") from None
 
 
-def pack_response(session: bytes | None, status: Status, seq: int, key: bytes, length: int = 0,
+def pack_response(session: bytes | None, status: PullStatus, seq: int, key: bytes, length: int = 0,
                   position: int = 0, checksum: int = 0) -> bytes:
     """An answer to request `seq` for `key`; `session` None (no MAC) only for DENIED."""
-    assert 0 <= length <= MAX_PAYLOAD and (status is Status.OK or length == 0)
-    assert (session is None) == (status is Status.DENIED)
+    assert 0 <= length <= MAX_PAYLOAD and (status is PullStatus.OK or length == 0)
+    assert (session is None) == (status is PullStatus.DENIED)
     head = _RESPONSE_HEAD.pack(MAGIC_RESPONSE, VERSION, int(status), 0, seq, length, position, checksum)
     return head + (mac(session, head, key) if session is not None else _ZERO_MAC)
 
 
-def unpack_response(frame: bytes | bytearray | memoryview, session: bytes | None, key: bytes) -> Response:
+def unpack_response(frame: bytes | bytearray | memoryview, session: bytes | None, key: bytes) -> PullResponse:
     """Parse a 72-byte answer to a request for `key`; its MAC is checked unless it is DENIED
     (which ends the connection either way) or `session` is None. `ProtocolError` otherwise."""
     if len(frame) != RESPONSE_BYTES:
@@ -178,13 +178,13 @@ def unpack_response(frame: bytes | bytearray | memoryview, session: bytes | None
     magic, version, status, _, seq, length, position, checksum = _RESPONSE_HEAD.unpack(head)
     _check_magic(magic, version, MAGIC_RESPONSE)
     try:
-        status = Status(status)
+        status = PullStatus(status)
     except ValueError:
         raise ProtocolError(f"unknown status {status}") from None
-    if status is not Status.DENIED and session is not None and \
+    if status is not PullStatus.DENIED and session is not None and \
             not same(frame[_RESPONSE_HEAD.size:], mac(session, head, key)):
         raise ProtocolError("bad response MAC")
-    if length > MAX_PAYLOAD or (status is not Status.OK and length):
+    if length > MAX_PAYLOAD or (status is not PullStatus.OK and length):
         raise ProtocolError(f"absurd length {length} for status {status.name}")
-    return Response(status, seq, length, position, checksum)
+    return PullResponse(status, seq, length, position, checksum)
 

@@ -36,7 +36,7 @@ from kvledger.core import KEY_BYTES
 from kvledger.state import auth
 from kvledger.state.pool import SlotPool
 from kvledger.state.handshake import Refused, accept_session, recv_exact
-from kvledger.state.protocol import REQUEST_BYTES, Op, ProtocolError, Status, pack_response, unpack_request
+from kvledger.state.protocol import REQUEST_BYTES, Op, ProtocolError, PullStatus, pack_response, unpack_request
 
 ACCEPT_POLL_S = 0.1
 LINGER_S = 0.2          # how long a refused connection is drained before it is closed
@@ -202,7 +202,7 @@ class StateServer:
                 self._count("bad")
                 return None
             self._count("denied")
-            self._refuse(sock, pack_response(None, Status.DENIED, 0, _NO_KEY))
+            self._refuse(sock, pack_response(None, PullStatus.DENIED, 0, _NO_KEY))
             return None
         self._count("authenticated")
         return session
@@ -230,7 +230,7 @@ class StateServer:
         except (ProtocolError, EOFError):
             return
         sock.settimeout(self.io_timeout_s)
-        self._refuse(sock, pack_response(session, Status.BUSY, req.seq, req.key))
+        self._refuse(sock, pack_response(session, PullStatus.BUSY, req.seq, req.key))
 
     def _refuse(self, sock: socket.socket, frame: bytes) -> None:
         """Answer, then close so the answer arrives: half-close and discard what the peer already
@@ -276,7 +276,7 @@ class StateServer:
             self._count("bad")
             return False
         if req.op is Op.PING:
-            sock.sendall(pack_response(session, Status.OK, seq, req.key))
+            sock.sendall(pack_response(session, PullStatus.OK, seq, req.key))
             return True
         assert req.op is Op.GET
         return self._send_snapshot(sock, session, req.seq, req.key)
@@ -285,10 +285,10 @@ class StateServer:
         pinned = self.pool.pin(key)
         if pinned is None:
             self._count("misses")
-            sock.sendall(pack_response(session, Status.MISS, seq, key))
+            sock.sendall(pack_response(session, PullStatus.MISS, seq, key))
             return True
         try:
-            frame = pack_response(session, Status.OK, seq, key, pinned.size, pinned.position, pinned.checksum)
+            frame = pack_response(session, PullStatus.OK, seq, key, pinned.size, pinned.position, pinned.checksum)
             # one syscall for header + snapshot in the common case; the rest from where it stopped
             sent = sock.sendmsg([frame, pinned.view])
             if sent < len(frame):

@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 
-from kvledger.bench.replay_client import Outcome
+from kvledger.bench.replay_client import ReplayOutcome
 from kvledger.bench.replay_report import as_sent, busy_prefill_rate
 from kvledger.bench.replay_scale import make_scaling, scale_trace
-from kvledger.bench.trace import Request, Trace
+from kvledger.bench.trace import TraceRequest, Trace
 from kvledger.bench.workloads import generate
 from kvledger.core import ModelSpec, chain_keys
 
@@ -21,7 +21,7 @@ def _shared_blocks(a: np.ndarray, b: np.ndarray) -> int:
     return n
 
 
-def _shared_ids(a: Request, b: Request) -> int:
+def _shared_ids(a: TraceRequest, b: TraceRequest) -> int:
     n, bt = 0, a.block_tokens
     while (n < min(len(a.hash_ids), len(b.hash_ids)) and a.hash_ids[n] == b.hash_ids[n]
            and a.block_len(n) == bt and b.block_len(n) == bt):
@@ -50,8 +50,8 @@ def test_a_shared_prefix_stays_shared_and_no_more(bt, scale, stride, per_id):
 
 
 def test_cap_output_and_time_factor():
-    reqs = [Request(0.0, 40 * 128 + 5, 1000, tuple(range(1, 42)), 128),
-            Request(100.0, 3 * 128, 0, (7, 8, 9), 128), Request(400.0, 10, 3, (), 128)]
+    reqs = [TraceRequest(0.0, 40 * 128 + 5, 1000, tuple(range(1, 42)), 128),
+            TraceRequest(100.0, 3 * 128, 0, (7, 8, 9), 128), TraceRequest(400.0, 10, 3, (), 128)]
     trace = Trace(tuple(reqs), "test")
     s = make_scaling(trace, 1.0, 1000, 16, 10, 40.0, None)
     assert s.max_prompt_tokens == 896 and s.time_factor == 0.1
@@ -61,12 +61,12 @@ def test_cap_output_and_time_factor():
     assert tiny.tokens.size == 10 and tiny.arrival_s == pytest.approx(40.0)
     assert [r.sim.arrival_s for r in (long_, whole, tiny)] == pytest.approx([0.0, 10.0, 40.0])
     with pytest.raises(ValueError, match="block sizes"):
-        make_scaling(Trace((reqs[0], Request(1.0, 600, 1, (1, 2), 512)), "mixed"), 0.25, 1024, 4, 10, None, None)
+        make_scaling(Trace((reqs[0], TraceRequest(1.0, 600, 1, (1, 2), 512)), "mixed"), 0.25, 1024, 4, 10, None, None)
 
 
 def test_busy_rate_is_computed_tokens_over_the_union_of_prefill_intervals():
-    def o(engine: str, sent: float, ttft: float, prompt: int, cached: int) -> Outcome:
-        return Outcome(0, prompt, cached, engine=engine, ttft_s=ttft, latency_s=ttft, sent_at=sent)
+    def o(engine: str, sent: float, ttft: float, prompt: int, cached: int) -> ReplayOutcome:
+        return ReplayOutcome(0, prompt, cached, engine=engine, ttft_s=ttft, latency_s=ttft, sent_at=sent)
 
     # engine a: [0, 4] ∪ [1, 3] ∪ [6, 7] = 5 s; engine b: [2, 5] = 3 s; computed 300 + 100 + 50 + 350
     outs = [o("a", 0, 4, 400, 100), o("a", 1, 2, 100, 0), o("a", 6, 1, 50, 0), o("b", 2, 3, 350, 0)]
@@ -77,7 +77,7 @@ def test_busy_rate_is_computed_tokens_over_the_union_of_prefill_intervals():
 def test_the_simulator_gets_the_requests_as_sent():
     trace = generate("chat", seed=1, sessions=2)
     scaled = scale_trace(trace, make_scaling(trace, 0.25, 1024, 4, 5, None, 1.0))
-    sent = [Outcome(r.index, sent_at=r.arrival_s + (1e6 if r.index == 0 else 0.0)) for r in scaled]
+    sent = [ReplayOutcome(r.index, sent_at=r.arrival_s + (1e6 if r.index == 0 else 0.0)) for r in scaled]
     reqs = as_sent(scaled, sent)
     assert [r.arrival_s for r in reqs] == sorted(o.sent_at for o in sent)
     assert reqs[-1].hash_ids == scaled[0].sim.hash_ids and not any(r.output_hash_ids for r in reqs)

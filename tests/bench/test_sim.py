@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 
 from kvledger.bench.sim_core import SimConfig, simulate
-from kvledger.bench.trace import DEFAULT_TRACE, Request, read_trace
+from kvledger.bench.trace import DEFAULT_TRACE, TraceRequest, read_trace
 from kvledger.bench.workloads import generate
 from kvledger.core import ModelSpec, decide_hit, prefill_store_positions
 
@@ -35,9 +35,9 @@ def test_ideal_equals_reuse_ceiling_on_the_whole_trace(run_cli):
 
 # --- the rules: the simulator decides hits the way kvledger.core does -----------------------
 
-def _pair(gap_s: float = 100.0) -> list[Request]:
+def _pair(gap_s: float = 100.0) -> list[TraceRequest]:
     """A writes 4 ids of 512 tokens (2048 tokens); B extends A's prompt to 4096 tokens."""
-    return [Request(0.0, 2048, 0, (1, 2, 3, 4)), Request(gap_s, 4096, 0, (1, 2, 3, 4, 5, 6, 7, 8))]
+    return [TraceRequest(0.0, 2048, 0, (1, 2, 3, 4)), TraceRequest(gap_s, 4096, 0, (1, 2, 3, 4, 5, 6, 7, 8))]
 
 
 @pytest.mark.parametrize("swa, replay, snapshots", [
@@ -57,14 +57,14 @@ def test_hit_matches_decide_hit(swa, replay, snapshots):
 
 def test_snapshot_at_l1_is_used_when_stored_there():
     # A's prompt of 2049 tokens stores its snapshot at ⌊2048/128⌋·128 = 2048 = L1 of B.
-    reqs = [Request(0.0, 2049, 0, (1, 2, 3, 4, 9)), Request(100.0, 4096, 0, (1, 2, 3, 4, 5, 6, 7, 8))]
+    reqs = [TraceRequest(0.0, 2049, 0, (1, 2, 3, 4, 9)), TraceRequest(100.0, 4096, 0, (1, 2, 3, 4, 5, 6, 7, 8))]
     res = simulate(reqs, SimConfig(spec=V4))
     assert res.kinds["snapshot"] == 1 and res.hit_tokens == 2048
     assert simulate(reqs, SimConfig(spec=V4, state_slots=0)).kinds["fallback"] == 1
 
 
 def test_cap_and_full_attention_model():
-    same = [Request(0.0, 2048, 0, (1, 2, 3, 4)), Request(100.0, 2048, 0, (1, 2, 3, 4))]
+    same = [TraceRequest(0.0, 2048, 0, (1, 2, 3, 4)), TraceRequest(100.0, 2048, 0, (1, 2, 3, 4))]
     cap = decide_hit(2048, 16, set(), V4).cap  # 1792: the last 134 tokens (and the block around them) are computed
     full = simulate(same, SimConfig(spec=V4, swa="full"))
     assert full.hit_tokens == decide_hit(2048, 16, {cap}, V4).hit_tokens == cap
@@ -83,8 +83,8 @@ def test_ttl_expires_and_is_renewed_by_a_hit():
     assert simulate(reqs, SimConfig(spec=V4, swa="full", ttl_s={"agent": 50, "chatbot": 50})).hit_tokens == 0
     assert simulate(reqs, SimConfig(spec=V4, swa="full", ttl_s={"agent": 50, "chatbot": 150})).hit_tokens > 0
     # a hit at t=40 renews A's blocks: a third request at t=80 still hits with a 50 s TTL
-    three = [Request(0.0, 2048, 0, (1, 2, 3, 4)), Request(40.0, 2048, 0, (1, 2, 3, 4)),
-             Request(80.0, 2048, 0, (1, 2, 3, 4))]
+    three = [TraceRequest(0.0, 2048, 0, (1, 2, 3, 4)), TraceRequest(40.0, 2048, 0, (1, 2, 3, 4)),
+             TraceRequest(80.0, 2048, 0, (1, 2, 3, 4))]
     res = simulate(three, SimConfig(spec=V4, swa="full", ttl_s={"agent": 50, "chatbot": 50}))
     assert res.kinds["snapshot"] == 2
 

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from kvledger.bench.trace import DEFAULT_TRACE, Request, TraceError, read_trace, write_trace
+from kvledger.bench.trace import DEFAULT_TRACE, TraceRequest, TraceError, read_trace, write_trace
 
 
 def test_reads_the_synthetic_trace():
@@ -54,6 +54,6 @@ def test_sorted_by_arrival_ties_keep_file_order(tmp_path):
 
 
 def test_write_read_round_trip(tmp_path):
-    reqs = [Request(0.5, 700, 3, (1, 2)), Request(1.25, 300, 9, (7, 8, 9), 128, (10,), "agent", 4)]
+    reqs = [TraceRequest(0.5, 700, 3, (1, 2)), TraceRequest(1.25, 300, 9, (7, 8, 9), 128, (10,), "agent", 4)]
     write_trace(reqs, tmp_path / "w.jsonl")
     assert list(read_trace(tmp_path / "w.jsonl").requests) == reqs

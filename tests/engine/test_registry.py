@@ -97,7 +97,7 @@ def test_an_entry_not_sealed_by_a_cluster_engine_is_absent(redis_server):
 
     registry = Registry.from_url(redis_server.url, KEY, prefix="kvl-forge:")
     registry.announce(info())
-    r, entry = registry.r, registry.entry_prefix
+    r, entry = registry.redis, registry.entry_prefix
     genuine = json_.loads(r.get(entry + "prefill-0"))
     body = json_.loads(genuine["info"])
     forged = {

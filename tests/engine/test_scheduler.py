@@ -4,13 +4,13 @@ from types import SimpleNamespace
 
 from kvledger.core import salted_namespace
 from kvledger.engine.scheduler import Scheduler
-from kvledger.engine.sequence import Status
+from kvledger.engine.sequence import SequenceStatus
 
 
 def _seq(request_id: str, namespace: str) -> SimpleNamespace:
     """What the scheduler reads of a Sequence: a one-token prompt, admitted straight to RUNNING."""
     return SimpleNamespace(request_id=request_id, request=SimpleNamespace(namespace=namespace),
-                           status=Status.RUNNING, in_prefill=True, prompt_len=1, computed=0)
+                           status=SequenceStatus.RUNNING, in_prefill=True, prompt_len=1, computed=0)
 
 
 def _admitted(scheduler: Scheduler) -> list[str]:

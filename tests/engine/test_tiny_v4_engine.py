@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvledger.core import HitKind, ModelSpec
-from kvledger.engine.models.tiny_v4_paths import run
+from tests.engine.models.tiny_v4_paths import run
 from kvledger.state.directory import MemoryDirectory
 from kvledger.state.ledger import StateLedger
 from tests.engine.helpers import approximate, prompt, run_request

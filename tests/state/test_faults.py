@@ -13,7 +13,8 @@ from pathlib import Path
 
 from kvledger.core import ModelSpec
 from kvledger.state import RedisDirectory, StateClient, StateLedger
-from kvledger.state.protocol import RESPONSE_BYTES, Op, Status, pack_hello, pack_proof, pack_request, unpack_response
+from kvledger.state.protocol import (RESPONSE_BYTES, Op, PullStatus, pack_hello, pack_proof, pack_request,
+                                     unpack_response)
 from tests.state.helpers import digest, snap_bytes, snap_key
 from tests.state.wire import handshake, recv_all, recv_exact
 
@@ -182,7 +183,7 @@ def test_bad_requests_are_refused_and_the_server_keeps_serving(spawn_holder):
             return recv_all(s)
 
     denied = raw(None)  # refused, nothing leaked
-    assert len(denied) == RESPONSE_BYTES and unpack_response(denied, None, bytes(16)).status is Status.DENIED
+    assert len(denied) == RESPONSE_BYTES and unpack_response(denied, None, bytes(16)).status is PullStatus.DENIED
     assert raw(token, tamper=True) == b""  # a changed request: closed unanswered
     with socket.create_connection((host, int(port)), timeout=5) as s:  # not our protocol at all
         s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n".ljust(64, b"\0"))

@@ -11,7 +11,7 @@ from kvledger.state.protocol import (
     RESPONSE_BYTES,
     Op,
     ProtocolError,
-    Status,
+    PullStatus,
     pack_challenge,
     pack_hello,
     pack_proof,
@@ -31,14 +31,15 @@ K = b"k" * 16
 def test_round_trips():
     n, p = auth.nonce(), auth.nonce()
     assert unpack_hello(pack_hello(n)) == n and len(pack_hello(n)) == HELLO_BYTES
-    assert unpack_challenge(pack_challenge(n, p)) == (Status.OK, n, p) and len(pack_challenge(n, p)) == CHALLENGE_BYTES
+    assert unpack_challenge(pack_challenge(n, p)) == (PullStatus.OK, n, p)
+    assert len(pack_challenge(n, p)) == CHALLENGE_BYTES
     assert unpack_proof(pack_proof(p)) == p
     req = unpack_request(pack_request(S, Op.GET, 7, K), S)
     assert (req.op, req.seq, req.key) == (Op.GET, 7, K)
-    resp = unpack_response(pack_response(S, Status.OK, 7, K, 1415040, 130816, 12345), S, K)
-    assert resp == (Status.OK, 7, 1415040, 130816, 12345)
-    assert unpack_response(pack_response(S, Status.MISS, 1, K), S, K).status is Status.MISS
-    assert unpack_response(pack_response(None, Status.DENIED, 0, K), S, K).status is Status.DENIED
+    resp = unpack_response(pack_response(S, PullStatus.OK, 7, K, 1415040, 130816, 12345), S, K)
+    assert resp == (PullStatus.OK, 7, 1415040, 130816, 12345)
+    assert unpack_response(pack_response(S, PullStatus.MISS, 1, K), S, K).status is PullStatus.MISS
+    assert unpack_response(pack_response(None, PullStatus.DENIED, 0, K), S, K).status is PullStatus.DENIED
 
 
 def test_keys_depend_on_the_token_and_an_empty_token_is_refused():
@@ -61,7 +62,7 @@ def test_bad_magic_version_op_or_any_changed_byte_is_refused(offset, value):
 def test_a_request_or_answer_under_another_session_or_key_is_refused():
     with pytest.raises(ProtocolError, match="MAC"):
         unpack_request(pack_request(S, Op.GET, 0, K), bytes(32))
-    ok = pack_response(S, Status.OK, 0, K, 10, 128, 99)
+    ok = pack_response(S, PullStatus.OK, 0, K, 10, 128, 99)
     with pytest.raises(ProtocolError, match="MAC"):
         unpack_response(ok, bytes(32), K)
     with pytest.raises(ProtocolError, match="MAC"):
@@ -74,9 +75,9 @@ def test_a_request_or_answer_under_another_session_or_key_is_refused():
 
 def test_absurd_response_length_is_refused():
     with pytest.raises(AssertionError):
-        pack_response(S, Status.OK, 0, K, MAX_PAYLOAD + 1)
-    for status, length in ((Status.OK, MAX_PAYLOAD + 1), (Status.MISS, 5)):  # a miss carries no payload
-        frame = bytearray(pack_response(S, Status.OK, 0, K, 10))
+        pack_response(S, PullStatus.OK, 0, K, MAX_PAYLOAD + 1)
+    for status, length in ((PullStatus.OK, MAX_PAYLOAD + 1), (PullStatus.MISS, 5)):  # a miss carries no payload
+        frame = bytearray(pack_response(S, PullStatus.OK, 0, K, 10))
         frame[5] = int(status)
         frame[16:24] = length.to_bytes(8, "little")
         import hmac

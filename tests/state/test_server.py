@@ -17,7 +17,7 @@ from kvledger.state.protocol import (
     REQUEST_BYTES,
     RESPONSE_BYTES,
     Op,
-    Status,
+    PullStatus,
     pack_challenge,
     pack_hello,
     pack_proof,
@@ -85,7 +85,7 @@ def test_wrong_proof_malformed_and_replayed_frames_are_refused(served):
         recv_exact(s, CHALLENGE_BYTES)
         s.sendall(pack_proof(os.urandom(32)) + os.urandom(1000))  # whatever follows is never read
         answer = recv_all(s)
-        assert len(answer) == RESPONSE_BYTES and unpack_response(answer, None, bytes(16)).status is Status.DENIED
+        assert len(answer) == RESPONSE_BYTES and unpack_response(answer, None, bytes(16)).status is PullStatus.DENIED
     with socket.create_connection(parse_address(server.address), timeout=5) as s:  # a request with a bad MAC
         session, proof = handshake(s, TOKEN)
         frame = bytearray(pack_request(session, Op.GET, 0, bytes([0]) * 16))
@@ -97,7 +97,7 @@ def test_wrong_proof_malformed_and_replayed_frames_are_refused(served):
         frame = pack_request(session, Op.GET, 0, bytes([0]) * 16)
         s.sendall(proof + frame)
         head = recv_exact(s, RESPONSE_BYTES)
-        assert unpack_response(head, session, bytes([0]) * 16).status is Status.OK
+        assert unpack_response(head, session, bytes([0]) * 16).status is PullStatus.OK
         assert recv_exact(s, SIZE) == data[0]
         s.sendall(frame)  # replayed within the session: out of sequence
         assert recv_all(s) == b""
@@ -126,7 +126,7 @@ def test_a_captured_session_replayed_without_the_token_is_refused(served):
         recv_exact(s, CHALLENGE_BYTES)  # a fresh server nonce: the captured proof does not fit it
         s.sendall(captured[HELLO_BYTES:])
         answer = recv_all(s)
-    assert len(answer) == RESPONSE_BYTES and unpack_response(answer, None, bytes(16)).status is Status.DENIED
+    assert len(answer) == RESPONSE_BYTES and unpack_response(answer, None, bytes(16)).status is PullStatus.DENIED
     assert data[1][:4096] not in answer and server.stats.denied == 1
 
 
@@ -255,7 +255,7 @@ def test_a_slot_being_sent_is_not_evicted_under_the_reader():
             session, proof = handshake(s, TOKEN)
             s.sendall(proof + pack_request(session, Op.GET, 0, b"\x01" * 16))
             head = recv_exact(s, RESPONSE_BYTES)
-            assert unpack_response(head, session, b"\x01" * 16).status is Status.OK
+            assert unpack_response(head, session, b"\x01" * 16).status is PullStatus.OK
             deadline = time.monotonic() + 5
             while pool.pinned_count() == 0 and time.monotonic() < deadline:
                 time.sleep(0.01)
@@ -323,7 +323,7 @@ def test_a_corrupted_transfer_is_a_miss():
             conn.sendall(pack_challenge(sn, auth.server_proof(hk, cn, sn)))
             recv_exact(conn, PROOF_BYTES + REQUEST_BYTES)
             session = auth.session_key(hk, cn, sn)
-            conn.sendall(pack_response(session, Status.OK, 0, key, 100, 128, 12345) + os.urandom(100))
+            conn.sendall(pack_response(session, PullStatus.OK, 0, key, 100, 128, 12345) + os.urandom(100))
             time.sleep(0.5)
             conn.close()
 

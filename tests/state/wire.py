@@ -7,7 +7,7 @@ import socket
 from kvledger.state import auth
 from kvledger.state.protocol import (
     CHALLENGE_BYTES,
-    Status,
+    PullStatus,
     pack_hello,
     pack_proof,
     unpack_challenge,
@@ -40,5 +40,5 @@ def handshake(sock: socket.socket, token: str) -> tuple[bytes, bytes]:
     cn = auth.nonce()
     sock.sendall(pack_hello(cn))
     status, sn, proof = unpack_challenge(recv_exact(sock, CHALLENGE_BYTES))
-    assert status is Status.OK and auth.same(proof, auth.server_proof(key, cn, sn))
+    assert status is PullStatus.OK and auth.same(proof, auth.server_proof(key, cn, sn))
     return auth.session_key(key, cn, sn), pack_proof(auth.client_proof(key, cn, sn))

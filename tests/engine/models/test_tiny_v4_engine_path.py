@@ -5,7 +5,7 @@ import torch
 
 from kvledger.core.hit import decide_hit, prefill_store_positions
 from kvledger.engine.models.base import Chunk, load_model
-from kvledger.engine.models.tiny_v4_paths import ledger_blocks, prefill_cold, prefill_hit
+from tests.engine.models.tiny_v4_paths import ledger_blocks, prefill_cold, prefill_hit
 from tests.engine.models.tiny_v4_helpers import prompt, tiny_v4  # noqa: F401
 
 L = 600

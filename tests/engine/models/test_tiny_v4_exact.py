@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvledger.core.hit import HitKind, decide_hit, prefill_store_positions
-from kvledger.engine.models.tiny_v4_paths import (
+from tests.engine.models.tiny_v4_paths import (
     ledger_blocks,
     max_rel_err,
     prefill_cold,

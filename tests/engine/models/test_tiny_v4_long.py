@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvledger.core.hit import HitKind, decide_hit, prefill_store_positions
-from kvledger.engine.models.tiny_v4_paths import ledger_blocks, max_rel_err, prefill_cold, prefill_hit
+from tests.engine.models.tiny_v4_paths import ledger_blocks, max_rel_err, prefill_cold, prefill_hit
 from kvledger.engine.models.tiny_v4_state import snapshot_bytes
 from tests.engine.models.tiny_v4_helpers import prompt, tiny_v4  # noqa: F401
 

@@ -4,7 +4,7 @@ rule 3′'s exact replay (what tiny-v4 does by default), bit-exact."""
 import torch
 
 from kvledger.core.hit import HitKind, decide_hit, exact_replay
-from kvledger.engine.models.tiny_v4_paths import prefill_hit, rel_l2
+from tests.engine.models.tiny_v4_paths import prefill_hit, rel_l2
 from kvledger.engine.models.tiny_v4_state import block_bytes
 from tests.engine.helpers import approximate
 from tests.engine.models.tiny_v4_helpers import cold_with_ledgers, prompt, tiny_v4  # noqa: F401

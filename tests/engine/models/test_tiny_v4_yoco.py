@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kvledger.engine.models.tiny_v4_paths import prefill_cold, rel_l2, resume_state, run
+from tests.engine.models.tiny_v4_paths import prefill_cold, rel_l2, resume_state, run
 from tests.engine.models.tiny_v4_helpers import cold_with_ledgers, prompt, tiny_v4  # noqa: F401
 
 CONSUMERS = range(4, 8)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvledger.engine.models.tiny_v4 import TinyV4
-from kvledger.engine.models.tiny_v4_paths import ledger_blocks, run
+from tests.engine.models.tiny_v4_paths import ledger_blocks, run
 from kvledger.engine.models.tiny_v4_state import SeqState, snapshot_bytes
 
 
