@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -30,21 +30,21 @@ QUESTIONS = ("What is a KV cache, in one sentence?",
 def chat_demo(console: Console, turns: int = 3, max_tokens: int = 40) -> None:
     import torch
 
-    from kvledger.engine.chat import Chat
     from kvledger.engine.engine import Engine
-    from kvledger.engine.models.hf_folder import smollm2_folder
+    from kvledger.engine.models import registry
+    from kvledger.entrypoint.chat import Chat
     from kvledger.store.ledger import BlockLedger
 
     if (os.cpu_count() or 1) <= 2:  # a second intra-op thread on 2 shared cores spins more than it helps
         torch.set_num_threads(1)
-    folder = smollm2_folder()
+    model = registry.resolve(registry.DEFAULT_MODEL)
     with tempfile.TemporaryDirectory(prefix="kvledger-demo-") as data_dir:
-        last = _turns(console, folder, data_dir, turns, max_tokens)
+        last = _turns(console, model, data_dir, turns, max_tokens)
         console.print("Restart: the engine and the ledger closed and reopened on the same directory.")
         ledger = BlockLedger.open(path=data_dir)
-        engine = Engine("smollm2-135m", block_ledger=ledger, max_num_seqs=2, kv_cache_bytes=256 << 20)
+        engine = Engine(model, block_ledger=ledger, max_num_seqs=2, kv_cache_bytes=256 << 20)
         try:
-            _, again = Chat(engine, ledger, folder).run(last, 1)
+            _, again = Chat(engine, ledger, model).run(last, 1)
             console.print(f"After the restart the last prompt ({again.prompt_tokens:,} tokens) still hits: "
                           f"{again.cached_tokens:,} tokens cached, TTFT {again.ttft_s:.2f} s.")
         finally:
@@ -52,16 +52,16 @@ def chat_demo(console: Console, turns: int = 3, max_tokens: int = 40) -> None:
             ledger.close()
 
 
-def _turns(console: Console, folder: Path, data_dir: str, turns: int, max_tokens: int) -> list[int]:
+def _turns(console: Console, model: Any, data_dir: str, turns: int, max_tokens: int) -> list[int]:
     """The chat's turns on a fresh engine; the last turn's prompt."""
-    from kvledger.engine.chat import Chat
     from kvledger.engine.engine import Engine
+    from kvledger.entrypoint.chat import Chat
     from kvledger.store.ledger import BlockLedger
 
     ledger = BlockLedger.open(path=data_dir)
-    engine = Engine("smollm2-135m", block_ledger=ledger, max_num_seqs=2, kv_cache_bytes=256 << 20)
+    engine = Engine(model, block_ledger=ledger, max_num_seqs=2, kv_cache_bytes=256 << 20)
     try:
-        chat = Chat(engine, ledger, folder, max_tokens=max_tokens)
+        chat = Chat(engine, ledger, model, max_tokens=max_tokens)
         chat.messages.append({"role": "system", "content": SYSTEM})
         table = Table("turn", "prompt tokens", "cached", "TTFT hit s", "TTFT cold s", title="chat, SmolLM2-135M")
         for i, question in enumerate(QUESTIONS[:turns], 1):

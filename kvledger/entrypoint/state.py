@@ -13,15 +13,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvledger.core import DEFAULT_MODEL, ModelSpec
 from kvledger.entrypoint.activity import Activity
 from kvledger.engine.async_engine import AsyncEngine
 from kvledger.entrypoint.remote import RemoteEngines
 from kvledger.entrypoint.auth import Tenant, load_keys
 from kvledger.entrypoint.body_limit import BODY_TIMEOUT_S
-from kvledger.entrypoint.cli import MAX_TOKENS_LIMIT, MODELS, OPEN_PER_KEY, default_data_dir
+from kvledger.entrypoint.cli import MAX_TOKENS_LIMIT, OPEN_PER_KEY, default_data_dir
 from kvledger.entrypoint.metrics import ServeMetrics
-from kvledger.entrypoint.tokenizer import longest_token_bytes
+from kvledger.engine.models import registry
+from kvledger.engine.models.tokenizer import longest_token_bytes
 from kvledger.store.ledger import BlockLedger, blocks_dir
 from kvledger.store.ttl import TtlPolicy
 
@@ -33,7 +33,7 @@ INTERRUPT_GRACE_S = 1.0   # Ctrl-C: an engine step still running after this long
 class ServeConfig:
     """What `kvledger serve` was started with. Limits are per request unless named otherwise."""
 
-    model: str = DEFAULT_MODEL
+    model: str = registry.DEFAULT_MODEL   # a registry name or a path (`registry.resolve`)
     host: str = "127.0.0.1"
     port: int = 8000
     data_dir: Path = field(default_factory=default_data_dir)
@@ -56,8 +56,7 @@ class ServeConfig:
     routing: str = "cache-aware"
 
     def __post_init__(self) -> None:
-        if self.model not in MODELS:
-            raise ValueError(f"unknown model {self.model!r}; known: {', '.join(MODELS)}")
+        registry.resolve(self.model)   # ModelError (a ValueError) names what is served
         assert (self.redis_url is None) == (self.cluster_token is None), "the cluster mode needs both"
         assert self.max_body_bytes > 0 and self.max_concurrent_per_key > 0 and self.default_max_tokens > 0
         assert self.body_timeout_s > 0
@@ -69,16 +68,17 @@ class ServerState:
 
     def __init__(self, config: ServeConfig) -> None:
         self.config = config
-        self.model = config.model
+        self.entry = registry.resolve(config.model)
+        self.model = self.entry.name   # served under: /v1/models, the `model` field
         self.created = int(time.time())
-        self.spec = ModelSpec.preset(config.model)
+        self.spec = self.entry.spec
         self.policy = TtlPolicy()
         self.keys: dict[str, Tenant] | None = (load_keys(config.api_keys, set(self.policy.classes))
                                                if config.api_keys is not None else None)
         self.block_ledger = BlockLedger.open(path=blocks_dir(config.data_dir), redis_url=config.redis_url,
                                              policy=self.policy)
         self.state_ledger = self._open_state_ledger()
-        self.tokenizer, self.chat_template = _text_side(config.model)
+        self.tokenizer, self.chat_template = self.entry.text()
         self.max_token_bytes = longest_token_bytes(self.tokenizer) if self.tokenizer is not None else 0
         self.metrics = ServeMetrics(self.store_stats, lambda: self.block_ledger.store.counters.as_dict())
         self.activity = Activity()
@@ -116,7 +116,7 @@ class ServerState:
         from kvledger.engine.engine import Engine
 
         cache = not self.config.no_cache   # the baseline neither reads nor writes the ledgers
-        engine = Engine(self.model, block_ledger=self.block_ledger if cache else None,
+        engine = Engine(self.entry, block_ledger=self.block_ledger if cache else None,
                         state_ledger=self.state_ledger if cache else None,
                         device=self.config.device, max_num_seqs=self.config.max_num_seqs,
                         replay=self.config.replay)
@@ -197,18 +197,6 @@ class ServerState:
         if self.state_ledger is not None:
             self.state_ledger.close()
         self.block_ledger.close()
-
-
-def _text_side(model: str) -> tuple[Any, Any]:
-    """(tokenizer, chat template) of a model; tiny-v4 has neither (it takes token ids)."""
-    if model != "smollm2-135m":
-        return None, None
-    from kvledger.engine.models.hf_folder import smollm2_folder
-    from kvledger.entrypoint.chat_template import ChatTemplate
-    from kvledger.entrypoint.tokenizer import load_tokenizer
-
-    tokenizer = load_tokenizer("smollm2")
-    return tokenizer, ChatTemplate.from_folder(smollm2_folder(), tokenizer)
 
 
 def _vocab_size(engine: Any, tokenizer: Any) -> int:

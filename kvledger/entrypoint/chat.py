@@ -1,20 +1,18 @@
-"""A chat on the engine: the HF folder's chat template, CHECK, generation, and what each turn reused.
+"""A chat on the engine: the model's chat template, CHECK, generation, and what each turn reused.
 
-    chat = Chat(engine, ledger, folder)            # folder: config + tokenizer.json + tokenizer_config.json
-    turn = chat.say("What is a KV cache?")          # Turn(reply, prompt_tokens, cached_tokens, ttft_s, ...)
+    chat = Chat(engine, ledger, registry.resolve(name))   # the model's entry: its tokenizer and chat template
+    turn = chat.say("What is a KV cache?")                # Turn(reply, prompt_tokens, cached_tokens, ttft_s, ...)
 
-The template is rendered with jinja2 (as Hugging Face does) from `tokenizer_config.json`'s
-`chat_template`; the history keeps each reply as generated, so the next turn's prompt starts
-with the previous prompt and reply and hits the blocks the decode wrote (rule 7).
+The template is the model's (`ChatTemplate`, rendered as Hugging Face does); the history keeps each
+reply as generated, so the next turn's prompt starts with the previous prompt and reply and hits
+the blocks the decode wrote (rule 7).
 """
 
 from __future__ import annotations
 
 import itertools
-import json
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from kvledger.engine.api import EngineRequest, SamplingParams
@@ -35,23 +33,16 @@ class Turn:
 
 
 class Chat:
-    def __init__(self, engine: Any, block_ledger: Any, folder: Path, *, state_ledger: Any = None,
+    def __init__(self, engine: Any, block_ledger: Any, model: Any, *, state_ledger: Any = None,
                  namespace: str = "default", max_tokens: int = 64) -> None:
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-        from tokenizers import Tokenizer
-
-        self.engine, self.block_ledger, self.folder, self.state_ledger = engine, block_ledger, folder, state_ledger
+        self.engine, self.block_ledger, self.state_ledger = engine, block_ledger, state_ledger
         self.namespace, self.max_tokens = namespace, max_tokens
         self.messages: list[dict[str, str]] = []
-
-        config = json.loads((self.folder / "tokenizer_config.json").read_text())
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        self._template = env.from_string(config["chat_template"])
-        self._tokenizer = Tokenizer.from_file(str(self.folder / "tokenizer.json"))
+        self._tokenizer, self._template = model.text()   # `model`: a registry.ModelEntry with a chat template
+        assert self._template is not None, f"{model.name} has no chat template"
 
     def prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        text = self._template.render(messages=messages, add_generation_prompt=True)
-        return self._tokenizer.encode(text, add_special_tokens=False).ids
+        return self._template.tokenize(messages)
 
     def run(self, tokens: list[int], max_tokens: int, namespace: str | None = None) -> tuple[list[int], Turn]:
         """One generation (greedy) for `tokens`; the tokens produced and the turn's figures."""
