@@ -186,14 +186,30 @@ def _gguf_config(path: Path) -> tuple[dict[str, Any], str]:
     if architecture != "llama":
         return {}, architecture
     try:
-        return llama_config(fields.__getitem__), architecture
+        config = llama_config(fields.__getitem__)
     except (KeyError, TypeError, ValueError) as e:
         raise ModelError(f"{path}: a Llama GGUF without {e}") from None
+    scaling = fields.get("llama.rope.scaling.type")
+    if scaling not in (None, "none"):
+        config["rope_scaling"] = {"type": scaling}   # refused by _llama_spec
+    key_length = fields.get("llama.attention.key_length")
+    if key_length not in (None, config["head_dim"]):
+        raise ModelError(f"{path}: a Llama with head_dim {key_length} != hidden / heads, which the reference "
+                         "engine does not compute")
+    return config, architecture
+
+
+# config.json keys whose non-default value the reference Llama does not compute (it would answer wrongly)
+_LLAMA_UNSUPPORTED = {"rope_scaling": None, "attention_bias": False, "mlp_bias": False}
 
 
 def _llama_spec(name: str, config: dict[str, Any], digest: str, path: str) -> ModelSpec:
     from kvledger.engine.models.llama import llama_spec
 
+    for key, plain in _LLAMA_UNSUPPORTED.items():
+        if config.get(key, plain) not in (plain, {}):
+            raise ModelError(f"{path}: a Llama with {key}={config[key]!r}, which the reference engine does not "
+                             "compute")
     try:
         heads = int(config["num_attention_heads"])
         head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)

@@ -172,3 +172,17 @@ def test_plan_sizes_a_model_given_by_path(run_cli):
     assert r.returncode == 0, r.stderr
     plan = json.loads(r.stdout)
     assert plan["model"] == folder.name and plan["block_bytes"] == ModelSpec.preset("smollm2-135m").block_bytes()
+
+
+def test_a_llama_the_reference_engine_would_compute_wrongly_is_refused(tmp_path):
+    import json
+
+    config = {"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "hidden_size": 64, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(registry.ModelError, match="rope_scaling"):
+        registry.resolve(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({**config, "rope_scaling": None}))
+    spec = registry.resolve(str(tmp_path)).spec   # its geometry: 2 layers × (K, V) × 2 heads × 16 dims × bf16
+    assert spec.name == tmp_path.name and spec.kv_bytes_per_token == 2 * 2 * 2 * 16 * 2
