@@ -196,3 +196,19 @@ def test_the_real_gemma3_gguf_is_refused_until_its_entry_exists(tmp_path):
     assert (fields["gemma3.block_count"], fields["gemma3.attention.sliding_window"]) == (18, 512)
     with pytest.raises(registry.ModelError, match=r"'gemma3' is not supported \(supported: llama\)"):
         registry.resolve(str(path))
+
+
+def test_the_engine_and_its_models_import_nothing_above_them():
+    """core → store/state → engine → entrypoint/integrations → bench/cli: the tokenizer and the chat template live
+    with the model, so nothing under kvledger/engine reaches up (engine/chat.py and hf_folder.py once did)."""
+    import ast
+
+    import kvledger.engine
+
+    above = ("kvledger.entrypoint", "kvledger.integrations", "kvledger.bench", "kvledger.cli", "kvledger.demo")
+    for path in Path(kvledger.engine.__file__).parent.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            for name in names:
+                assert not name.startswith(above), f"{path.name} imports {name}"
