@@ -42,15 +42,16 @@ Weights = GgufFile | HfFolder | None
 
 @dataclass(slots=True, frozen=True)
 class ModelEntry:
-    """One servable model. `engine_model` is "module:function", function(folder, spec, device) → the
-    engine's `Model` (imported when loaded: torch is heavy). `weights` None: seeded weights, no text."""
+    """One servable model. Invariant: `engine_model` builds a `Model` whose `spec` is `spec` (its layer caches'
+    block bytes sum to `spec.block_bytes()`)."""
 
-    name: str
-    spec: ModelSpec
-    engine_model: str
-    weights: Weights
+    name: str            # served under: /v1/models, the `model` field, EngineInfo.model
+    spec: ModelSpec      # what the ledgers see; `spec.fingerprint()` salts the chain keys
+    engine_model: str    # "module:function", function(folder | None, spec, device) → the engine's `Model`
+    weights: Weights     # where weights, tokenizer and chat template come from; None: seeded, token ids only
 
     def load(self, device: Any = "cpu") -> Any:
+        """The engine's model on `device`, weights loaded (the module is imported here: torch is heavy)."""
         import torch
 
         module, func = self.engine_model.split(":")
