@@ -52,6 +52,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                        epilog=examples(
                            "kvledger serve",
                            "kvledger serve --model tiny-v4 --port 8001 --data-dir /tmp/kvl",
+                           "kvledger serve --model ~/models/my-llama.gguf   # or a Hugging Face folder",
                            "kvledger serve --api-keys keys.json --host 0.0.0.0 --data-dir /var/lib/kvledger"))
     http_args(p)
     p.add_argument("--data-dir", type=Path, default=default_data_dir(),
