@@ -52,12 +52,19 @@ def _console() -> Any:
 
 
 def _spec(name: str):
+    """A preset by name, or the spec of a model at a path (`registry.resolve`)."""
+    from pathlib import Path
+
     from kvledger.core import ModelSpec
 
     try:
         return ModelSpec.preset(name)
     except ValueError as e:
-        raise CliError(str(e)) from None
+        if not Path(name).exists():
+            raise CliError(str(e)) from None
+    from kvledger.engine.models.registry import cli_resolve
+
+    return cli_resolve(name).spec
 
 
 def _pairs(text: str, what: str) -> dict[str, float]:
@@ -138,7 +145,8 @@ def cmd_diff(args: argparse.Namespace) -> None:
     def encode(text: str) -> list[int]:
         nonlocal tok
         if tok is None:
-            from kvledger.entrypoint.tokenizer import TokenizerError, load_tokenizer
+            from kvledger.engine.models.registry import load_tokenizer
+            from kvledger.engine.models.tokenizer import TokenizerError
 
             try:
                 tok = load_tokenizer(args.tokenizer)
@@ -186,14 +194,16 @@ def _models() -> str:
 
 def _plan_parser(sub: argparse._SubParsersAction) -> None:
     from kvledger.core import DEFAULT_MODEL
+    from kvledger.core.spec import PUBLISHED_MODEL
 
     pl = sub.add_parser("plan", help="capacity and bandwidth figures for a model and a prompt length",
                         description="Capacity and bandwidth figures of one prompt length: block and snapshot bytes, "
                         "the hit cap,\nstorage per day and per TTL class, fetch time, prefill time (first order) "
                         "and the break-even prefix.",
                         epilog=examples("kvledger plan --tokens 2048",
-                                        "kvledger plan --model deepseek-v4.1-flash --tokens 131072 --json"))
-    pl.add_argument("--model", default=DEFAULT_MODEL, help=f"one of: {_models()}; the default is serve's")
+                                        f"kvledger plan --model {PUBLISHED_MODEL} --tokens 131072 --json"))
+    pl.add_argument("--model", default=DEFAULT_MODEL, help=f"one of: {_models()}, or a model's path; the default is "
+                    "serve's")
     pl.add_argument("--tokens", type=int, required=True, help="prompt length in tokens")
     pl.add_argument("--requests-per-day", type=float, default=100_000, help="requests of this length a day")
     pl.add_argument("--reuse", type=float, default=0.56, help="share of prompt tokens served from cache")
@@ -203,8 +213,8 @@ def _plan_parser(sub: argparse._SubParsersAction) -> None:
     pl.add_argument("--fetch-gbps", type=float, default=10.0, help="storage → host GB/s of one engine (assumed)")
     pl.add_argument("--fetch-latency-ms", type=float, default=1.0, help="fixed cost of one fetch")
     pl.add_argument("--prefill-tps", type=float, default=None,
-                    help="prefill tokens/s (default: the model's own rate, e.g. DESIGN.md's 128K tokens in 13 s "
-                         "for deepseek-v4.1-flash, ~800 measured on the CPU reference engine for smollm2-135m)")
+                    help="prefill tokens/s (default: the model's own rate, as its preset states it: DESIGN.md's "
+                         "128K tokens in 13 s for V4, ~800 measured on the CPU reference engine for SmolLM2)")
     pl.add_argument("--json", action="store_true", help="print one JSON object")
     pl.set_defaults(func=cmd_plan)
 
@@ -219,8 +229,10 @@ def _diff_parser(sub: argparse._SubParsersAction) -> None:
                         epilog=examples("kvledger diff a.txt b.txt", "kvledger diff '[1, 2, 3]' '[1, 2, 4]' --json"))
     df.add_argument("a", help="prompt A: a text file, or a JSON list of token ids (inline or in a file)")
     df.add_argument("b", help="prompt B, likewise")
-    df.add_argument("--model", default=DEFAULT_MODEL, help=f"one of: {_models()}; the default is serve's")
-    df.add_argument("--tokenizer", default="smollm2", help="for text prompts: smollm2, a .gguf or a tokenizer.json")
+    df.add_argument("--model", default=DEFAULT_MODEL, help=f"one of: {_models()}, or a model's path; the default is "
+                    "serve's")
+    df.add_argument("--tokenizer", default=DEFAULT_MODEL, help="for text prompts: a model's name (its tokenizer), a "
+                    ".gguf or a tokenizer.json")
     df.add_argument("--namespace", default="default", help="namespace (tenant) A was cached in")
     df.add_argument("--namespace-b", default=None, help="namespace B is asked in (default: --namespace)")
     df.add_argument("--json", action="store_true", help="print one JSON object")

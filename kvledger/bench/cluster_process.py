@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
+from kvledger.core import DEFAULT_MODEL
 from kvledger.util.serve_process import spawn, terminate
 
 START_TIMEOUT_S = 900.0   # several model loads at once on a loaded 2-core machine
@@ -32,7 +33,7 @@ class Member(NamedTuple):
 
 class ClusterProcess:
     def __init__(self, data_dir: Path, *args: str, prefill: int = 2, decode: int = 1, both: int = 0,
-                 routing: str = "cache-aware", model: str = "smollm2-135m") -> None:
+                 routing: str = "cache-aware", model: str = DEFAULT_MODEL) -> None:
         self.data_dir = Path(data_dir)
         self.args = ["--prefill", str(prefill), "--decode", str(decode), "--both", str(both), "--routing", routing,
                      "--model", model, *args]

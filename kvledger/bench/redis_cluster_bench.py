@@ -47,10 +47,12 @@ return n
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from kvledger.core.spec import PUBLISHED_MODEL
+
     p.add_argument("--keys", default="64,8192", help="CHECK lengths in blocks (8,192 blocks of 128 tokens: 1M tokens)")
     p.add_argument("--reps", type=int, default=41, help="interleaved CHECKs per backend, length and case")
     p.add_argument("--lookup", type=int, default=64, help="entries in one directory lookup (0: skip)")
-    p.add_argument("--model", default="deepseek-v4.1-flash", help="block size from this ModelSpec preset")
+    p.add_argument("--model", default=PUBLISHED_MODEL, help="block size from this ModelSpec preset")
     p.add_argument("--redis-url", default=None, help="a Redis server to use (default: one started here)")
     p.add_argument("--cluster-url", default=None, help="a redis+cluster:// URL (default: 3 masters started here)")
 

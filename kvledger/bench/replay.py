@@ -55,7 +55,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the local server: a cluster (kvledger up) or one kvledger serve")
     p.add_argument("--prefill", type=int, default=2, help="prefill engines (of the local cluster, and the sim's)")
     p.add_argument("--decode", type=int, default=1, help="decode engines (of the local cluster, and the sim's)")
-    p.add_argument("--model", default="smollm2-135m", choices=("smollm2-135m",), help="the server's model")
+    from kvledger.engine.models import registry
+
+    p.add_argument("--model", default=registry.DEFAULT_MODEL, choices=registry.TEXT_MODELS,
+                   help="the server's model (one with a tokenizer: the replay sends text)")
     p.add_argument("--api-key", help="bearer key for --url")
     p.add_argument("--length-scale", type=float, default=0.25, help="factor on every length (see above)")
     p.add_argument("--max-prompt-tokens", type=int, default=1024, help="context cap (rounded down to 128s)")

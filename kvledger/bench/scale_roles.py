@@ -31,10 +31,11 @@ from typing import Any
 import numpy as np
 
 from kvledger.core import ModelSpec
+from kvledger.core.spec import PUBLISHED_MODEL
 from kvledger.store.backend import ChainWrite
 from kvledger.store.ledger import BlockLedger
 
-SPEC = ModelSpec.preset("deepseek-v4.1-flash")
+SPEC = ModelSpec.preset(PUBLISHED_MODEL)
 CHAIN_BLOCKS = 8192            # a 1M-token prompt at 128 tokens per block
 CHECK_TOKENS = CHAIN_BLOCKS * SPEC.block_size
 NAMESPACE = "scale"

@@ -33,7 +33,9 @@ MODES = ("cache", "no_cache")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m", choices=("smollm2-135m", "tiny-v4"))
+    from kvledger.engine.models.registry import add_model_arg
+
+    add_model_arg(p)
     p.add_argument("--sessions", type=int, default=6, help="chat sessions (the workload's first N)")
     p.add_argument("--concurrency", type=int, default=3, help="sessions in flight at once")
     p.add_argument("--max-turns", type=int, default=3, help="turns per chat session at most")
@@ -96,15 +98,17 @@ def run_session(url: str, model: str, index: int, s: Session) -> list[Turn]:
 
 def run_mode(mode: str, sessions: list[Session], args: argparse.Namespace, root: Path) -> tuple[list[Turn], float]:
     """One server (fresh data directory), the whole workload; (turns, wall seconds)."""
+    from kvledger.engine.models.registry import cli_resolve
     from kvledger.util.serve_process import ServeProcess
 
+    served = cli_resolve(args.model).name   # a path model is served under its stem
     extra = ["--no-cache"] if mode == "no_cache" else []
     server = ServeProcess(root / mode, *extra, "--max-concurrent-per-key", str(args.concurrency + 1),
                           model=args.model).start()
     try:
         t0 = time.perf_counter()
         with ThreadPoolExecutor(args.concurrency) as pool:
-            done = pool.map(lambda i: run_session(server.url, args.model, i, sessions[i]), range(len(sessions)))
+            done = pool.map(lambda i: run_session(server.url, served, i, sessions[i]), range(len(sessions)))
             turns = [t for session in done for t in session]
         return turns, time.perf_counter() - t0
     finally:

@@ -103,12 +103,14 @@ def read_calibration(path: str) -> tuple[float | None, float | None]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from kvledger.core.spec import PUBLISHED_MODEL
+
     src = p.add_mutually_exclusive_group()
     src.add_argument("--trace", metavar="FILE", help="Mooncake JSONL trace (default: the synthetic one in data/traces)")
     src.add_argument("--workload", choices=WORKLOADS, help="a generated workload instead of a trace")
     p.add_argument("--sessions", type=int, help="workload sessions (default: the generator's)")
     p.add_argument("--seed", type=int, default=0, help="workload and random-routing seed")
-    p.add_argument("--model", default="deepseek-v4.1-flash", help=f"one of: {', '.join(ModelSpec.presets())}")
+    p.add_argument("--model", default=PUBLISHED_MODEL, help=f"one of: {', '.join(ModelSpec.presets())}")
     p.add_argument("--prefill-engines", type=int, default=8, metavar="N", help="prefill engines simulated")
     p.add_argument("--decode-engines", type=int, default=4, metavar="M", help="decode engines simulated")
     p.add_argument("--prefill-tps", type=float, help="prefill tokens/s of one engine (default: DESIGN.md)")

@@ -53,7 +53,9 @@ BLOCK = 5  # pulls in a row per transport before switching to the next
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="deepseek-v4.1-flash", help="snapshot size from this model (default %(default)s)")
+    from kvledger.core.spec import PUBLISHED_MODEL
+
+    p.add_argument("--model", default=PUBLISHED_MODEL, help="snapshot size from this model (default %(default)s)")
     p.add_argument("--pulls", type=int, default=100, help="pulls per transport per round (default %(default)s)")
     p.add_argument("--rounds", type=int, default=7, help="interleaved rounds (default %(default)s)")
     p.add_argument("--entries", type=int, default=10000, help="directory entries published (default %(default)s)")

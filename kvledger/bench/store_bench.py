@@ -42,7 +42,9 @@ MAX_CHECK_TOKENS = 1 << 26  # 64 M tokens: a prompt's ids alone are 256 MB
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="deepseek-v4.1-flash", help="block size from this ModelSpec preset")
+    from kvledger.core.spec import PUBLISHED_MODEL
+
+    p.add_argument("--model", default=PUBLISHED_MODEL, help="block size from this ModelSpec preset")
     p.add_argument("--dir", default=None, help="filesystem to measure (a temp dir is made inside; default /tmp)")
     p.add_argument("--total-mb", type=float, default=512, help="bytes per side per rep (MB)")
     p.add_argument("--blocks-per-put", type=int, default=256, help="blocks of one put / one plain file")

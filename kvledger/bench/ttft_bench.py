@@ -24,12 +24,14 @@ from typing import Any
 import numpy as np
 
 HELP = "engine TTFT: cold vs full hit vs bounded replay, split into CHECK, fetch, swap-in, compute"
-EXAMPLES = ("kvledger bench ttft --model smollm2-135m --tokens 4096 --json",)  # `--help`'s epilog
+EXAMPLES = ("kvledger bench ttft --tokens 4096 --json",)  # `--help`'s epilog
 GREEDY_TOKENS = 32
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m", help="engine model (default %(default)s)")
+    from kvledger.engine.models.registry import add_model_arg
+
+    add_model_arg(p)
     p.add_argument("--tokens", type=int, default=4096, help="prompt length in tokens (default %(default)s)")
     p.add_argument("--device", default="cpu", help="torch device (default %(default)s)")
     p.add_argument("--threads", type=int, default=1,
@@ -76,18 +78,19 @@ def _overlap(split: dict[str, float]) -> float:
 
 
 def measure(model: str, tokens: int, device: str, data_dir: str) -> dict[str, Any]:
-    from kvledger.core import ModelSpec
     from kvledger.engine.engine import Engine
+    from kvledger.engine.models.registry import resolve
     from kvledger.store.ledger import BlockLedger
 
-    spec = ModelSpec.preset(model)
+    entry = resolve(model)
+    spec = entry.spec
     ledger = BlockLedger.open(path=data_dir)
     states = None
     if spec.has_swa:
         from kvledger.state.ledger import StateLedger
 
         states = StateLedger(spec, token="bench-ttft", serve=False, heartbeat=False).start()
-    engine = Engine(model, block_ledger=ledger, state_ledger=states, device=device, max_num_seqs=1,
+    engine = Engine(entry, block_ledger=ledger, state_ledger=states, device=device, max_num_seqs=1,
                     max_num_batched_tokens=tokens, replay=True)
     engine.record_logits = True
     try:
@@ -139,13 +142,10 @@ def run(args: argparse.Namespace) -> None:
 
     import torch
 
-    from kvledger.core import ModelSpec
+    from kvledger.engine.models.registry import cli_resolve
     from kvledger.util.output import CliError, emit_json
 
-    try:
-        ModelSpec.preset(args.model)
-    except ValueError as e:
-        raise CliError(str(e)) from None
+    cli_resolve(args.model)
     if args.tokens < 2 * 128:
         raise CliError("--tokens must be at least 256 (a hit needs a whole block before the cap)")
     if args.threads > 0:

@@ -16,6 +16,8 @@ from enum import StrEnum
 # The model `kvledger serve`, `entrypoint`, `engine` and `up` run when none is named; `kvledger diff`
 # and `kvledger plan` default to it too, so their figures are the ones a newcomer's server reports.
 DEFAULT_MODEL = "smollm2-135m"
+# The model DESIGN.md's figures are for: the store, state and cluster benchmarks and the demo's plan size by it.
+PUBLISHED_MODEL = "deepseek-v4.1-flash"
 # DESIGN.md: a 128K-token V4 prompt takes 13 s to first token without a hit.
 PUBLISHED_PREFILL_TOKENS_PER_S = 131_072 / 13
 PUBLISHED_PREFILL_SOURCE = "published in DESIGN.md: 128K tokens in 13 s"
@@ -72,6 +74,10 @@ class ModelSpec:
     # DESIGN.md's published V4 rate). Neither is KV geometry, so neither is in the fingerprint.
     prefill_tokens_per_s: float | None = None
     prefill_source: str = ""
+    # SHA-256 (hex) of the weights of a model served from a path ("": a preset, whose name says which
+    # weights). When set it stands in the fingerprint for the name: two paths to one file are one model and
+    # share blocks; two files of one geometry never do (rule 1).
+    weights: str = ""
 
     def __post_init__(self) -> None:
         assert self.layers, "a model has layers"
@@ -150,11 +156,13 @@ class ModelSpec:
         return counts
 
     def fingerprint(self) -> str:
-        """A stable hex digest of everything that shapes this model's KV (part of every chain key)."""
+        """A stable hex digest of everything that shapes this model's KV (part of every chain key): the
+        geometry, and the name of a preset or the weights digest of a model served from a path."""
         fields = asdict(self)
         fields["layers"] = [k.value for k in self.layers]
         for not_geometry in ("description", "prefill_tokens_per_s", "prefill_source", "approximate_fallback"):
             fields.pop(not_geometry)
+        fields.pop("name" if self.weights else "weights")   # presets: their fingerprints as before the field
         canon = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(canon).hexdigest()[:32]
 

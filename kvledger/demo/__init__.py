@@ -19,11 +19,12 @@ from rich.console import Console
 from rich.table import Table
 
 from kvledger.core import ModelSpec, chain_keys, decide_hit, diff_prompts, hit_cap, plan, prefill_store_positions
+from kvledger.core.spec import PUBLISHED_MODEL
 from kvledger.demo.prompts import agent_prompt
 from kvledger.util.render import diff_view, plan_table
 
 def run_demo(console: Console, chat_turns: int = 3) -> None:
-    spec = ModelSpec.preset("deepseek-v4.1-flash")
+    spec = ModelSpec.preset(PUBLISHED_MODEL)
     console.rule("[bold]kvledger demo")
     if chat_turns > 0:
         from kvledger.demo.chat import chat_demo
@@ -45,9 +46,10 @@ def run_demo(console: Console, chat_turns: int = 3) -> None:
 
     console.print("\n3. Why a prompt misses: two agent prompts that differ only in a timestamp (kvledger diff):")
     try:
-        from kvledger.entrypoint.tokenizer import TokenizerError, load_tokenizer
+        from kvledger.engine.models.registry import DEFAULT_MODEL, load_tokenizer
+        from kvledger.engine.models.tokenizer import TokenizerError
 
-        tok = load_tokenizer("smollm2")
+        tok = load_tokenizer(DEFAULT_MODEL)
     except (ImportError, TokenizerError) as e:
         console.print(f"[yellow]skipped: no tokenizer ({e})")
         return

@@ -18,9 +18,8 @@ from rich.table import Table
 
 from kvledger.bench.serve_client import Reply, stream_chat
 from kvledger.demo.prompts import PREAMBLE
+from kvledger.engine.models.registry import DEFAULT_MODEL as MODEL
 from kvledger.util.serve_process import ServeProcess
-
-MODEL = "smollm2-135m"
 
 SYSTEM = PREAMBLE + (
     "\nYou are also a concise assistant for engineers who run language model services. "

@@ -9,14 +9,13 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from kvledger.core.spec import DEFAULT_MODEL
 from kvledger.util.output import CliError, examples
 from kvledger.util.redis_client import REDIS_URL_ENV
 
-MODELS = ("smollm2-135m", "tiny-v4")
-
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from kvledger.engine.models.registry import add_model_arg
+
     p = sub.add_parser("engine", help="one engine of a cluster (prefill, decode or both) on a shared Redis",
                        description="One engine process of a cluster: it loads the model, opens the shared ledgers "
                        "(Redis index, blocks\nunder --data-dir), serves the internal API behind the cluster token "
@@ -30,7 +29,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "keeps a password off the command line)")
     p.add_argument("--data-dir", type=Path, required=True, help="the shared store folder (blocks under it)")
     p.add_argument("--token-file", type=Path, default=None, help="the cluster token (or $KVLEDGER_CLUSTER_TOKEN)")
-    p.add_argument("--model", default=DEFAULT_MODEL, choices=MODELS, help="the model served")
+    add_model_arg(p)
     p.add_argument("--host", default="127.0.0.1", help="address of the internal API and the state server")
     p.add_argument("--port", type=int, default=0, help="internal API port (0: any free one)")
     p.add_argument("--engine-id", default=None, help="default: <role>-<random>")
@@ -43,6 +42,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def cmd_engine(args: argparse.Namespace) -> None:
     from kvledger.engine.server import EngineConfig, EngineProcess, build_engine_app
+    from kvledger.engine.models.registry import cli_resolve
     from kvledger.util.cluster_token import load_token
     from kvledger.util.http_server import listen
 
@@ -50,6 +50,7 @@ def cmd_engine(args: argparse.Namespace) -> None:
         raise CliError("--port must lie in [0, 65535]")
     if args.max_num_seqs <= 0 or args.grace_s < 0:
         raise CliError("--max-num-seqs must be > 0 and --grace-s >= 0")
+    cli_resolve(args.model)
     try:
         token = load_token(args.token_file)
     except ValueError as e:

@@ -1,6 +1,6 @@
 """`Engine`: the reference engine's API (ENGINE_API.md) over the scheduler, loader, runner and writer.
 
-    engine = Engine("smollm2-135m", block_ledger=BlockLedger.open(path=DIR))
+    engine = Engine(registry.DEFAULT_MODEL, block_ledger=BlockLedger.open(path=DIR))   # a name or a path
     keys, decision = check_prompt(tokens, engine.spec, block_ledger=..., state_ledger=None)
     engine.add_request(EngineRequest("r1", tokens, keys, decision, SamplingParams(max_tokens=32)))
     while engine.has_unfinished():
@@ -27,7 +27,7 @@ from kvledger.engine.api import EngineRequest, RequestUsage, TokenEvent, check_r
 from kvledger.engine.block_pool import BlockPool
 from kvledger.engine.fetcher import Fetcher
 from kvledger.engine.loader import HitLoader
-from kvledger.engine.models.base import load_model
+from kvledger.engine.models.registry import ModelEntry, resolve
 from kvledger.engine.runner import ModelRunner, StepCost
 from kvledger.engine.sampler import make_generator, sample_one
 from kvledger.engine.scheduler import Scheduler
@@ -41,13 +41,13 @@ log = logging.getLogger("kvledger.engine")
 
 
 class Engine:
-    def __init__(self, model: str, *, block_ledger: object | None, state_ledger: object | None = None,
+    def __init__(self, model: str | ModelEntry, *, block_ledger: object | None, state_ledger: object | None = None,
                  device: str = "cpu", max_num_seqs: int = 8, max_num_batched_tokens: int = 4096,
                  replay: bool = False, fetcher: str = "process", kv_cache_bytes: int = DEFAULT_KV_BYTES,
                  fetch_timeout_s: float = 10.0) -> None:
         if fetcher not in ("process", "none"):
             raise ValueError("fetcher must be 'process' (its own process) or 'none' (no ledger reads)")
-        self.model = load_model(model, device)
+        self.model = (resolve(model) if isinstance(model, str) else model).load(device)
         self.spec: ModelSpec = self.model.spec
         self.max_model_len = self.model.max_model_len
         self.eos_token_ids = tuple(self.model.eos_token_ids)

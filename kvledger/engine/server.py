@@ -66,11 +66,12 @@ class EngineProcess:
     """Ledgers, engine, heartbeat and in-flight accounting of one engine process."""
 
     def __init__(self, config: EngineConfig) -> None:
-        from kvledger.core import ModelSpec
         from kvledger.engine.ledgers import Part, open_ledgers
+        from kvledger.engine.models.registry import resolve
 
         self.config = config
-        self.spec = ModelSpec.preset(config.model)
+        self.entry = resolve(config.model)   # a name or a path; served (and registered) as `entry.name`
+        self.spec = self.entry.spec
         self.ledgers = open_ledgers(self.spec, config.data_dir, Part.ENGINE, redis_url=config.redis_url,
                                     token=config.token, engine_id=config.engine_id, host=config.host)
         self.block_ledger, self.state_ledger = self.ledgers.block, self.ledgers.state
@@ -92,11 +93,11 @@ class EngineProcess:
         try:
             if self.abandoned:   # the signal came after uvicorn took the signals, before the load began
                 raise StartupInterrupted
-            self.engine = AsyncEngine(Engine(self.config.model, block_ledger=self.block_ledger,
+            self.engine = AsyncEngine(Engine(self.entry, block_ledger=self.block_ledger,
                                              state_ledger=self.state_ledger, device=self.config.device,
                                              max_num_seqs=self.config.max_num_seqs, replay=self.config.replay))
             engine = self.engine.engine
-            self.info0 = EngineInfo(self.config.engine_id, self.config.role, url, self.config.model,
+            self.info0 = EngineInfo(self.config.engine_id, self.config.role, url, self.entry.name,
                                     engine.max_model_len, int(engine.model.vocab_size), tuple(engine.eos_token_ids),
                                     os.getpid())
             self.url = url

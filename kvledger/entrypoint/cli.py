@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kvledger.entrypoint.body_limit import BODY_TIMEOUT_S
-from kvledger.entrypoint.config import MAX_TOKENS_LIMIT, MODELS, OPEN_PER_KEY, per_key_default
+from kvledger.entrypoint.config import MAX_TOKENS_LIMIT, OPEN_PER_KEY, per_key_default
 from kvledger.entrypoint.router import POLICIES
 from kvledger.util.http_server import HEADER_TIMEOUT_S, MAX_CONNECTIONS
 from kvledger.util.output import EXIT_INTERRUPTED, CliError
@@ -38,6 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                        epilog=examples(
                            "kvledger serve",
                            "kvledger serve --model tiny-v4 --port 8001 --data-dir /tmp/kvl",
+                           "kvledger serve --model ~/models/my-llama.gguf   # or a Hugging Face folder",
                            "kvledger serve --api-keys keys.json --host 0.0.0.0 --data-dir /var/lib/kvledger"))
     http_args(p)
     p.add_argument("--data-dir", type=Path, default=default_data_dir(),
@@ -71,7 +72,7 @@ def grace_arg(p: argparse.ArgumentParser) -> None:
 
 
 def http_args(p: argparse.ArgumentParser) -> None:
-    from kvledger.core.spec import DEFAULT_MODEL
+    from kvledger.engine.models.registry import add_model_arg
 
     p.add_argument("--host", default="127.0.0.1", help="address to bind (non-loopback needs --api-keys)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port")
@@ -79,7 +80,7 @@ def http_args(p: argparse.ArgumentParser) -> None:
                    help='JSON: {"KEY": "namespace"} or {"KEY": {"namespace": ..., "ttl_class": ..., "role": '
                         '"operator"}} (operator keys read /metrics and /dashboard; the file must be owned by you and '
                         "writable by nobody else) (default: none, open to every caller on loopback)")
-    p.add_argument("--model", default=DEFAULT_MODEL, choices=MODELS, help="the model served")
+    add_model_arg(p)
     p.add_argument("--max-concurrent-per-key", type=int, default=None, help="running + waiting requests of one API "
                    f"key; more at once → 429 (default: with --api-keys half of --max-num-seqs, so one key never "
                    f"fills the batch; without, {OPEN_PER_KEY})")
@@ -111,6 +112,7 @@ def is_loopback(host: str) -> bool:
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
+    from kvledger.engine.models.registry import cli_resolve
     from kvledger.entrypoint.state import ServeConfig
     from kvledger.util.http_server import adopt, listen
 
@@ -119,6 +121,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
                        "loopback only (127.0.0.1, ::1); give --api-keys FILE to listen elsewhere")
     if not 0 <= args.port < 65536:
         raise CliError("--port must lie in [0, 65535]")
+    cli_resolve(args.model)
     if args.status_interval_s < 0 or args.grace_s < 0:
         raise CliError("--status-interval-s and --grace-s must be >= 0")
     for flag in ("max_concurrent_per_key", "max_body_bytes", "max_num_seqs", "max_prompt_tokens", "max_tokens_limit",
@@ -167,12 +170,13 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
 
 def _open_state(config: Any) -> Any:
+    from kvledger.engine.models.registry import ModelError
     from kvledger.entrypoint.auth import KeyFileError
     from kvledger.entrypoint.state import ServerState
 
     try:
         return ServerState(config)
-    except KeyFileError as e:
+    except (KeyFileError, ModelError) as e:   # a model's tokenizer that cannot be built, say
         raise CliError(str(e)) from None
     except OSError as e:
         raise CliError(f"--data-dir {config.data_dir}: cannot open the ledgers ({e.strerror or e})") from None

@@ -8,12 +8,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvledger.core import DEFAULT_MODEL
+from kvledger.engine.models import registry
 from kvledger.entrypoint.body_limit import BODY_TIMEOUT_S
 from kvledger.util.paths import default_data_dir
 
 MIB = 1 << 20
-MODELS = ("smollm2-135m", "tiny-v4")
 MAX_TOKENS_LIMIT = 4096   # default --max-tokens-limit: tokens one request may generate (minutes of a batch slot)
 OPEN_PER_KEY = 16         # default --max-concurrent-per-key without --api-keys: every caller is one tenant
 
@@ -31,7 +30,7 @@ def per_key_default(max_num_seqs: int, keyed: bool) -> int:
 class ServeConfig:
     """What `kvledger serve` was started with. Limits are per request unless named otherwise."""
 
-    model: str = DEFAULT_MODEL
+    model: str = registry.DEFAULT_MODEL   # a registry name or a path (`registry.resolve`)
     host: str = "127.0.0.1"
     port: int = 8000
     data_dir: Path = field(default_factory=default_data_dir)
@@ -54,8 +53,7 @@ class ServeConfig:
     routing: str = "cache-aware"
 
     def __post_init__(self) -> None:
-        if self.model not in MODELS:
-            raise ValueError(f"unknown model {self.model!r}; known: {', '.join(MODELS)}")
+        registry.resolve(self.model)   # ModelError (a ValueError) names what is served
         assert (self.redis_url is None) == (self.cluster_token is None), "the cluster mode needs both"
         assert self.max_body_bytes > 0 and self.max_concurrent_per_key > 0 and self.default_max_tokens > 0
         assert self.body_timeout_s > 0

@@ -18,12 +18,12 @@ import numpy as np
 from kvledger.core import HitDecision, decide_hit, hit_cap, salted_namespace
 from kvledger.engine.api import EngineRequest, SamplingParams
 from kvledger.entrypoint.auth import Tenant
-from kvledger.entrypoint.chat_template import ChatTemplateError
+from kvledger.engine.models.chat_template import ChatTemplateError
 from kvledger.entrypoint.check import check_prompt
 from kvledger.entrypoint.errors import ApiError, bad_request, model_not_found
 from kvledger.entrypoint.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from kvledger.entrypoint.state import ServerState
-from kvledger.entrypoint.tokenizer import encode_ids
+from kvledger.engine.models.tokenizer import encode_ids
 
 DEFAULT_TEMPERATURE = 1.0   # OpenAI's default; send 0 for greedy
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions

@@ -10,16 +10,16 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from kvledger.core import ModelSpec
-from kvledger.entrypoint.activity import Activity
 from kvledger.engine.async_engine import AsyncEngine
 from kvledger.engine.client import EngineClient
 from kvledger.engine.ledgers import Part, open_ledgers
-from kvledger.entrypoint.remote import RemoteEngines
+from kvledger.engine.models import registry
+from kvledger.engine.models.tokenizer import longest_token_bytes
+from kvledger.entrypoint.activity import Activity
 from kvledger.entrypoint.auth import Tenant, load_keys
 from kvledger.entrypoint.config import ServeConfig
 from kvledger.entrypoint.metrics import ServeMetrics
-from kvledger.entrypoint.tokenizer import longest_token_bytes
+from kvledger.entrypoint.remote import RemoteEngines
 from kvledger.store.ttl import TtlPolicy
 
 INTERRUPT_GRACE_S = 1.0   # Ctrl-C: an engine step still running after this long is left to the exit
@@ -31,17 +31,18 @@ class ServerState:
 
     def __init__(self, config: ServeConfig) -> None:
         self.config = config
-        self.model = config.model
+        self.entry = registry.resolve(config.model)
+        self.model = self.entry.name   # served under: /v1/models, the `model` field
         self.created = int(time.time())
-        self.spec = ModelSpec.preset(config.model)
+        self.spec = self.entry.spec
         self.policy = TtlPolicy()
         self.keys: dict[str, Tenant] | None = (load_keys(config.api_keys, set(self.policy.classes))
                                                if config.api_keys is not None else None)
+        self.tokenizer, self.chat_template = self.entry.text()   # before the ledgers: a bad model opens nothing
         part = Part.EMBEDDED if config.redis_url is None else Part.ENTRYPOINT
         self.ledgers = open_ledgers(self.spec, config.data_dir, part, redis_url=config.redis_url,
                                     token=config.cluster_token, policy=self.policy)
         self.block_ledger, self.state_ledger = self.ledgers.block, self.ledgers.state
-        self.tokenizer, self.chat_template = _text_side(config.model)
         self.max_token_bytes = longest_token_bytes(self.tokenizer) if self.tokenizer is not None else 0
         self.metrics = ServeMetrics(self.store_stats, lambda: self.block_ledger.store.counters.as_dict())
         self.activity = Activity()
@@ -65,7 +66,7 @@ class ServerState:
         from kvledger.engine.engine import Engine
 
         cache = not self.config.no_cache   # the baseline neither reads nor writes the ledgers
-        engine = Engine(self.model, block_ledger=self.block_ledger if cache else None,
+        engine = Engine(self.entry, block_ledger=self.block_ledger if cache else None,
                         state_ledger=self.state_ledger if cache else None,
                         device=self.config.device, max_num_seqs=self.config.max_num_seqs,
                         replay=self.config.replay)
@@ -145,18 +146,6 @@ class ServerState:
         elif self._engine_core is not None:   # loaded, its loop never started
             self._engine_core.close()
         self.ledgers.close()
-
-
-def _text_side(model: str) -> tuple[Any, Any]:
-    """(tokenizer, chat template) of a model; tiny-v4 has neither (it takes token ids)."""
-    if model != "smollm2-135m":
-        return None, None
-    from kvledger.engine.models.hf_folder import smollm2_folder
-    from kvledger.entrypoint.chat_template import ChatTemplate
-    from kvledger.entrypoint.tokenizer import load_tokenizer
-
-    tokenizer = load_tokenizer("smollm2")
-    return tokenizer, ChatTemplate.from_folder(smollm2_folder(), tokenizer)
 
 
 def _vocab_size(engine: Any, tokenizer: Any) -> int:

@@ -102,6 +102,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_up(args: argparse.Namespace) -> None:
+    from kvledger.engine.models.registry import NAMES, cli_resolve
     from kvledger.entrypoint.cli import is_loopback
     from kvledger.util.paths import default_data_dir
 
@@ -113,6 +114,9 @@ def cmd_up(args: argparse.Namespace) -> None:
         raise CliError(f"--host {args.host}: without --api-keys the entrypoint binds to loopback only")
     if args.grace_s < 0:
         raise CliError("--grace-s must be >= 0")
+    cli_resolve(args.model)   # a model that is not servable fails here, before Redis and the engines start
+    if args.model not in NAMES:   # a path: the children get it whole, whatever their working directory
+        args.model = str(Path(args.model).expanduser().resolve())
     for flag in ("header_timeout_s", "body_timeout_s", "max_connections"):   # the entrypoint's, checked here first
         if getattr(args, flag) <= 0:
             raise CliError(f"--{flag.replace('_', '-')} must be > 0")

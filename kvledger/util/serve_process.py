@@ -18,6 +18,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from kvledger.core import DEFAULT_MODEL
+
 KVLEDGER = Path(sys.executable).parent / "kvledger"
 START_TIMEOUT_S = 600.0   # model load: ~50 s at load average 25 on a 2-core machine, minutes at 35
 
@@ -93,7 +95,7 @@ class ServeProcess:
     """Start with `start()`, stop with `stop()` (SIGTERM: a graceful shutdown, as an operator does).
     `get` and `post` send `api_key` as a bearer token when it is set."""
 
-    def __init__(self, data_dir: Path, *args: str, model: str = "smollm2-135m",
+    def __init__(self, data_dir: Path, *args: str, model: str = DEFAULT_MODEL,
                  keys: dict | None = None, api_key: str | None = None) -> None:
         self.api_key = api_key
         self.data_dir = Path(data_dir)

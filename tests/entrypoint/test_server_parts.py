@@ -13,7 +13,7 @@ from starlette.testclient import TestClient
 from kvledger.core import ModelSpec, chain_keys, salted_namespace
 from kvledger.entrypoint.auth import KeyFileError, authenticate, load_keys
 from kvledger.entrypoint.body_limit import BodyLimit
-from kvledger.entrypoint.chat_template import ChatTemplate, ChatTemplateError
+from kvledger.engine.models.chat_template import ChatTemplate, ChatTemplateError
 from kvledger.entrypoint.detokenize import TextStream
 from kvledger.entrypoint.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -237,7 +237,7 @@ def test_cache_salt_splits_a_namespace_without_collisions():
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from kvledger.entrypoint.tokenizer import load_tokenizer
+    from kvledger.engine.models.registry import load_tokenizer
 
     return load_tokenizer("smollm2")
 
@@ -268,9 +268,9 @@ def test_text_stream_stops_before_a_stop_string_split_over_tokens(tokenizer):
 
 
 def test_smollm2_chat_template_renders_as_hugging_face_does():
-    from kvledger.engine.models.hf_folder import smollm2_folder
+    from kvledger.engine.models.registry import resolve
 
-    template = ChatTemplate.from_folder(smollm2_folder())
+    template = ChatTemplate.from_folder(resolve("smollm2-135m").weights.folder())
     text = template.render([{"role": "user", "content": "Hi"}])
     assert text == ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
                     "<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
@@ -286,9 +286,9 @@ def smollm2_text():
     """What `kvledger serve --model smollm2-135m` tokenizes chat with: its tokenizer and chat template."""
     from types import SimpleNamespace
 
-    from kvledger.entrypoint.state import _text_side
+    from kvledger.engine.models.registry import resolve
 
-    tokenizer, template = _text_side("smollm2-135m")
+    tokenizer, template = resolve("smollm2-135m").text()
     return SimpleNamespace(model="smollm2-135m", tokenizer=tokenizer, chat_template=template)
 
 

@@ -38,9 +38,9 @@ DTYPE = "float32"
 
 @pytest.fixture(scope="module")
 def model_dir() -> Path:
-    from kvledger.engine.models.hf_folder import smollm2_folder
+    from kvledger.engine.models.registry import resolve
 
-    return smollm2_folder()
+    return resolve("smollm2-135m").weights.folder()
 
 
 def kvledger_opts(model_dir: Path, store: Path, events: Path) -> dict:

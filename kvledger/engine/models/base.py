@@ -35,12 +35,11 @@ The forward runs `Chunk`s (one per sequence in the batch). The ranges of one chu
 Full-attention models (Llama) have no window: `keep_blocks_until` is 0 and `truncate_from` None.
 
 Before layer l reads its caches the forward calls `before_layer(l)` (when given): swap-in blocks
-there until layer l's hit blocks are on the device. A model adds itself to `MODELS` by name.
+there until layer l's hit blocks are on the device. A model is served through its entry in `registry`.
 """
 
 from __future__ import annotations
 
-import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -208,18 +207,3 @@ class Model(nn.Module, ABC):
             n = self.caches[i].window_bytes
             self.caches[i].import_window(slot, position, src[off:off + n])
             off += n
-
-
-# name → "module:function" returning a Model on a device; a model module registers itself here.
-MODELS: dict[str, str] = {
-    "smollm2-135m": "kvledger.engine.models.llama:load_smollm2",
-    "tiny-v4": "kvledger.engine.models.tiny_v4:load_tiny_v4",
-}
-
-
-def load_model(name: str, device: str | torch.device = "cpu") -> Model:
-    """The model called `name` on `device` (weights loaded, caches not yet allocated)."""
-    if name not in MODELS:
-        raise ValueError(f"unknown model {name!r}; known: {', '.join(sorted(MODELS))}")
-    module, func = MODELS[name].split(":")
-    return getattr(importlib.import_module(module), func)(torch.device(device))

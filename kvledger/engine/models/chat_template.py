@@ -21,7 +21,7 @@ from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from kvledger.entrypoint.tokenizer import PieceEncoder
+from kvledger.engine.models.tokenizer import PieceEncoder
 
 
 class ChatTemplateError(ValueError):

