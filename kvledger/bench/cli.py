@@ -9,6 +9,7 @@ import argparse
 import importlib
 from types import ModuleType
 
+from kvledger.bench.record import recorded
 from kvledger.util.output import examples
 
 BENCHES = {
@@ -27,7 +28,8 @@ BENCHES = {
 def register(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("bench", help="benchmarks, each side by side with its baseline",
                             description="Benchmarks, each printing its figures side by side with its baseline "
-                            "(--json: one JSON object;\n--out DIR: the JSON and PNG charts).",
+                            "(--json: one JSON object;\n--out DIR: the JSON and PNG charts; --record DIR: the run "
+                            "kept, with its command,\ncommit, date and machine load).",
                             epilog=examples("kvledger bench ttft --json", "kvledger bench NAME --help"))
     benches = parser.add_subparsers(dest="bench", required=True, parser_class=type(parser))
     for name, module_name in BENCHES.items():
@@ -36,8 +38,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                                epilog=examples(*module.EXAMPLES))
         p.add_argument("--json", action="store_true", help="print one JSON object")
         p.add_argument("--out", metavar="DIR", help="write the JSON and PNG charts into DIR")
+        p.add_argument("--record", metavar="DIR", help="keep the run: its JSON plus the command, commit, date and "
+                       f"machine load in DIR/{name}-<UTC time>.json (docs/results/)")
         module.add_arguments(p)
-        p.set_defaults(func=module.run)
+        p.set_defaults(func=recorded(name, module.run))
 
 
 def _description(module: ModuleType) -> str:

@@ -1,0 +1,23 @@
+"""`kvledger bench NAME --record DIR`: the run kept as the JSON it printed, with where and when it ran."""
+
+import json
+
+
+def test_a_recorded_run_is_the_printed_json_plus_its_run(run_cli, tmp_path):
+    r = run_cli("bench", "sim", "--sessions", "20", "--record", str(tmp_path / "results"))
+    assert r.returncode == 0, r.stderr
+    printed = json.loads(r.stdout)
+    (kept,) = (tmp_path / "results").glob("sim-*.json")
+    assert json.loads(kept.read_text()) == printed
+    run = printed["run"]
+    assert run["command"] == f"kvledger bench sim --sessions 20 --record {tmp_path / 'results'}"
+    assert run["bench"] == "sim" and run["date"].endswith("Z") and run["cores"] >= 1
+    assert len(run["load_avg_before"]) == len(run["load_avg_after"]) == 3
+    assert run["commit"] is None or len(run["commit"].removesuffix("-dirty")) == 40
+    assert printed["block_hit_rate"] >= 0   # the bench's own figures are all there
+
+
+def test_an_unwritable_record_folder_is_one_line(run_cli, tmp_path):
+    (tmp_path / "file").write_text("")
+    r = run_cli("bench", "sim", "--record", str(tmp_path / "file" / "results"))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--record" in r.stderr, r.stderr
