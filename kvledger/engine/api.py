@@ -1,4 +1,4 @@
-"""The engine's API records (ENGINE_API.md): what the server and the entrypoint hand the engine and
+"""The engine's API records: what the server and the entrypoint hand the engine and
 what it hands back. Plain records, no torch here, so the entrypoint can import them cheaply.
 
 Units: tokens are vocabulary ids; positions and lengths are in tokens; times in seconds.

@@ -1,4 +1,4 @@
-"""`Engine`: the reference engine's API (ENGINE_API.md) over the scheduler, loader, runner and writer.
+"""`Engine`: the reference engine over the scheduler, loader, runner and writer (its records: api.py).
 
     engine = Engine(registry.DEFAULT_MODEL, block_ledger=BlockLedger.open(path=DIR))   # a name or a path
     keys, decision = check_prompt(tokens, engine.spec, block_ledger=..., state_ledger=None)
