@@ -66,7 +66,9 @@ def _open_store(path: str | None, redis_url: str | None, index: str = "lmdb"):  
     if redis_url:
         from kvledger.store.redis_backend import RedisStore
 
-        return RedisStore(redis_url, files=FileStore(path, fsync=False) if path else None)
+        from kvledger.store.shared_files import SharedFiles
+
+        return RedisStore(redis_url, files=SharedFiles(path, fsync=False) if path else None)
     if index == "scan":
         return FileStore(path, fsync=False, create=False)
     from kvledger.store.lmdb_store import LmdbStore

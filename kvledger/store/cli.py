@@ -110,8 +110,8 @@ def open_store(root: Path | None, redis_url: str | None, capacity_bytes: int | N
     or Redis does not answer."""
     files = None
     if root is not None:
-        from kvledger.store.file_backend import FileStore
         from kvledger.store.lmdb_store import LmdbStore
+        from kvledger.store.shared_files import SharedFiles
 
         if redis_url is None:  # the embedded store: a directory of the previous layout is migrated once
             try:
@@ -119,7 +119,7 @@ def open_store(root: Path | None, redis_url: str | None, capacity_bytes: int | N
             except (OSError, lmdb.Error) as e:
                 raise CliError(f"{root}: cannot open ({getattr(e, 'strerror', None) or e})") from None
         try:
-            files = FileStore(root, capacity_bytes=capacity_bytes, create=False)
+            files = SharedFiles(root, create=False)
         except OSError as e:
             raise CliError(f"{root}: cannot open ({e.strerror or e})") from None
     import redis

@@ -43,7 +43,8 @@ class BlockLedger:
     @classmethod
     def open(cls, path: str | os.PathLike | None = None, redis_url: str | None = None, *,
              policy: TtlPolicy | None = None, capacity_bytes: int | None = None, fsync: bool = True,
-             clock: Clock = wall_clock, timeout_s: float = 2.0, index: str = "lmdb") -> BlockLedger:
+             clock: Clock = wall_clock, timeout_s: float = 2.0, index: str = "lmdb",
+             prefix: str = "kvl:") -> BlockLedger:
         """`path` alone: embedded (segment files; `index="lmdb"` the persisted index every process of the node
         shares, `"scan"` the previous design: an in-process index rebuilt from the segments at open);
         `redis_url` alone: Redis holds metadata and bytes; both: the cluster mode (Redis index, bytes in
@@ -62,8 +63,10 @@ class BlockLedger:
             return cls(FileStore(path, capacity_bytes=capacity_bytes, fsync=fsync, clock=clock), policy)
         from kvledger.store.redis_backend import RedisStore
 
-        files = FileStore(path, fsync=fsync) if path is not None else None
-        return cls(RedisStore(redis_url, timeout_s=timeout_s, files=files), policy)
+        from kvledger.store.shared_files import SharedFiles
+
+        files = SharedFiles(path, fsync=fsync) if path is not None else None
+        return cls(RedisStore(redis_url, prefix=prefix, timeout_s=timeout_s, files=files), policy)
 
     # --- CHECK -----------------------------------------------------------------
 

@@ -60,6 +60,7 @@ def store(request, tmp_path, shared_redis):
     under its own key prefix."""
     from kvledger.store.file_backend import FileStore
     from kvledger.store.redis_backend import RedisStore
+    from kvledger.store.shared_files import SharedFiles
 
     prefix = f"t{secrets.token_hex(6)}:"
     if request.param == "lmdb":
@@ -71,11 +72,11 @@ def store(request, tmp_path, shared_redis):
     elif request.param == "redis":
         st = RedisStore(shared_redis.url, prefix=prefix)
     elif request.param == "cluster":
-        st = RedisStore(shared_redis.url, prefix=prefix, files=FileStore(tmp_path, fsync=False))
+        st = RedisStore(shared_redis.url, prefix=prefix, files=SharedFiles(tmp_path, fsync=False))
     elif request.param == "redis-cluster":
         st = RedisStore(request.getfixturevalue("redis_cluster").url, prefix=prefix)
     else:
         url = request.getfixturevalue("redis_cluster").url
-        st = RedisStore(url, prefix=prefix, files=FileStore(tmp_path, fsync=False))
+        st = RedisStore(url, prefix=prefix, files=SharedFiles(tmp_path, fsync=False))
     yield st
     st.close()
