@@ -43,9 +43,9 @@ TTL_S = 30 * 86400.0
 
 def open_store(design: str, root: str, fsync: bool = True) -> Any:
     if design == "new":
-        from kvledger.store.lmdb_store import LmdbStore
+        from kvledger.store.open import StoreLocation, open_block_store
 
-        return LmdbStore(root, fsync=fsync)
+        return open_block_store(StoreLocation(root), fsync=fsync)
     from kvledger.store.file_backend import FileStore
 
     return FileStore(root, fsync=fsync)
