@@ -59,14 +59,8 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
 # --- the fetcher process -------------------------------------------------------------------
 
 
-def _open_store(path: str | None, redis_url: str | None, index: str = "lmdb",
-                prefix: str = DEFAULT_PREFIX):  # -> BlockStore
-    """The store `ledger_location` names: `index` is the embedded store's ("lmdb" or "scan"), never changed
-    here (opening a scan store as LmdbStore would build an LMDB index inside it)."""
-    if index == "scan" and not redis_url:
-        from kvledger.store.file_backend import FileStore
-
-        return FileStore(path, fsync=False, create=False)
+def _open_store(path: str | None, redis_url: str | None, prefix: str = DEFAULT_PREFIX):  # -> BlockStore
+    """The store `location_of(ledger.store)` names, opened as the ledger's own was (`open_block_store`)."""
     return open_block_store(StoreLocation(path, redis_url or None, prefix), fsync=False, create=False)
 
 
@@ -82,13 +76,13 @@ def miss_counts(store) -> tuple[int, int]:
     return absent, corrupt
 
 
-def serve(sock: socket.socket, shm_name: str, path: str | None, redis_url: str | None, index: str = "lmdb",
+def serve(sock: socket.socket, shm_name: str, path: str | None, redis_url: str | None,
           prefix: str = DEFAULT_PREFIX) -> None:
     """Answer jobs until the engine closes its end."""
     shm = shared_memory.SharedMemory(name=shm_name)
     with contextlib.suppress(Exception):  # attached, not owned: the engine unlinks it
         resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
-    store = _open_store(path, redis_url, index, prefix)
+    store = _open_store(path, redis_url, prefix)
     view = memoryview(shm.buf)
     try:
         while True:
@@ -121,14 +115,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--fd", type=int, required=True)
     p.add_argument("--shm", required=True)
     p.add_argument("--path")
-    p.add_argument("--index", choices=("lmdb", "scan"), default="lmdb", help="the embedded store's index")
     p.add_argument("--redis-url", default=os.environ.get(REDIS_URL_ENV))
     p.add_argument("--prefix", default=DEFAULT_PREFIX, help="the Redis key prefix of the store")
     a = p.parse_args(argv)
     # the engine owns this process's lifetime: a terminal's Ctrl-C reaches the whole process group, and
     # this process ends when the engine's socket closes (EOF), not with a traceback of its own
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    serve(socket.socket(fileno=a.fd), a.shm, a.path, a.redis_url, a.index, a.prefix)
+    serve(socket.socket(fileno=a.fd), a.shm, a.path, a.redis_url, a.prefix)
 
 
 # --- the engine's side ---------------------------------------------------------------------
@@ -151,12 +144,9 @@ class FetchJob:
         return self.intact is not None
 
 
-def ledger_location(ledger: object) -> tuple[StoreLocation, str]:
-    """(location, embedded index) that open the same store in another process."""
-    from kvledger.store.file_backend import FileStore
-
-    store = ledger.store  # type: ignore[attr-defined]
-    return location_of(store), "scan" if isinstance(store, FileStore) else "lmdb"
+def ledger_location(ledger: object) -> StoreLocation:
+    """The location that opens the ledger's store in another process."""
+    return location_of(ledger.store)  # type: ignore[attr-defined]
 
 
 class Fetcher:
@@ -165,7 +155,7 @@ class Fetcher:
     def __init__(self, ledger: object, block_bytes: int, capacity_blocks: int, *, timeout_s: float = 10.0) -> None:
         assert block_bytes > 0 and capacity_blocks > 0
         self.block_bytes, self.capacity, self.timeout_s = block_bytes, capacity_blocks, timeout_s
-        self.location, self.index = ledger_location(ledger)
+        self.location = ledger_location(ledger)
         self.shm = shared_memory.SharedMemory(create=True, size=block_bytes * capacity_blocks)
         self.staging = np.ndarray((capacity_blocks, block_bytes), dtype=np.uint8, buffer=self.shm.buf)
         self.staging.fill(0)  # fault the pages in once, not on the first hit
@@ -181,7 +171,7 @@ class Fetcher:
         ours, theirs = socket.socketpair()
         cmd = [sys.executable, "-m", "kvledger.engine.fetcher", "--fd", str(theirs.fileno()), "--shm", self.shm.name]
         where = self.location
-        cmd += ["--path", where.path, "--index", self.index] if where.path else []
+        cmd += ["--path", where.path] if where.path else []
         cmd += ["--prefix", where.prefix] if where.prefix != DEFAULT_PREFIX else []
         env = {k: v for k, v in os.environ.items() if k != REDIS_URL_ENV}   # the URL may carry a password:
         env |= {REDIS_URL_ENV: where.redis_url} if where.redis_url else {}  # not on the command line

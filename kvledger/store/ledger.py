@@ -44,19 +44,11 @@ class BlockLedger:
     @classmethod
     def open(cls, path: str | os.PathLike | None = None, redis_url: str | None = None, *,
              policy: TtlPolicy | None = None, capacity_bytes: int | None = None, fsync: bool = True,
-             clock: Clock = wall_clock, timeout_s: float = 2.0, index: str = "lmdb",
-             prefix: str = DEFAULT_PREFIX) -> BlockLedger:
-        """`path` alone: embedded (segment files; `index="lmdb"` the persisted index every process of the node
-        shares, `"scan"` the previous design: an in-process index rebuilt from the segments at open);
+             clock: Clock = wall_clock, timeout_s: float = 2.0, prefix: str = DEFAULT_PREFIX) -> BlockLedger:
+        """`path` alone: embedded (segment files and the persisted LMDB index every process of the node shares);
         `redis_url` alone: Redis holds metadata and bytes; both: the cluster mode (Redis index, bytes in
         segment files under `path`, a shared mount); `prefix` names the Redis keys. See `open_block_store`."""
         location = StoreLocation(None if path is None else os.fspath(path), redis_url, prefix)
-        if index not in ("lmdb", "scan"):
-            raise ValueError(f"index is 'lmdb' or 'scan', got {index!r}")
-        if redis_url is None and index == "scan":
-            from kvledger.store.file_backend import FileStore
-
-            return cls(FileStore(path, capacity_bytes=capacity_bytes, fsync=fsync, clock=clock), policy)
         return cls(open_block_store(location, capacity_bytes=capacity_bytes, fsync=fsync, clock=clock,
                                     timeout_s=timeout_s), policy)
 

@@ -1,9 +1,9 @@
-"""The segment directory of the embedded store: file names, the writers' flock, whole-segment
-writes, reads through a cache of open descriptors, and the in-place mutable arrays.
+"""A flat segment directory (`root/segments/*.kvs`, format in segment.py): file names, whole-segment
+writes, reads through a cache of open descriptors; and the I/O helpers every store's files share.
 
-No index here: this module moves bytes between the caller and `root/segments/*.kvs`
-(format in segment.py). Every method raises `OSError` on a fault; the store decides what a
-fault means (a miss, a failed put).
+No index here: this module moves bytes between the caller and the files (the cluster mode's
+SharedFiles; the previous layout of the embedded store, which the LMDB store migrates). Every
+method raises `OSError` on a fault; the store decides what a fault means (a miss, a failed put).
 
     write:  .tmp-<host>-<pid>-<rand>  --writev, fsync-->  rename to <ns time>-<host>-<pid>-<rand>.kvs
     read:   preadv of back-to-back blocks straight into the caller's buffers (IOV_MAX per call)
@@ -11,14 +11,13 @@ fault means (a miss, a failed put).
 
 from __future__ import annotations
 
-import fcntl
 import os
 import secrets
 import socket
 import time
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, suppress
+from collections.abc import Sequence
+from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +30,7 @@ HOST = socket.gethostname().replace("-", "_")
 
 
 class SegmentFiles:
-    """The files under `root/segments` (created when missing) and the lock file `root/.lock`."""
+    """The files under `root/segments` (created when missing)."""
 
     def __init__(self, root: Path, *, fsync: bool = True) -> None:
         self.root = root
@@ -39,25 +38,11 @@ class SegmentFiles:
         self.seg_dir.mkdir(parents=True, exist_ok=True)
         self.fsync = fsync
         self._fds: OrderedDict[str, int] = OrderedDict()
-        self._lock_path = root / ".lock"
 
     # --- the directory ---------------------------------------------------------------
 
-    def mtime_ns(self) -> int:
-        return os.stat(self.seg_dir).st_mtime_ns
-
     def names(self) -> set[str]:
         return {n for n in os.listdir(self.seg_dir) if n.endswith(sg.SUFFIX)}
-
-    @contextmanager
-    def flock(self) -> Iterator[None]:
-        """Writers of one directory (in any process) take turns: puts, GC, write-backs."""
-        fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
-        finally:
-            os.close(fd)
 
     def remove_stale_tmp(self, max_age_s: float | None = None) -> None:
         """Temporary files of writers that died mid-write (never renamed in): those of dead processes of
@@ -114,13 +99,6 @@ class SegmentFiles:
         with suppress(FileNotFoundError):
             os.unlink(self.seg_dir / name)
 
-    def unlink_bad(self, name: str) -> bool:
-        try:
-            os.unlink(self.seg_dir / name)
-        except OSError:
-            return False
-        return True
-
     # --- block bytes -----------------------------------------------------------------------
 
     def read_into(self, name: str, views: list[memoryview], offset: int) -> int:
@@ -147,27 +125,6 @@ class SegmentFiles:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
-
-    # --- the mutable arrays (expiry, last hit, flags) ----------------------------------------
-
-    def read_mutable(self, name: str, offset: int, length: int) -> bytes | None:
-        """The mutable region of a segment; None when the segment is gone."""
-        try:
-            fd = os.open(self.seg_dir / name, os.O_RDONLY)
-        except FileNotFoundError:
-            return None
-        try:
-            return os.pread(fd, length, offset)
-        finally:
-            os.close(fd)
-
-    def write_mutable(self, name: str, offset: int, data: bytes | bytearray) -> None:
-        fd = os.open(self.seg_dir / name, os.O_WRONLY)
-        try:
-            os.pwrite(fd, data, offset)
-        finally:
-            os.close(fd)
-
 
 # --- helpers -------------------------------------------------------------------------------
 

@@ -89,20 +89,3 @@ def test_a_job_reports_the_bytes_it_read_and_its_misses_by_cause(setup):
     job = fetcher.submit(KEYS[:3])
     _wait(fetcher, job)
     assert (job.intact, job.bytes_read, job.misses) == (1, 2 * BB, {"corrupt": 1})
-
-
-def test_a_scan_store_is_read_as_one_and_gets_no_lmdb_index(tmp_path):
-    """The fetcher opens the store the ledger has: a ledger opened with `index="scan"` was reopened in the
-    fetcher as an LmdbStore, whose constructor migrated the folder (an LMDB index built inside it)."""
-    ledger = BlockLedger.open(path=tmp_path, fsync=False, index="scan")
-    blocks = [np.full(BB, i + 1, np.uint8) for i in range(len(KEYS))]
-    ledger.put_chain(KEYS, blocks)
-    fetcher = Fetcher(ledger, BB, 8, timeout_s=5.0)
-    try:
-        job = fetcher.submit(KEYS)
-        _wait(fetcher, job)
-        assert job.intact == len(KEYS) and all((fetcher.view(job)[i] == blocks[i]).all() for i in range(6))
-    finally:
-        fetcher.close()
-        ledger.close()
-    assert not (tmp_path / "index.lmdb").exists()
