@@ -75,7 +75,6 @@ def write_chain(store: Any, keys: list[bytes], per_put: int, block: bytes, ttl_s
 def bulk_chain(store: Any, keys: list[bytes], per_put: int, block: bytes) -> None:
     """The new design's build: the same segments as `write_chain`, a chain's segments indexed in one transaction
     (building only: the measured puts go through `put`)."""
-    from kvledger.store import lmdb_write
 
     now = time.time()
     written = []
@@ -83,10 +82,10 @@ def bulk_chain(store: Any, keys: list[bytes], per_put: int, block: bytes) -> Non
         w = ChainWrite(keys[s:s + per_put], [block] * len(keys[s:s + per_put]), s, keys[s - 1] if s else bytes(16),
                        NAMESPACE, "agent", TTL_S)
         sel = list(range(len(w.keys)))
-        written.append((w, *lmdb_write.write_segment(store, w, sel, [memoryview(block)] * len(sel), now)))
+        written.append((w, *store.writer.write_segment(w, sel, [memoryview(block)] * len(sel), now)))
     with store.index.env.begin(write=True) as txn:
         for w, path, rows, size in written:
-            lmdb_write.index_rows(store, txn, w, path, rows, size, now)
+            store.writer.index_rows(txn, w, path, rows, size, now)
 
 
 def previous_layout_chain(files: Any, keys: list[bytes], per_put: int, block: bytes) -> None:

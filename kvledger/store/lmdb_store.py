@@ -21,6 +21,7 @@ dropped from the index (if the index still names those bytes).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -79,12 +80,15 @@ class LmdbStore:
         (self.root / "segments").mkdir(parents=True, exist_ok=True)
         (self.root / "tmp").mkdir(exist_ok=True)
         self.capacity_bytes = capacity_bytes
-        self.low_watermark = low_watermark
         self.fsync = fsync
         self.clock = clock
         self.counters = Counters()
         self.index = _open_index(self.root, fsync)
         self.refresher = Refresher(self._write_refresh)
+        self.writer = lmdb_write.Writer(self.index, self.root, fsync, self._expiry, self.unlink)
+        self.collector = lmdb_gc.Collector(self.index, self.unlink, self.flush,
+                                           functools.partial(lmdb_upkeep.rewrite_segment, self.get_into, self.writer),
+                                           self.counters, capacity_bytes, low_watermark, str(self.root))
         self._fds: dict[int, int] = {}
         self._io_lock = threading.Lock()        # the descriptor cache is shared by this process's threads
         self._walked: dict[bytes, float] = {}   # chain tail → expiry its last walk noted (this process)
@@ -193,9 +197,9 @@ class LmdbStore:
                     log.warning("put of %d bytes exceeds the store's capacity %d", incoming, self.capacity_bytes)
                     self.counters.put_failures += 1
                     return PutResult(0, skipped, len(sel))
-                lmdb_gc.make_room(self, incoming)
-            path, rows, file_size = lmdb_write.write_segment(self, write, sel, views, now)
-            written = lmdb_write.index_segment(self, write, path, rows, file_size, now)
+                self.collector.make_room(incoming)
+            path, rows, file_size = self.writer.write_segment(write, sel, views, now)
+            written = self.writer.index_segment(write, path, rows, file_size, now)
             self.index.persist()   # acknowledged only once its index entries are durable
             self.counters.blocks_written += written
             self.counters.blocks_skipped += len(sel) - written
@@ -322,10 +326,10 @@ class LmdbStore:
     # --- removal, upkeep, views ------------------------------------------------------
 
     def delete(self, keys: Sequence[bytes]) -> int:
-        return lmdb_gc.delete(self, keys)
+        return self.collector.delete(keys)
 
     def gc(self, batch: int = 4096) -> GcResult:
-        return lmdb_gc.gc(self, batch)
+        return self.collector.gc(self.clock(), batch)
 
     def probe(self) -> str | None:
         return probe_folder(self.root / "segments")

@@ -15,17 +15,17 @@ import fcntl
 import logging
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import suppress
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import lmdb
 
-from kvledger.store import lmdb_write
 from kvledger.store import segment as seg_format
 from kvledger.store.backend import StoreStats, VerifyResult
 from kvledger.store.lmdb_index import FORMAT, SEG_ID, U64, BlockRec, SegRec
+from kvledger.store.lmdb_write import Writer
 from kvledger.store.segment_files import pid_alive
 
 if TYPE_CHECKING:
@@ -138,21 +138,22 @@ def drop_bad(store: LmdbStore, bad: list[tuple[bytes, BlockRec]]) -> None:
     store.unlink([p for p in paths if p])
 
 
-def rewrite_segment(store: LmdbStore, seg: SegRec,
+def rewrite_segment(read: Callable[[list[bytes], list[bytearray]], list[int]], writer: Writer, seg: SegRec,
                     live: list[tuple[bytes, BlockRec]]) -> tuple[str, list[tuple[bytes, BlockRec, int]], int] | None:
-    """A new segment file holding the blocks `live` of `seg` (checked on the way); None if none read back."""
+    """A new segment file (`writer`) holding the blocks `live` of `seg`, read back and checked on the way
+    (`read`: the store's get_into); None if none read back."""
     from kvledger.store.backend import ChainWrite
 
     live.sort(key=lambda kr: kr[1].pos)
     bufs = [bytearray(r.size) for _, r in live]
-    sizes = store.get_into([k for k, _ in live], bufs)
+    sizes = read([k for k, _ in live], bufs)
     ok = [(k, r, b) for (k, r), b, s in zip(live, bufs, sizes) if s >= 0]
     if not ok:
         return None
     write = ChainWrite([k for k, _, _ in ok], [b for _, _, b in ok], ok[0][1].pos, ok[0][1].parent,
                        seg.namespace.decode("utf-8", "replace"), seg.ttl_class.decode("utf-8", "replace"), seg.ttl_s)
-    path, rows, file_size = lmdb_write.write_segment(store, write, list(range(len(ok))),
-                                                     [memoryview(b) for _, _, b in ok], seg.created)
+    path, rows, file_size = writer.write_segment(write, list(range(len(ok))), [memoryview(b) for _, _, b in ok],
+                                                 seg.created)
     return path, [(k, r, row[5]) for (k, r, _), row in zip(ok, rows)], file_size
 
 
