@@ -93,7 +93,7 @@ class LmdbStore:
         self._io_lock = threading.Lock()        # the descriptor cache is shared by this process's threads
         self._walked: dict[bytes, float] = {}   # chain tail → expiry its last walk noted (this process)
         lmdb_upkeep.remove_dead_tmp(self.root / "tmp", HOST)
-        lmdb_upkeep.migrate(self)
+        lmdb_upkeep.migrate(self.index, self.root)
 
     # --- CHECK -----------------------------------------------------------------
 
@@ -263,7 +263,7 @@ class LmdbStore:
                     run.append((i, rec))
             self._read_run(run, paths, bufs, out, keys, bad)
         if bad and drop:
-            lmdb_upkeep.drop_bad(self, bad)
+            lmdb_upkeep.drop_bad(self.index, self.unlink, bad)
         return out
 
     def _read_run(self, run: list[tuple[int, BlockRec]], paths: dict[int, str], bufs: Sequence[Buffer],
@@ -335,10 +335,17 @@ class LmdbStore:
         return probe_folder(self.root / "segments")
 
     def stats(self) -> StoreStats:
-        return lmdb_upkeep.stats(self)
+        self.flush()
+        st = StoreStats(self.backend, str(self.root), capacity_bytes=self.capacity_bytes)
+        lmdb_upkeep.fill_stats(self.index, st).counters = self.counters.as_dict()
+        return st
 
     def verify(self, remove: bool = True, orphan_age_s: float = lmdb_upkeep.ORPHAN_AGE_S) -> VerifyResult:
-        return lmdb_upkeep.verify(self, remove, orphan_age_s)
+        self.flush()
+        def read(keys: list[bytes], bufs: list[bytearray], drop: bool) -> list[int]:
+            return self.get_into(keys, bufs, drop=drop)
+
+        return lmdb_upkeep.verify(self.index, self.root, read, self.unlink, remove, orphan_age_s)
 
     def flush(self) -> None:
         """Write this process's noted TTL refreshes now."""
