@@ -1,7 +1,7 @@
 """The bytes of the cluster mode: segment files on a shared mount (3FS, CephFS, NFS), read by location.
 
-The index (Redis) records where each block's bytes are, a `Location`: the segment file's name and the
-block's byte offset in it (size and xxh3-64 are in the block's metadata). So this side keeps no index
+The index (Redis) records where each block's bytes are, a `segment_files.Location`: the segment file's
+name and the block's byte offset in it (size and xxh3-64 are in the block's metadata). So this side keeps no index
 and a read never lists the mount:
 
     write:  the blocks of one put → one segment (SegmentFiles.write: tmp, writev, fsync, rename) → a
@@ -22,49 +22,20 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-import struct
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import xxhash
 
 from kvledger.store import segment as sg
 from kvledger.store.backend import BlockInfo, Buffer, ChainWrite, probe_folder, stored_name
-from kvledger.store.segment_files import IOV_MAX, STALE_TMP_S, SegmentFiles, read_views
+from kvledger.store.segment_files import STALE_TMP_S, Location, Outcome, SegmentFiles
 
 log = logging.getLogger("kvledger.store")
 
 VOLUME_FILE = "volume.id"   # in the shared store folder: the id of the volume, as the index records it
-OFFSET = struct.Struct("<Q")
-Outcome = int | str         # a read's outcome: the size read, or "corrupt" | "truncated" | "unreadable"
-
-
-@dataclass(frozen=True, slots=True)
-class Location:
-    """Where a block's bytes are: `size` bytes at byte `offset` of segment file `name`, hashing to `xxh`."""
-
-    name: str
-    offset: int
-    size: int
-    xxh: int
-
-    def pack(self) -> bytes:
-        """The bytes the index keeps (offset u64 LE, then the name; size and xxh travel in the metadata)."""
-        return OFFSET.pack(self.offset) + self.name.encode()
-
-    @classmethod
-    def unpack(cls, raw: bytes, size: int, xxh: int) -> Location | None:
-        """The inverse of `pack` (None when `raw` does not parse)."""
-        if len(raw) <= OFFSET.size:
-            return None
-        try:
-            name = raw[OFFSET.size:].decode()
-        except UnicodeDecodeError:
-            return None
-        return None if "/" in name else cls(name, OFFSET.unpack_from(raw)[0], size, xxh)
+__all__ = ["Location", "Outcome", "SharedFiles", "VOLUME_FILE"]
 
 
 class SharedFiles:
@@ -76,8 +47,7 @@ class SharedFiles:
         if not create and not self.root.is_dir():
             raise FileNotFoundError(f"{self.root}: no such directory")
         self.files = SegmentFiles(self.root, fsync=fsync)
-        self.volume_id = ""              # `claim_volume`: what `root/volume.id` said at open
-        self._io_lock = threading.Lock()  # the descriptor cache is shared by this process's threads
+        self.volume_id = ""   # `claim_volume`: what `root/volume.id` said at open
 
     # --- write and read ---------------------------------------------------------------
 
@@ -97,43 +67,13 @@ class SharedFiles:
         return [Location(name, off, size, xxh) for _, _, _, size, xxh, off in rows]
 
     def read(self, located: Sequence[tuple[int, Location]], bufs: Sequence[Buffer]) -> list[Outcome]:
-        """Read each (i, location) into `bufs[i]`; one outcome per item, in order. One preadv per run of
-        blocks back to back in one file (in the order given); `ValueError` for a buffer too small."""
-        out: list[Outcome] = []
-        run: list[tuple[int, Location]] = []
-        with self._io_lock:
-            for item in located:
-                last = run[-1][1] if run else None
-                if last is not None and (last.name != item[1].name or last.offset + last.size != item[1].offset
-                                         or len(run) >= IOV_MAX):
-                    out += self._read_run(run, bufs)
-                    run = []
-                run.append(item)
-            if run:
-                out += self._read_run(run, bufs)
-        return out
-
-    def _read_run(self, run: list[tuple[int, Location]], bufs: Sequence[Buffer]) -> list[Outcome]:
-        name, start = run[0][1].name, run[0][1].offset
-        views = read_views(run, bufs)
-        try:
-            got = self.files.read_into(name, views, start)
-        except FileNotFoundError:   # gone from the volume, or the volume gone from this machine
-            got = 0 if self.is_volume() else -1
-        except OSError as err:      # EIO, ENOTCONN, ESTALE, ...: not proof of damage
-            log.warning("read of segment %s failed: %s", name, err)
-            got = -1
-        if got < 0:
-            return ["unreadable"] * len(run)
-        out: list[Outcome] = []
-        for (_, loc), v in zip(run, views):
-            if loc.offset + loc.size - start > got:
-                out.append("truncated")
-            elif xxhash.xxh3_64_intdigest(v) != loc.xxh:
-                log.warning("the block at %d of segment %s fails its checksum", loc.offset, name)
-                out.append("corrupt")
-            else:
-                out.append(loc.size)
+        """Read each (i, location) into `bufs[i]`; one outcome per item, in order (`SegmentFiles.read_blocks`):
+        a file absent from the folder is "truncated" (proven loss) while the folder is still the volume, and
+        "unreadable" when it is not (the volume is not mounted here any more)."""
+        out = self.files.read_blocks(located, bufs)
+        if "missing" in out:
+            gone = "truncated" if self.is_volume() else "unreadable"
+            out = [gone if o == "missing" else o for o in out]
         return out
 
     # --- the volume ------------------------------------------------------------------
@@ -229,5 +169,4 @@ class SharedFiles:
         return removed, freed, batches
 
     def close(self) -> None:
-        with self._io_lock:
-            self.files.close()
+        self.files.close()
