@@ -58,6 +58,15 @@ def read_name(raw: bytes) -> str:
     return raw.decode("utf-8", "surrogatepass")
 
 
+def shown_name(raw: bytes) -> str:
+    """`read_name`, or for bytes that are not a stored name (an index written before names were stored whole
+    or digested: cut at MAX_NAME_BYTES) the same bytes decoded with replacement characters."""
+    try:
+        return read_name(raw)
+    except UnicodeDecodeError:
+        return raw.decode("utf-8", "replace")
+
+
 @dataclass(slots=True)
 class Counters:
     """Events since the store was opened (this process only)."""

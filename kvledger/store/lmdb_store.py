@@ -33,7 +33,7 @@ import lmdb
 
 from kvledger.store import lmdb_gc, lmdb_upkeep, lmdb_write
 from kvledger.store.backend import (BlockInfo, Buffer, ChainWrite, Counters, GcResult, PutResult, StoreStats,
-                                    VerifyResult, probe_folder)
+                                    VerifyResult, probe_folder, shown_name)
 from kvledger.store.chain_check import leading_present
 from kvledger.store.lmdb_index import BLOCK, BlockRec, LmdbIndex, SegRec
 from kvledger.store.segment_files import HOST, Location, SegmentFiles, bytes_view
@@ -286,8 +286,7 @@ class LmdbStore:
                 expiry = max(seg.expiry, self.refresher.expiry(rec.seg))
                 if expiry >= now:
                     yield BlockInfo(bytes(key), rec.parent, rec.pos, rec.size, seg.created, expiry,
-                                    seg.namespace.decode("utf-8", "surrogatepass"),
-                                    seg.ttl_class.decode("utf-8", "surrogatepass"))
+                                    shown_name(seg.namespace), shown_name(seg.ttl_class))
 
     def refresh(self, force: bool = False) -> None:
         """A no-op: every process reads the one shared index."""

@@ -23,7 +23,7 @@ from pathlib import Path
 import lmdb
 
 from kvledger.store import segment as seg_format
-from kvledger.store.backend import StoreStats, VerifyResult
+from kvledger.store.backend import StoreStats, VerifyResult, shown_name, stored_name
 from kvledger.store.lmdb_index import FORMAT, SEG_ID, U64, BlockRec, LmdbIndex, SegRec
 from kvledger.store.lmdb_write import Writer
 from kvledger.store.segment_files import pid_alive
@@ -101,7 +101,7 @@ def _migrate_one(index: LmdbIndex, root: Path, w: lmdb.Transaction, rel: str) ->
             keep.append((i, key, BlockRec(0, i, pos, size, xxh, offset, parent), exp, hit))
     if not keep:
         return
-    ns, cl = meta.namespace.encode("utf-8", "surrogatepass"), meta.ttl_class.encode("utf-8", "surrogatepass")
+    ns, cl = stored_name(meta.namespace), stored_name(meta.ttl_class)
     e0 = meta.entries[0]
     seg = SegRec(max(k[3] for k in keep), max(k[4] for k in keep), meta.created, meta.ttl_s, e0[2], meta.layout.n,
                  0, 0, sum(e[3] for e in meta.entries), file_size, e0[1], ns, cl, rel)
@@ -148,7 +148,7 @@ def rewrite_segment(read: Callable[[list[bytes], list[bytearray]], list[int]], w
     if not ok:
         return None
     write = ChainWrite([k for k, _, _ in ok], [b for _, _, b in ok], ok[0][1].pos, ok[0][1].parent,
-                       seg.namespace.decode("utf-8", "replace"), seg.ttl_class.decode("utf-8", "replace"), seg.ttl_s)
+                       shown_name(seg.namespace), shown_name(seg.ttl_class), seg.ttl_s)
     path, rows, file_size = writer.write_segment(write, list(range(len(ok))), [memoryview(b) for _, _, b in ok],
                                                  seg.created)
     return path, [(k, r, row[5]) for (k, r, _), row in zip(ok, rows)], file_size
@@ -167,7 +167,7 @@ def fill_stats(idx: LmdbIndex, st: StoreStats) -> StoreStats:
         st.blocks, st.live_bytes = idx.total(txn, b"blocks"), idx.total(txn, b"live_bytes")
         st.disk_bytes, st.segments = idx.total(txn, b"disk_bytes"), idx.total(txn, b"segments")
         for _, seg in _iter_segs(txn, idx):
-            ns, cl = seg.namespace.decode("utf-8", "surrogatepass"), seg.ttl_class.decode("utf-8", "surrogatepass")
+            ns, cl = shown_name(seg.namespace), shown_name(seg.ttl_class)
             st.per_class[cl] = st.per_class.get(cl, 0) + seg.live
             st.per_namespace[ns] = st.per_namespace.get(ns, 0) + seg.live
             st.oldest_created = seg.created if st.oldest_created is None else min(st.oldest_created, seg.created)

@@ -22,21 +22,13 @@ import lmdb
 import xxhash
 
 from kvledger.store import segment as seg_format
-from kvledger.store.backend import ChainWrite
+from kvledger.store.backend import ChainWrite, stored_name
 from kvledger.store.lmdb_index import BLOCK, BLOCK_TAIL, SEG_LE, BlockRec, LmdbIndex, SegRec
 from kvledger.store.segment_files import HOST, writev_all
 
 ExpiryOf = Callable[[lmdb.Transaction, int, dict[int, float]], float]  # (txn, segment id, cache) → expiry (s)
 
 COMPACT_BELOW = 0.5    # a segment whose live share of its data bytes falls below this is rewritten by gc
-MAX_NAME_BYTES = 1024
-
-
-def name_bytes(name: str) -> bytes:
-    """A namespace or class name as recorded for stats (keys carry the full name)."""
-    return name.encode("utf-8", "surrogatepass")[:MAX_NAME_BYTES]
-
-
 class Prepared(NamedTuple):
     """A written segment's index rows, packed before the write transaction (so the lock is held for puts only)."""
 
@@ -48,7 +40,7 @@ class Prepared(NamedTuple):
 
 def prepare(write: ChainWrite, path: str, rows: list[tuple], file_size: int, now: float) -> Prepared:
     """Everything `index_prepared` writes, computed outside any transaction."""
-    ns, cl = name_bytes(write.namespace), name_bytes(write.ttl_class)
+    ns, cl = stored_name(write.namespace), stored_name(write.ttl_class)
     seg = SegRec(now + write.ttl_s, now, now, write.ttl_s, rows[0][2], len(rows), 0, 0,
                  sum(r[3] for r in rows), file_size, rows[0][1], ns, cl, path)
     tails = [BLOCK_TAIL.pack(i, pos, size, xxh, off, parent)
@@ -71,15 +63,15 @@ class Writer:
     def write_segment(self, write: ChainWrite, sel: Sequence[int], views: Sequence[memoryview],
                       now: float) -> tuple[str, list[tuple], int]:
         """Write, fsync and rename one segment file; (relative path, entry rows, file size)."""
-        ns, cl = name_bytes(write.namespace), name_bytes(write.ttl_class)
+        ns, cl = stored_name(write.namespace), stored_name(write.ttl_class)
         offset = seg_format.Layout.of(len(sel), len(ns), len(cl)).data_off
         rows = []
         for i, v in zip(sel, views):
             parent = write.keys[i - 1] if i > 0 else write.parent
             rows.append((write.keys[i], parent, write.start_pos + i, v.nbytes, xxhash.xxh3_64_intdigest(v), offset))
             offset += v.nbytes
-        meta = seg_format.encode_meta(ns.decode("utf-8", "replace"), cl.decode("utf-8", "replace"), write.ttl_s,
-                                      now, rows, [now + write.ttl_s] * len(rows))  # names for people: see the index
+        meta = seg_format.encode_meta(write.namespace, write.ttl_class, write.ttl_s, now, rows,
+                                      [now + write.ttl_s] * len(rows))
         tag = f"{HOST}-{os.getpid()}-{secrets.token_hex(6)}"
         rel = f"segments/{tag[-2:]}/{tag}{seg_format.SUFFIX}"
         tmp = self.root / "tmp" / f".tmp-{tag}"
