@@ -89,3 +89,19 @@ def test_a_job_reports_the_bytes_it_read_and_its_misses_by_cause(setup):
     job = fetcher.submit(KEYS[:3])
     _wait(fetcher, job)
     assert (job.intact, job.bytes_read, job.misses) == (1, 2 * BB, {"corrupt": 1})
+
+
+def test_the_fetcher_opens_the_cluster_store_of_the_ledger_prefix_included(tmp_path, redis_server):
+    """The fetcher process opens the ledger's own location (`store.open.location_of`): the Redis index under the
+    ledger's key prefix and the segment files it names, read by location."""
+    ledger = BlockLedger.open(path=tmp_path, redis_url=redis_server.url, fsync=False, prefix="other:")
+    blocks = [np.full(BB, i + 1, np.uint8) for i in range(len(KEYS))]
+    assert ledger.put_chain(KEYS, blocks).written == 6
+    fetcher = Fetcher(ledger, BB, 8, timeout_s=5.0)
+    try:
+        job = fetcher.submit(KEYS)
+        _wait(fetcher, job)
+        assert job.intact == len(KEYS) and all((fetcher.view(job)[i] == blocks[i]).all() for i in range(6))
+    finally:
+        fetcher.close()
+        ledger.close()
