@@ -92,13 +92,12 @@ def _summary(times: dict[str, list[float]], tag: str) -> dict[str, float]:
 
 def check_latency(urls: dict[str, str], spec: ModelSpec, n_keys: int, reps: int) -> dict[str, float]:
     from kvledger.store.ledger import BlockLedger
-    from kvledger.store.redis_backend import RedisStore
 
     rng = np.random.default_rng(n_keys)
     keys = chain_keys(rng.integers(0, 50_000, n_keys * spec.block_size, dtype=np.uint32), spec)
     cold = chain_keys(rng.integers(0, 50_000, n_keys * spec.block_size, dtype=np.uint32), spec)
     prefix = f"bench{time.time_ns()}:"
-    leds = {k: BlockLedger(RedisStore(u, prefix=prefix, timeout_s=10.0)) for k, u in urls.items()}
+    leds = {k: BlockLedger.open(redis_url=u, prefix=prefix, timeout_s=10.0) for k, u in urls.items()}
     try:
         for led in leds.values():
             led.put_chain(keys, [b"\0"] * n_keys)  # CHECK reads metadata only: block bytes do not matter

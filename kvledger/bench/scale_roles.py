@@ -1,11 +1,15 @@
 """The processes of `kvledger bench scale`, one role each: `python -m kvledger.bench.scale_roles ROLE JSON`.
 
-Each role opens the store of one design ("new": LmdbStore, "old": the previous FileStore) and
-prints one JSON line of figures. Blocks are `block_bytes` bytes (small, so the disk is not what is
-measured), `per_put` blocks per put; synthetic chains have keys H(chain id, position) — the store
-never derives keys, it only stores them — and the CHECK prompt has real chain keys (hashing included).
+Each role opens the store of one design and prints one JSON line of figures: "new", the LMDB store
+as it is written; "old", the baseline: a folder of the previous layout (segment files without an
+index, as the retired scan store wrote them), whose index the `rebuild` role builds from every
+segment's metadata at open (what that design did at every open, and what the migration does once).
+Blocks are `block_bytes` bytes (small, so the disk is not what is measured), `per_put` blocks per put;
+synthetic chains have keys H(chain id, position) — the store never derives keys, it only stores them —
+and the CHECK prompt has real chain keys (hashing included).
 
     build   grow the store to `blocks` blocks (chains of 8,192 blocks, the 1M-token prompt among them)
+    rebuild "old": drop the index and open: open_s, rss_bytes of a rebuild from every segment
     probe   open_s, rss_bytes, check_ms_1m (median, keys given; hash_ms_1m apart), put_p99_ms (while a
             `writer` runs; fsync off, or on with put_p99_ms_fsync)
     fsync   the disk's floor: a small file written and fsynced
@@ -43,13 +47,10 @@ TTL_S = 30 * 86400.0
 
 
 def open_store(design: str, root: str, fsync: bool = True) -> Any:
-    if design == "new":
-        from kvledger.store.lmdb_store import LmdbStore
+    """Either design's store (after the "old" one's rebuild, the LMDB store on the previous layout's files)."""
+    from kvledger.store.open import StoreLocation, open_block_store
 
-        return LmdbStore(root, fsync=fsync)
-    from kvledger.store.file_backend import FileStore
-
-    return FileStore(root, fsync=fsync)
+    return open_block_store(StoreLocation(root), fsync=fsync)
 
 
 def synthetic_keys(chain_id: int, start: int, n: int) -> list[bytes]:
@@ -75,35 +76,48 @@ def write_chain(store: Any, keys: list[bytes], per_put: int, block: bytes, ttl_s
 def bulk_chain(store: Any, keys: list[bytes], per_put: int, block: bytes) -> None:
     """The new design's build: the same segments as `write_chain`, a chain's segments indexed in one transaction
     (building only: the measured puts go through `put`)."""
-    from kvledger.store import lmdb_write
 
-    if not hasattr(store, "refresher"):
-        return write_chain(store, keys, per_put, block)
     now = time.time()
     written = []
     for s in range(0, len(keys), per_put):
         w = ChainWrite(keys[s:s + per_put], [block] * len(keys[s:s + per_put]), s, keys[s - 1] if s else bytes(16),
                        NAMESPACE, "agent", TTL_S)
         sel = list(range(len(w.keys)))
-        written.append((w, *lmdb_write.write_segment(store, w, sel, [memoryview(block)] * len(sel), now)))
+        written.append((w, *store.writer.write_segment(w, sel, [memoryview(block)] * len(sel), now)))
     with store.index.env.begin(write=True) as txn:
         for w, path, rows, size in written:
-            lmdb_write.index_rows(store, txn, w, path, rows, size, now)
+            store.writer.index_rows(txn, w, path, rows, size, now)
+
+
+def previous_layout_chain(files: Any, keys: list[bytes], per_put: int, block: bytes) -> None:
+    """The "old" design's build: the segments `write_chain` would write, in the previous layout (flat
+    segments/*.kvs, no index: SharedFiles writes that layout)."""
+    now = time.time()
+    for s in range(0, len(keys), per_put):
+        w = ChainWrite(keys[s:s + per_put], [block] * len(keys[s:s + per_put]), s, keys[s - 1] if s else bytes(16),
+                       NAMESPACE, "agent", TTL_S)
+        files.write(w, range(len(w.keys)), [memoryview(block)] * len(w.keys), now)
 
 
 def role_build(a: dict) -> dict:
-    store = open_store(a["design"], a["root"], fsync=False)
+    if a["design"] == "old":
+        from kvledger.store.shared_files import SharedFiles
+
+        store = SharedFiles(a["root"], fsync=False)
+        bulk = previous_layout_chain
+    else:
+        store, bulk = open_store(a["design"], a["root"], fsync=False), bulk_chain
     block = bytes(a["block_bytes"])
     t = time.perf_counter()
     from kvledger.core import extend_chain, root_key
 
     keys = extend_chain(root_key(SPEC, NAMESPACE), check_tokens(), SPEC.block_size)
-    bulk_chain(store, keys, a["per_put"], block)
+    bulk(store, keys, a["per_put"], block)
     have = len(keys)
     chain_id = 0
     while have < a["blocks"]:
         n = min(CHAIN_BLOCKS, a["blocks"] - have)
-        bulk_chain(store, synthetic_keys(chain_id, 0, n), a["per_put"], block)
+        bulk(store, synthetic_keys(chain_id, 0, n), a["per_put"], block)
         have += n
         chain_id += 1
         if chain_id % 100 == 0:
@@ -127,7 +141,6 @@ def role_probe(a: dict) -> dict:
     from kvledger.core import extend_chain, root_key
 
     tokens = check_tokens()
-    import kvledger.store.file_backend
     import kvledger.store.lmdb_store  # noqa: F401  (imports are not the open)
 
     t = time.perf_counter()
@@ -153,17 +166,30 @@ def role_probe(a: dict) -> dict:
     if not a["fsync"]:
         out |= {"rss_bytes": _rss(), "rss_anon_bytes": _rss("RssAnon"), "rss_file_bytes": _rss("RssFile")}
         out["store_blocks"] = _blocks(store)
-        if hasattr(store, "refresher"):
-            out["index_bytes"] = os.path.getsize(os.path.join(a["root"], "index.lmdb", "data.mdb"))
+        out["index_bytes"] = os.path.getsize(os.path.join(a["root"], "index.lmdb", "data.mdb"))
     store.close()
     return out
 
 
 def _blocks(store: Any) -> int:
-    if hasattr(store, "refresher"):   # the LMDB index keeps its totals: O(1)
-        with store.index.env.begin() as txn:
-            return store.index.total(txn, b"blocks")
-    return len(store.index)
+    with store.index.env.begin() as txn:   # the LMDB index keeps its totals: O(1)
+        return store.index.total(txn, b"blocks")
+
+
+def role_rebuild(a: dict) -> dict:
+    """The baseline's open: the index dropped, then built again from every segment's metadata (the migration)."""
+    import shutil
+
+    import kvledger.store.lmdb_store  # noqa: F401  (imports are not the open)
+
+    shutil.rmtree(os.path.join(a["root"], "index.lmdb"), ignore_errors=True)
+    t = time.perf_counter()
+    store = open_store(a["design"], a["root"], fsync=False)
+    open_s = time.perf_counter() - t
+    out = {"open_s": open_s, "rss_bytes": _rss(), "rss_anon_bytes": _rss("RssAnon"),
+           "rss_file_bytes": _rss("RssFile"), "rebuilt_blocks": _blocks(store)}
+    store.close()
+    return out
 
 
 def role_fsync(a: dict) -> dict:
@@ -294,8 +320,8 @@ def role_gc(a: dict) -> dict:
             "gc_idle_expired": idle.expired}
 
 
-ROLES = {"build": role_build, "probe": role_probe, "fsync": role_fsync, "writer": role_writer, "stall": role_stall,
-         "victims": role_victims, "gc": role_gc, "warm": role_warm}
+ROLES = {"build": role_build, "rebuild": role_rebuild, "probe": role_probe, "fsync": role_fsync, "writer": role_writer,
+         "stall": role_stall, "victims": role_victims, "gc": role_gc, "warm": role_warm}
 
 if __name__ == "__main__":
     args = json.loads(sys.argv[2])

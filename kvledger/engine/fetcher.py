@@ -37,6 +37,7 @@ from multiprocessing import resource_tracker, shared_memory
 import numpy as np
 
 from kvledger.core import KEY_BYTES
+from kvledger.store.open import DEFAULT_PREFIX, StoreLocation, location_of, open_block_store
 from kvledger.util.redis_client import REDIS_URL_ENV
 from kvledger.util.serve_process import spawn
 
@@ -58,20 +59,9 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
 # --- the fetcher process -------------------------------------------------------------------
 
 
-def _open_store(path: str | None, redis_url: str | None, index: str = "lmdb"):  # -> BlockStore
-    """The store `ledger_location` names: `index` is the embedded store's ("lmdb" or "scan"), never changed
-    here (opening a scan store as LmdbStore would build an LMDB index inside it)."""
-    from kvledger.store.file_backend import FileStore
-
-    if redis_url:
-        from kvledger.store.redis_backend import RedisStore
-
-        return RedisStore(redis_url, files=FileStore(path, fsync=False) if path else None)
-    if index == "scan":
-        return FileStore(path, fsync=False, create=False)
-    from kvledger.store.lmdb_store import LmdbStore
-
-    return LmdbStore(path, fsync=False, create=False)   # the embedded store (BlockLedger.open(path))
+def _open_store(path: str | None, redis_url: str | None, prefix: str = DEFAULT_PREFIX):  # -> BlockStore
+    """The store `location_of(ledger.store)` names, opened as the ledger's own was (`open_block_store`)."""
+    return open_block_store(StoreLocation(path, redis_url or None, prefix), fsync=False, create=False)
 
 
 def miss_counts(store) -> tuple[int, int]:
@@ -86,12 +76,13 @@ def miss_counts(store) -> tuple[int, int]:
     return absent, corrupt
 
 
-def serve(sock: socket.socket, shm_name: str, path: str | None, redis_url: str | None, index: str = "lmdb") -> None:
+def serve(sock: socket.socket, shm_name: str, path: str | None, redis_url: str | None,
+          prefix: str = DEFAULT_PREFIX) -> None:
     """Answer jobs until the engine closes its end."""
     shm = shared_memory.SharedMemory(name=shm_name)
     with contextlib.suppress(Exception):  # attached, not owned: the engine unlinks it
         resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
-    store = _open_store(path, redis_url, index)
+    store = _open_store(path, redis_url, prefix)
     view = memoryview(shm.buf)
     try:
         while True:
@@ -124,13 +115,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--fd", type=int, required=True)
     p.add_argument("--shm", required=True)
     p.add_argument("--path")
-    p.add_argument("--index", choices=("lmdb", "scan"), default="lmdb", help="the embedded store's index")
     p.add_argument("--redis-url", default=os.environ.get(REDIS_URL_ENV))
+    p.add_argument("--prefix", default=DEFAULT_PREFIX, help="the Redis key prefix of the store")
     a = p.parse_args(argv)
     # the engine owns this process's lifetime: a terminal's Ctrl-C reaches the whole process group, and
     # this process ends when the engine's socket closes (EOF), not with a traceback of its own
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    serve(socket.socket(fileno=a.fd), a.shm, a.path, a.redis_url, a.index)
+    serve(socket.socket(fileno=a.fd), a.shm, a.path, a.redis_url, a.prefix)
 
 
 # --- the engine's side ---------------------------------------------------------------------
@@ -153,15 +144,9 @@ class FetchJob:
         return self.intact is not None
 
 
-def ledger_location(ledger: object) -> tuple[str | None, str | None, str]:
-    """(path, redis_url, embedded index) that open the same store in another process."""
-    from kvledger.store.file_backend import FileStore
-
-    store = ledger.store  # type: ignore[attr-defined]
-    if store.backend == "file":
-        return str(store.root), None, "scan" if isinstance(store, FileStore) else "lmdb"
-    files = getattr(store, "files", None)
-    return (str(files.root) if files is not None else None), store.url, "lmdb"
+def ledger_location(ledger: object) -> StoreLocation:
+    """The location that opens the ledger's store in another process."""
+    return location_of(ledger.store)  # type: ignore[attr-defined]
 
 
 class Fetcher:
@@ -170,7 +155,7 @@ class Fetcher:
     def __init__(self, ledger: object, block_bytes: int, capacity_blocks: int, *, timeout_s: float = 10.0) -> None:
         assert block_bytes > 0 and capacity_blocks > 0
         self.block_bytes, self.capacity, self.timeout_s = block_bytes, capacity_blocks, timeout_s
-        self.path, self.redis_url, self.index = ledger_location(ledger)
+        self.location = ledger_location(ledger)
         self.shm = shared_memory.SharedMemory(create=True, size=block_bytes * capacity_blocks)
         self.staging = np.ndarray((capacity_blocks, block_bytes), dtype=np.uint8, buffer=self.shm.buf)
         self.staging.fill(0)  # fault the pages in once, not on the first hit
@@ -185,9 +170,11 @@ class Fetcher:
     def _start(self) -> None:
         ours, theirs = socket.socketpair()
         cmd = [sys.executable, "-m", "kvledger.engine.fetcher", "--fd", str(theirs.fileno()), "--shm", self.shm.name]
-        cmd += ["--path", self.path, "--index", self.index] if self.path else []
+        where = self.location
+        cmd += ["--path", where.path] if where.path else []
+        cmd += ["--prefix", where.prefix] if where.prefix != DEFAULT_PREFIX else []
         env = {k: v for k, v in os.environ.items() if k != REDIS_URL_ENV}   # the URL may carry a password:
-        env |= {REDIS_URL_ENV: self.redis_url} if self.redis_url else {}    # not on the command line
+        env |= {REDIS_URL_ENV: where.redis_url} if where.redis_url else {}  # not on the command line
         self.proc = spawn(cmd, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env)   # dies with us
         theirs.close()
         self.sock = ours

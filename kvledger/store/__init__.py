@@ -1,17 +1,19 @@
 """The block ledger: KV bytes of whole blocks by chain key, on disk (embedded) or on Redis (shared).
 
     backend.py       the store protocol and its records (PutResult, StoreStats, ...)
+    open.py          open_block_store(StoreLocation): the one place a backend is chosen
     segment.py       on-disk format of a segment file (metadata first, then blocks in chain order)
-    index.py         the in-process index (MemoryIndex), the CHECK walk, contiguous runs
-    segment_files.py the segment directory's I/O: flock, whole-segment writes, reads via an fd cache
-    file_index.py    index upkeep: rebuilt from segment metadata at open, kept in step with other writers
-    file_gc.py       GC, eviction and the write-back of refreshed expiries (merged under the flock)
-    file_inspect.py  stats and verify of the file store
-    file_backend.py  FileStore: ties the above together (the embedded default)
+    segment_files.py a flat segment directory's I/O: whole-segment writes, reads via an fd cache
+    lmdb_store.py    LmdbStore: segment files + the persisted LMDB index (the embedded store)
+    lmdb_index.py    the LMDB index's tables and the writes that keep its invariants
+    lmdb_write.py    its write path; lmdb_gc.py GC, eviction, compaction; lmdb_upkeep.py migration, verify, stats
+    chain_check.py   CHECK by bisection over a prompt's keys; refresher.py TTL refreshes off the CHECK path;
+                     map_trim.py bounds the index map's share of a process's RSS
+    redis_backend.py RedisStore: Redis index (+ bytes, or bytes in SharedFiles: the cluster mode)
+    shared_files.py  the cluster mode's bytes: segment files on a shared mount, read by the location Redis keeps
+    redis_keys.py    key names and hash slots; redis_meta.py the record and the Lua scripts; redis_upkeep.py views
     snapshots.py     the state ledger's snapshot files follow their chain block (`store gc`, `store stats`)
-    redis_backend.py RedisStore: Redis index (+ bytes, or bytes in segment files: the cluster mode)
     ttl.py           TTL classes (agent 3 d, chatbot 7 d) per namespace and per request
-    gc.py            GC and eviction order: tails before heads
     ledger.py        BlockLedger: the facade engines and the entrypoint use
     cli.py           `kvledger store stats|gc|verify`
 """

@@ -2,9 +2,10 @@
 
 A block store holds whole blocks of KV bytes by chain key (16 bytes, `kvledger.core.chain_keys`)
 together with the metadata CHECK and GC need: size, xxh3-64 checksum, namespace, TTL class,
-expiry, last hit, chain position and parent key. Two stores implement the protocol:
-`FileStore` (a directory; the embedded default, metadata indexed in the process) and
-`RedisStore` (a Redis server: the shared index, optionally the bytes too).
+expiry, last hit, chain position and parent key. Two stores implement the protocol, opened by
+`open.open_block_store`: `LmdbStore` (a directory: segment files and a persisted LMDB index, the
+embedded store) and `RedisStore` (a Redis server or Redis Cluster: the shared index, with the bytes
+in Redis or in segment files on a shared mount, the cluster mode).
 
 Fault rule (DESIGN.md rule 8): no method raises into the caller for a storage fault. A
 missing, expired, corrupt or truncated block is a miss (counted in `counters`); a full disk
@@ -55,6 +56,15 @@ def probe_folder(path: os.PathLike) -> str | None:
 def read_name(raw: bytes) -> str:
     """The inverse of `stored_name` for names that fit (`UnicodeDecodeError` on bytes that are not one)."""
     return raw.decode("utf-8", "surrogatepass")
+
+
+def shown_name(raw: bytes) -> str:
+    """`read_name`, or for bytes that are not a stored name (an index written before names were stored whole
+    or digested: cut at MAX_NAME_BYTES) the same bytes decoded with replacement characters."""
+    try:
+        return read_name(raw)
+    except UnicodeDecodeError:
+        return raw.decode("utf-8", "replace")
 
 
 @dataclass(slots=True)
@@ -163,8 +173,7 @@ class ChainWrite:
 
 
 class BlockStore(Protocol):
-    """What the ledger needs of a backend, and all one backend may use of another (the cluster
-    mode's Redis index keeps its bytes in any BlockStore). Times are epoch seconds, sizes bytes.
+    """What the ledger needs of a backend. Times are epoch seconds, sizes bytes.
     One suite checks every implementation: tests/store/test_contract.py."""
 
     counters: Counters

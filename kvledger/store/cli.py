@@ -17,6 +17,7 @@ import lmdb
 
 from kvledger.store.backend import BlockStore
 from kvledger.store.ledger import BLOCKS_DIR, blocks_dir
+from kvledger.store.open import StoreLocation, open_block_store
 from kvledger.util.output import CliError, emit_json, examples
 
 SEGMENTS = "segments"   # what every file block store holds (store/segment_files.py)
@@ -106,32 +107,21 @@ def _is_store(root: Path) -> bool:
 
 
 def open_store(root: Path | None, redis_url: str | None, capacity_bytes: int | None = None) -> BlockStore:
-    """The store at `root` (from `store_root`) and/or `redis_url`; `CliError` when it cannot be opened
-    or Redis does not answer."""
-    files = None
-    if root is not None:
-        from kvledger.store.file_backend import FileStore
-        from kvledger.store.lmdb_store import LmdbStore
-
-        if redis_url is None:  # the embedded store: a directory of the previous layout is migrated once
-            try:
-                return LmdbStore(root, capacity_bytes=capacity_bytes, create=False)
-            except (OSError, lmdb.Error) as e:
-                raise CliError(f"{root}: cannot open ({getattr(e, 'strerror', None) or e})") from None
-        try:
-            files = FileStore(root, capacity_bytes=capacity_bytes, create=False)
-        except OSError as e:
-            raise CliError(f"{root}: cannot open ({e.strerror or e})") from None
+    """The store at `root` (from `store_root`) and/or `redis_url` (`open_block_store`; a folder of the previous
+    layout is migrated once); `CliError` when it cannot be opened or Redis does not answer."""
     import redis
 
-    from kvledger.store.redis_backend import RedisStore
-
+    location = StoreLocation(None if root is None else str(root), redis_url)
     try:
-        return RedisStore(redis_url, check=True, timeout_s=2.0, files=files)
+        return open_block_store(location, capacity_bytes=capacity_bytes, create=False, check=True)
     except ValueError as e:
         raise CliError(f"bad --redis-url {redis_url!r}: {e}") from None
-    except (redis.RedisError, OSError) as e:
+    except redis.RedisError as e:
         raise CliError(f"cannot reach Redis at {redis_url}: {e}") from None
+    except (OSError, lmdb.Error) as e:
+        if isinstance(e, OSError) and e.filename is None and redis_url is not None:  # a socket, not the folder
+            raise CliError(f"cannot reach Redis at {redis_url}: {e}") from None
+        raise CliError(f"{root}: cannot open ({getattr(e, 'strerror', None) or e})") from None
 
 
 def _when(ts: float | None) -> str:

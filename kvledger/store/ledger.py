@@ -20,6 +20,7 @@ from typing import Any
 
 from kvledger.core import KEY_BYTES, ModelSpec, extend_chain, root_key
 from kvledger.store.backend import Buffer, BlockStore, ChainWrite, GcResult, PutResult, StoreStats, VerifyResult
+from kvledger.store.open import DEFAULT_PREFIX, StoreLocation, open_block_store
 from kvledger.store.ttl import Clock, TtlPolicy, wall_clock
 
 NO_PARENT = bytes(KEY_BYTES)  # parent recorded for a block at chain position 0 when the root key is not given
@@ -43,27 +44,13 @@ class BlockLedger:
     @classmethod
     def open(cls, path: str | os.PathLike | None = None, redis_url: str | None = None, *,
              policy: TtlPolicy | None = None, capacity_bytes: int | None = None, fsync: bool = True,
-             clock: Clock = wall_clock, timeout_s: float = 2.0, index: str = "lmdb") -> BlockLedger:
-        """`path` alone: embedded (segment files; `index="lmdb"` the persisted index every process of the node
-        shares, `"scan"` the previous design: an in-process index rebuilt from the segments at open);
+             clock: Clock = wall_clock, timeout_s: float = 2.0, prefix: str = DEFAULT_PREFIX) -> BlockLedger:
+        """`path` alone: embedded (segment files and the persisted LMDB index every process of the node shares);
         `redis_url` alone: Redis holds metadata and bytes; both: the cluster mode (Redis index, bytes in
-        segment files under `path`, a shared mount)."""
-        from kvledger.store.file_backend import FileStore
-
-        if path is None and redis_url is None:
-            raise ValueError("give path, redis_url, or both")
-        if index not in ("lmdb", "scan"):
-            raise ValueError(f"index is 'lmdb' or 'scan', got {index!r}")
-        if redis_url is None and index == "lmdb":
-            from kvledger.store.lmdb_store import LmdbStore
-
-            return cls(LmdbStore(path, capacity_bytes=capacity_bytes, fsync=fsync, clock=clock), policy)
-        if redis_url is None:
-            return cls(FileStore(path, capacity_bytes=capacity_bytes, fsync=fsync, clock=clock), policy)
-        from kvledger.store.redis_backend import RedisStore
-
-        files = FileStore(path, fsync=fsync) if path is not None else None
-        return cls(RedisStore(redis_url, timeout_s=timeout_s, files=files), policy)
+        segment files under `path`, a shared mount); `prefix` names the Redis keys. See `open_block_store`."""
+        location = StoreLocation(None if path is None else os.fspath(path), redis_url, prefix)
+        return cls(open_block_store(location, capacity_bytes=capacity_bytes, fsync=fsync, clock=clock,
+                                    timeout_s=timeout_s), policy)
 
     # --- CHECK -----------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""GC, eviction, deletion and compaction of an `LmdbStore`, in batches with the index's lock released between them.
+"""GC, eviction, deletion and compaction of the LMDB index (`Collector`), in batches, its lock released between them.
 
 Each batch is one write transaction over at most about `batch` blocks (whole segments: a
 segment's blocks share its expiry and last hit) and at most BATCH_S of work, so another process's
@@ -27,21 +27,20 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import lmdb
 
-from kvledger.store.backend import GcResult
-from kvledger.store.lmdb_index import ORDER, SEG_ID, BlockRec, SegRec
-
-if TYPE_CHECKING:
-    from kvledger.store.lmdb_store import LmdbStore
+from kvledger.store.backend import Counters, GcResult
+from kvledger.store.lmdb_index import ORDER, SEG_ID, BlockRec, LmdbIndex, SegRec
 
 log = logging.getLogger("kvledger.store")
 TXN_BLOCKS = 128    # blocks removed per write transaction at most
 BATCH_S = 0.02      # a batch takes no further segment after this long holding the writer lock (s)
 PAUSE_MIN_S = 0.001  # the pause after a batch: as long as it held the lock, within these bounds (s)
 PAUSE_MAX_S = 0.03
+Moved = tuple[str, list[tuple[bytes, BlockRec, int]], int]   # a rewritten segment: path, (key, record, offset), size
+Rewrite = Callable[[SegRec, list[tuple[bytes, BlockRec]]], Moved | None]
 
 
 def pause(held_s: float) -> None:
@@ -49,204 +48,217 @@ def pause(held_s: float) -> None:
     time.sleep(min(max(held_s, PAUSE_MIN_S), PAUSE_MAX_S))
 
 
-def _remove_batch(store: LmdbStore, order_db: lmdb._Database, stop: Callable[[float, int], bool],
-                  batch: int) -> tuple[int, int, int]:
-    """One write transaction: remove segments in `order_db` order while `stop(time, bytes so far)` is false,
-    about `batch` blocks at most, then sync it and unlink their files; (segments, blocks, bytes) removed."""
-    idx = store.index
-    segs = n = nbytes = 0
-    paths: list[str] = []
-    _page_in(store, order_db, stop, batch)
-    with idx.env.begin(write=True) as w:
-        t0 = time.perf_counter()
-        due: list[tuple[bytes, int]] = []
-        with w.cursor(db=order_db) as cur:
-            for raw in cur.iternext(values=False):
-                ms, _, seg_id = ORDER.unpack(raw)
-                if stop(ms / 1000, nbytes) or n >= batch:
+
+@dataclass(slots=True)
+class Collector:
+    """GC, eviction, deletion and compaction over one index (see the module docstring). `unlink` removes files
+    once the commit that forgot them is durable; `flush` writes this process's noted refreshes (before anything
+    is judged expired or least recently hit); `rewrite` copies a segment's live blocks into a new file
+    (compaction); `where` names the store in logs. Sizes in bytes."""
+
+    index: LmdbIndex
+    unlink: Callable[[list[str]], None]
+    flush: Callable[[], None]
+    rewrite: Rewrite
+    counters: Counters
+    capacity_bytes: int | None
+    low_watermark: float
+    where: str
+
+    def _remove_batch(self, order_db: lmdb._Database, stop: Callable[[float, int], bool],
+                      batch: int) -> tuple[int, int, int]:
+        """One write transaction: remove segments in `order_db` order while `stop(time, bytes so far)` is false,
+        about `batch` blocks at most, then sync it and unlink their files; (segments, blocks, bytes) removed."""
+        idx = self.index
+        segs = n = nbytes = 0
+        paths: list[str] = []
+        self._page_in(order_db, stop, batch)
+        with idx.env.begin(write=True) as w:
+            t0 = time.perf_counter()
+            due: list[tuple[bytes, int]] = []
+            with w.cursor(db=order_db) as cur:
+                for raw in cur.iternext(values=False):
+                    ms, _, seg_id = ORDER.unpack(raw)
+                    if stop(ms / 1000, nbytes) or n >= batch:
+                        break
+                    seg = idx.seg(w, seg_id)
+                    due.append((raw, seg_id))
+                    if seg is not None:
+                        n += seg.live
+                        nbytes += seg.live_bytes
+            n = nbytes = 0
+            for raw, seg_id in due:   # removed in order: what the time bound leaves is the next batch's
+                if segs and time.perf_counter() - t0 > BATCH_S:
                     break
                 seg = idx.seg(w, seg_id)
-                due.append((raw, seg_id))
-                if seg is not None:
-                    n += seg.live
-                    nbytes += seg.live_bytes
-        n = nbytes = 0
-        for raw, seg_id in due:   # removed in order: what the time bound leaves is the next batch's
-            if segs and time.perf_counter() - t0 > BATCH_S:
-                break
-            seg = idx.seg(w, seg_id)
-            if seg is None:
-                w.delete(raw, db=order_db)  # a stray row
-            else:
-                got, got_bytes, path = idx.remove_segment(w, seg_id, seg)
-                n, nbytes = n + got, nbytes + got_bytes
-                paths.append(path)
-            segs += 1
-    if segs:
-        held = time.perf_counter() - t0
-        store.unlink(paths)
-        pause(held)
-    return segs, n, nbytes
+                if seg is None:
+                    w.delete(raw, db=order_db)  # a stray row
+                else:
+                    got, got_bytes, path = idx.remove_segment(w, seg_id, seg)
+                    n, nbytes = n + got, nbytes + got_bytes
+                    paths.append(path)
+                segs += 1
+        if segs:
+            held = time.perf_counter() - t0
+            self.unlink(paths)
+            pause(held)
+        return segs, n, nbytes
 
 
-def _page_in(store: LmdbStore, order_db: lmdb._Database, stop: Callable[[float, int], bool], batch: int) -> None:
-    """Touch, in a read snapshot, the index pages the next batch will change: a page the page cache lost is read
-    from disk here, outside the writer lock, rather than inside it while every other writer waits."""
-    idx = store.index
-    n = 0
-    with idx.env.begin() as r, r.cursor(db=order_db) as cur, r.cursor(db=idx.blocks) as blocks:
-        for raw in cur.iternext(values=False):
-            ms, _, seg_id = ORDER.unpack(raw)
-            if stop(ms / 1000, 0):
-                return
-            keys = idx.keys_of(r, seg_id)
-            blocks.getmulti(keys)
-            n += len(keys)
-            if n >= batch:
-                return
+    def _page_in(self, order_db: lmdb._Database, stop: Callable[[float, int], bool], batch: int) -> None:
+        """Touch, in a read snapshot, the index pages the next batch will change: a page the page cache lost is read
+        from disk here, outside the writer lock, rather than inside it while every other writer waits."""
+        idx = self.index
+        n = 0
+        with idx.env.begin() as r, r.cursor(db=order_db) as cur, r.cursor(db=idx.blocks) as blocks:
+            for raw in cur.iternext(values=False):
+                ms, _, seg_id = ORDER.unpack(raw)
+                if stop(ms / 1000, 0):
+                    return
+                keys = idx.keys_of(r, seg_id)
+                blocks.getmulti(keys)
+                n += len(keys)
+                if n >= batch:
+                    return
 
 
-def gc(store: LmdbStore, batch: int = 4096) -> GcResult:
-    """Remove expired segments (soonest first, tails first), evict down to capacity, compact sparse segments;
-    at most TXN_BLOCKS blocks and BATCH_S per transaction whatever `batch` asks (keys are random: each block
-    removed dirties about one page, written at the commit while other writers wait)."""
-    assert batch > 0
-    batch = min(batch, TXN_BLOCKS)
-    store.flush()  # this process's noted refreshes first
-    expired = evicted = freed = batches = 0
-    try:
-        now = store.clock()
-        while True:
-            segs, n, nb = _remove_batch(store, store.index.by_expiry, lambda t, _: t >= now, batch)
+    def gc(self, now: float, batch: int = 4096) -> GcResult:
+        """Remove expired segments (soonest first, tails first), evict down to capacity, compact sparse segments;
+        at most TXN_BLOCKS blocks and BATCH_S per transaction whatever `batch` asks (keys are random: each block
+        removed dirties about one page, written at the commit while other writers wait)."""
+        assert batch > 0
+        batch = min(batch, TXN_BLOCKS)
+        self.flush()  # this process's noted refreshes first
+        expired = evicted = freed = batches = 0
+        try:
+            while True:
+                segs, n, nb = self._remove_batch(self.index.by_expiry, lambda t, _: t >= now, batch)
+                if segs == 0:
+                    break
+                expired += n
+                freed += nb
+                batches += 1
+            if self.capacity_bytes is not None:
+                n, nb, b = self.evict(self._live_bytes() - int(self.capacity_bytes * self.low_watermark), batch)
+                evicted, freed, batches = n, freed + nb, batches + b
+            batches += self.compact(batch)
+        except (OSError, lmdb.Error) as e:
+            log.warning("gc of %s stopped: %s", self.where, e)
+        self.counters.gc_expired += expired
+        self.counters.gc_evicted += evicted
+        return GcResult(expired, evicted, freed, batches)
+
+
+    def _live_bytes(self) -> int:
+        with self.index.env.begin() as txn:
+            return self.index.total(txn, b"live_bytes")
+
+
+    def evict(self, need_bytes: int, batch: int = 4096) -> tuple[int, int, int]:
+        """Remove least recently hit segments (tails first) until `need_bytes` are freed; (blocks, bytes, batches)."""
+        n = nbytes = batches = 0
+        batch = min(batch, TXN_BLOCKS)
+        while nbytes < need_bytes:
+            left = need_bytes - nbytes
+            segs, got, got_bytes = self._remove_batch(self.index.by_hit, lambda _, freed, left=left: freed >= left,
+                                                 batch)
             if segs == 0:
                 break
-            expired += n
-            freed += nb
-            batches += 1
-        if store.capacity_bytes is not None:
-            n, nb, b = evict(store, _live_bytes(store) - int(store.capacity_bytes * store.low_watermark), batch)
-            evicted, freed, batches = n, freed + nb, batches + b
-        batches += compact(store, batch)
-    except (OSError, lmdb.Error) as e:
-        log.warning("gc of %s stopped: %s", store.root, e)
-    store.counters.gc_expired += expired
-    store.counters.gc_evicted += evicted
-    return GcResult(expired, evicted, freed, batches)
+            n, nbytes, batches = n + got, nbytes + got_bytes, batches + 1
+        return n, nbytes, batches
 
 
-def _live_bytes(store: LmdbStore) -> int:
-    with store.index.env.begin() as txn:
-        return store.index.total(txn, b"live_bytes")
+    def make_room(self, incoming: int) -> None:
+        """Before a put of `incoming` bytes: evict down to the low watermark if the put would pass capacity."""
+        cap = self.capacity_bytes
+        assert cap is not None
+        live = self._live_bytes()
+        if live + incoming > cap:
+            self.flush()  # this process's noted hits count before anything is judged least recently hit
+            target = max(int(cap * self.low_watermark) - incoming, 0)
+            n = self.evict(live - target)[0]
+            self.counters.gc_evicted += n
 
 
-def evict(store: LmdbStore, need_bytes: int, batch: int = 4096) -> tuple[int, int, int]:
-    """Remove least recently hit segments (tails first) until `need_bytes` are freed; (blocks, bytes, batches)."""
-    n = nbytes = batches = 0
-    batch = min(batch, TXN_BLOCKS)
-    while nbytes < need_bytes:
-        left = need_bytes - nbytes
-        segs, got, got_bytes = _remove_batch(store, store.index.by_hit, lambda _, freed, left=left: freed >= left,
-                                             batch)
-        if segs == 0:
-            break
-        n, nbytes, batches = n + got, nbytes + got_bytes, batches + 1
-    return n, nbytes, batches
+    def delete(self, keys: Sequence[bytes]) -> int:
+        """Forget these blocks (one transaction); files left empty are unlinked, sparse ones compacted by gc."""
+        from kvledger.store.lmdb_write import COMPACT_BELOW
+
+        idx = self.index
+        n = 0
+        paths = []
+        try:
+            with idx.env.begin(write=True) as w:
+                for k in keys:
+                    rec = idx.block(w, k)
+                    if rec is not None:
+                        paths.append(idx.drop_block(w, k, rec, COMPACT_BELOW))
+                        n += 1
+        except lmdb.Error as e:
+            log.warning("delete on %s failed: %s", self.where, e)
+            return 0
+        self.unlink([p for p in paths if p])
+        return n
 
 
-def make_room(store: LmdbStore, incoming: int) -> None:
-    """Before a put of `incoming` bytes: evict down to the low watermark if the put would pass capacity."""
-    cap = store.capacity_bytes
-    assert cap is not None
-    live = _live_bytes(store)
-    if live + incoming > cap:
-        store.flush()  # this process's noted hits count before anything is judged least recently hit
-        target = max(int(cap * store.low_watermark) - incoming, 0)
-        n = evict(store, live - target)[0]
-        store.counters.gc_evicted += n
+    def compact(self, batch: int = 4096, most: int = 100_000) -> int:
+        """Rewrite the segments marked sparse (at most `most` per call, each once), about `batch` blocks between
+        pauses; the number of batches."""
+        with self.index.env.begin() as txn, txn.cursor(db=self.index.sparse) as cur:
+            ids = [SEG_ID.unpack(k)[0] for k in itertools.islice(cur.iternext(values=False), most)]
+        batches = done = 0
+        for seg_id in ids:   # each segment is its own transaction, its copy made before, outside it
+            done += self._compact_one(seg_id)
+            if done >= batch:
+                batches, done = batches + 1, 0
+        return batches + (1 if done else 0)
 
 
-def delete(store: LmdbStore, keys: Sequence[bytes]) -> int:
-    """Forget these blocks (one transaction); files left empty are unlinked, sparse ones compacted by gc."""
-    from kvledger.store.lmdb_write import COMPACT_BELOW
+    def _compact_one(self, seg_id: int) -> int:
+        """Move the live blocks of one segment into a new file; blocks moved."""
+        idx = self.index
+        with idx.env.begin() as txn:
+            seg = idx.seg(txn, seg_id)
+            keys = idx.keys_of(txn, seg_id)
+            live = [(k, r) for i, k in enumerate(keys) if (r := idx.block(txn, k)) and r.seg == seg_id and r.idx == i]
+        if seg is None or not live:
+            with idx.env.begin(write=True) as w:
+                w.delete(SEG_ID.pack(seg_id), db=idx.sparse)
+            return 0
+        new = self.rewrite(seg, live)
+        if new is None:
+            return 0
+        path, rows, file_size = new
+        moved = self._move_blocks(seg_id, seg, path, rows, file_size)
+        return moved
 
-    idx = store.index
-    n = 0
-    paths = []
-    try:
+
+    def _move_blocks(self, old_id: int, old: SegRec, path: str, rows: list[tuple[bytes, BlockRec, int]],
+                     file_size: int) -> int:
+        """One transaction: the blocks still in the old segment point to the new one; the old one is forgotten."""
+        idx = self.index
+        unlink = []
         with idx.env.begin(write=True) as w:
-            for k in keys:
-                rec = idx.block(w, k)
-                if rec is not None:
-                    paths.append(idx.drop_block(w, k, rec, COMPACT_BELOW))
-                    n += 1
-    except lmdb.Error as e:
-        log.warning("delete on %s failed: %s", store.root, e)
-        return 0
-    store.unlink([p for p in paths if p])
-    return n
-
-
-def compact(store: LmdbStore, batch: int = 4096, most: int = 100_000) -> int:
-    """Rewrite the segments marked sparse (at most `most` per call, each once), about `batch` blocks between
-    pauses; the number of batches."""
-    with store.index.env.begin() as txn, txn.cursor(db=store.index.sparse) as cur:
-        ids = [SEG_ID.unpack(k)[0] for k in itertools.islice(cur.iternext(values=False), most)]
-    batches = done = 0
-    for seg_id in ids:   # each segment is its own transaction, its copy made before, outside it
-        done += _compact_one(store, seg_id)
-        if done >= batch:
-            batches, done = batches + 1, 0
-    return batches + (1 if done else 0)
-
-
-def _compact_one(store: LmdbStore, seg_id: int) -> int:
-    """Move the live blocks of one segment into a new file; blocks moved."""
-    from kvledger.store.lmdb_upkeep import rewrite_segment
-
-    idx = store.index
-    with idx.env.begin() as txn:
-        seg = idx.seg(txn, seg_id)
-        keys = idx.keys_of(txn, seg_id)
-        live = [(k, r) for i, k in enumerate(keys) if (r := idx.block(txn, k)) and r.seg == seg_id and r.idx == i]
-    if seg is None or not live:
-        with idx.env.begin(write=True) as w:
-            w.delete(SEG_ID.pack(seg_id), db=idx.sparse)
-        return 0
-    new = rewrite_segment(store, seg, live)
-    if new is None:
-        return 0
-    path, rows, file_size = new
-    moved = _move_blocks(store, seg_id, seg, path, rows, file_size)
-    return moved
-
-
-def _move_blocks(store: LmdbStore, old_id: int, old: SegRec, path: str, rows: list[tuple[bytes, BlockRec, int]],
-                 file_size: int) -> int:
-    """One transaction: the blocks still in the old segment point to the new one; the old one is forgotten."""
-    idx = store.index
-    unlink = []
-    with idx.env.begin(write=True) as w:
-        t0 = time.perf_counter()
-        cur = idx.seg(w, old_id)
-        if cur is None:
-            unlink.append(path)  # removed meanwhile: the new file is not needed
-        else:
-            new = SegRec(cur.expiry, cur.last_hit, cur.created, cur.ttl_s, rows[0][1].pos, len(rows), 0, 0,
-                         sum(r.size for _, r, _ in rows), file_size, rows[0][1].parent, cur.namespace,
-                         cur.ttl_class, path)
-            new_id = idx.add_segment(w, new, [k for k, _, _ in rows])
-            for i, (key, rec, off) in enumerate(rows):
-                now_rec = idx.block(w, key)
-                if now_rec is None or now_rec.seg != old_id or now_rec.idx != rec.idx:
-                    continue
-                idx.add_block(w, key, now_rec._replace(seg=new_id, idx=i, offset=off))
-                new.live += 1
-                new.live_bytes += rec.size
-            idx.put_seg(w, new_id, new)
-            unlink.append(idx.remove_segment(w, old_id, cur)[2])   # holds no block now
-            if new.live == 0:
-                unlink.append(idx.remove_segment(w, new_id, new)[2])
-    pause(time.perf_counter() - t0)
-    store.unlink(unlink)
-    return len(rows)
-
+            t0 = time.perf_counter()
+            cur = idx.seg(w, old_id)
+            if cur is None:
+                unlink.append(path)  # removed meanwhile: the new file is not needed
+            else:
+                new = SegRec(cur.expiry, cur.last_hit, cur.created, cur.ttl_s, rows[0][1].pos, len(rows), 0, 0,
+                             sum(r.size for _, r, _ in rows), file_size, rows[0][1].parent, cur.namespace,
+                             cur.ttl_class, path)
+                new_id = idx.add_segment(w, new, [k for k, _, _ in rows])
+                for i, (key, rec, off) in enumerate(rows):
+                    now_rec = idx.block(w, key)
+                    if now_rec is None or now_rec.seg != old_id or now_rec.idx != rec.idx:
+                        continue
+                    idx.add_block(w, key, now_rec._replace(seg=new_id, idx=i, offset=off))
+                    new.live += 1
+                    new.live_bytes += rec.size
+                idx.put_seg(w, new_id, new)
+                unlink.append(idx.remove_segment(w, old_id, cur)[2])   # holds no block now
+                if new.live == 0:
+                    unlink.append(idx.remove_segment(w, new_id, new)[2])
+        pause(time.perf_counter() - t0)
+        self.unlink(unlink)
+        return len(rows)

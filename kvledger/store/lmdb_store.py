@@ -21,30 +21,28 @@ dropped from the index (if the index still names those bytes).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
-import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import suppress
 from pathlib import Path
 
 import lmdb
-import xxhash
 
 from kvledger.store import lmdb_gc, lmdb_upkeep, lmdb_write
 from kvledger.store.backend import (BlockInfo, Buffer, ChainWrite, Counters, GcResult, PutResult, StoreStats,
-                                    VerifyResult, probe_folder)
+                                    VerifyResult, probe_folder, shown_name)
 from kvledger.store.chain_check import leading_present
 from kvledger.store.lmdb_index import BLOCK, BlockRec, LmdbIndex, SegRec
-from kvledger.store.segment_files import HOST, bytes_view, preadv_all, read_views
+from kvledger.store.segment_files import HOST, Location, SegmentFiles, bytes_view
 from kvledger.store.refresher import Refresher
 from kvledger.store.ttl import Clock, wall_clock
 
 log = logging.getLogger("kvledger.store")
 
-IOV_MAX = 1024
-MAX_OPEN_FDS = 128
+SEGMENTS = "segments/"  # the prefix of every segment path the index records (relative to the store's root)
 REFRESH_TXN = 256      # segments refreshed per write transaction
 REFRESH_GRAIN_S = 1.0  # a hit refreshes expiry to ≥ now + ttl − this: one walk per chain tail per second
 
@@ -79,17 +77,19 @@ class LmdbStore:
         (self.root / "segments").mkdir(parents=True, exist_ok=True)
         (self.root / "tmp").mkdir(exist_ok=True)
         self.capacity_bytes = capacity_bytes
-        self.low_watermark = low_watermark
         self.fsync = fsync
         self.clock = clock
         self.counters = Counters()
         self.index = _open_index(self.root, fsync)
         self.refresher = Refresher(self._write_refresh)
-        self._fds: dict[int, int] = {}
-        self._io_lock = threading.Lock()        # the descriptor cache is shared by this process's threads
+        self.writer = lmdb_write.Writer(self.index, self.root, fsync, self._expiry, self.unlink)
+        self.collector = lmdb_gc.Collector(self.index, self.unlink, self.flush,
+                                           functools.partial(lmdb_upkeep.rewrite_segment, self.get_into, self.writer),
+                                           self.counters, capacity_bytes, low_watermark, str(self.root))
+        self.files = SegmentFiles(self.root, fsync=fsync)   # reads by location (paths under segments/)
         self._walked: dict[bytes, float] = {}   # chain tail → expiry its last walk noted (this process)
         lmdb_upkeep.remove_dead_tmp(self.root / "tmp", HOST)
-        lmdb_upkeep.migrate(self)
+        lmdb_upkeep.migrate(self.index, self.root)
 
     # --- CHECK -----------------------------------------------------------------
 
@@ -193,9 +193,9 @@ class LmdbStore:
                     log.warning("put of %d bytes exceeds the store's capacity %d", incoming, self.capacity_bytes)
                     self.counters.put_failures += 1
                     return PutResult(0, skipped, len(sel))
-                lmdb_gc.make_room(self, incoming)
-            path, rows, file_size = lmdb_write.write_segment(self, write, sel, views, now)
-            written = lmdb_write.index_segment(self, write, path, rows, file_size, now)
+                self.collector.make_room(incoming)
+            path, rows, file_size = self.writer.write_segment(write, sel, views, now)
+            written = self.writer.index_segment(write, path, rows, file_size, now)
             self.index.persist()   # acknowledged only once its index entries are durable
             self.counters.blocks_written += written
             self.counters.blocks_skipped += len(sel) - written
@@ -239,64 +239,37 @@ class LmdbStore:
             with self.index.env.begin() as txn:
                 cache: dict[int, float] = {}
                 recs = [self._live(txn, k, now, cache) for k in keys]
-                paths = {r.seg: s.path for r in recs if r is not None and (s := self.index.seg(txn, r.seg))}
+                paths = {r.seg: s.path.removeprefix(SEGMENTS) for r in recs
+                         if r is not None and (s := self.index.seg(txn, r.seg))}
             self.index.touched(len(keys))
         except lmdb.Error as e:
             log.warning("read of %s failed: %s", self.root, e)
             self.counters.misses_absent += len(keys)
             return out
         bad: list[tuple[bytes, BlockRec]] = []
-        run: list[tuple[int, BlockRec]] = []
-        with self._io_lock:
-            for i, rec in enumerate(recs):
-                if rec is None:
-                    self.counters.misses_absent += 1
-                elif run and (run[-1][1].seg != rec.seg or run[-1][1].offset + run[-1][1].size != rec.offset
-                              or len(run) >= IOV_MAX):
-                    self._read_run(run, paths, bufs, out, keys, bad)
-                    run = []
-                if rec is not None:
-                    run.append((i, rec))
-            self._read_run(run, paths, bufs, out, keys, bad)
-        if bad and drop:
-            lmdb_upkeep.drop_bad(self, bad)
-        return out
-
-    def _read_run(self, run: list[tuple[int, BlockRec]], paths: dict[int, str], bufs: Sequence[Buffer],
-                  out: list[int], keys: Sequence[bytes], bad: list[tuple[bytes, BlockRec]]) -> None:
-        if not run:
-            return
-        seg_id, start = run[0][1].seg, run[0][1].offset
-        views = read_views(run, bufs)
-        try:
-            got = preadv_all(self._fd(seg_id, paths.get(seg_id)), views, start)
-        except OSError as err:
-            log.info("read of segment %d failed: %s", seg_id, err)
-            got = 0
-        for (i, rec), v in zip(run, views):
-            if rec.offset + rec.size - start > got:
+        located: list[tuple[int, Location]] = []
+        for i, rec in enumerate(recs):
+            if rec is None:
+                self.counters.misses_absent += 1
+            elif rec.seg not in paths:   # its segment's record went meanwhile: the bytes with it
                 self.counters.misses_truncated += 1
                 bad.append((keys[i], rec))
-            elif xxhash.xxh3_64_intdigest(v) != rec.xxh:
-                self.counters.misses_corrupt += 1
-                log.warning("block %s of segment %d fails its checksum", keys[i].hex(), seg_id)
-                bad.append((keys[i], rec))
             else:
-                out[i] = rec.size
+                located.append((i, Location(paths[rec.seg], rec.offset, rec.size, rec.xxh)))
+        for (i, _), got in zip(located, self.files.read_blocks(located, bufs)):
+            if isinstance(got, int):
+                out[i] = got
                 self.counters.blocks_read += 1
-                self.counters.bytes_read += rec.size
-
-    def _fd(self, seg_id: int, path: str | None) -> int:
-        """An open descriptor of a segment (ids are never reused and files never change: cached safely)."""
-        fd = self._fds.pop(seg_id, None)
-        if fd is None:
-            if path is None:
-                raise FileNotFoundError(f"segment {seg_id} has no record")
-            fd = os.open(self.root / path, os.O_RDONLY)
-        self._fds[seg_id] = fd   # most recently used last
-        while len(self._fds) > MAX_OPEN_FDS:
-            os.close(self._fds.pop(next(iter(self._fds))))
-        return fd
+                self.counters.bytes_read += got
+                continue
+            if got == "corrupt":
+                self.counters.misses_corrupt += 1
+            else:   # short, missing or unreadable: a local store's file is proof enough
+                self.counters.misses_truncated += 1
+            bad.append((keys[i], recs[i]))  # type: ignore[arg-type]
+        if bad and drop:
+            lmdb_upkeep.drop_bad(self.index, self.unlink, bad)
+        return out
 
     def blocks(self) -> Iterator[BlockInfo]:
         """Every live block's metadata (no block byte read), in key order, from one read snapshot."""
@@ -313,8 +286,7 @@ class LmdbStore:
                 expiry = max(seg.expiry, self.refresher.expiry(rec.seg))
                 if expiry >= now:
                     yield BlockInfo(bytes(key), rec.parent, rec.pos, rec.size, seg.created, expiry,
-                                    seg.namespace.decode("utf-8", "surrogatepass"),
-                                    seg.ttl_class.decode("utf-8", "surrogatepass"))
+                                    shown_name(seg.namespace), shown_name(seg.ttl_class))
 
     def refresh(self, force: bool = False) -> None:
         """A no-op: every process reads the one shared index."""
@@ -322,19 +294,26 @@ class LmdbStore:
     # --- removal, upkeep, views ------------------------------------------------------
 
     def delete(self, keys: Sequence[bytes]) -> int:
-        return lmdb_gc.delete(self, keys)
+        return self.collector.delete(keys)
 
     def gc(self, batch: int = 4096) -> GcResult:
-        return lmdb_gc.gc(self, batch)
+        return self.collector.gc(self.clock(), batch)
 
     def probe(self) -> str | None:
         return probe_folder(self.root / "segments")
 
     def stats(self) -> StoreStats:
-        return lmdb_upkeep.stats(self)
+        self.flush()
+        st = StoreStats(self.backend, str(self.root), capacity_bytes=self.capacity_bytes)
+        lmdb_upkeep.fill_stats(self.index, st).counters = self.counters.as_dict()
+        return st
 
     def verify(self, remove: bool = True, orphan_age_s: float = lmdb_upkeep.ORPHAN_AGE_S) -> VerifyResult:
-        return lmdb_upkeep.verify(self, remove, orphan_age_s)
+        self.flush()
+        def read(keys: list[bytes], bufs: list[bytearray], drop: bool) -> list[int]:
+            return self.get_into(keys, bufs, drop=drop)
+
+        return lmdb_upkeep.verify(self.index, self.root, read, self.unlink, remove, orphan_age_s)
 
     def flush(self) -> None:
         """Write this process's noted TTL refreshes now."""
@@ -342,10 +321,7 @@ class LmdbStore:
 
     def close(self) -> None:
         self.refresher.close()
-        with self._io_lock:
-            for fd in self._fds.values():
-                os.close(fd)
-            self._fds.clear()
+        self.files.close()
         self.index.close()
 
     def __enter__(self) -> LmdbStore:

@@ -1,4 +1,5 @@
-"""Upkeep of an `LmdbStore` off the hot paths: migration, verify, stats, dropping bad blocks, rewriting a segment.
+"""Upkeep of an LMDB-indexed folder off the hot paths: migration, verify, stats, dropping bad blocks, rewriting
+a segment. Each function gets what it uses (the index, the folder, the store's read or unlink), not the store.
 
 Migration (once per index, under an flock of DIR/.lock): a directory of the previous design
 (segment files at DIR/segments/*.kvs, no index) is indexed in batches of segments, each batch one
@@ -15,21 +16,17 @@ import fcntl
 import logging
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import suppress
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import lmdb
 
-from kvledger.store import lmdb_write
 from kvledger.store import segment as seg_format
-from kvledger.store.backend import StoreStats, VerifyResult
-from kvledger.store.lmdb_index import FORMAT, SEG_ID, U64, BlockRec, SegRec
+from kvledger.store.backend import StoreStats, VerifyResult, shown_name, stored_name
+from kvledger.store.lmdb_index import FORMAT, SEG_ID, U64, BlockRec, LmdbIndex, SegRec
+from kvledger.store.lmdb_write import Writer
 from kvledger.store.segment_files import pid_alive
-
-if TYPE_CHECKING:
-    from kvledger.store.lmdb_store import LmdbStore
 
 log = logging.getLogger("kvledger.store")
 MIGRATE_BATCH = 256     # segments per transaction
@@ -46,27 +43,27 @@ def remove_dead_tmp(tmp_dir: Path, host: str) -> None:
                 os.unlink(tmp_dir / name)
 
 
-def migrate(store: LmdbStore) -> None:
-    idx = store.index
+def migrate(idx: LmdbIndex, root: Path) -> None:
+    """Index the segment files under `root` that `idx` does not name, once (see the module docstring)."""
     with idx.env.begin() as txn:
         if idx.total(txn, b"format") >= FORMAT:
             return
-    fd = os.open(store.root / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(root / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         with idx.env.begin() as txn:
             if idx.total(txn, b"format") >= FORMAT:
                 return
-        names = _segment_files(store.root)
+        names = _segment_files(root)
         for i in range(0, len(names), MIGRATE_BATCH):
             with idx.env.begin(write=True) as w:
                 for name in names[i:i + MIGRATE_BATCH]:
                     if w.get(name.encode(), db=idx.paths) is None:
-                        _migrate_one(store, w, name)
+                        _migrate_one(idx, root, w, name)
         with idx.env.begin(write=True) as w:
             w.put(b"format", U64.pack(FORMAT), db=idx.meta)
         if names:
-            log.info("indexed %d segments of %s (the previous layout)", len(names), store.root)
+            log.info("indexed %d segments of %s (the previous layout)", len(names), root)
     finally:
         os.close(fd)
 
@@ -81,10 +78,10 @@ def _segment_files(root: Path) -> list[str]:
     return sorted(out)
 
 
-def _migrate_one(store: LmdbStore, w: lmdb.Transaction, rel: str) -> None:
+def _migrate_one(index: LmdbIndex, root: Path, w: lmdb.Transaction, rel: str) -> None:
     name = rel
     try:
-        fd = os.open(store.root / rel, os.O_RDONLY)
+        fd = os.open(root / rel, os.O_RDONLY)
     except OSError:
         return
     try:
@@ -104,75 +101,73 @@ def _migrate_one(store: LmdbStore, w: lmdb.Transaction, rel: str) -> None:
             keep.append((i, key, BlockRec(0, i, pos, size, xxh, offset, parent), exp, hit))
     if not keep:
         return
-    ns, cl = meta.namespace.encode("utf-8", "surrogatepass"), meta.ttl_class.encode("utf-8", "surrogatepass")
+    ns, cl = stored_name(meta.namespace), stored_name(meta.ttl_class)
     e0 = meta.entries[0]
     seg = SegRec(max(k[3] for k in keep), max(k[4] for k in keep), meta.created, meta.ttl_s, e0[2], meta.layout.n,
                  0, 0, sum(e[3] for e in meta.entries), file_size, e0[1], ns, cl, rel)
-    seg_id = store.index.add_segment(w, seg, [e[0] for e in meta.entries])
+    seg_id = index.add_segment(w, seg, [e[0] for e in meta.entries])
     for _, key, rec, _, _ in keep:
-        if w.get(key, db=store.index.blocks) is None:
-            store.index.add_block(w, key, rec._replace(seg=seg_id))
+        if w.get(key, db=index.blocks) is None:
+            index.add_block(w, key, rec._replace(seg=seg_id))
             seg.live += 1
             seg.live_bytes += rec.size
-    store.index.bump(w, b"blocks", seg.live)
-    store.index.bump(w, b"live_bytes", seg.live_bytes)
+    index.bump(w, b"blocks", seg.live)
+    index.bump(w, b"live_bytes", seg.live_bytes)
     if seg.live == 0:
-        store.index.remove_segment(w, seg_id, seg)   # every block a duplicate: the file is left to verify
+        index.remove_segment(w, seg_id, seg)   # every block a duplicate: the file is left to verify
     else:
-        store.index.put_seg(w, seg_id, seg)
+        index.put_seg(w, seg_id, seg)
 
 
-def drop_bad(store: LmdbStore, bad: list[tuple[bytes, BlockRec]]) -> None:
+def drop_bad(index: LmdbIndex, unlink: Callable[[list[str]], None], bad: list[tuple[bytes, BlockRec]]) -> None:
     """Forget blocks that failed their read, if the index still names those very bytes."""
     from kvledger.store.lmdb_write import COMPACT_BELOW
 
     paths = []
     try:
-        with store.index.env.begin(write=True) as w:
+        with index.env.begin(write=True) as w:
             for key, rec in bad:
-                now_rec = store.index.block(w, key)
+                now_rec = index.block(w, key)
                 if now_rec is not None and now_rec.seg == rec.seg and now_rec.idx == rec.idx:
-                    paths.append(store.index.drop_block(w, key, now_rec, COMPACT_BELOW))
+                    paths.append(index.drop_block(w, key, now_rec, COMPACT_BELOW))
     except lmdb.Error as e:
-        log.warning("cannot drop %d bad blocks of %s: %s", len(bad), store.root, e)
-    store.unlink([p for p in paths if p])
+        log.warning("cannot drop %d bad blocks: %s", len(bad), e)
+    unlink([p for p in paths if p])
 
 
-def rewrite_segment(store: LmdbStore, seg: SegRec,
+def rewrite_segment(read: Callable[[list[bytes], list[bytearray]], list[int]], writer: Writer, seg: SegRec,
                     live: list[tuple[bytes, BlockRec]]) -> tuple[str, list[tuple[bytes, BlockRec, int]], int] | None:
-    """A new segment file holding the blocks `live` of `seg` (checked on the way); None if none read back."""
+    """A new segment file (`writer`) holding the blocks `live` of `seg`, read back and checked on the way
+    (`read`: the store's get_into); None if none read back."""
     from kvledger.store.backend import ChainWrite
 
     live.sort(key=lambda kr: kr[1].pos)
     bufs = [bytearray(r.size) for _, r in live]
-    sizes = store.get_into([k for k, _ in live], bufs)
+    sizes = read([k for k, _ in live], bufs)
     ok = [(k, r, b) for (k, r), b, s in zip(live, bufs, sizes) if s >= 0]
     if not ok:
         return None
     write = ChainWrite([k for k, _, _ in ok], [b for _, _, b in ok], ok[0][1].pos, ok[0][1].parent,
-                       seg.namespace.decode("utf-8", "replace"), seg.ttl_class.decode("utf-8", "replace"), seg.ttl_s)
-    path, rows, file_size = lmdb_write.write_segment(store, write, list(range(len(ok))),
-                                                     [memoryview(b) for _, _, b in ok], seg.created)
+                       shown_name(seg.namespace), shown_name(seg.ttl_class), seg.ttl_s)
+    path, rows, file_size = writer.write_segment(write, list(range(len(ok))), [memoryview(b) for _, _, b in ok],
+                                                 seg.created)
     return path, [(k, r, row[5]) for (k, r, _), row in zip(ok, rows)], file_size
 
 
-def _iter_segs(txn: lmdb.Transaction, store: LmdbStore) -> Iterator[tuple[int, SegRec]]:
-    with txn.cursor(db=store.index.segs) as cur:
+def _iter_segs(txn: lmdb.Transaction, index: LmdbIndex) -> Iterator[tuple[int, SegRec]]:
+    with txn.cursor(db=index.segs) as cur:
         for k, v in cur:
             yield SEG_ID.unpack(k)[0], SegRec.unpack(v)
 
 
-def stats(store: LmdbStore) -> StoreStats:
-    """Totals in O(1); per class / namespace a scan of the segment records; chains a scan of the blocks
-    (only up to EXACT_CHAINS_UP_TO blocks, else reported as 0)."""
-    idx = store.index
-    store.flush()
-    st = StoreStats(store.backend, str(store.root), capacity_bytes=store.capacity_bytes)
+def fill_stats(idx: LmdbIndex, st: StoreStats) -> StoreStats:
+    """`st` with the index's figures: totals in O(1); per class / namespace a scan of the segment records;
+    chains a scan of the blocks (only up to EXACT_CHAINS_UP_TO blocks, else reported as 0)."""
     with idx.env.begin() as txn:
         st.blocks, st.live_bytes = idx.total(txn, b"blocks"), idx.total(txn, b"live_bytes")
         st.disk_bytes, st.segments = idx.total(txn, b"disk_bytes"), idx.total(txn, b"segments")
-        for _, seg in _iter_segs(txn, store):
-            ns, cl = seg.namespace.decode("utf-8", "surrogatepass"), seg.ttl_class.decode("utf-8", "surrogatepass")
+        for _, seg in _iter_segs(txn, idx):
+            ns, cl = shown_name(seg.namespace), shown_name(seg.ttl_class)
             st.per_class[cl] = st.per_class.get(cl, 0) + seg.live
             st.per_namespace[ns] = st.per_namespace.get(ns, 0) + seg.live
             st.oldest_created = seg.created if st.oldest_created is None else min(st.oldest_created, seg.created)
@@ -183,7 +178,6 @@ def stats(store: LmdbStore) -> StoreStats:
                 recs = {k: BlockRec(*idx_unpack(v)) for k, v in cur}
             parents = {r.parent for r in recs.values()}
             st.chains = sum(1 for k in recs if k not in parents)
-    st.counters = store.counters.as_dict()
     return st
 
 
@@ -193,49 +187,52 @@ def idx_unpack(raw: bytes) -> tuple:
     return BLOCK.unpack(raw)
 
 
-def verify(store: LmdbStore, remove: bool = True, orphan_age_s: float = ORPHAN_AGE_S) -> VerifyResult:
+Read = Callable[[list[bytes], list[bytearray], bool], list[int]]   # (keys, buffers, drop the bad ones) → sizes
+
+
+def verify(index: LmdbIndex, root: Path, read: Read, unlink: Callable[[list[str]], None], remove: bool = True,
+           orphan_age_s: float = ORPHAN_AGE_S) -> VerifyResult:
     """Index against segments: every indexed block is read and checked (bad ones dropped when `remove`), and
     segment files the index does not name, older than `orphan_age_s` (a younger one may be a put between its
     rename and its commit), count as bad (removed when `remove`)."""
-    store.flush()
     checked = bad = removed = nbytes = 0
-    with store.index.env.begin() as txn:
-        seg_ids = [seg_id for seg_id, _ in _iter_segs(txn, store)]
+    with index.env.begin() as txn:
+        seg_ids = [seg_id for seg_id, _ in _iter_segs(txn, index)]
     for seg_id in seg_ids:
-        with store.index.env.begin() as txn:
-            live = [(k, r) for i, k in enumerate(store.index.keys_of(txn, seg_id))
-                    if (r := store.index.block(txn, k)) is not None and r.seg == seg_id and r.idx == i]
+        with index.env.begin() as txn:
+            live = [(k, r) for i, k in enumerate(index.keys_of(txn, seg_id))
+                    if (r := index.block(txn, k)) is not None and r.seg == seg_id and r.idx == i]
         for i in range(0, len(live), 256):
             chunk = live[i:i + 256]
-            sizes = store.get_into([k for k, _ in chunk], [bytearray(r.size) for _, r in chunk], drop=remove)
+            sizes = read([k for k, _ in chunk], [bytearray(r.size) for _, r in chunk], remove)
             checked += len(chunk)
             nbytes += sum(s for s in sizes if s > 0)
             bad += sizes.count(-1)
     removed = bad if remove else 0
-    for path, age in _orphans(store):
+    for path, age in _orphans(index, root):
         if age > orphan_age_s:
             bad += 1
             if remove:
-                store.unlink([path])
+                unlink([path])
                 removed += 1
     return VerifyResult(checked, bad, removed, nbytes)
 
 
-def _orphans(store: LmdbStore) -> list[tuple[str, float]]:
+def _orphans(index: LmdbIndex, root: Path) -> list[tuple[str, float]]:
     """(relative path, age s) of segment files the index does not name."""
     import time
 
     out = []
-    seg_root = store.root / "segments"
-    with store.index.env.begin() as txn:
+    seg_root = root / "segments"
+    with index.env.begin() as txn:
         for dirpath, _, files in os.walk(seg_root):
             for name in files:
                 if not name.endswith(seg_format.SUFFIX):
                     continue
-                rel = os.path.relpath(os.path.join(dirpath, name), store.root)
-                if txn.get(rel.encode(), db=store.index.paths) is None:
+                rel = os.path.relpath(os.path.join(dirpath, name), root)
+                if txn.get(rel.encode(), db=index.paths) is None:
                     try:
-                        age = time.time() - os.stat(store.root / rel).st_mtime
+                        age = time.time() - os.stat(root / rel).st_mtime
                     except OSError:
                         continue
                     out.append((rel, age))

@@ -16,10 +16,12 @@ first absent one; the answer is the chain position of the first absent key over 
 expiry instant is one for the whole CHECK: this server's `TIME` on one server, this client's clock
 on a cluster (the masters' clocks would not order a chain split over them). No block byte touched.
 
-Cluster mode (`files=` a FileStore on a shared mount: 3FS, CephFS, NFS): Redis holds only the
-metadata and answers CHECK for every entrypoint; the bytes go to segment files that every
-engine reads. Bytes are written before their metadata is published, and a file block lives
-until GC finds that Redis no longer knows its key (expired or deleted).
+Cluster mode (`files=` SharedFiles on a shared mount: 3FS, CephFS, NFS): Redis holds only the
+metadata and answers CHECK for every entrypoint; the bytes go to segment files that every engine
+reads, and each block's hash records where (field `l`: segment file and offset). A read is one
+round trip (per node) for the metadata of all its keys, then one `preadv` per run of blocks back
+to back in one file: no listing of the mount. Bytes are written before their metadata is
+published, and a file block lives until GC finds that Redis no longer knows its key.
 
 Every call has a socket timeout; any Redis or socket error is logged and counted and turns
 into a miss (`match` → the blocks before the first key of a failed node, 0 on one server;
@@ -29,12 +31,9 @@ into a miss (`match` → the blocks before the first key of a failed node, 0 on 
 from __future__ import annotations
 
 import logging
-import os
-import secrets
 import time
 from array import array
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
 import xxhash
@@ -43,7 +42,6 @@ from redis.crc import key_slot
 from kvledger.store import redis_upkeep
 from kvledger.store.backend import (
     BlockInfo,
-    BlockStore,
     Buffer,
     ChainWrite,
     MISS,
@@ -55,15 +53,16 @@ from kvledger.store.backend import (
     VerifyResult,
 )
 from kvledger.store.redis_keys import Placement
+from kvledger.store.segment_files import bytes_view
+from kvledger.store.shared_files import VOLUME_FILE, Location, SharedFiles
 from kvledger.store.redis_meta import EXISTS, MATCH, PUT, decode_meta, encode_meta
 from kvledger.util.redis_fanout import FAULTS, Call, RedisNodes, command, script_call
 
 log = logging.getLogger("kvledger.store")
 
-PUT_CHUNK_BYTES = 16 << 20           # bytes of one batched put/get round trip
-FILE_TTL_S = 100 * 365 * 86_400.0  # bytes on files in the cluster mode live until Redis forgets their block
-VOLUME_FILE = "volume.id"          # in the shared store folder: the id of the volume, as Redis records it
-GC_GRACE_S = 60.0                  # cluster-mode GC spares file blocks younger than this (published any moment)
+PUT_CHUNK_BYTES = 16 << 20  # bytes of one batched put/get round trip
+GC_GRACE_S = 60.0           # cluster-mode GC spares file blocks younger than this (published any moment)
+__all__ = ["RedisStore", "VOLUME_FILE", "GC_GRACE_S"]
 
 
 class RedisStore:
@@ -72,7 +71,7 @@ class RedisStore:
     backend = "redis"
 
     def __init__(self, url: str, *, prefix: str = "kvl:", timeout_s: float = 2.0, check: bool = False,
-                 files: BlockStore | None = None) -> None:
+                 files: SharedFiles | None = None) -> None:
         self.url = url
         self.files = files
         self.prefix = prefix.encode()
@@ -87,15 +86,14 @@ class RedisStore:
             self._ping_any()
         # cluster mode: the files must be the volume this Redis's index describes (`claim_volume`); until that
         # is known, a block absent from them proves nothing and is never unpublished
-        self.volume_id = ""   # the id of `files`' volume (`_claim_volume`)
-        self.volume_verified = files is not None and self._claim_volume(files.root)
+        self.volume_verified = files is not None and self._claim_volume(files)
 
-    def _claim_volume(self, root: Path) -> bool:
+    def _claim_volume(self, files: SharedFiles) -> bool:
         """Whether `root` holds the volume Redis records (`VOLUME_FILE`, whose id Redis keeps under
         <prefix>volume). The first store to open a fresh pair writes both. ValueError when the folder is not
         that volume: an empty mount point, or another volume (its reads would unpublish blocks other
         machines can read). False when Redis cannot be asked now (nothing is unpublished then)."""
-        local = self.volume_id = claim_volume_file(root)
+        root, local = files.root, files.claim_volume()
         name = self.prefix + b"volume"
         slot = key_slot(name) if self.nodes.cluster else 0
         reply = self.nodes.run([Call(slot, command("SET", name, local, "NX", "GET"))])[0]
@@ -181,16 +179,19 @@ class RedisStore:
         present = self.exists(write.keys)
         sel = [i for i in range(n) if not present[i]]
         skipped = n - len(sel)
+        where: dict[int, bytes] = {}   # cluster mode: each block's location, once its file is whole
         if self.files is not None and sel:
-            on_files = self.files.put(ChainWrite(write.keys, write.blocks, write.start_pos, write.parent,
-                                                 write.namespace, write.ttl_class, FILE_TTL_S))
-            if on_files.failed:
+            try:
+                located = self.files.write(write, sel, [bytes_view(write.blocks[i]) for i in sel], now)
+            except OSError as e:
+                log.warning("put of %d blocks to %s failed: %s", len(sel), self.files.root, e)
                 self.counters.put_failures += 1
                 return PutResult(0, skipped, len(sel))
+            where = {i: loc.pack() for i, loc in zip(sel, located)}
         expire_at_ms = int((now + write.ttl_s) * 1000)  # one clock for the whole put: the skew orders it exactly
         written = raced = 0  # raced: written by another writer between our exists and our put
         for chunk in self._chunks(sel, write.blocks):
-            replies = self.nodes.run([self._put_call(write, i, now, expire_at_ms) for i in chunk])
+            replies = self.nodes.run([self._put_call(write, i, now, expire_at_ms, where.get(i)) for i in chunk])
             written += sum(1 for r in replies if r == 1)
             raced += sum(1 for r in replies if r == 0)
             fault = next((r for r in replies if isinstance(r, BaseException)), None)
@@ -218,15 +219,16 @@ class RedisStore:
         if chunk:
             yield chunk
 
-    def _put_call(self, write: ChainWrite, i: int, now: float, expire_at_ms: int) -> Call:
+    def _put_call(self, write: ChainWrite, i: int, now: float, expire_at_ms: int, where: bytes | None) -> Call:
+        """The PUT script of block i: its bytes in field `d`, or its location `where` in field `l`."""
         v = memoryview(write.blocks[i]).cast("B")
         parent = write.keys[i - 1] if i > 0 else write.parent
         pos = write.start_pos + i
         meta = encode_meta(parent, pos, v.nbytes, xxhash.xxh3_64_intdigest(v), now, write.ttl_s,
                            write.namespace, write.ttl_class)
-        data = b"" if self.files is not None else v
+        field, value = ("d", v) if where is None else ("l", where)
         key = write.keys[i]
-        return Call(self.place.slot(key), command("EVALSHA", self._put, 1, self._k(key), meta, data,
+        return Call(self.place.slot(key), command("EVALSHA", self._put, 1, self._k(key), meta, field, value,
                                                   expire_at_ms - pos))
 
     # --- read ------------------------------------------------------------------
@@ -253,25 +255,44 @@ class RedisStore:
         return out
 
     def _get_from_files(self, keys: Sequence[bytes], bufs: Sequence[Buffer]) -> list[int]:
-        """Cluster mode: Redis decides which blocks are live (the files keep bytes Redis may have expired),
-        the files give the bytes. One EXISTS round trip (per node), then the reads."""
-        out = [-1] * len(keys)
-        live = [i for i, alive in enumerate(self.exists(keys)) if alive]
-        self.counters.misses_absent += len(keys) - len(live)
-        if not live:
-            return out
-        for i, size in zip(live, self.files.get_into([keys[i] for i in live], [bufs[i] for i in live])):
-            out[i] = size
-        again = [i for i in live if out[i] == MISS]   # UNREADABLE (a local read error) proves nothing
-        if again:  # another machine's segment may be newer than our listing: look again
-            self.files.refresh(force=True)
-            for i, size in zip(again, self.files.get_into([keys[i] for i in again], [bufs[i] for i in again])):
-                out[i] = size
-        self.counters.misses_unreadable += sum(out[i] == UNREADABLE for i in live)   # the files counted them too
-        lost = [keys[i] for i in again if out[i] == MISS]
-        if lost and self.volume_verified:  # absent after a fresh look, or damaged: unpublish, so that the next
-            self._unpublish(lost)          # put writes them again (rule 8: only proven loss removes a block)
+        """Cluster mode: one round trip (per node) for every key's metadata and location, then the reads.
+        Proven damage unpublishes the block (so that the next put writes it again); a local read error does
+        not (rule 8), nor does anything while the folder is not known to be Redis's volume."""
+        out = [MISS] * len(keys)
+        replies = self.nodes.run([Call(self.place.slot(k), command("HMGET", self._k(k), "m", "l")) for k in keys])
+        located: list[tuple[int, Location]] = []
+        bad: list[bytes] = []
+        for i, reply in enumerate(replies):
+            if isinstance(reply, BaseException) or reply[0] is None:
+                self.counters.misses_absent += 1
+            elif (loc := self._location(reply[0], reply[1])) is None:
+                self.counters.misses_corrupt += 1
+                bad.append(keys[i])
+            else:
+                located.append((i, loc))
+        fault = next((r for r in replies if isinstance(r, BaseException)), None)
+        if fault is not None:
+            log.warning("get from %s failed: %s", self.url, fault)
+        for (i, _), got in zip(located, self.files.read(located, bufs)):
+            if isinstance(got, int):
+                out[i] = got
+                self.counters.blocks_read += 1
+                self.counters.bytes_read += got
+                continue
+            setattr(self.counters, f"misses_{got}", getattr(self.counters, f"misses_{got}") + 1)
+            if got == "unreadable":
+                out[i] = UNREADABLE
+            else:
+                bad.append(keys[i])
+        if bad and self.volume_verified:
+            self._unpublish(bad)
         return out
+
+    @staticmethod
+    def _location(m: bytes, loc: bytes | None) -> Location | None:
+        """Where the block whose fields are `m`, `l` lies (None when either does not parse)."""
+        meta = decode_meta(m)
+        return None if meta is None or loc is None else Location.unpack(loc, meta[2], meta[3])
 
     def _check_copy(self, key: bytes, m: bytes | None, d: bytes | None, buf: Buffer) -> int:
         if m is None or d is None:
@@ -304,17 +325,16 @@ class RedisStore:
         return sum(int(r) for r in replies if not isinstance(r, BaseException))
 
     def delete(self, keys: Sequence[bytes]) -> int:
+        """Unpublish `keys`; in the cluster mode their bytes go at the next GC (no key names them)."""
         if not keys:
             return 0
-        if self.files is not None:
-            self.files.delete(keys)
         return self._unpublish(keys)
 
     def blocks(self) -> Iterator[BlockInfo]:
         return redis_upkeep.blocks(self)
 
     def refresh(self, force: bool = False) -> None:
-        """Every reader shares Redis: nothing to learn (the files, in the cluster mode, are refreshed on a miss)."""
+        """Every reader shares Redis: nothing to learn."""
 
     def gc(self, batch: int = 1000) -> GcResult:
         """Expiry is Redis's own (tails first by construction); this removes blocks whose metadata is
@@ -323,7 +343,7 @@ class RedisStore:
         try:
             removed, batches = redis_upkeep.remove_unreadable(self, batch)
             if self.files is not None:
-                removed_f, freed, b = redis_upkeep.gc_files(self, batch, GC_GRACE_S)
+                removed_f, freed, b = self.files.collect(self._exists_or_raise, GC_GRACE_S, batch)
                 removed += removed_f
                 batches += b
         except FAULTS as e:
@@ -335,13 +355,6 @@ class RedisStore:
         return redis_upkeep.stats(self)
 
     def verify(self, remove: bool = True) -> VerifyResult:
-        if self.files is not None:  # the bytes are on files: check them, and unpublish what was removed
-            before = {b.key for b in self.files.blocks()}
-            res = self.files.verify(remove)
-            lost = list(before - {b.key for b in self.files.blocks()})
-            if remove and lost:
-                self._unpublish(lost)
-            return res
         try:
             return redis_upkeep.verify(self, remove)
         except FAULTS as e:
@@ -349,19 +362,8 @@ class RedisStore:
             return VerifyResult(0, 0, 0, 0)
 
     def probe(self) -> str | None:
-        """Cluster mode: the shared folder answers and is still the volume it was at open (an unmounted path
-        shows the empty mount point, which holds no `VOLUME_FILE` or another one)."""
-        if self.files is None:
-            return None
-        if (why := self.files.probe()) is not None:
-            return why
-        try:
-            volume = (self.files.root / VOLUME_FILE).read_text().strip()
-        except OSError as e:
-            return f"{self.files.root / VOLUME_FILE} does not read ({e.strerror})"
-        if volume != self.volume_id:
-            return f"{self.files.root} is no longer the volume opened ({VOLUME_FILE} says {volume or 'nothing'})"
-        return None
+        """Cluster mode: the shared folder answers and is still the volume it was at open."""
+        return None if self.files is None else self.files.probe()
 
     def close(self) -> None:
         if self.files is not None:
@@ -374,17 +376,3 @@ class RedisStore:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-
-def claim_volume_file(root: Path) -> str:
-    """The volume id of the store folder `root` (`VOLUME_FILE`), created when the folder holds none (O_EXCL:
-    concurrent first opens agree on one). An empty mount point gets a new id, which Redis then refuses."""
-    path = Path(root) / VOLUME_FILE
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    except FileExistsError:
-        return path.read_text().strip()
-    with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_hex(16) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    return path.read_text().strip()

@@ -1,6 +1,7 @@
 """What the Redis block store keeps on the server: one hash per block (named as `redis_keys` says),
-field `m` the packed metadata below (never pickle), field `d` the bytes (absent in the cluster
-mode); and the Lua scripts of CHECK, exists and put (one round trip per node touched)."""
+field `m` the packed metadata below (never pickle), and either field `d`, the bytes, or, in the cluster
+mode, field `l`, where the bytes are (`shared_files.Location`: segment file and offset); and the Lua
+scripts of CHECK, exists and put (one round trip per node touched)."""
 
 from __future__ import annotations
 
@@ -42,14 +43,12 @@ end
 return table.concat(out)
 """
 
+# KEYS[1]: the block. ARGV: metadata, the field of the bytes ('d') or of their location ('l'), its value,
+# the expiry instant in unix ms. Returns 0 when the block is present (written once), else 1.
 PUT = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
-if ARGV[2] == '' then
-  redis.call('HSET', KEYS[1], 'm', ARGV[1])
-else
-  redis.call('HSET', KEYS[1], 'm', ARGV[1], 'd', ARGV[2])
-end
-redis.call('PEXPIREAT', KEYS[1], ARGV[3])
+redis.call('HSET', KEYS[1], 'm', ARGV[1], ARGV[2], ARGV[3])
+redis.call('PEXPIREAT', KEYS[1], ARGV[4])
 return 1
 """
 

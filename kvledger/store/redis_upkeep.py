@@ -1,5 +1,5 @@
 """The operator views of a RedisStore that walk every block: blocks, stats, verify, and GC's removal
-of unreadable metadata (and, in the cluster mode, of file blocks Redis forgot). One SCAN per master
+of unreadable metadata. One SCAN per master
 (one server: the one), the names it returns read back in batches pipelined to that same master
 (single-key commands: no hash slot is crossed)."""
 
@@ -16,6 +16,7 @@ import xxhash
 
 from kvledger.store.backend import BlockInfo, StoreStats, VerifyResult
 from kvledger.store.redis_meta import MetaFields, decode_meta
+from kvledger.store.shared_files import Outcome
 from kvledger.util.redis_fanout import FAULTS
 
 if TYPE_CHECKING:
@@ -101,9 +102,8 @@ def stats(store: RedisStore) -> StoreStats:
             st.next_expiry = b.expiry if st.next_expiry is None else min(st.next_expiry, b.expiry)
     st.chains = sum(1 for k in keys if k not in parents)
     if store.files is not None:
-        fst = store.files.stats()
-        st.disk_bytes, st.segments = fst.disk_bytes, fst.segments
-        st.location += f" + {fst.location}"
+        st.segments, st.disk_bytes = store.files.usage()
+        st.location += f" + {store.files.root}"
     else:
         with contextlib.suppress(*FAULTS):
             st.disk_bytes = sum(int(node.info("memory").get("used_memory", 0)) for node in store.nodes.masters())
@@ -112,43 +112,45 @@ def stats(store: RedisStore) -> StoreStats:
 
 
 def verify(store: RedisStore, remove: bool) -> VerifyResult:
-    """Re-read every block with its bytes and check size and xxh3; remove the bad ones. Raises on a fault."""
+    """Re-read every block with its bytes (from Redis, or from the file its location names) and check size
+    and xxh3; remove the bad ones (a local read error on the files is bad here but removes nothing).
+    Raises on a Redis fault."""
     checked = bad = removed = nbytes = 0
+    field = "d" if store.files is None else "l"
     for node, names in scan_names(store, 64):
         pipe = node.pipeline(transaction=False)
         for name in names:
-            pipe.hmget(name, "m", "d")
-        for name, (m, d) in zip(names, pipe.execute()):
-            if m is None and d is None:
-                continue  # expired between SCAN and HMGET
-            checked += 1
-            meta = decode_meta(m) if m is not None else None
-            if meta is None or d is None or len(d) != meta[2] or xxhash.xxh3_64_intdigest(d) != meta[3]:
-                bad += 1
-                if remove:
-                    removed += int(node.delete(name))
-            else:
-                nbytes += len(d)
+            pipe.hmget(name, "m", field)
+        replies = [(n, m, x) for n, (m, x) in zip(names, pipe.execute()) if m is not None or x is not None]
+        checked += len(replies)   # the rest expired between SCAN and HMGET
+        verdicts = _check_inline(replies) if store.files is None else _check_files(store, replies)
+        for (name, _, _), got in zip(replies, verdicts):
+            if isinstance(got, int):
+                nbytes += got
+                continue
+            bad += 1
+            if remove and got != "unreadable":
+                removed += int(node.delete(name))
     return VerifyResult(checked, bad, removed, nbytes)
 
 
-def gc_files(store: RedisStore, batch: int, grace_s: float) -> tuple[int, int, int]:
-    """Cluster mode: remove file blocks older than `grace_s` whose key Redis no longer holds, tails
-    first; (removed, freed bytes, batches). Raises on a Redis fault (a fault must not read as "gone")."""
-    files = store.files
-    assert files is not None
-    files.refresh(force=True)
-    cutoff = time.time() - grace_s
-    entries = [b for b in files.blocks() if b.created < cutoff]
-    gone = []
-    for i in range(0, len(entries), batch):
-        chunk = entries[i:i + batch]
-        alive = store._exists_or_raise([b.key for b in chunk])
-        gone += [b for b, a in zip(chunk, alive) if not a]
-    gone.sort(key=lambda e: -e.pos)
-    before = files.stats().disk_bytes
-    batches = 0
-    for i in range(0, len(gone), batch):
-        files.delete([e.key for e in gone[i:i + batch]])
-        batches += 1
-    return len(gone), max(before - files.stats().disk_bytes, 0), batches
+def _check_inline(replies: list[tuple[bytes, bytes | None, bytes | None]]) -> list[Outcome]:
+    """Each block's size, or "corrupt", for blocks whose bytes are in Redis."""
+    out: list[Outcome] = []
+    for _, m, d in replies:
+        meta = decode_meta(m) if m is not None else None
+        ok = meta is not None and d is not None and len(d) == meta[2] and xxhash.xxh3_64_intdigest(d) == meta[3]
+        out.append(len(d) if ok else "corrupt")
+    return out
+
+
+def _check_files(store: RedisStore, replies: list[tuple[bytes, bytes | None, bytes | None]]) -> list[Outcome]:
+    """Each block's size or why not, for blocks whose bytes are in the files (read by their location)."""
+    assert store.files is not None
+    out: list[Outcome] = ["corrupt"] * len(replies)
+    located = [(i, loc) for i, (_, m, x) in enumerate(replies)
+               if m is not None and (loc := store._location(m, x)) is not None]
+    bufs = {i: bytearray(loc.size) for i, loc in located}
+    for (i, _), got in zip(located, store.files.read(located, bufs)):
+        out[i] = got
+    return out

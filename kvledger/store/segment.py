@@ -30,7 +30,7 @@ ENTRY = struct.Struct("<16s16sIIQQ")      # key, parent, pos, size, xxh3_64, off
 HEADER_BYTES = 64
 ALIGN = 4096
 SUFFIX = ".kvs"
-FLAG_LIVE, FLAG_DEAD = 0, 1
+FLAG_LIVE = 0  # a flag other than this: the block is dead (the retired scan store wrote 1)
 assert HEADER.size <= HEADER_BYTES and ENTRY.size == 56
 
 
@@ -52,14 +52,6 @@ class Layout:
         hits_off = expiry_off + 8 * n
         flags_off = hits_off + 8 * n
         return cls(n, entries_off, expiry_off, hits_off, flags_off, _align(flags_off + n, ALIGN))
-
-    @property
-    def mutable_off(self) -> int:
-        return self.expiry_off
-
-    @property
-    def mutable_len(self) -> int:
-        return 17 * self.n
 
 
 def _align(x: int, a: int) -> int:

@@ -1,26 +1,36 @@
-"""The segment directory of the embedded store: file names, the writers' flock, whole-segment
-writes, reads through a cache of open descriptors, and the in-place mutable arrays.
+"""A flat segment directory (`root/segments/*.kvs`, format in segment.py): file names, whole-segment
+writes, reads through a cache of open descriptors; and the I/O helpers every store's files share.
 
-No index here: this module moves bytes between the caller and `root/segments/*.kvs`
-(format in segment.py). Every method raises `OSError` on a fault; the store decides what a
-fault means (a miss, a failed put).
+No index here: this module moves bytes between the caller and the files (the cluster mode's
+SharedFiles; the previous layout of the embedded store, which the LMDB store migrates). Every
+method raises `OSError` on a fault; the store decides what a fault means (a miss, a failed put).
 
     write:  .tmp-<host>-<pid>-<rand>  --writev, fsync-->  rename to <ns time>-<host>-<pid>-<rand>.kvs
-    read:   preadv of back-to-back blocks straight into the caller's buffers (IOV_MAX per call)
+    read:   blocks by `Location` (file, offset, size, xxh3-64), as an index records them: one preadv per run of
+            blocks back to back in one file, straight into the caller's buffers (IOV_MAX per call), each checked
+
+Read outcomes: the size read; "corrupt" (checksum mismatch), "truncated" (a short read), "missing" (no such
+file), "unreadable" (any other OSError: EIO, ENOTCONN, ESTALE...). What each means is the store's to say
+(DESIGN.md rule 8: on a shared mount only proven damage removes a block).
 """
 
 from __future__ import annotations
 
-import fcntl
+import logging
 import os
 import secrets
 import socket
+import struct
+import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, suppress
+from collections.abc import Sequence
+from contextlib import suppress
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
+
+import xxhash
 
 from kvledger.store import segment as sg
 
@@ -28,10 +38,39 @@ IOV_MAX = 1024
 MAX_OPEN_FDS = 128
 STALE_TMP_S = 3600.0  # verify removes temporary files of any host older than this
 HOST = socket.gethostname().replace("-", "_")
+OFFSET = struct.Struct("<Q")
+Outcome = int | str   # a read's outcome: the size read, or "corrupt" | "truncated" | "missing" | "unreadable"
+log = logging.getLogger("kvledger.store")
+
+
+@dataclass(frozen=True, slots=True)
+class Location:
+    """Where a block's bytes are: `size` bytes at byte `offset` of segment file `name` (relative to the
+    segments folder), hashing to `xxh` (xxh3-64)."""
+
+    name: str
+    offset: int
+    size: int
+    xxh: int
+
+    def pack(self) -> bytes:
+        """The bytes a shared index keeps (offset u64 LE, then the name; size and xxh travel in the metadata)."""
+        return OFFSET.pack(self.offset) + self.name.encode()
+
+    @classmethod
+    def unpack(cls, raw: bytes, size: int, xxh: int) -> Location | None:
+        """The inverse of `pack` for a flat folder's name (None when `raw` does not parse)."""
+        if len(raw) <= OFFSET.size:
+            return None
+        try:
+            name = raw[OFFSET.size:].decode()
+        except UnicodeDecodeError:
+            return None
+        return None if "/" in name else cls(name, OFFSET.unpack_from(raw)[0], size, xxh)
 
 
 class SegmentFiles:
-    """The files under `root/segments` (created when missing) and the lock file `root/.lock`."""
+    """The files under `root/segments` (created when missing)."""
 
     def __init__(self, root: Path, *, fsync: bool = True) -> None:
         self.root = root
@@ -39,25 +78,12 @@ class SegmentFiles:
         self.seg_dir.mkdir(parents=True, exist_ok=True)
         self.fsync = fsync
         self._fds: OrderedDict[str, int] = OrderedDict()
-        self._lock_path = root / ".lock"
+        self._io_lock = threading.Lock()   # the descriptor cache is shared by this process's threads
 
     # --- the directory ---------------------------------------------------------------
 
-    def mtime_ns(self) -> int:
-        return os.stat(self.seg_dir).st_mtime_ns
-
     def names(self) -> set[str]:
         return {n for n in os.listdir(self.seg_dir) if n.endswith(sg.SUFFIX)}
-
-    @contextmanager
-    def flock(self) -> Iterator[None]:
-        """Writers of one directory (in any process) take turns: puts, GC, write-backs."""
-        fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
-        finally:
-            os.close(fd)
 
     def remove_stale_tmp(self, max_age_s: float | None = None) -> None:
         """Temporary files of writers that died mid-write (never renamed in): those of dead processes of
@@ -114,14 +140,46 @@ class SegmentFiles:
         with suppress(FileNotFoundError):
             os.unlink(self.seg_dir / name)
 
-    def unlink_bad(self, name: str) -> bool:
-        try:
-            os.unlink(self.seg_dir / name)
-        except OSError:
-            return False
-        return True
-
     # --- block bytes -----------------------------------------------------------------------
+
+    def read_blocks(self, located: Sequence[tuple[int, Location]], bufs: Sequence[Any]) -> list[Outcome]:
+        """Read each (i, location) into `bufs[i]`; one outcome per item, in order (see the module docstring).
+        One preadv per run of blocks back to back in one file (in the order given); `ValueError` for a buffer
+        smaller than its block."""
+        out: list[Outcome] = []
+        run: list[tuple[int, Location]] = []
+        with self._io_lock:
+            for item in located:
+                last = run[-1][1] if run else None
+                if last is not None and (last.name != item[1].name or last.offset + last.size != item[1].offset
+                                         or len(run) >= IOV_MAX):
+                    out += self._read_run(run, bufs)
+                    run = []
+                run.append(item)
+            if run:
+                out += self._read_run(run, bufs)
+        return out
+
+    def _read_run(self, run: list[tuple[int, Location]], bufs: Sequence[Any]) -> list[Outcome]:
+        name, start = run[0][1].name, run[0][1].offset
+        views = read_views(run, bufs)
+        try:
+            got = self.read_into(name, views, start)
+        except FileNotFoundError:
+            return ["missing"] * len(run)
+        except OSError as err:
+            log.warning("read of segment %s failed: %s", name, err)
+            return ["unreadable"] * len(run)
+        out: list[Outcome] = []
+        for (_, loc), v in zip(run, views):
+            if loc.offset + loc.size - start > got:
+                out.append("truncated")
+            elif xxhash.xxh3_64_intdigest(v) != loc.xxh:
+                log.warning("the block at %d of segment %s fails its checksum", loc.offset, name)
+                out.append("corrupt")
+            else:
+                out.append(loc.size)
+        return out
 
     def read_into(self, name: str, views: list[memoryview], offset: int) -> int:
         """Fill `views` from `offset` of segment `name`; the bytes read (fewer only at end of file)."""
@@ -139,35 +197,16 @@ class SegmentFiles:
         return fd
 
     def close_fd(self, name: str) -> None:
-        fd = self._fds.pop(name, None)
+        with self._io_lock:
+            fd = self._fds.pop(name, None)
         if fd is not None:
             os.close(fd)
 
     def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
-
-    # --- the mutable arrays (expiry, last hit, flags) ----------------------------------------
-
-    def read_mutable(self, name: str, offset: int, length: int) -> bytes | None:
-        """The mutable region of a segment; None when the segment is gone."""
-        try:
-            fd = os.open(self.seg_dir / name, os.O_RDONLY)
-        except FileNotFoundError:
-            return None
-        try:
-            return os.pread(fd, length, offset)
-        finally:
-            os.close(fd)
-
-    def write_mutable(self, name: str, offset: int, data: bytes | bytearray) -> None:
-        fd = os.open(self.seg_dir / name, os.O_WRONLY)
-        try:
-            os.pwrite(fd, data, offset)
-        finally:
-            os.close(fd)
-
+        with self._io_lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
 
 # --- helpers -------------------------------------------------------------------------------
 

@@ -91,12 +91,12 @@ def test_a_job_reports_the_bytes_it_read_and_its_misses_by_cause(setup):
     assert (job.intact, job.bytes_read, job.misses) == (1, 2 * BB, {"corrupt": 1})
 
 
-def test_a_scan_store_is_read_as_one_and_gets_no_lmdb_index(tmp_path):
-    """The fetcher opens the store the ledger has: a ledger opened with `index="scan"` was reopened in the
-    fetcher as an LmdbStore, whose constructor migrated the folder (an LMDB index built inside it)."""
-    ledger = BlockLedger.open(path=tmp_path, fsync=False, index="scan")
+def test_the_fetcher_opens_the_cluster_store_of_the_ledger_prefix_included(tmp_path, redis_server):
+    """The fetcher process opens the ledger's own location (`store.open.location_of`): the Redis index under the
+    ledger's key prefix and the segment files it names, read by location."""
+    ledger = BlockLedger.open(path=tmp_path, redis_url=redis_server.url, fsync=False, prefix="other:")
     blocks = [np.full(BB, i + 1, np.uint8) for i in range(len(KEYS))]
-    ledger.put_chain(KEYS, blocks)
+    assert ledger.put_chain(KEYS, blocks).written == 6
     fetcher = Fetcher(ledger, BB, 8, timeout_s=5.0)
     try:
         job = fetcher.submit(KEYS)
@@ -105,4 +105,3 @@ def test_a_scan_store_is_read_as_one_and_gets_no_lmdb_index(tmp_path):
     finally:
         fetcher.close()
         ledger.close()
-    assert not (tmp_path / "index.lmdb").exists()

@@ -46,36 +46,33 @@ def clock() -> FakeClock:
     return FakeClock()
 
 
-BACKENDS = ("lmdb", "file", "redis", "cluster", "redis-cluster", "cluster-on-redis-cluster")
+BACKENDS = ("lmdb", "redis", "cluster", "redis-cluster", "cluster-on-redis-cluster")
 
 
 @pytest.fixture(params=BACKENDS)
 def store(request, tmp_path, shared_redis):
     """Each block store the ledger can run on, one test run per backend (the one contract suite).
 
-    lmdb: segment files with the persisted LMDB index (the embedded default); file: segment files with
-    the previous in-process index; redis: metadata and bytes on Redis; cluster: a Redis
-    index with the bytes in segment files; redis-cluster and cluster-on-redis-cluster: the same two
-    on a real 3-master Redis Cluster. The Redis ones share one server (one cluster), each test
-    under its own key prefix."""
-    from kvledger.store.file_backend import FileStore
+    lmdb: segment files with the persisted LMDB index (the embedded store); redis: metadata and bytes
+    on Redis; cluster: a Redis index with the bytes in segment files (SharedFiles); redis-cluster and
+    cluster-on-redis-cluster: the same two on a real 3-master Redis Cluster. The Redis ones share one
+    server (one cluster), each test under its own key prefix."""
     from kvledger.store.redis_backend import RedisStore
+    from kvledger.store.shared_files import SharedFiles
 
     prefix = f"t{secrets.token_hex(6)}:"
     if request.param == "lmdb":
         from kvledger.store.lmdb_store import LmdbStore
 
         st = LmdbStore(tmp_path, fsync=False)
-    elif request.param == "file":
-        st = FileStore(tmp_path, fsync=False)
     elif request.param == "redis":
         st = RedisStore(shared_redis.url, prefix=prefix)
     elif request.param == "cluster":
-        st = RedisStore(shared_redis.url, prefix=prefix, files=FileStore(tmp_path, fsync=False))
+        st = RedisStore(shared_redis.url, prefix=prefix, files=SharedFiles(tmp_path, fsync=False))
     elif request.param == "redis-cluster":
         st = RedisStore(request.getfixturevalue("redis_cluster").url, prefix=prefix)
     else:
         url = request.getfixturevalue("redis_cluster").url
-        st = RedisStore(url, prefix=prefix, files=FileStore(tmp_path, fsync=False))
+        st = RedisStore(url, prefix=prefix, files=SharedFiles(tmp_path, fsync=False))
     yield st
     st.close()

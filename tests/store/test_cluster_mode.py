@@ -1,16 +1,22 @@
 """Cluster mode: Redis answers CHECK for everyone, the bytes live in segment files on a shared mount.
 
-Two ledgers with their own FileStore over one directory stand for two machines."""
+Two ledgers with their own SharedFiles over one directory stand for two machines."""
 
 from __future__ import annotations
 
+import os
+import secrets
+from collections import Counter
+from pathlib import Path
+
 import pytest
 import redis
+import redis.connection
 
 from kvledger.store import redis_backend
-from kvledger.store.file_backend import FileStore
 from kvledger.store.ledger import BlockLedger
 from kvledger.store.redis_backend import RedisStore
+from kvledger.store.shared_files import SharedFiles
 
 from .conftest import BLOCK, chain
 
@@ -40,7 +46,7 @@ def test_gc_removes_file_blocks_redis_forgot_tails_first(tmp_path, redis_server,
     monkeypatch.setattr(redis_backend, "GC_GRACE_S", -1.0)
     res = led.gc()
     assert res.expired == 4 and res.freed_bytes == 4 * BLOCK
-    files: FileStore = led.store.files
+    files: SharedFiles = led.store.files
     assert sorted(b.pos for b in files.blocks()) == list(range(6))
     assert led.match(keys) == 6
 
@@ -51,7 +57,7 @@ def test_lost_bytes_are_unpublished_and_rewritten(tmp_path, redis_server):
     led.put_chain(keys, blocks)
     seg = next((tmp_path / "segments").iterdir())
     seg.unlink()  # the shared filesystem lost them
-    other = BlockLedger(RedisStore(redis_server.url, files=FileStore(tmp_path, fsync=False)))
+    other = BlockLedger(RedisStore(redis_server.url, files=SharedFiles(tmp_path, fsync=False)))
     assert other.match(keys) == 4
     assert other.get_into(keys, [bytearray(BLOCK) for _ in keys]) == [-1] * 4
     assert other.match(keys) == 0  # unpublished: the next CHECK misses, the next put writes again
@@ -79,14 +85,14 @@ def test_a_local_read_error_never_unpublishes_a_shared_block(tmp_path, redis_ser
     a = BlockLedger.open(path=tmp_path, redis_url=redis_server.url, fsync=False)
     keys, blocks = chain(6)
     a.put_chain(keys, blocks)
-    b = RedisStore(redis_server.url, files=FileStore(tmp_path, fsync=False))
+    b = RedisStore(redis_server.url, files=SharedFiles(tmp_path, fsync=False))
     assert b.exists(keys) == [True] * 6
     seg = next((tmp_path / "segments").iterdir())
     saved = tmp_path / "saved.kvs"
     shutil.move(seg, saved)
     seg.mkdir()   # a read of it now fails with an error, not with a short read
     assert b.get_into(keys, [bytearray(BLOCK) for _ in keys]) == [UNREADABLE] * 6
-    assert b.files.counters.misses_unreadable == 6 and b.files.counters.misses_truncated == 0
+    assert b.counters.misses_unreadable == 6 and b.counters.misses_truncated == 0
     assert a.match(keys) == 6, "a local read error unpublished the shared chain"
     seg.rmdir()
     shutil.move(saved, seg)   # the mount is back: the blocks were never lost
@@ -106,3 +112,64 @@ def test_a_folder_that_is_not_the_shared_volume_is_refused(tmp_path, redis_serve
     assert a.match(keys) == 6
     again = BlockLedger.open(path=shared, redis_url=redis_server.url, fsync=False)   # the right folder opens
     assert again.read_prefix(keys, [bytearray(BLOCK) for _ in keys]) == 6
+
+
+def _count_round_trips(monkeypatch) -> Counter:
+    """Every batch written to a Redis socket, by port: one per round trip (whatever sends it: a pipeline,
+    a script call, a plain command)."""
+    sends: Counter = Counter()
+    original = redis.connection.Connection.send_packed_command
+
+    def counted(self, command, check_health=True):  # noqa: ANN001, ANN202
+        sends[self.port] += 1
+        return original(self, command, check_health)
+
+    monkeypatch.setattr(redis.connection.Connection, "send_packed_command", counted)
+    return sends
+
+
+def _count_listings_and_preads(monkeypatch) -> Counter:
+    """Calls that list a folder (os.listdir, os.scandir, os.walk, Path.iterdir) and preadv calls."""
+    calls: Counter = Counter()
+
+    def counting(name, fn):  # noqa: ANN001, ANN202
+        def wrapped(*a, **kw):  # noqa: ANN002, ANN003, ANN202
+            calls[name] += 1
+            return fn(*a, **kw)
+        return wrapped
+
+    for name in ("listdir", "scandir", "walk", "preadv"):
+        monkeypatch.setattr(os, name, counting(name, getattr(os, name)))
+    monkeypatch.setattr(Path, "iterdir", counting("iterdir", Path.iterdir))
+    return calls
+
+
+@pytest.mark.parametrize("where", ["redis_server", "redis_cluster"])
+def test_a_cluster_check_and_read_cost_one_round_trip_and_no_listing(tmp_path, where, request, monkeypatch):
+    """The location of a block's bytes is in its Redis record: machine B, opened before A wrote, CHECKs in one
+    round trip per master touched and reads a chain in one more (the metadata of all its keys) plus one preadv
+    per segment, listing nothing. (Before, the read was an EXISTS round trip and then B's own index of the
+    files, which did not know A's segment: a listing of the mount on the read path.)"""
+    url = request.getfixturevalue(where).url
+    prefix = f"t{secrets.token_hex(4)}:"
+    b = BlockLedger.open(path=tmp_path, redis_url=url, fsync=False, prefix=prefix)
+    a = BlockLedger.open(path=tmp_path, redis_url=url, fsync=False, prefix=prefix)
+    keys, blocks = chain(96, seed=7)
+    assert a.put_chain(keys[:64], blocks[:64]).written == 64
+    assert a.put_chain(keys, blocks).written == 32   # two segments: 64 + 32 blocks
+    assert b.match(keys) == 96                       # scripts loaded on every master, slot map learned
+    nodes = b.store.nodes
+    touched = {nodes.node_of(b.store.place.slot(k)).connection_pool.connection_kwargs["port"] for k in keys}
+    assert where == "redis_server" or len(touched) == 3
+
+    trips, calls = _count_round_trips(monkeypatch), _count_listings_and_preads(monkeypatch)
+    assert b.match(keys) == 96
+    assert set(trips) == touched and all(v == 1 for v in trips.values()), f"CHECK: {trips}"
+    trips.clear()
+    bufs = [bytearray(BLOCK) for _ in keys]
+    assert b.get_into(keys, bufs) == [BLOCK] * 96 and [bytes(x) for x in bufs] == blocks
+    assert set(trips) == touched and all(v == 1 for v in trips.values()), f"read: {trips}"
+    assert calls["preadv"] == 2, calls           # one per run of blocks back to back in one file
+    assert not {k: v for k, v in calls.items() if k != "preadv"}, f"the read path listed a folder: {calls}"
+    b.close()
+    a.close()

@@ -129,3 +129,16 @@ def test_a_too_small_buffer_or_a_missing_buffer_is_refused(store):
         led.get_into(keys, [bytearray(BLOCK)])
     with pytest.raises(ValueError):
         led.put_chain(keys, blocks[:1])
+
+
+def test_a_namespace_cut_inside_a_character_is_counted_under_one_name(store):
+    """A namespace whose 1,024th byte falls inside a character (`backend.MAX_NAME_BYTES`): stats count its blocks
+    under one readable name, `blocks()` lists them. (Before, the LMDB store recorded the name cut at that byte,
+    and its stats raised UnicodeDecodeError.)"""
+    ns = "a" * 1023 + "é"
+    led = BlockLedger(store)
+    keys, blocks = chain(2, ns)
+    assert led.put_chain(keys, blocks, namespace=ns).written == 2
+    (name,) = led.stats().per_namespace
+    assert led.stats().per_namespace == {name: 2} and name.startswith("a" * 200)
+    assert {b.namespace for b in store.blocks()} == {name}

@@ -4,6 +4,7 @@ migration from the previous layout, verify, and no directory listing on the hot 
 from __future__ import annotations
 
 import os
+import struct
 import subprocess
 import sys
 import time
@@ -14,9 +15,9 @@ import pytest
 from kvledger.store import segment as sg
 from kvledger.store.backend import ChainWrite
 from kvledger.store.chain_check import leading_present
-from kvledger.store.file_backend import FileStore
 from kvledger.store.ledger import BlockLedger
 from kvledger.store.lmdb_store import LmdbStore
+from kvledger.store.shared_files import SharedFiles
 
 from .conftest import BLOCK, block_of, chain
 
@@ -33,6 +34,19 @@ def put_in_segments(store, keys, blocks, per_put, ttl_s=100.0):
         end = s + per_put
         parent = keys[s - 1] if s else bytes(16)
         store.put(ChainWrite(keys[s:end], blocks[s:end], s, parent, "default", "agent", ttl_s))
+
+
+def write_previous_layout(root, write: ChainWrite, now: float, expiry: float | None = None) -> None:
+    """One segment as the retired scan store wrote it (flat segments/NAME.kvs, no index; SharedFiles writes that
+    layout); `expiry`: its blocks' expiry as that store's hits rewrote it in the segment's mutable arrays."""
+    files = SharedFiles(root, fsync=False)
+    name = files.write(write, range(len(write.keys)), [memoryview(b) for b in write.blocks], now)[0].name
+    if expiry is not None:
+        meta, _ = files.files.read_meta(name)
+        with open(files.files.seg_dir / name, "r+b") as f:
+            f.seek(meta.layout.expiry_off)
+            f.write(struct.pack(f"<{len(write.keys)}d", *[expiry] * len(write.keys)))
+    files.close()
 
 
 def read_all(store, keys):
@@ -160,11 +174,11 @@ def test_corrupt_block_is_a_miss_dropped_and_verify_finds_orphans(tmp_path, cloc
 
 def test_migration_keeps_the_blocks_of_the_previous_layout(tmp_path, clock):
     live, gone = chain(30, seed=1), chain(10, seed=2)
-    with FileStore(tmp_path, fsync=False, clock=clock) as old:
-        old.put(ChainWrite(live[0], live[1], 0, bytes(16), "tenant", "chatbot", 700.0))
-        old.put(ChainWrite(gone[0], gone[1], 0, bytes(16), "tenant", "agent", 100.0))
-        clock.advance(50)
-        assert old.match(live[0], 1000.0) == 30   # refreshed in the old segment's mutable arrays
+    born = clock()
+    write_previous_layout(tmp_path, ChainWrite(live[0], live[1], 0, bytes(16), "tenant", "chatbot", 700.0), born,
+                          expiry=born + 50 + 1000)   # a hit at +50 refreshed it in the segment's mutable arrays
+    write_previous_layout(tmp_path, ChainWrite(gone[0], gone[1], 0, bytes(16), "tenant", "agent", 100.0), born)
+    clock.advance(50)
     clock.advance(200)                            # `gone` expired, `live` not
     with LmdbStore(tmp_path, fsync=False, clock=clock) as store:
         assert store.match(live[0], 1.0) == 30 and store.match(gone[0], 1.0) == 0

@@ -184,8 +184,8 @@ def test_index_a_segment_racing_another_writer(tmp_path, clock):
         def racing_put(sel_keys, ttl_s):
             w = ChainWrite(sel_keys, [blocks[0]] * len(sel_keys), 0, bytes(16), "default", "agent", ttl_s)
             sel = list(range(len(sel_keys)))
-            path, rows, size = lmdb_write.write_segment(store, w, sel, [memoryview(blocks[0])] * len(sel), clock())
-            return lmdb_write.index_segment(store, w, path, rows, size, clock())
+            path, rows, size = store.writer.write_segment(w, sel, [memoryview(blocks[0])] * len(sel), clock())
+            return store.writer.index_segment(w, path, rows, size, clock())
 
         assert racing_put(keys[:3], 10.0) == 3
         segs = store.stats().segments

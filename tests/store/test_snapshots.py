@@ -7,7 +7,7 @@ import os
 import time
 
 from kvledger.state.files import SnapshotFiles
-from kvledger.store.file_backend import FileStore
+from kvledger.store.lmdb_store import LmdbStore
 from kvledger.store.ledger import BlockLedger
 from kvledger.store.snapshots import collect_snapshots, snapshot_stats
 from kvledger.store.ttl import DAY_S, TtlPolicy
@@ -44,7 +44,7 @@ def test_snapshots_go_with_their_chain_block_on_every_backend(store, tmp_path):
 
 def test_store_gc_removes_snapshots_of_expired_chains_and_stats_count_them(tmp_path, run_cli):
     short, long_ = chain(4, seed=1), chain(4, seed=2)
-    with BlockLedger(FileStore(tmp_path, fsync=False), TtlPolicy.parse(f"blink={1 / DAY_S}")) as led:
+    with BlockLedger(LmdbStore(tmp_path, fsync=False), TtlPolicy.parse(f"blink={1 / DAY_S}")) as led:
         led.put_chain(*short, ttl_class="blink")   # the agent-like chain: gone in 1 s
         led.put_chain(*long_)                      # chatbot: 7 days
     born = time.monotonic()
