@@ -89,7 +89,7 @@ def _control(conn: Any) -> None:
 
 def _kvledger_server(conn: Any, size: int, token: str) -> None:
     from kvledger.state.pool import SlotPool
-    from kvledger.state.server import StateServer
+    from kvledger.state.pull_server import StateServer
 
     key = bytes(range(16))
     with SlotPool(size, 2) as pool:
@@ -104,7 +104,7 @@ def _asyncio_server(conn: Any, size: int, token: str) -> None:
     """Candidate: the same protocol and pool served by asyncio streams (StreamWriter + drain)."""
     import asyncio
 
-    from kvledger.state import protocol as P
+    from kvledger.state import wire as P
     from kvledger.state.pool import SlotPool
 
     from kvledger.state import auth
@@ -205,7 +205,7 @@ def _plain_server(conn: Any, size: int) -> None:
 def _plain_scatter_server(conn: Any, size: int) -> None:
     """The stricter floor: kvledger's syscall pattern (one sendmsg of a 72-byte header and the
     bytes) with none of its work (no token, no parsing, no pool, no timeouts)."""
-    from kvledger.state.protocol import RESPONSE_BYTES
+    from kvledger.state.wire import RESPONSE_BYTES
 
     data = memoryview(_payload(size))
     head = bytes(RESPONSE_BYTES)
@@ -221,7 +221,7 @@ def _plain_scatter_server(conn: Any, size: int) -> None:
 def _zmq_server(conn: Any, size: int) -> None:
     import zmq
 
-    from kvledger.state.protocol import RESPONSE_BYTES
+    from kvledger.state.wire import RESPONSE_BYTES
 
     data = memoryview(_payload(size))
     head = bytes(RESPONSE_BYTES)
@@ -274,7 +274,7 @@ def _recv_rest(sock: socket.socket, view: memoryview, got: int) -> None:
 
 
 def _pull_scatter(sock: socket.socket, buf: bytearray, n: int) -> list[float]:
-    from kvledger.state.protocol import RESPONSE_BYTES
+    from kvledger.state.wire import RESPONSE_BYTES
 
     req = bytes(REQUEST_BYTES)
     head = bytearray(RESPONSE_BYTES)

@@ -1,4 +1,4 @@
-"""`kvledger engine --role prefill|decode|both`: one engine process of a cluster (see server.py)."""
+"""`kvledger engine --role prefill|decode|both`: one engine process of a cluster (see process.py)."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_engine(args: argparse.Namespace) -> None:
-    from kvledger.engine.server import EngineConfig, EngineProcess, build_engine_app
+    from kvledger.engine.process import EngineConfig, EngineProcess, build_engine_app
     from kvledger.engine.models.registry import cli_resolve
     from kvledger.util.cluster_token import load_token
     from kvledger.util.http_server import listen

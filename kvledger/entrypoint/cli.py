@@ -113,7 +113,7 @@ def is_loopback(host: str) -> bool:
 
 def cmd_serve(args: argparse.Namespace) -> None:
     from kvledger.engine.models.registry import cli_resolve
-    from kvledger.entrypoint.state import ServeConfig
+    from kvledger.entrypoint.server_state import ServeConfig
     from kvledger.util.http_server import adopt, listen
 
     if args.api_keys is None and not is_loopback(args.host):
@@ -172,7 +172,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
 def _open_state(config: Any) -> Any:
     from kvledger.engine.models.registry import ModelError
     from kvledger.entrypoint.auth import KeyFileError
-    from kvledger.entrypoint.state import ServerState
+    from kvledger.entrypoint.server_state import ServerState
 
     try:
         return ServerState(config)

@@ -12,7 +12,7 @@ from kvledger.core import diff_prompts
 from kvledger.entrypoint.errors import bad_request
 from kvledger.entrypoint.prepare import token_ids
 from kvledger.entrypoint.protocol import DiffRequest
-from kvledger.entrypoint.state import ServerState
+from kvledger.entrypoint.server_state import ServerState
 from kvledger.engine.models.tokenizer import encode_ids
 from kvledger.util.render import diff_json
 

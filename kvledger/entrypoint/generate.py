@@ -24,7 +24,7 @@ from kvledger.entrypoint.detokenize import TextStream
 from kvledger.entrypoint.errors import ApiError, engine_error
 from kvledger.entrypoint.prepare import Prepared
 from kvledger.entrypoint.protocol import Usage
-from kvledger.entrypoint.state import ServerState
+from kvledger.entrypoint.server_state import ServerState
 
 log = logging.getLogger("kvledger.serve")
 CLIENT_GONE = "client_disconnected"   # the error kind counted for a request whose client hung up

@@ -22,7 +22,7 @@ from kvledger.engine.models.chat_template import ChatTemplateError
 from kvledger.entrypoint.check import check_prompt
 from kvledger.entrypoint.errors import ApiError, bad_request, model_not_found
 from kvledger.entrypoint.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
-from kvledger.entrypoint.state import ServerState
+from kvledger.entrypoint.server_state import ServerState
 from kvledger.engine.models.tokenizer import encode_ids
 
 DEFAULT_TEMPERATURE = 1.0   # OpenAI's default; send 0 for greedy

@@ -1,5 +1,5 @@
 """The routes of `kvledger serve` (FastAPI). Request models live in protocol.py, the shared state
-in state.py, the request path in prepare.py (tokenize, limits, CHECK) and generate.py (engine →
+in server_state.py, the request path in prepare.py (tokenize, limits, CHECK) and generate.py (engine →
 responses); this module only wires them to HTTP.
 
     app = build_app(ServeConfig(...)); then util/http_server.Server (entrypoint/cli.py)
@@ -40,7 +40,7 @@ from kvledger.entrypoint.generate import CLIENT_GONE, Outcome, chat_body, comple
 from kvledger.entrypoint.prepare import Prepared, prepare
 from kvledger.entrypoint.protocol import (ChatCompletionRequest, CompletionRequest, DiffRequest, ErrorResponse,
                                           ModelCard, ModelList)
-from kvledger.entrypoint.state import ServeConfig, ServerState
+from kvledger.entrypoint.server_state import ServeConfig, ServerState
 
 STATIC = Path(__file__).with_name("static")
 log = logging.getLogger("kvledger.serve")

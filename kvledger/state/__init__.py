@@ -4,9 +4,9 @@
   directory.py  key → holder, position, size, time (MACed); MemoryDirectory (embedded)
   redis_directory.py  RedisDirectory (shared), one deadline per operation
   auth.py       keys and MACs derived from the cluster token (never sent)
-  protocol.py   the binary wire format of the state server (no pickle)
+  wire.py       the binary wire format of the state server (no pickle)
   handshake.py  the connection handshake, both sides
-  server.py     the state server (a thread per connection), serving snapshots out of the pool
+  pull_server.py  the state server (a thread per connection), serving snapshots out of the pool
   client.py     pulls (a fault is a miss, never an exception)
   files.py      checksummed, atomically written snapshot files (strategies `full`, `periodic:N`)
   strategy.py   memory | full | periodic:N | zero
@@ -19,7 +19,7 @@ from kvledger.state.redis_directory import RedisDirectory
 from kvledger.state.files import SnapshotFiles
 from kvledger.state.ledger import StateLedger
 from kvledger.state.pool import SlotPool
-from kvledger.state.server import StateServer
+from kvledger.state.pull_server import StateServer
 from kvledger.state.strategy import Strategy, StrategyKind
 
 __all__ = [

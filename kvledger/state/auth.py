@@ -7,7 +7,7 @@
     engine    = HMAC-SHA256(root, "engine")      proofs and session keys of an engine's internal API
 
 A state-server connection (and an engine API session, engine/session.py) proves the token both
-ways over fresh 32-byte nonces from both sides (see `protocol.py`): nothing on the wire can be
+ways over fresh 32-byte nonces from both sides (see `wire.py`): nothing on the wire can be
 replayed on another connection, and a peer that does not know the token learns only random nonces
 and MACs it cannot reuse. Every MAC is
 HMAC-SHA256 (32 B), compared with `hmac.compare_digest`.

@@ -4,7 +4,7 @@ A pull never raises on a network fault: an unreachable, dead, hung, refusing, bu
 holder is a miss (None), and `stats` counts it by cause (rule 8: a miss means recompute).
 Every pull finishes within its `timeout_s` (connect, handshake, send, every receive and any
 back-off share one deadline). A new connection first runs the mutual challenge–response of
-`protocol.py`: the client checks the server's proof before it reveals anything that depends
+`wire.py`: the client checks the server's proof before it reveals anything that depends
 on the token, so a server that does not know the token learns only a random nonce. Connections
 are kept alive per address, so a pull is one round trip; a kept connection that turns out dead
 before any byte of the answer is replaced once, within the same deadline. A BUSY holder (every
@@ -28,7 +28,7 @@ from kvledger.state import auth
 from kvledger.state.pool import checksum
 from kvledger.state.handshake import Refused, open_session, recv_exact
 from kvledger.state.handshake import settimeout as _settimeout
-from kvledger.state.protocol import (RESPONSE_BYTES, Op, ProtocolError, PullResponse, PullStatus, pack_request,
+from kvledger.state.wire import (RESPONSE_BYTES, Op, ProtocolError, PullResponse, PullStatus, pack_request,
                                      unpack_response)
 
 DEFAULT_TIMEOUT_S = 2.0

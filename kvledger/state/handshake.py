@@ -1,4 +1,4 @@
-"""Both sides of the state server's connection handshake (frames in `protocol.py`, keys in `auth.py`).
+"""Both sides of the state server's connection handshake (frames in `wire.py`, keys in `auth.py`).
 
     client                                   server
     Hello(cn)                       ──────▶
@@ -16,7 +16,7 @@ import socket
 import time
 
 from kvledger.state import auth
-from kvledger.state.protocol import (
+from kvledger.state.wire import (
     CHALLENGE_BYTES,
     HELLO_BYTES,
     PROOF_BYTES,

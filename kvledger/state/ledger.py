@@ -31,7 +31,7 @@ from kvledger.state.client import DEFAULT_TIMEOUT_S, StateClient
 from kvledger.state.directory import Directory, Holder, MemoryDirectory, SnapshotEntry, sign, verified
 from kvledger.state.files import SnapshotFiles
 from kvledger.state.pool import SlotPool
-from kvledger.state.server import StateServer
+from kvledger.state.pull_server import StateServer
 from kvledger.state.strategy import Strategy
 from kvledger.util.redis_client import deadline
 

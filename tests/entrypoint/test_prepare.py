@@ -11,7 +11,7 @@ from kvledger.entrypoint.errors import ApiError
 from kvledger.cli import build_parser
 from kvledger.entrypoint.prepare import refuse_oversized_text, sampling_params
 from kvledger.entrypoint.protocol import ChatCompletionRequest, CompletionRequest
-from kvledger.entrypoint.state import ServeConfig
+from kvledger.entrypoint.server_state import ServeConfig
 from kvledger.util.serve_process import ServeProcess
 
 MODEL = "smollm2-135m"

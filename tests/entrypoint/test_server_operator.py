@@ -10,7 +10,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from kvledger.entrypoint.server import build_app
-from kvledger.entrypoint.state import ServeConfig, ServerState
+from kvledger.entrypoint.server_state import ServeConfig, ServerState
 
 ALPHA, OPS = "sk-alpha-0123456789", "sk-ops-5555555555"
 GETS = ("/metrics", "/dashboard/activity")

@@ -80,7 +80,7 @@ def test_a_prompt_of_the_wrong_shape_or_range_is_named_as_such():
 
 def test_a_500_names_no_internals_and_the_log_has_them(tmp_path, monkeypatch, caplog):
     from kvledger.entrypoint import server
-    from kvledger.entrypoint.state import ServeConfig
+    from kvledger.entrypoint.server_state import ServeConfig
 
     async def broken(*args):
         raise RuntimeError("secret at /srv/kvledger/internal.py")

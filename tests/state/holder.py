@@ -22,7 +22,7 @@ from kvledger.state.auth import derive_keys  # noqa: E402
 from kvledger.state.directory import Holder, SnapshotEntry, sign  # noqa: E402
 from kvledger.state.redis_directory import RedisDirectory  # noqa: E402
 from kvledger.state.pool import SlotPool  # noqa: E402
-from kvledger.state.server import StateServer  # noqa: E402
+from kvledger.state.pull_server import StateServer  # noqa: E402
 from tests.state.helpers import digest, snap_bytes, snap_key  # noqa: E402
 
 

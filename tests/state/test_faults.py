@@ -13,10 +13,10 @@ from pathlib import Path
 
 from kvledger.core import ModelSpec
 from kvledger.state import RedisDirectory, StateClient, StateLedger
-from kvledger.state.protocol import (RESPONSE_BYTES, Op, PullStatus, pack_hello, pack_proof, pack_request,
+from kvledger.state.wire import (RESPONSE_BYTES, Op, PullStatus, pack_hello, pack_proof, pack_request,
                                      unpack_response)
 from tests.state.helpers import digest, snap_bytes, snap_key
-from tests.state.wire import handshake, recv_all, recv_exact
+from tests.state.raw_frames import handshake, recv_all, recv_exact
 
 SIZE = ModelSpec.preset("deepseek-v4.1-flash").state_size_to_disk()
 

@@ -6,7 +6,7 @@ ZeroMQ ROUTER/DEALER pair next to it on the same bytes (`candidates` in its JSON
 spends its time in the kernel copy; an event loop runs more Python per request than a
 blocked thread, which holds no GIL while it waits or sends.
 
-A connection first proves the cluster token (mutual challenge–response, `protocol.py`)
+A connection first proves the cluster token (mutual challenge–response, `wire.py`)
 within `handshake_timeout_s`; only then does it count against `max_connections`. When every
 slot is taken, the least recently used idle connection is closed to make room (its client
 reconnects on its next pull); when none is idle the new one is answered BUSY and closed, and
@@ -36,7 +36,7 @@ from kvledger.core import KEY_BYTES
 from kvledger.state import auth
 from kvledger.state.pool import SlotPool
 from kvledger.state.handshake import Refused, accept_session, recv_exact
-from kvledger.state.protocol import REQUEST_BYTES, Op, ProtocolError, PullStatus, pack_response, unpack_request
+from kvledger.state.wire import REQUEST_BYTES, Op, ProtocolError, PullStatus, pack_response, unpack_request
 
 ACCEPT_POLL_S = 0.1
 LINGER_S = 0.2          # how long a refused connection is drained before it is closed

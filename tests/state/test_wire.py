@@ -3,7 +3,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvledger.state import auth
-from kvledger.state.protocol import (
+from kvledger.state.wire import (
     CHALLENGE_BYTES,
     HELLO_BYTES,
     MAX_PAYLOAD,

@@ -10,7 +10,7 @@ import pytest
 from kvledger.state.client import StateClient, parse_address
 from kvledger.state.pool import SlotPool
 from kvledger.state import auth
-from kvledger.state.protocol import (
+from kvledger.state.wire import (
     CHALLENGE_BYTES,
     HELLO_BYTES,
     PROOF_BYTES,
@@ -25,8 +25,8 @@ from kvledger.state.protocol import (
     pack_response,
     unpack_response,
 )
-from kvledger.state.server import StateServer
-from tests.state.wire import handshake, recv_all, recv_exact
+from kvledger.state.pull_server import StateServer
+from tests.state.raw_frames import handshake, recv_all, recv_exact
 
 SIZE = 1_415_040
 TOKEN = "cluster-token"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 
 from kvledger.state import auth
-from kvledger.state.protocol import (
+from kvledger.state.wire import (
     CHALLENGE_BYTES,
     PullStatus,
     pack_hello,
