@@ -7,8 +7,8 @@
 
 `digest()` is the SHA-256 (hex) of what shapes the model's KV: the GGUF file; for a folder its
 config.json and every *.safetensors, each by name. Hashing a file costs ~1 s per GB, so a file's
-digest is cached under $XDG_CACHE_HOME/kvledger/digests, keyed by (path, size, mtime_ns): a
-restart does not rehash, a rewritten file is hashed again.
+digest is cached under $XDG_CACHE_HOME/kvledger/digests, keyed by (path, inode, size, mtime, ctime):
+a restart does not rehash, a rewritten or replaced file is hashed again.
 
 `gguf_fields(path)` reads a GGUF's scalar metadata (`general.architecture`, `llama.block_count` ...)
 without the tensors or the arrays (the vocabulary): milliseconds, where `gguf.GGUFReader` takes
@@ -38,13 +38,17 @@ class ModelError(ValueError):
 
 
 def file_digest(path: Path) -> str:
-    """SHA-256 (hex) of the file at `path`, cached by (resolved path, size, mtime_ns)."""
+    """SHA-256 (hex) of the file at `path`, cached by (resolved path, inode, size, mtime_ns, ctime_ns). The
+    ctime is there because a copy can keep the size and set the mtime (`cp -p`, `rsync -t`), but no tool sets
+    the ctime: another file under the same name is hashed again, never given the old file's digest (which
+    would let two models share blocks)."""
     st = path.stat()
-    tag = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:32]
+    stamp = f"{path.resolve()}|{st.st_ino}|{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}"
+    tag = hashlib.sha256(stamp.encode()).hexdigest()[:32]
     cached = _cache_dir() / "digests" / tag
     try:
         text = cached.read_text().strip()
-        if len(text) == 64:
+        if len(text) == 64 and all(c in "0123456789abcdef" for c in text):
             return text
     except OSError:
         pass

@@ -116,18 +116,26 @@ def test_a_hugging_face_folder_gets_its_spec_from_its_config():
     assert tokenizer.encode("2026").tokens == ["2", "0", "2", "6"]
 
 
-def test_a_digest_is_cached_by_path_size_and_mtime(tmp_path, monkeypatch):
+def test_a_digest_is_cached_until_the_file_changes(tmp_path, monkeypatch):
+    """A restart does not rehash an untouched file; a file rewritten under the same name, even with its size and
+    mtime kept (as `cp -p` keeps them), is hashed again: a stale digest would let two models share blocks."""
+    import hashlib
+
+    from kvledger.engine.models import weights
+
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    hashed = []
+    real = hashlib.file_digest
+    monkeypatch.setattr(weights.hashlib, "file_digest", lambda f, algo: hashed.append(f.name) or real(f, algo))
     f = tmp_path / "w.bin"
     f.write_bytes(b"x" * 1000)
     first = file_digest(f)
     assert len(list((tmp_path / "cache" / "kvledger" / "digests").iterdir())) == 1
+    assert file_digest(f) == first and len(hashed) == 1   # cached: no rehash
     st = f.stat()
     f.write_bytes(b"y" * 1000)
-    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))   # same size and mtime: the cached digest (no rehash)
-    assert file_digest(f) == first
-    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 1))
-    assert file_digest(f) != first
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))     # same size and mtime, other bytes
+    assert file_digest(f) == hashlib.sha256(b"y" * 1000).hexdigest() != first and len(hashed) == 2
 
 
 def test_gguf_metadata_is_read_without_the_tensors(tmp_path):
