@@ -29,7 +29,7 @@ from kvledger.store.segment_files import HOST, writev_all
 ExpiryOf = Callable[[lmdb.Transaction, int, dict[int, float]], float]  # (txn, segment id, cache) → expiry (s)
 
 COMPACT_BELOW = 0.5    # a segment whose live share of its data bytes falls below this is rewritten by gc
-class Prepared(NamedTuple):
+class PreparedSegment(NamedTuple):
     """A written segment's index rows, packed before the write transaction (so the lock is held for puts only)."""
 
     seg: SegRec
@@ -38,14 +38,14 @@ class Prepared(NamedTuple):
     sizes: list[int]
 
 
-def prepare(write: ChainWrite, path: str, rows: list[tuple], file_size: int, now: float) -> Prepared:
+def prepare(write: ChainWrite, path: str, rows: list[tuple], file_size: int, now: float) -> PreparedSegment:
     """Everything `index_prepared` writes, computed outside any transaction."""
     ns, cl = stored_name(write.namespace), stored_name(write.ttl_class)
     seg = SegRec(now + write.ttl_s, now, now, write.ttl_s, rows[0][2], len(rows), 0, 0,
                  sum(r[3] for r in rows), file_size, rows[0][1], ns, cl, path)
     tails = [BLOCK_TAIL.pack(i, pos, size, xxh, off, parent)
              for i, (_, parent, pos, size, xxh, off) in enumerate(rows)]
-    return Prepared(seg, [r[0] for r in rows], tails, [r[3] for r in rows])
+    return PreparedSegment(seg, [r[0] for r in rows], tails, [r[3] for r in rows])
 
 
 @dataclass(slots=True)
@@ -106,7 +106,7 @@ class Writer:
         """Index a written segment in `w`; (blocks indexed, files to unlink once `w` commits)."""
         return self.index_prepared(w, prepare(write, path, rows, file_size, now), now)
 
-    def index_prepared(self, w: lmdb.Transaction, prep: Prepared, now: float) -> tuple[int, list[str]]:
+    def index_prepared(self, w: lmdb.Transaction, prep: PreparedSegment, now: float) -> tuple[int, list[str]]:
         """Index a prepared segment in `w`: its blocks that no other writer indexed meanwhile (one C-level insert
         that leaves existing keys alone; only when it left some are they looked at). A segment left with no
         block is not recorded and its file is returned for unlinking. (blocks indexed, files to unlink once
