@@ -32,7 +32,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from kvledger.engine.api import EngineRequest
 from kvledger.engine.async_engine import AsyncEngine
 from kvledger.engine.client import EngineFailed, EngineRejected
-from kvledger.engine.registry import EngineInfo, Heartbeat, Registry
+from kvledger.engine.engine_registry import EngineInfo, Heartbeat, Registry
 from kvledger.engine.session import H_MAC, H_SEQ, H_SESSION, SESSION_PATH, SessionTable
 from kvledger.state.auth import derive_keys
 from kvledger.engine.wire import KEEPALIVE_S, GenerateBody, WireEvent

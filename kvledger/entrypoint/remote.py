@@ -35,7 +35,7 @@ import numpy as np
 from kvledger.core import HitDecision, ModelSpec
 from kvledger.engine.api import EngineRequest, RequestUsage, TokenEvent
 from kvledger.engine.client import EngineFailed, EngineRejected
-from kvledger.engine.registry import EngineInfo, Registry
+from kvledger.engine.engine_registry import EngineInfo, Registry
 from kvledger.engine.session import ProofFailed, SessionClient
 from kvledger.engine.wire import GenerateBody, WireEvent
 from kvledger.entrypoint.router import Load, PromptView, Router

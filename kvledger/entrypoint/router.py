@@ -22,7 +22,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvledger.engine.registry import EngineInfo
+from kvledger.engine.engine_registry import EngineInfo
 
 POLICIES = ("cache-aware", "round-robin", "least-loaded", "prefix-affinity")
 AFFINITY_MEMORY = 65_536   # prefixes whose last engine cache-aware remembers

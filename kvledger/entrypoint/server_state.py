@@ -101,7 +101,7 @@ class ServerState:
         self.stop_requests()
 
     def _start_remote(self, loop: Any) -> RemoteEngines:
-        from kvledger.engine.registry import Registry
+        from kvledger.engine.engine_registry import Registry
         from kvledger.entrypoint.check import check_prompt
         from kvledger.entrypoint.router import Router
         from kvledger.state.auth import derive_keys

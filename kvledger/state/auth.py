@@ -3,7 +3,7 @@
     root      = SHA-256("kvledger/state-token\\0" || token)
     handshake = HMAC-SHA256(root, "handshake")   proofs and session keys of the state server
     directory = HMAC-SHA256(root, "directory")   MACs of directory entries
-    registry  = HMAC-SHA256(root, "registry")    MACs of engine registry entries (engine/registry.py)
+    registry  = HMAC-SHA256(root, "registry")    MACs of engine registry entries (engine/engine_registry.py)
     engine    = HMAC-SHA256(root, "engine")      proofs and session keys of an engine's internal API
 
 A state-server connection (and an engine API session, engine/session.py) proves the token both

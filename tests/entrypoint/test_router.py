@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvledger.engine.registry import EngineInfo
+from kvledger.engine.engine_registry import EngineInfo
 from kvledger.entrypoint.router import POLICIES, Load, PromptView, Router
 
 

@@ -165,7 +165,7 @@ def test_a_dead_master_costs_only_its_blocks_then_recovers(tmp_path):
 
 def test_redis_client_gives_the_engine_registry_a_cluster(redis_cluster, prefix):
     """The registry's keys share the `{engines}` tag: on a cluster it runs unchanged (one slot)."""
-    from kvledger.engine.registry import EngineInfo, Registry
+    from kvledger.engine.engine_registry import EngineInfo, Registry
 
     reg = Registry.from_url(redis_cluster.url, bytes(32), prefix=prefix, ttl_s=30)
     infos = [EngineInfo(f"e{i}", "prefill", f"http://127.0.0.1:{9000 + i}", "m", 128, 10, (0,), 1) for i in range(3)]

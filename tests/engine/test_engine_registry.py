@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from kvledger.engine.registry import EngineInfo, Heartbeat, Registry
+from kvledger.engine.engine_registry import EngineInfo, Heartbeat, Registry
 from kvledger.state.auth import derive_keys
 from kvledger.store.ledger import BlockLedger
 from kvledger.store.redis_backend import VOLUME_FILE
@@ -93,7 +93,7 @@ def test_an_entry_not_sealed_by_a_cluster_engine_is_absent(redis_server):
     field changed (its URL, its limits), a genuine one under another id, an old one replayed. None lists."""
     import json as json_
 
-    from kvledger.engine.registry import MAX_AGE_S, seal
+    from kvledger.engine.engine_registry import MAX_AGE_S, seal
 
     registry = Registry.from_url(redis_server.url, KEY, prefix="kvl-forge:")
     registry.announce(info())
