@@ -1,17 +1,19 @@
-"""Gemma 3 270M in the reference engine: its logits against transformers'.
+"""Gemma 3 270M in the reference engine: its logits against transformers', and a snapshot hit on both ledgers.
 
 The reference (data/gemma3_reference.json, made by scripts/gemma3_reference_logits.py, which says how) is
 transformers' Gemma3ForCausalLM in float32 on the GGUF's dequantized state dict. kvledger computes in
 float32 too. With float32 K and V the two agree to float32 rounding (measured 4e-7 of max |logit|; bound
 1e-5). The engine keeps K and V in bf16 (2⁻⁹ relative rounding), which moves the logits by more (measured
 7.7e-4 on the long prompt): the bound is max |Δlogit| over the reference's top 64 ≤ 1e-3 · max |logit|,
-and equal greedy tokens. The same bf16 rounding separates a chunked prefill from a one-chunk one (their
-float32 K differ in the last bits, and a few round to the other bf16 neighbour: measured 5.7e-4), while a
-hit reads back the very bf16 values the cold prefill wrote.
+and equal greedy tokens. The same bf16 rounding separates a chunked prefill, and a hit's computed tail, from
+a one-chunk prefill: rows computed in GEMMs of other shapes differ in their last float32 bits, and a few of
+their K and V round to the other bf16 neighbour (measured 5.7e-4 chunked, 5.4e-4 on the snapshot hit).
 
 Prompts: "<bos>The capital of France is" (6 tokens, greedy " the capital of the country of France.") and
 ~700 tokens of prose, longer than the 512-token window, so the 15 sliding layers slide; once cold in one
-chunk, once in chunks of 200 (the rings carry the window across chunks). One engine for the module.
+chunk, once in chunks of 200 (the rings carry the window across chunks), then again after
+`clear_device_cache()`: the 3 full layers' blocks come from the block ledger, the 15 windows from the
+snapshot at 640 (rule 4′, R = 1), and the answer is the cold one. One engine for the module.
 """
 
 import json
@@ -130,3 +132,14 @@ def test_with_float32_kv_the_forward_is_transformers_within_float_rounding(gemma
                 logits = model([Chunk(ids[start:start + n], start, table, slot=0)])[0]
                 start += n
             assert _rel_to_reference(logits, ref) <= 1e-5, (ref["name"], sizes)
+
+
+def test_snapshot_hit_is_the_cold_answer(gemma, ledger, holder, cold_long):
+    ref = PROMPTS["long"]
+    gemma.clear_device_cache()
+    out, usage, d = run_request(gemma, ledger, ref["ids"], request_id="hit", max_tokens=len(ref["greedy_ids"]),
+                                state_ledger=holder)
+    assert d.kind is HitKind.SNAPSHOT and usage.hit_kind == "snapshot"
+    assert usage.cached_tokens == d.hit_tokens == (len(ref["ids"]) - 1) // 128 * 128 == 640
+    assert _rel(gemma.first_logits["hit"], cold_long[1]) <= BOUND and out == cold_long[0]
+    assert _rel_to_reference(gemma.first_logits["hit"], ref) <= BOUND
