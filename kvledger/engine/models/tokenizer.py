@@ -14,9 +14,11 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
 _CONTROL = 3  # GGUF token type of special (control) tokens
+_USER_DEFINED = 4  # GGUF token type of added tokens matched whole but not special (Gemma's <unused…>, tabs …)
+_SPACE = "\u2581"  # sentencepiece's visible space "▁"
 
 
 class TokenizerError(Exception):
@@ -130,8 +132,11 @@ def build_gguf_tokenizer(path: Path) -> Tokenizer:
         return f.contents()
 
     kind, pre = field("tokenizer.ggml.model"), field("tokenizer.ggml.pre")
+    if kind == "llama" and str(field("general.architecture")).startswith("gemma"):
+        return _gemma_tokenizer(field)
     if kind != "gpt2":
-        raise TokenizerError(f"{path}: tokenizer model {kind!r} is not supported (only byte-level BPE 'gpt2')")
+        raise TokenizerError(f"{path}: tokenizer model {kind!r} is not supported (byte-level BPE 'gpt2', or "
+                             "Gemma's sentencepiece BPE)")
     tokens: list[str] = field("tokenizer.ggml.tokens")
     types: list[int] = field("tokenizer.ggml.token_type")
     merges = [tuple(m.split(" ", 1)) for m in field("tokenizer.ggml.merges")]
@@ -147,3 +152,42 @@ def build_gguf_tokenizer(path: Path) -> Tokenizer:
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
                             for t, ty in zip(tokens, types) if ty == _CONTROL])
     return tok
+
+
+def _gemma_tokenizer(field) -> Tokenizer:
+    """Gemma's sentencepiece BPE (what transformers' GemmaTokenizer builds from the same GGUF), `<bos>` added.
+
+    The GGUF lists no merges: they are rebuilt from the vocabulary, every split of a token into two tokens,
+    ranked by the token's place in the file (earlier first), as transformers does for Gemma. A token made of
+    spaces only is stored with real spaces and looked up as "▁"s, so it is respelled first. Spaces become
+    "▁" (no prefix space); unknown bytes fall back to <0xNN> tokens. Control tokens (<bos>, <start_of_turn>
+    …) are special, user-defined ones are matched whole."""
+    tokens = [_SPACE * len(t) if " " in t and not t.strip() else t for t in field("tokenizer.ggml.tokens")]
+    types: list[int] = field("tokenizer.ggml.token_type")
+    vocab = {t: i for i, t in enumerate(tokens)}
+    unk = tokens[field("tokenizer.ggml.unknown_token_id")]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=_merges_by_rank(vocab, {t: -i for i, t in enumerate(tokens)}),
+                               fuse_unk=True, unk_token=unk, byte_fallback=True))
+    tok.normalizer = normalizers.Replace(" ", _SPACE)
+    tok.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    tok.decoder = decoders.Sequence([decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, ty in zip(tokens, types) if ty == _CONTROL])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                    for t, ty in zip(tokens, types) if ty == _USER_DEFINED and vocab.get(t) is not None])
+    bos = tokens[field("tokenizer.ggml.bos_token_id")]
+    tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A $B",
+                                                       special_tokens=[(bos, vocab[bos])])
+    return tok
+
+
+def _merges_by_rank(vocab: dict[str, int], rank: dict[str, float]) -> list[tuple[str, str]]:
+    """BPE merges implied by a vocabulary: each token's splits into two vocabulary tokens, best rank first (ties:
+    longer left piece, then longer right piece; within a token by the pieces' ids)."""
+    found: list[tuple[float, int, int, str, str]] = []
+    for token, score in rank.items():
+        splits = [(token[:k], token[k:]) for k in range(1, len(token)) if token[:k] in vocab and token[k:] in vocab]
+        for left, right in sorted(splits, key=lambda lr: (vocab[lr[0]], vocab[lr[1]])):
+            found.append((score, len(left), len(right), left, right))
+    found.sort(key=lambda m: (m[0], m[1], m[2]), reverse=True)   # stable: ties keep the order above
+    return [(left, right) for _, _, _, left, right in found]

