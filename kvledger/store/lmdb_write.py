@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import NamedTuple
 
 import lmdb
-import xxhash
 
 from kvledger.store import segment as seg_format
 from kvledger.store.backend import ChainWrite, stored_name
@@ -63,15 +62,7 @@ class Writer:
     def write_segment(self, write: ChainWrite, sel: Sequence[int], views: Sequence[memoryview],
                       now: float) -> tuple[str, list[tuple], int]:
         """Write, fsync and rename one segment file; (relative path, entry rows, file size)."""
-        ns, cl = stored_name(write.namespace), stored_name(write.ttl_class)
-        offset = seg_format.Layout.of(len(sel), len(ns), len(cl)).data_off
-        rows = []
-        for i, v in zip(sel, views):
-            parent = write.keys[i - 1] if i > 0 else write.parent
-            rows.append((write.keys[i], parent, write.start_pos + i, v.nbytes, xxhash.xxh3_64_intdigest(v), offset))
-            offset += v.nbytes
-        meta = seg_format.encode_meta(write.namespace, write.ttl_class, write.ttl_s, now, rows,
-                                      [now + write.ttl_s] * len(rows))
+        meta, rows, size = seg_format.encode_chain(write, sel, views, now)
         tag = f"{HOST}-{os.getpid()}-{secrets.token_hex(6)}"
         rel = f"segments/{tag[-2:]}/{tag}{seg_format.SUFFIX}"
         tmp = self.root / "tmp" / f".tmp-{tag}"
@@ -91,7 +82,7 @@ class Writer:
             raise
         finally:
             os.close(fd)
-        return rel, rows, offset
+        return rel, rows, size
 
     def index_segment(self, write: ChainWrite, path: str, rows: list[tuple], file_size: int, now: float) -> int:
         """One write transaction: the segment and those of its blocks nobody indexed meanwhile."""

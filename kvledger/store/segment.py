@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import os
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import xxhash
 
-from kvledger.store.backend import read_name, stored_name
+from kvledger.store.backend import ChainWrite, read_name, stored_name
 
 MAGIC = b"KVLSEG01"
 VERSION = 1
@@ -75,6 +76,22 @@ def encode_meta(namespace: str, ttl_class: str, ttl_s: float, created: float,
     buf[:HEADER.size] = head[:-8] + struct.pack("<Q", meta_xxh)
     return bytes(buf)
 
+
+
+def encode_chain(write: ChainWrite, sel: Sequence[int], views: Sequence[memoryview], now: float
+                 ) -> tuple[bytes, list[tuple[bytes, bytes, int, int, int, int]], int]:
+    """One segment of the blocks `sel` of `write` (in chain order, their bytes `views`), written at `now`: its
+    metadata prefix, its ENTRY rows (key, parent, chain position, size, xxh3-64, offset) and its file size.
+    The one encoder of a segment for every store that writes them (LMDB's and the shared mount's)."""
+    ns, cl = stored_name(write.namespace), stored_name(write.ttl_class)
+    offset = Layout.of(len(sel), len(ns), len(cl)).data_off
+    rows = []
+    for i, v in zip(sel, views):
+        parent = write.keys[i - 1] if i > 0 else write.parent
+        rows.append((write.keys[i], parent, write.start_pos + i, v.nbytes, xxhash.xxh3_64_intdigest(v), offset))
+        offset += v.nbytes
+    meta = encode_meta(write.namespace, write.ttl_class, write.ttl_s, now, rows, [now + write.ttl_s] * len(rows))
+    return meta, rows, offset
 
 @dataclass(frozen=True, slots=True)
 class SegmentMeta:

@@ -26,10 +26,9 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
-import xxhash
 
 from kvledger.store import segment as sg
-from kvledger.store.backend import BlockInfo, Buffer, ChainWrite, probe_folder, stored_name
+from kvledger.store.backend import BlockInfo, Buffer, ChainWrite, probe_folder
 from kvledger.store.segment_files import STALE_TMP_S, Location, Outcome, SegmentFiles
 
 log = logging.getLogger("kvledger.store")
@@ -54,15 +53,7 @@ class SharedFiles:
     def write(self, write: ChainWrite, sel: Sequence[int], views: Sequence[memoryview], now: float) -> list[Location]:
         """One segment holding the blocks `sel` of `write` (in chain order), whole and renamed in; their
         locations."""
-        ns, cl = stored_name(write.namespace), stored_name(write.ttl_class)
-        offset = sg.Layout.of(len(sel), len(ns), len(cl)).data_off
-        rows = []
-        for i, v in zip(sel, views):
-            parent = write.keys[i - 1] if i > 0 else write.parent
-            rows.append((write.keys[i], parent, write.start_pos + i, v.nbytes, xxhash.xxh3_64_intdigest(v), offset))
-            offset += v.nbytes
-        meta = sg.encode_meta(write.namespace, write.ttl_class, write.ttl_s, now, rows,
-                              [now + write.ttl_s] * len(rows))
+        meta, rows, _ = sg.encode_chain(write, sel, views, now)
         name = self.files.write(meta, list(views))
         return [Location(name, off, size, xxh) for _, _, _, size, xxh, off in rows]
 
