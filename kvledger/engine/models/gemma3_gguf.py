@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from kvledger.engine.models.gemma3 import LOCAL_ROPE_THETA
+from kvledger.engine.models.hf_folder import hf_tensor_name
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -100,9 +101,4 @@ def write_gemma3_weights(reader: Any, path: Path) -> None:
 
 
 def _hf_name(gguf_name: str) -> str:
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
-    blk, layer, part, suffix = gguf_name.split(".")
-    if blk != "blk" or part not in _LAYER_NAMES:
-        raise ValueError(f"unexpected Gemma 3 GGUF tensor {gguf_name!r}")
-    return f"model.layers.{int(layer)}.{_LAYER_NAMES[part]}.{suffix}"
+    return hf_tensor_name(gguf_name, _GLOBAL_NAMES, _LAYER_NAMES, "Gemma 3 GGUF tensor")

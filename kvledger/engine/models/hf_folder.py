@@ -163,7 +163,7 @@ def _write_weights(reader: Any, config: dict[str, Any], path: Path) -> None:
     tensors: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
         w = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)  # a writable copy
-        hf_name = _hf_name(t.name)
+        hf_name = hf_tensor_name(t.name)
         if hf_name.endswith("q_proj.weight"):
             w = _unpermute(w, heads)
         elif hf_name.endswith("k_proj.weight"):
@@ -172,13 +172,16 @@ def _write_weights(reader: Any, config: dict[str, Any], path: Path) -> None:
     save_file(tensors, str(path), metadata={"format": "pt"})
 
 
-def _hf_name(gguf_name: str) -> str:
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
+def hf_tensor_name(gguf_name: str, global_names: dict[str, str] = _GLOBAL_NAMES,
+                   layer_names: dict[str, str] = _LAYER_NAMES, what: str = "GGUF tensor") -> str:
+    """The Hugging Face name of a GGUF tensor: a global one by `global_names`, `blk.<i>.<part>.<suffix>` as
+    `model.layers.<i>.<layer_names[part]>.<suffix>`; ValueError naming `what` for any other."""
+    if gguf_name in global_names:
+        return global_names[gguf_name]
     blk, layer, part, suffix = gguf_name.split(".")
-    if blk != "blk" or part not in _LAYER_NAMES:
-        raise ValueError(f"unexpected GGUF tensor {gguf_name!r}")
-    return f"model.layers.{int(layer)}.{_LAYER_NAMES[part]}.{suffix}"
+    if blk != "blk" or part not in layer_names:
+        raise ValueError(f"unexpected {what} {gguf_name!r}")
+    return f"model.layers.{int(layer)}.{layer_names[part]}.{suffix}"
 
 
 def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
