@@ -22,7 +22,7 @@ import time
 import numpy as np
 import torch
 
-from kvledger.core import ModelSpec, check_decision
+from kvledger.core import ModelSpec, check_decision, checkpoint_positions
 from kvledger.engine.api import EngineRequest, RequestUsage, TokenEvent, check_request_keys
 from kvledger.engine.block_pool import BlockPool
 from kvledger.engine.fetcher import Fetcher
@@ -44,11 +44,16 @@ class Engine:
     def __init__(self, model: str | ModelEntry, *, block_ledger: object | None, state_ledger: object | None = None,
                  device: str = "cpu", max_num_seqs: int = 8, max_num_batched_tokens: int = 4096,
                  replay: bool = False, fetcher: str = "process", kv_cache_bytes: int = DEFAULT_KV_BYTES,
-                 fetch_timeout_s: float = 10.0) -> None:
+                 fetch_timeout_s: float = 10.0, checkpoint_every: int = 0) -> None:
+        """`checkpoint_every`: rule 4′'s periodic checkpointing, a snapshot every that many prompt tokens
+        during prefill (a multiple of B; 0: only rule 4's, at the prompt's end); the `periodic:N` state
+        strategy's N (`Strategy.checkpoint_every`)."""
         if fetcher not in ("process", "none"):
             raise ValueError("fetcher must be 'process' (its own process) or 'none' (no ledger reads)")
         self.model = (resolve(model) if isinstance(model, str) else model).load(device)
         self.spec: ModelSpec = self.model.spec
+        checkpoint_positions(0, self.spec, checkpoint_every)   # ValueError unless at block boundaries
+        self.checkpoint_every = checkpoint_every
         self.max_model_len = self.model.max_model_len
         self.eos_token_ids = tuple(self.model.eos_token_ids)
         block_bytes = self.spec.block_bytes()
@@ -88,6 +93,7 @@ class Engine:
         check_request_keys(req, tokens, self.spec)
         check_decision(req.decision, tokens.size, self.spec)
         seq = Sequence.from_request(req)
+        seq.checkpoints = checkpoint_positions(seq.prompt_len, self.spec, self.checkpoint_every)
         if self.loader.blocks_needed(seq) > self.pool.total:
             raise ValueError(f"prompt + max_tokens needs {self.loader.blocks_needed(seq)} blocks; "
                              f"the device pool has {self.pool.total}")
@@ -202,6 +208,8 @@ class Engine:
         if was_prefill:
             seq.add_time("compute_s", cost.forward_s)
         if seq.in_prefill:
+            if seq.computed in seq.checkpoints:
+                self.writer.store_checkpoint(seq, seq.computed)
             return None
         b = self.spec.block_size
         if was_prefill:

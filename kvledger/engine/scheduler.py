@@ -88,7 +88,7 @@ class Scheduler:
                 budget -= 1
         for seq in self.running:
             if seq.status is SequenceStatus.RUNNING and seq.in_prefill and budget > 0:
-                n = min(seq.prompt_len - seq.computed, budget)
+                n = seq.prefill_chunk(budget)
                 batch.append((seq, n))
                 budget -= n
         while (seq := self.waiting.peek()) is not None and len(self.running) < self.max_num_seqs:
@@ -97,7 +97,7 @@ class Scheduler:
             self.waiting.pop()
             self.running.append(seq)
             if seq.status is SequenceStatus.RUNNING and budget > 0:
-                n = min(seq.prompt_len - seq.computed, budget)
+                n = seq.prefill_chunk(budget)
                 batch.append((seq, n))
                 budget -= n
         return batch

@@ -56,6 +56,14 @@ class Sequence:
     fetch_bytes: int = 0                   # read by the fetcher for this sequence (RequestUsage.fetch_bytes)
     fetch_misses: dict[str, int] = field(default_factory=dict)   # cause → blocks the fetch missed
     finish_reason: str | None = None
+    checkpoints: tuple[int, ...] = ()      # rule 4′: prefill positions a chunk ends at, to snapshot there
+
+    def prefill_chunk(self, budget: int) -> int:
+        """Prompt tokens the next prefill chunk computes: the rest of the prompt within `budget`, ending at the
+        next checkpoint, if any (mid-prefill, the window ring holds only the latest window)."""
+        n = min(self.prompt_len - self.computed, budget)
+        stop = next((x for x in self.checkpoints if x > self.computed), None)
+        return n if stop is None else min(n, stop - self.computed)
 
     @property
     def exact(self) -> bool:

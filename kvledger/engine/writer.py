@@ -2,6 +2,7 @@
 
     | when                  | block ledger                        | state ledger                          |
     |-----------------------|-------------------------------------|---------------------------------------|
+    | prefill reaches k·P   | —                                   | window at k·P (checkpoint_positions)  |
     | prefill done          | full prompt blocks [hit/B, L/B)     | windows at prefill_store_positions(L) |
     | decode crosses k·B    | —                                   | window at k·B → the slot's replica    |
     | request end           | full blocks [L/B, computed/B)       | the latest replica, at its boundary   |
@@ -102,6 +103,14 @@ class LedgerWriter:
         for position in prefill_store_positions(seq.prompt_len, self.spec):
             self.model.export_window(seq.slot, position, self.slots.staging)
             self.state_ledger.put(seq.keys[position // b - 1], position, self.slots.staging.numpy())
+
+    def store_checkpoint(self, seq: Sequence, position: int) -> None:
+        """Rule 4′ (periodic): the window at `position`, where a prefill chunk just ended (rule 9: exact only)."""
+        if self.state_ledger is None or not seq.exact:
+            return
+        assert seq.computed == position and position % self.spec.block_size == 0
+        self.model.export_window(seq.slot, position, self.slots.staging)
+        self.state_ledger.put(seq.keys[position // self.spec.block_size - 1], position, self.slots.staging.numpy())
 
     def store_replica(self, seq: Sequence) -> None:
         """Rule 4 at request end: the latest decode replica, attached at its boundary (rule 9: exact ones only)."""

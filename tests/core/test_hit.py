@@ -12,7 +12,7 @@ from kvledger import (
 )
 from dataclasses import replace
 
-from kvledger.core import check_decision, exact_replay, hit_cap, snapshot_candidates
+from kvledger.core import check_decision, checkpoint_positions, exact_replay, hit_cap, snapshot_candidates
 
 V4 = ModelSpec.preset("deepseek-v4.1-flash")
 TINY = ModelSpec.preset("tiny-v4")
@@ -309,3 +309,68 @@ def test_the_engines_check_knows_which_kinds_a_model_has():
         check_decision(replace(fallback, hit_tokens=fallback.block_hit_tokens), 131072, V4)
     with pytest.raises(ValueError, match="needs sliding-window layers"):
         check_decision(replace(fallback, cap=hit_cap(131072, LLAMA)), 131072, LLAMA)
+
+
+# --- rules 3′ and 4′ on Gemma 3 (W = 512 > B, every window in the snapshot, R = 1) --------
+
+GEMMA = ModelSpec.preset("gemma3-270m")
+
+
+def test_gemma3_computes_only_its_last_token_and_v4_its_last_134():
+    assert (GEMMA.reserve_tokens, V4.reserve_tokens, TINY.reserve_tokens, LLAMA.reserve_tokens) == (1, 134, 134, 1)
+    assert [hit_cap(L, GEMMA) for L in (128, 129, 256, 2000, 2049)] == [0, 128, 128, 1920, 2048]
+
+
+@pytest.mark.parametrize("L, cached, snaps, kind, hit", [
+    (2000, 15, {1920}, HitKind.SNAPSHOT, 1920),                # the prompt's own snapshot at L1 = cap = 1920
+    (2000, 12, {512, 1024, 1536, 1920}, HitKind.SNAPSHOT, 1536),   # 12 blocks held: L1 = 1536, a checkpoint there
+    (2000, 11, {512, 1024, 1536}, HitKind.SNAPSHOT, 1024),     # none at L1 = 1408: the latest below, exactly
+    (2000, 15, set(), HitKind.MISS, 0),                        # no snapshot: never the approximate fallback
+    (2000, 15, {2048}, HitKind.MISS, 0),                       # above L1: no use
+    (300, 2, {256}, HitKind.SNAPSHOT, 256),
+    (256, 2, {128, 256}, HitKind.SNAPSHOT, 128),               # cap ⌊255/128⌋·128: the last token is computed
+])
+def test_gemma3_hit_table(L, cached, snaps, kind, hit):
+    d = decide_hit(L, cached, snaps, GEMMA)
+    assert (d.kind, d.hit_tokens) == (kind, hit)
+    assert d.exact and d.recompute_from == d.hit_tokens == d.block_hit_tokens
+    check_decision(d, L, GEMMA)
+
+
+@pytest.mark.parametrize("L, every, expected", [
+    (2000, 512, (512, 1024, 1536)),       # the docstring's example: p = c = 1920 is stored anyway
+    (2048, 512, (512, 1024, 1536)),       # p = 1920
+    (2049, 512, (512, 1024, 1536)),       # p = 2048 is the prompt's own
+    (2000, 1024, (1024,)),
+    (500, 512, ()),
+    (2000, 0, ()),
+])
+def test_checkpoint_positions_table(L, every, expected):
+    assert checkpoint_positions(L, GEMMA, every) == expected
+    assert not set(expected) & set(prefill_store_positions(L, GEMMA))
+
+
+def test_checkpoints_are_for_windowed_models_at_block_boundaries():
+    assert checkpoint_positions(100_000, LLAMA, 512) == ()
+    assert checkpoint_positions(1000, V4, 256) == (256, 512)   # V4: (c, p) = (768, 896)
+    with pytest.raises(ValueError, match="block boundaries"):
+        checkpoint_positions(2000, GEMMA, 500)
+
+
+@given(st.integers(min_value=1, max_value=40_000), st.integers(min_value=0, max_value=40_000),
+       st.integers(min_value=1, max_value=4_000), st.sampled_from([0, 512, 1024, 2048]))
+def test_a_shared_document_resumes_at_most_one_period_back(la, shared, extra, every):
+    """Prompt A (la tokens) is stored with its rule-4′ snapshots and a checkpoint every `every` tokens; prompt B
+    shares A's first `shared` tokens, then differs. B's blocks match up to the shared full blocks; a snapshot
+    counts for B only where its block key is B's too (at or below the shared full blocks). With checkpoints B
+    resumes exactly at most `every` tokens before L1; without them (every = 0) it may miss outright."""
+    shared = min(shared, la)
+    lb = shared + extra
+    common = shared // B
+    stored = set(prefill_store_positions(la, GEMMA)) | set(checkpoint_positions(la, GEMMA, every))
+    valid = {x for x in stored if x <= common * B}
+    d = decide_hit(lb, min(common, la // B), valid, GEMMA)
+    assert d.exact and d.kind in (HitKind.SNAPSHOT, HitKind.MISS)
+    l1 = min(common * B, hit_cap(lb, GEMMA))
+    if every:
+        assert d.hit_tokens >= l1 - every

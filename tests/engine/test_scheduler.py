@@ -10,7 +10,8 @@ from kvledger.engine.sequence import SequenceStatus
 def _seq(request_id: str, namespace: str) -> SimpleNamespace:
     """What the scheduler reads of a Sequence: a one-token prompt, admitted straight to RUNNING."""
     return SimpleNamespace(request_id=request_id, request=SimpleNamespace(namespace=namespace),
-                           status=SequenceStatus.RUNNING, in_prefill=True, prompt_len=1, computed=0)
+                           status=SequenceStatus.RUNNING, in_prefill=True, prompt_len=1, computed=0,
+                           prefill_chunk=lambda budget: min(1, budget))
 
 
 def _admitted(scheduler: Scheduler) -> list[str]:
@@ -60,3 +61,22 @@ def test_removed_and_found_while_waiting():
     assert [s.request_id for s in scheduler.waiting] == ["a1"] and scheduler.has_unfinished()
     assert _admitted(scheduler) == ["a1"]
     assert not scheduler.waiting
+
+
+def test_prefill_chunks_end_at_the_checkpoints():
+    """Rule 4′ (periodic): a chunk ends at each checkpoint, where the engine exports the window; the budget
+    still bounds every chunk."""
+    from kvledger.core import HitDecision, HitKind
+    from kvledger.engine.api import EngineRequest, SamplingParams
+    from kvledger.engine.sequence import Sequence
+
+    miss = HitDecision(HitKind.MISS, 0, 0, False, 0, None, 1920)
+    seq = Sequence.from_request(EngineRequest("r", [5] * 2000, [], miss, SamplingParams(max_tokens=1)))
+    seq.checkpoints = (512, 1024, 1536)
+    chunks = []
+    while seq.in_prefill:
+        chunks.append(seq.prefill_chunk(700))
+        seq.computed += chunks[-1]
+    assert chunks == [512, 512, 512, 464]
+    seq.computed = 0
+    assert seq.prefill_chunk(300) == 300

