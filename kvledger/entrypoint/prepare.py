@@ -206,6 +206,8 @@ def sampling_params(state: ServerState, body: SamplingFields, prompt_len: int) -
     if any(t >= state.vocab_size for t in stop_ids):
         raise bad_request(f"stop_token_ids must lie in [0, {state.vocab_size})", "stop_token_ids",
                           "invalid_token_id")
+    if chat and state.chat_template is not None:   # the turn format's end of turn (Gemma's <end_of_turn>)
+        stop_ids += tuple(t for t in state.chat_template.stop_token_ids if t not in stop_ids)
     try:
         temperature = _or(body.temperature, DEFAULT_TEMPERATURE)
         return SamplingParams(max_tokens=limit, temperature=temperature if temperature >= GREEDY_BELOW else 0.0,

