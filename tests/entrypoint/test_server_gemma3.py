@@ -88,3 +88,22 @@ def test_a_chat_request_stops_at_the_end_of_the_models_turn():
     chat = ChatCompletionRequest(model=MODEL, messages=[{"role": "user", "content": "hi"}], stop_token_ids=[5])
     assert sampling_params(state, chat, 10).stop_token_ids == (5, 106)
     assert sampling_params(state, CompletionRequest(model=MODEL, prompt=[2, 3]), 2).stop_token_ids == ()
+
+
+def test_up_serves_gemma3_and_the_decode_engine_pulls_the_prefill_engines_snapshot(tmp_path):
+    """`kvledger up --model gemma3-270m --prefill 1 --decode 1`: the prefill leg computes the 726-token prompt and
+    its first token; the decode leg (prompt + that token) hits the prefill's blocks on the shared store and pulls
+    its 7.6 MiB snapshot at 640 from the prefill engine's state server. The text is transformers' greedy text."""
+    from kvledger.bench.cluster_process import ClusterProcess
+    from kvledger.util.serve_process import request
+
+    ref = REFERENCE["long"]
+    with ClusterProcess(tmp_path / "cluster", prefill=1, decode=1, model=MODEL) as c:
+        status, raw = request(c.url + "/v1/completions", json.dumps(
+            {"model": MODEL, "prompt": ref["text"], "max_tokens": len(ref["greedy_ids"]), "temperature": 0}).encode(),
+            {"Content-Type": "application/json"})
+        assert status == 200, raw
+        assert json.loads(raw)["choices"][0]["text"] == ref["greedy_text"]
+        text = request(c.url + "/metrics")[1].decode()
+    line = 'kvledger_engine_legs_total{engine="decode-0",hit_kind="snapshot",kind="decode"} '
+    assert any(x.startswith(line) and float(x.split()[-1]) == 1 for x in text.splitlines()), text[-2000:]
