@@ -1,0 +1,27 @@
+"""`kvledger bench ttft` side by side in one run: what each run kind reuses and computes, and which are exact."""
+
+import torch
+
+from kvledger.bench.ttft_bench import measure
+
+torch.set_num_threads(1)   # as the bench's --threads default: a second thread spins on a loaded machine
+
+
+def test_each_run_kind_reuses_what_its_rule_says(tmp_path):
+    """tiny-v4 (W = 128, R = 134), 1,024 tokens, checkpoints every 256: cap 768; the latest checkpoint below it
+    is 512; the fallback truncates at 640 (and reports it); the exact kinds answer as cold."""
+    r = measure("tiny-v4", 1024, "cpu", str(tmp_path), repeat=1, period=256, chunk=1024, greedy=4)
+    got = {k: (v["n"], v["hit_kind"], v["cached_tokens"], v["computed_tokens"]) for k, v in r["runs"].items()}
+    assert got == {"stored": (1, "miss", 0, 1024), "cold": (1, "miss", 0, 1024), "hit": (1, "snapshot", 768, 256),
+                   "periodic": (1, "snapshot", 512, 512), "fallback": (1, "fallback", 640, 384),
+                   "replay": (1, "replay", 768, 384)}
+    for kind in ("cold", "hit", "periodic"):
+        assert r["runs"][kind]["greedy_match"] and r["runs"][kind]["logits_max_rel_err"] <= 1e-3, kind
+    assert r["runs"]["fallback"]["logits_max_rel_err"] > 1e-3   # windows truncated: not the cold answer
+    assert r["runs"]["hit"]["ttft_s"] > 0 and r["hit_over_cold"] == r["runs"]["hit"]["over_cold"]
+
+
+def test_a_full_attention_model_has_no_windowed_kinds(tmp_path):
+    r = measure("smollm2-135m", 512, "cpu", str(tmp_path), repeat=1, chunk=512, greedy=2)
+    assert list(r["runs"]) == ["stored", "cold", "hit"] and r["runs"]["hit"]["hit_kind"] == "full"
+    assert r["runs"]["hit"]["cached_tokens"] == 384 and r["runs"]["hit"]["greedy_match"]
