@@ -17,7 +17,8 @@ BENCHES = {
     "state": "kvledger.bench.state_bench",   # state ledger: snapshot pulls vs a plain socket, directory lookups
     "sim": "kvledger.bench.sim",             # cluster simulator driven by a trace
     "serve": "kvledger.bench.serve_bench",   # kvledger serve under multi-turn chats vs --no-cache
-    "ttft": "kvledger.bench.ttft_bench",     # reference engine: TTFT cold vs hit vs bounded replay
+    "ttft": "kvledger.bench.ttft_bench",     # reference engine: TTFT cold vs each hit kind
+    "accuracy": "kvledger.bench.hit_accuracy",   # each hit kind's greedy tokens and logits vs cold, real text
     "vllm": "kvledger.integrations.vllm.bench",  # TTFT under vLLM: kvledger's connector vs ExampleConnector
     "scale": "kvledger.bench.scale_bench",   # block ledger at node scale: persisted index vs the previous design
     "redis-cluster": "kvledger.bench.redis_cluster_bench",  # CHECK on a 3-master Redis Cluster vs one server
