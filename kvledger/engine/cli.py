@@ -14,7 +14,7 @@ from kvledger.util.redis_client import REDIS_URL_ENV
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from kvledger.engine.models.registry import add_model_arg
+    from kvledger.engine.models.registry import add_checkpoint_arg, add_model_arg
 
     p = sub.add_parser("engine", help="one engine of a cluster (prefill, decode or both) on a shared Redis",
                        description="One engine process of a cluster: it loads the model, opens the shared ledgers "
@@ -30,6 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--data-dir", type=Path, required=True, help="the shared store folder (blocks under it)")
     p.add_argument("--token-file", type=Path, default=None, help="the cluster token (or $KVLEDGER_CLUSTER_TOKEN)")
     add_model_arg(p)
+    add_checkpoint_arg(p)
     p.add_argument("--host", default="127.0.0.1", help="address of the internal API and the state server")
     p.add_argument("--port", type=int, default=0, help="internal API port (0: any free one)")
     p.add_argument("--engine-id", default=None, help="default: <role>-<random>")
@@ -42,7 +43,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def cmd_engine(args: argparse.Namespace) -> None:
     from kvledger.engine.process import EngineConfig, EngineProcess, build_engine_app
-    from kvledger.engine.models.registry import cli_resolve
+    from kvledger.engine.models.registry import cli_checkpoint, cli_resolve
     from kvledger.util.cluster_token import load_token
     from kvledger.util.http_server import listen
 
@@ -50,7 +51,7 @@ def cmd_engine(args: argparse.Namespace) -> None:
         raise CliError("--port must lie in [0, 65535]")
     if args.max_num_seqs <= 0 or args.grace_s < 0:
         raise CliError("--max-num-seqs must be > 0 and --grace-s >= 0")
-    cli_resolve(args.model)
+    every = cli_checkpoint(cli_resolve(args.model), args.checkpoint_every)
     try:
         token = load_token(args.token_file)
     except ValueError as e:
@@ -58,7 +59,7 @@ def cmd_engine(args: argparse.Namespace) -> None:
     engine_id = args.engine_id or f"{args.role}-{uuid.uuid4().hex[:6]}"
     config = EngineConfig(model=args.model, role=args.role, redis_url=args.redis_url, token=token,
                           data_dir=args.data_dir, engine_id=engine_id, host=args.host,
-                          max_num_seqs=args.max_num_seqs, grace_s=args.grace_s)
+                          max_num_seqs=args.max_num_seqs, grace_s=args.grace_s, checkpoint_every=every)
     sock = listen(args.host, args.port)
     url = f"http://{args.host}:{sock.getsockname()[1]}"
     try:

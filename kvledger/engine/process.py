@@ -52,6 +52,7 @@ class EngineConfig:
     max_num_seqs: int = 8
     device: str = "cpu"
     replay: bool = False
+    checkpoint_every: int = 0   # rule 4′: a snapshot every this many prompt tokens while prefilling (0: none)
     grace_s: float = 60.0
     heartbeat_ttl_s: float = 3.0
 
@@ -95,7 +96,8 @@ class EngineProcess:
                 raise StartupInterrupted
             self.engine = AsyncEngine(Engine(self.entry, block_ledger=self.block_ledger,
                                              state_ledger=self.state_ledger, device=self.config.device,
-                                             max_num_seqs=self.config.max_num_seqs, replay=self.config.replay))
+                                             max_num_seqs=self.config.max_num_seqs, replay=self.config.replay,
+                                             checkpoint_every=self.config.checkpoint_every))
             engine = self.engine.engine
             self.info0 = EngineInfo(self.config.engine_id, self.config.role, url, self.entry.name,
                                     engine.max_model_len, int(engine.model.vocab_size), tuple(engine.eos_token_ids),

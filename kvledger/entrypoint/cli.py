@@ -28,6 +28,7 @@ GRACE_S = 10.0   # SIGTERM: seconds requests in flight may finish (then they end
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from kvledger.engine.models.registry import add_checkpoint_arg
     from kvledger.util.output import examples
 
     p = sub.add_parser("serve", help="the OpenAI-compatible server on the embedded store",
@@ -45,6 +46,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="block ledger folder (blocks under it), kept across restarts")
     p.add_argument("--no-cache", action="store_true", help="compute every prompt in full (a baseline)")
     p.add_argument("--max-num-seqs", type=int, default=8, help="requests the engine batches at once")
+    add_checkpoint_arg(p)
     grace_arg(p)
     p.set_defaults(func=cmd_serve, redis_url=None, token_file=None, routing="cache-aware", listen_fd=None)
 
@@ -63,7 +65,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--routing", default="cache-aware", choices=POLICIES, help="how prefill engines are chosen")
     p.add_argument("--listen-fd", type=int, default=None, help=argparse.SUPPRESS)  # `kvledger up`'s bound socket
     grace_arg(p)
-    p.set_defaults(func=cmd_serve, no_cache=False, max_num_seqs=8)
+    p.set_defaults(func=cmd_serve, no_cache=False, max_num_seqs=8, checkpoint_every=0)
 
 
 def grace_arg(p: argparse.ArgumentParser) -> None:
@@ -112,7 +114,7 @@ def is_loopback(host: str) -> bool:
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
-    from kvledger.engine.models.registry import cli_resolve
+    from kvledger.engine.models.registry import cli_checkpoint, cli_resolve
     from kvledger.entrypoint.server_state import ServeConfig
     from kvledger.util.http_server import adopt, listen
 
@@ -121,7 +123,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
                        "loopback only (127.0.0.1, ::1); give --api-keys FILE to listen elsewhere")
     if not 0 <= args.port < 65536:
         raise CliError("--port must lie in [0, 65535]")
-    cli_resolve(args.model)
+    every = cli_checkpoint(cli_resolve(args.model), args.checkpoint_every)
     if args.status_interval_s < 0 or args.grace_s < 0:
         raise CliError("--status-interval-s and --grace-s must be >= 0")
     for flag in ("max_concurrent_per_key", "max_body_bytes", "max_num_seqs", "max_prompt_tokens", "max_tokens_limit",
@@ -147,7 +149,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
                          max_concurrent_per_key=per_key, max_num_seqs=args.max_num_seqs,
                          max_prompt_tokens=args.max_prompt_tokens, max_tokens_limit=args.max_tokens_limit,
                          redis_url=args.redis_url, cluster_token=token, routing=args.routing,
-                         status_every_s=args.status_interval_s)
+                         status_every_s=args.status_interval_s, checkpoint_every=every)
     mode = "serve" if args.redis_url is None else "entrypoint"
     state, code = None, EXIT_INTERRUPTED   # until the server ran to its end: close as fast as after a Ctrl-C
     try:

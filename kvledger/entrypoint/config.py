@@ -46,6 +46,7 @@ class ServeConfig:
     status_every_s: float = 10.0           # a status line per this many seconds of activity; 0: none
     device: str = "cpu"
     replay: bool = False
+    checkpoint_every: int = 0              # rule 4′: a snapshot every this many prompt tokens (0: none)
     # cluster mode (`kvledger entrypoint`): no engine here; Redis holds the index, the directory and
     # the engine registry, and the engines are reached with the cluster token
     redis_url: str | None = None

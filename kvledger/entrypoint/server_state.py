@@ -69,7 +69,7 @@ class ServerState:
         engine = Engine(self.entry, block_ledger=self.block_ledger if cache else None,
                         state_ledger=self.state_ledger if cache else None,
                         device=self.config.device, max_num_seqs=self.config.max_num_seqs,
-                        replay=self.config.replay)
+                        replay=self.config.replay, checkpoint_every=self.config.checkpoint_every)
         self._engine_core = engine
         self.max_model_len = engine.max_model_len
         self.eos_token_ids = tuple(engine.eos_token_ids)

@@ -73,6 +73,7 @@ class Child:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from kvledger.engine.models.registry import add_checkpoint_arg
     from kvledger.entrypoint.cli import http_args
     from kvledger.util.paths import default_data_dir
     from kvledger.entrypoint.router import POLICIES
@@ -96,13 +97,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "dirs, gone at exit) instead of one redis-server")
     p.add_argument("--routing", default="cache-aware", choices=POLICIES, help="how prefill engines are chosen")
     p.add_argument("--max-num-seqs", type=int, default=8, help="requests each engine batches at once")
+    add_checkpoint_arg(p)
     p.add_argument("--grace-s", type=float, default=GRACE_S, help="on a stop: seconds the entrypoint's open requests "
                    "and the engines' hand-offs get before they are cut (default %(default)s)")
     p.set_defaults(func=cmd_up)
 
 
 def cmd_up(args: argparse.Namespace) -> None:
-    from kvledger.engine.models.registry import NAMES, cli_resolve
+    from kvledger.engine.models.registry import NAMES, cli_checkpoint, cli_resolve
     from kvledger.entrypoint.cli import is_loopback
     from kvledger.util.paths import default_data_dir
 
@@ -114,7 +116,8 @@ def cmd_up(args: argparse.Namespace) -> None:
         raise CliError(f"--host {args.host}: without --api-keys the entrypoint binds to loopback only")
     if args.grace_s < 0:
         raise CliError("--grace-s must be >= 0")
-    cli_resolve(args.model)   # a model that is not servable fails here, before Redis and the engines start
+    # a model that is not servable fails here, before Redis and the engines start
+    cli_checkpoint(cli_resolve(args.model), args.checkpoint_every)
     if args.model not in NAMES:   # a path: the children get it whole, whatever their working directory
         args.model = str(Path(args.model).expanduser().resolve())
     for flag in ("header_timeout_s", "body_timeout_s", "max_connections"):   # the entrypoint's, checked here first
@@ -245,7 +248,8 @@ class Cluster:
         for role, n in (("prefill", a.prefill), ("decode", a.decode), ("both", a.both)):
             for i in range(n):
                 name = f"{role}-{i}"
-                args = ["engine", "--role", role, "--engine-id", name, "--max-num-seqs", str(a.max_num_seqs), *common]
+                args = ["engine", "--role", role, "--engine-id", name, "--max-num-seqs", str(a.max_num_seqs),
+                        "--checkpoint-every", str(a.checkpoint_every), *common]
                 children.append(Child(name, args, self.logs / f"{name}.log"))
         assert self.front is not None
         fd = self.front.fileno()

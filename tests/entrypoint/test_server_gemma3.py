@@ -91,19 +91,26 @@ def test_a_chat_request_stops_at_the_end_of_the_models_turn():
 
 
 def test_up_serves_gemma3_and_the_decode_engine_pulls_the_prefill_engines_snapshot(tmp_path):
-    """`kvledger up --model gemma3-270m --prefill 1 --decode 1`: the prefill leg computes the 726-token prompt and
-    its first token; the decode leg (prompt + that token) hits the prefill's blocks on the shared store and pulls
-    its 7.6 MiB snapshot at 640 from the prefill engine's state server. The text is transformers' greedy text."""
+    """`kvledger up --model gemma3-270m --prefill 1 --decode 1 --checkpoint-every 512`: the prefill leg computes the
+    726-token prompt and its first token; the decode leg (prompt + that token) hits the prefill's blocks on the
+    shared store and pulls its 7.6 MiB snapshot at 640 from the prefill engine's state server. The text is
+    transformers' greedy text. A second prompt that shares only the first 600 tokens resumes at the prefill's
+    checkpoint at 512 (rule 4′; without it, a miss: the prompt's own snapshot is at 640)."""
     from kvledger.bench.cluster_process import ClusterProcess
     from kvledger.util.serve_process import request
 
-    ref = REFERENCE["long"]
-    with ClusterProcess(tmp_path / "cluster", prefill=1, decode=1, model=MODEL) as c:
-        status, raw = request(c.url + "/v1/completions", json.dumps(
-            {"model": MODEL, "prompt": ref["text"], "max_tokens": len(ref["greedy_ids"]), "temperature": 0}).encode(),
+    def complete(url, prompt, max_tokens):
+        status, raw = request(url + "/v1/completions", json.dumps(
+            {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}).encode(),
             {"Content-Type": "application/json"})
         assert status == 200, raw
-        assert json.loads(raw)["choices"][0]["text"] == ref["greedy_text"]
+        return json.loads(raw)
+
+    ref = REFERENCE["long"]
+    with ClusterProcess(tmp_path / "cluster", "--checkpoint-every", "512", prefill=1, decode=1, model=MODEL) as c:
+        assert complete(c.url, ref["text"], len(ref["greedy_ids"]))["choices"][0]["text"] == ref["greedy_text"]
+        other = complete(c.url, ref["ids"][:600] + REFERENCE["short"]["ids"][1:], 1)
+        assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 512
         text = request(c.url + "/metrics")[1].decode()
     line = 'kvledger_engine_legs_total{engine="decode-0",hit_kind="snapshot",kind="decode"} '
     assert any(x.startswith(line) and float(x.split()[-1]) == 1 for x in text.splitlines()), text[-2000:]

@@ -38,8 +38,8 @@ from kvledger.engine.models import gemma3_chat
 from kvledger.engine.models.weights import (GgufFile, HfFolder, ModelError, assembled_file, file_digest, gguf_fields,
                                             package_file)
 
-__all__ = ["ARCHITECTURES", "DEFAULT_MODEL", "NAMES", "TEXT_MODELS", "ModelEntry", "ModelError", "add_model_arg",
-           "cli_resolve", "load_tokenizer", "model_help", "resolve"]
+__all__ = ["ARCHITECTURES", "DEFAULT_MODEL", "NAMES", "TEXT_MODELS", "ModelEntry", "ModelError", "add_checkpoint_arg",
+           "add_model_arg", "cli_checkpoint", "cli_resolve", "load_tokenizer", "model_help", "resolve"]
 
 Weights = GgufFile | HfFolder | None
 
@@ -110,6 +110,24 @@ def model_help() -> str:
 def add_model_arg(parser: Any) -> None:
     """--model NAME|PATH on an argparse parser (serve, entrypoint, up, engine, bench ...); `cli_resolve` checks it."""
     parser.add_argument("--model", default=DEFAULT_MODEL, metavar="NAME|PATH", help=model_help())
+
+
+def add_checkpoint_arg(parser: Any) -> None:
+    """--checkpoint-every TOKENS (serve, engine, up): rule 4′'s periodic checkpointing; `cli_checkpoint` checks it."""
+    parser.add_argument("--checkpoint-every", type=int, default=0, metavar="TOKENS",
+                        help="sliding-window models: also snapshot every TOKENS prompt tokens while prefilling (a "
+                        "multiple of 128), so another question after a shared document resumes exactly at most "
+                        "TOKENS back; each snapshot is a window of every windowed layer (gemma3-270m: 7.6 MiB) "
+                        "(default %(default)s: only at the prompt's end)")
+
+
+def cli_checkpoint(entry: ModelEntry, every: int) -> int:
+    """--checkpoint-every, checked against the model: CliError unless 0 or a positive multiple of its block."""
+    from kvledger.util.output import CliError
+
+    if every < 0 or every % entry.spec.block_size:
+        raise CliError(f"--checkpoint-every {every}: a multiple of the {entry.spec.block_size}-token block, or 0")
+    return every
 
 
 def cli_resolve(model: str) -> ModelEntry:
