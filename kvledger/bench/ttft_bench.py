@@ -20,6 +20,10 @@ is split into CHECK, fetch, swap-in and compute. Reported per run kind: the medi
 max), the median ratio to cold, the max relative logit error of the first token against the stored run,
 and whether the 32 greedy tokens equal cold's. "stored" (n = 1) prices periodic checkpointing against cold.
 
+`bytes` says what the stored run left on the ledgers, measured: the block ledger's files and the snapshots in
+host memory, per stored token, with rule 4's snapshots only and with the checkpoints too, against a store
+that keeps every layer's K and V per token (`rag_bench.all_layers_bytes_per_token`).
+
 `overlap_fraction` is the share of fetch + swap-in that compute hid: (swap-in
 copy time − time the forward waited for it) / (fetch + swap-in copy time), in the first hit run.
 """
@@ -136,6 +140,7 @@ def measure(model: str, tokens: int, device: str, data_dir: str, *, repeat: int 
     try:
         prompt = _prompt(tokens, engine.model.vocab_size)
         runs["stored"].append(_run(engine, ledger, states, prompt, "stored", "stored", "bench", greedy))
+        kept = _bytes_kept(spec, prompt, ledger, states)
         engine.checkpoint_every = 0
         for i in range(repeat):
             for kind in kinds:
@@ -147,7 +152,27 @@ def measure(model: str, tokens: int, device: str, data_dir: str, *, repeat: int 
         if states is not None:
             states.close()
         ledger.close()
-    return _report(model, tokens, device, period, greedy, runs)
+    return _report(model, tokens, device, period, greedy, runs) | {"bytes": kept}
+
+
+def _bytes_kept(spec: Any, prompt: list[int], ledger: Any, states: Any) -> dict[str, Any]:
+    """What the stored run put on the ledgers: block files and snapshots, per stored token (module docstring)."""
+    from kvledger.bench.rag_bench import all_layers_bytes_per_token
+    from kvledger.core import chain_keys, prefill_store_positions
+
+    disk = ledger.stats().disk_bytes
+    stored = len(prompt) // spec.block_size * spec.block_size
+    held = states.positions(chain_keys(prompt, spec, "bench")) if states is not None else set()
+    rule4 = len(held & set(prefill_store_positions(len(prompt), spec)))
+    size, per_token = spec.state_size_to_disk(), all_layers_bytes_per_token(spec)
+
+    def per(snapshots: int) -> float:
+        return (disk + snapshots * size) / stored
+
+    return {"block_disk_bytes": disk, "stored_tokens": stored, "snapshot_bytes": size, "snapshots_rule4": rule4,
+            "snapshots_checkpoints": len(held) - rule4, "per_stored_token_rule4": per(rule4),
+            "per_stored_token_with_checkpoints": per(len(held)), "all_layers_per_token": per_token,
+            "vs_all_layers_rule4": per(rule4) / per_token, "vs_all_layers_with_checkpoints": per(len(held)) / per_token}
 
 
 def _report(model: str, tokens: int, device: str, period: int, greedy: int, runs: dict[str, list[dict]]
@@ -222,3 +247,8 @@ def _print_table(r: dict) -> None:
     console = Console()
     console.print(table)
     console.print(f"overlap of fetch + swap-in with compute (first hit run): {r['overlap_fraction']:.2f}")
+    b = r["bytes"]
+    console.print(f"bytes kept per stored token: {b['per_stored_token_rule4']:,.0f} with rule 4's "
+                  f"{b['snapshots_rule4']} snapshot(s) (× {b['vs_all_layers_rule4']:.3f} of an all-layers store, "
+                  f"{b['all_layers_per_token']:,} B), {b['per_stored_token_with_checkpoints']:,.0f} with "
+                  f"{b['snapshots_checkpoints']} checkpoints too (× {b['vs_all_layers_with_checkpoints']:.3f})")

@@ -19,6 +19,10 @@ def test_each_run_kind_reuses_what_its_rule_says(tmp_path):
         assert r["runs"][kind]["greedy_match"] and r["runs"][kind]["logits_max_rel_err"] <= 1e-3, kind
     assert r["runs"]["fallback"]["logits_max_rel_err"] > 1e-3   # windows truncated: not the cold answer
     assert r["runs"]["hit"]["ttft_s"] > 0 and r["hit_over_cold"] == r["runs"]["hit"]["over_cold"]
+    b = r["bytes"]   # rule 4: c = 768, p = 896; checkpoints at 256, 512
+    assert (b["stored_tokens"], b["snapshots_rule4"], b["snapshots_checkpoints"]) == (1024, 2, 2)
+    assert b["block_disk_bytes"] >= 8 * 18_816   # 8 blocks of 18,816 B and the segments' metadata
+    assert b["per_stored_token_rule4"] == (b["block_disk_bytes"] + 2 * 68_608) / 1024
 
 
 def test_a_full_attention_model_has_no_windowed_kinds(tmp_path):
