@@ -179,7 +179,8 @@ class StateLedger:
     def positions(self, keys: Sequence[bytes], at: Collection[int] | None = None) -> set[int]:
         """Positions holding a snapshot, metadata only: `keys[i]` is the chain key of block i,
         so its snapshot position is (i + 1)·B. The result is `decide_hit`'s `swa_snapshots`.
-        `at` limits the question to some positions (only L1 decides a hit: `at={l1}`)."""
+        `at` limits the question to some positions (`core.snapshot_candidates`: L1 alone for a model that falls
+        back, every boundary up to L1 for one that resumes exactly, rule 3′)."""
         if not self.strategy.keeps:
             return set()
         b = self.spec.block_size
