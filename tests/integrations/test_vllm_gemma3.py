@@ -29,7 +29,7 @@ from kvledger.integrations.vllm.prompts import long_prompt
 from kvledger.state.files import SnapshotFiles
 from kvledger.store.ledger import BlockLedger
 
-pytestmark = [pytest.mark.vllm, pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="run `make vllm-venv`")]
+needs_vllm = pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="run `make vllm-venv`")
 
 PROMPT_TOKENS = 1800
 HIT = (PROMPT_TOKENS - 1) // 128 * 128   # 1792: rule 4′'s p, and rule 3′'s hit for this prompt
@@ -64,6 +64,8 @@ def test_spec_of_gemma3_under_vllm_keeps_every_window_and_differs_by_dtype():
     assert len({SPEC.fingerprint(), bf16.fingerprint(), other_window.fingerprint()}) == 3
 
 
+@pytest.mark.vllm
+@needs_vllm
 def test_gemma3_window_and_blocks_saved_by_one_vllm_are_loaded_by_a_fresh_one(tmp_path, model_dir):
     store, log = tmp_path / "store", tmp_path / "events.jsonl"
     prompt = long_prompt(PROMPT_TOKENS, model="gemma3-270m", bos=2)
