@@ -7,7 +7,8 @@ own prefix cache) beside vLLM with the connector on an empty store (it computes,
 group's 14 blocks to the block ledger and the window [1280, 1792) of the sliding-window groups as
 the snapshot at p = ⌊(L − 1)/128⌋·128 = 1792). Then a fresh vLLM with the connector on the same
 store: vLLM reports 1,792 cached tokens (rule 3′ with R = 1: the blocks up to 1792 and the snapshot
-there), loaded from kvledger, and answers the plain engine's tokens. A corrupted snapshot file then
+there), loaded from kvledger, and answers the plain engine's tokens; a next turn (the prompt and
+300 more tokens: L1 = 1792 < its cap 1920) resumes at the same snapshot. A corrupted snapshot file then
 ends in a recompute from 0 with the same tokens (rule 8), which saves the snapshot anew: the next
 request hits again.
 
@@ -33,6 +34,7 @@ needs_vllm = pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="run `make vllm
 
 PROMPT_TOKENS = 1800
 HIT = (PROMPT_TOKENS - 1) // 128 * 128   # 1792: rule 4′'s p, and rule 3′'s hit for this prompt
+NEXT_TURN = 300                          # tokens a next turn appends (its own p: 2048)
 MAX_TOKENS = 16
 DTYPE = "float32"
 GEMMA_LAYERS = tuple(LayerKind.FULL if (i + 1) % 6 == 0 else LayerKind.SWA for i in range(18))
@@ -69,6 +71,7 @@ def test_spec_of_gemma3_under_vllm_keeps_every_window_and_differs_by_dtype():
 def test_gemma3_window_and_blocks_saved_by_one_vllm_are_loaded_by_a_fresh_one(tmp_path, model_dir):
     store, log = tmp_path / "store", tmp_path / "events.jsonl"
     prompt = long_prompt(PROMPT_TOKENS, model="gemma3-270m", bos=2)
+    next_turn = prompt + long_prompt(NEXT_TURN + 1, variant=1, model="gemma3-270m", bos=2)[1:]
     plain = VllmProcess({"model": str(model_dir), "connector": None, "dtype": DTYPE, "prefix_caching": True,
                          "max_model_len": 4096})
     first = VllmProcess(kvledger_opts(model_dir, store, log))
@@ -78,6 +81,7 @@ def test_gemma3_window_and_blocks_saved_by_one_vllm_are_loaded_by_a_fresh_one(tm
         reference = plain.generate(prompt, max_tokens=MAX_TOKENS)["tokens"]
         local = plain.generate(prompt, max_tokens=MAX_TOKENS)  # vLLM's own prefix cache: the shape of a hit
         cold = first.generate(prompt, max_tokens=MAX_TOKENS)
+        reference_next = plain.generate(next_turn, max_tokens=MAX_TOKENS)["tokens"]
     finally:
         plain.__exit__(None, None, None)
         first.__exit__(None, None, None)
@@ -103,6 +107,9 @@ def test_gemma3_window_and_blocks_saved_by_one_vllm_are_loaded_by_a_fresh_one(tm
                                                          "failed_blocks": 0, "window_at": HIT}
         assert [(e["event"], e["ok"]) for e in events(log)[before:] if e["event"] != "save"] == [
             ("window_load", 1), ("load", HIT // 128)]
+        extended = fresh.generate(next_turn, max_tokens=MAX_TOKENS)
+        assert extended["tokens"] == reference_next and extended["num_cached_tokens"] == HIT
+        assert extended["kv_transfer_params"]["kvledger"]["window_at"] == HIT
 
         path = SnapshotFiles(store).path(keys[HIT // 128 - 1])   # rule 8: a damaged snapshot is a recompute
         data = bytearray(path.read_bytes())

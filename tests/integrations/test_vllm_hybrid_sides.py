@@ -69,7 +69,8 @@ def ids(first: int, n: int = 8) -> list[int]:
 
 def test_spec_is_hybrid_with_r_1_and_a_window_of_w_tokens():
     assert SPEC.has_swa and SPEC.reserve_tokens == 1 and SPEC.layers == KINDS
-    assert SPEC.block_bytes() == B * GEOMETRY.layer_token_bytes and SPEC.state_size_to_disk() == 2 * W * GEOMETRY.layer_token_bytes
+    assert SPEC.block_bytes() == B * GEOMETRY.layer_token_bytes
+    assert SPEC.state_size_to_disk() == 2 * W * GEOMETRY.layer_token_bytes   # the 2 SWA layers' W tokens
     full = connector_spec("tiny-hybrid", KvGeometry(3, 2, 8, 2, "cpu", "bfloat16"))
     assert not full.has_swa and full.fingerprint() != SPEC.fingerprint()
 
