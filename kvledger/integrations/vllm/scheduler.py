@@ -33,14 +33,15 @@ table per KV cache group) asks the state ledger too, and the hit is core's rule 
 for Gemma 3, R = 1: a hit at L1 = ⌊(L − 1)/B⌋·B needs the snapshot at L1, else the latest
 earlier one q, and the hit is q). Its ranges, W the window:
 
-| range                      | what                                                              |
-|----------------------------|-------------------------------------------------------------------|
-| [local, hit)               | full group: ledger blocks, loaded whole                           |
-| [hit − W, hit) ∩ [local, …) | sliding-window groups: the snapshot at `hit` (the blocks before   |
-|                            | it are vLLM's null blocks: outside every later query's window)    |
-| x in rule 4′'s positions   | after the step whose tokens end at or past x (and start before    |
-|                            | it), the window [x − W, x) is saved: vLLM still holds those blocks |
-|                            | then (the step's first query attends back to x − W)               |
+| range                       | what                                                             |
+|-----------------------------|------------------------------------------------------------------|
+| [local, hit)                | full group: ledger blocks, loaded whole                          |
+| [hit − W, hit) ∩ [local, …) | sliding-window groups: the snapshot at `hit` (their blocks before |
+|                             | it are vLLM's null blocks: outside every later query's window)   |
+| x in rule 4′'s positions    | saved after the step whose tokens start before x and end at or   |
+|                             | past it: vLLM still holds the blocks of [x − W, x) then (that    |
+|                             | step's first query attends back to x − W; vLLM frees a sliding   |
+|                             | block only once the processed tokens leave it behind)            |
 
 Its loads are vLLM's asynchronous loads: with several KV cache groups vLLM takes load failures
 per request, not per block id, and a failed one is recomputed from 0 (exact, rule 8).
@@ -118,7 +119,7 @@ class SchedulerSide:
         """Loads are vLLM's asynchronous loads, reported per request (a hybrid model; module docstring)."""
         return self.spec.has_swa
 
-    # --- CHECK (side-effect free) ------------------------------------------------
+    # --- CHECK (reads metadata only; a hybrid CHECK remembers its answer for the allocation) ---
 
     def cached_blocks(self, token_ids: Sequence[int], namespace: str) -> int:
         """Leading blocks of the prompt present in the ledger, from metadata only (no TTL refresh)."""
