@@ -41,6 +41,7 @@ class VllmProcess:
         self.lines: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self.log: deque[str] = deque(maxlen=60)
         self.start_s = 0.0
+        self.hybrid_kv_cache_manager = False  # vLLM's, as the started engine reports it
 
     def __enter__(self) -> VllmProcess:
         if not self.python.exists():
@@ -52,6 +53,7 @@ class VllmProcess:
         ready = self._next(self.start_timeout_s)
         assert ready.get("ready"), ready
         self.start_s = ready["start_s"]
+        self.hybrid_kv_cache_manager = bool(ready.get("hybrid_kv_cache_manager"))
         return self
 
     def _read(self) -> None:

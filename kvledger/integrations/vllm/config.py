@@ -24,11 +24,13 @@ No vLLM import here: the main test suite reads this module.
 from __future__ import annotations
 
 import os
+import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from kvledger.core import LayerKind, ModelSpec
+from kvledger.state.ledger import StateLedger
 from kvledger.store.ledger import BlockLedger
 from kvledger.store.ttl import DEFAULT_CLASS, TtlPolicy
 
@@ -85,9 +87,33 @@ def shared_ledger(config: ConnectorConfig) -> BlockLedger:
     return ledger
 
 
+_STATES: dict[tuple[ConnectorConfig, str], StateLedger] = {}
+
+
+def shared_state_ledger(config: ConnectorConfig, spec: ModelSpec) -> StateLedger:
+    """One state ledger per store, spec and process, for a model with sliding-window layers.
+
+    Its snapshots live only in the snapshot files beside the blocks (`<path>/snapshots/`, strategy
+    `full`, no host pool, no state server): vLLM's scheduler (which asks `positions`) and its workers
+    (which `put` and `fetch_into`) may be different processes, and a restarted vLLM must find them, so
+    the files are the one place all of them see. Its token only keys the MACs of an in-process
+    directory that stays empty (no pool publishes into it), so a fresh random one is right."""
+    assert config.path is not None, "the snapshot files live beside the block store: set `path`"
+    found = _STATES.get((config, spec.fingerprint()))
+    if found is None:
+        found = StateLedger(spec, token=secrets.token_hex(16), strategy="full", root=config.path,
+                            capacity_bytes=0, serve=False, heartbeat=False).start()
+        _STATES[(config, spec.fingerprint())] = found
+    return found
+
+
 @dataclass(frozen=True, slots=True)
 class KvGeometry:
-    """The KV of one attention layer of one token under vLLM: K and V, `kv_heads` × `head_dim`."""
+    """The KV of one attention layer of one token under vLLM: K and V, `kv_heads` × `head_dim`.
+
+    `layer_kinds` names each layer's attention in model order, FULL or SWA, and `window` is the
+    sliding window in tokens, for a hybrid model under vLLM's hybrid KV cache manager; both empty
+    (every layer full attention) otherwise. Invariant: window set iff some layer is SWA."""
 
     n_layers: int
     kv_heads: int
@@ -95,9 +121,24 @@ class KvGeometry:
     dtype_bytes: int
     device: str     # vLLM's platform device type ("cpu", "cuda"): the byte layout differs per platform
     dtype: str      # the KV cache dtype's name ("bfloat16")
+    layer_kinds: tuple[LayerKind, ...] = ()
+    window: int | None = None
 
     def __post_init__(self) -> None:
         assert min(self.n_layers, self.kv_heads, self.head_dim, self.dtype_bytes) > 0
+        assert not self.layer_kinds or len(self.layer_kinds) == self.n_layers, "one kind per layer"
+        assert set(self.layer_kinds) <= {LayerKind.FULL, LayerKind.SWA}, "vLLM's full or sliding-window layers"
+        assert (LayerKind.SWA in self.layer_kinds) == (self.window is not None), "a window iff SWA layers"
+
+    @property
+    def hybrid(self) -> bool:
+        """Some layers are sliding-window layers (their KV is the state ledger's)."""
+        return self.window is not None
+
+    def count(self, kind: LayerKind) -> int:
+        """Layers of `kind` (every layer is FULL when `layer_kinds` is empty)."""
+        kinds = self.layer_kinds or (LayerKind.FULL,) * self.n_layers
+        return kinds.count(kind)
 
     @property
     def layer_token_bytes(self) -> int:
@@ -106,14 +147,16 @@ class KvGeometry:
 
 
 def connector_spec(model: str, geometry: KvGeometry) -> ModelSpec:
-    """The spec salted into the keys of blocks written by vLLM.
+    """The spec salted into the keys of blocks (and snapshots) written by vLLM.
 
     Its name carries the model name, the platform and the dtype, because a block holds
     vLLM's byte layout of that platform: a key under this spec never names bytes laid out
-    by another engine (the fingerprint adds the geometry). Full attention only: the
-    connector does not cache hybrid (sliding-window) models' KV.
+    by another engine (the fingerprint adds the geometry: layers, their kinds, the window).
+    A hybrid geometry gives `hybrid_spec`'s spec.
     """
     g = geometry
+    if g.hybrid:
+        return hybrid_spec(model, g)
     return ModelSpec(
         name=f"vllm-{g.device}:{model}:{g.dtype}",
         layers=(LayerKind.FULL,) * g.n_layers,
@@ -125,6 +168,35 @@ def connector_spec(model: str, geometry: KvGeometry) -> ModelSpec:
         swa_stored_layers=0,
         swa_bytes_per_token=0,
         description=f"{model} under vLLM on {g.device} ({g.dtype} KV)",
+    )
+
+
+def hybrid_spec(model: str, geometry: KvGeometry) -> ModelSpec:
+    """The spec of a model with full and sliding-window layers under vLLM (Gemma 3: 3 full, 15 SWA, W = 512).
+
+    | ledger       | holds                                                   | bytes                         |
+    |--------------|---------------------------------------------------------|-------------------------------|
+    | block ledger | one vLLM block (128 tokens) of the full layers          | 128 × n_full × layer_token    |
+    | state ledger | the window [P − W, P) of every SWA layer at a boundary P | W × n_swa × layer_token       |
+
+    Backtrack 0 (vLLM rolls nothing back under this connector), so a snapshot is W tokens, not W + K;
+    every windowed layer is in it, so R = 1 (rule 3′: a snapshot at L1 restores every window exactly).
+    """
+    g = geometry
+    assert g.window is not None
+    n_full, n_swa = g.count(LayerKind.FULL), g.count(LayerKind.SWA)
+    return ModelSpec(
+        name=f"vllm-{g.device}:{model}:{g.dtype}",
+        layers=g.layer_kinds,
+        block_size=BLOCK_SIZE,
+        window=g.window,
+        backtrack=0,
+        kv_bytes_per_token=n_full * g.layer_token_bytes,
+        indexer_bytes_per_token=0,
+        swa_stored_layers=n_swa,
+        swa_bytes_per_token=g.layer_token_bytes,
+        description=f"{model} under vLLM on {g.device} ({g.dtype} KV; {n_full} full + {n_swa} "
+                    f"sliding-window layers, W = {g.window})",
     )
 
 

@@ -1,4 +1,4 @@
-"""`KvledgerConnector`: kvledger's block ledger as a vLLM v1 KV connector.
+"""`KvledgerConnector`: kvledger's two ledgers as a vLLM v1 KV connector (`SupportsHMA`).
 
 vLLM builds two instances: one in the scheduler (`SchedulerSide`: CHECK, step plans) and one
 per worker (`WorkerSide`: loads and saves). Both open the same ledger (a directory shared by
@@ -7,6 +7,11 @@ keys agree across processes, engines and restarts. This class only adapts vLLM's
 rules are in the two sides, `kvledger.core` and `kvledger.store`.
 
 Requires vLLM's block size to be 128 (`--block-size 128`): one vLLM block is one ledger block.
+
+With vLLM's hybrid KV cache manager on (it stays on: the connector is `SupportsHMA`), a model with
+sliding-window layers (Gemma 3) has several KV cache groups: the full-attention group's blocks go
+to the block ledger, the sliding-window groups' window at a block boundary to the state ledger
+(snapshot files beside the blocks). A full-attention model is one group and runs as before.
 """
 
 from __future__ import annotations
@@ -20,11 +25,21 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 
-from kvledger.integrations.vllm.config import BLOCK_SIZE, ConnectorConfig, KvGeometry, connector_spec, shared_ledger
-from kvledger.integrations.vllm.layout import KvLayout
-from kvledger.integrations.vllm.records import StepPlan
+from kvledger.core import LayerKind
+from kvledger.integrations.vllm.config import (
+    BLOCK_SIZE,
+    ConnectorConfig,
+    KvGeometry,
+    connector_spec,
+    shared_ledger,
+    shared_state_ledger,
+)
+from kvledger.integrations.vllm.layout import KvLayout, layer_index
+from kvledger.integrations.vllm.records import KvGroups, StepPlan
 from kvledger.integrations.vllm.scheduler import SchedulerSide
 from kvledger.integrations.vllm.worker import WorkerSide
 
@@ -47,58 +62,90 @@ class KvledgerMetadata(KVConnectorMetadata):
     plan: StepPlan
 
 
-def geometry_of(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> KvGeometry:
-    """The KV geometry from vLLM's cache config (the same in the scheduler and the workers)."""
+def group_kinds(kv_cache_config: KVCacheConfig) -> list[LayerKind]:
+    """Each KV cache group's kind: FULL (full attention) or SWA (sliding window); ValueError for any
+    other (Mamba state, chunked-local attention, MLA …), whose KV the ledgers do not model."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    kinds = []
+    for g in kv_cache_config.kv_cache_groups:
+        spec = g.kv_cache_spec
+        if type(spec) is FullAttentionSpec:
+            kinds.append(LayerKind.FULL)
+        elif type(spec) is SlidingWindowSpec:
+            kinds.append(LayerKind.SWA)
+        else:
+            raise ValueError(f"kvledger connector: KV cache group of {type(spec).__name__} "
+                             f"({len(g.layer_names)} layers) is not supported (full attention and sliding "
+                             "windows only)")
+    if kinds.count(LayerKind.FULL) != 1:
+        raise ValueError(f"kvledger connector: needs exactly one full-attention KV cache group, got {kinds}")
+    return kinds
+
+
+def geometry_of(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> tuple[KvGeometry, KvGroups]:
+    """The KV geometry and the groups from vLLM's cache config (the same in the scheduler and the workers)."""
     from vllm.platforms import current_platform
 
     groups = kv_cache_config.kv_cache_groups
-    spec = groups[0].kv_cache_spec
-    shapes = {(g.kv_cache_spec.num_kv_heads, g.kv_cache_spec.head_size, g.kv_cache_spec.dtype) for g in groups
-              if hasattr(g.kv_cache_spec, "num_kv_heads")}
-    if len(shapes) != 1 or not all(hasattr(g.kv_cache_spec, "num_kv_heads") for g in groups):
-        raise ValueError("kvledger connector: every layer must have the same KV shape (attention layers only; "
-                         f"got {sorted(map(str, shapes))}); for sliding-window models start vLLM with "
-                         "--disable-hybrid-kv-cache-manager")
-    if spec.block_size != BLOCK_SIZE:
-        raise ValueError(f"kvledger connector needs vLLM's block size {BLOCK_SIZE}; got {spec.block_size} "
-                         f"(start vLLM with --block-size {BLOCK_SIZE})")
-    n_layers = sum(len(g.layer_names) for g in groups)
-    dtype = spec.dtype
-    return KvGeometry(n_layers=n_layers, kv_heads=spec.num_kv_heads, head_dim=spec.head_size,
-                      dtype_bytes=torch.empty((), dtype=dtype).element_size(),
-                      device=str(current_platform.device_type), dtype=str(dtype).removeprefix("torch."))
+    kinds = group_kinds(kv_cache_config)
+    specs = [g.kv_cache_spec for g in groups]
+    shapes = {(s.num_kv_heads, s.head_size, s.dtype) for s in specs}
+    if len(shapes) != 1:
+        raise ValueError(f"kvledger connector: every layer must have the same KV shape; got {sorted(map(str, shapes))}")
+    if any(s.block_size != BLOCK_SIZE for s in specs):
+        raise ValueError(f"kvledger connector needs vLLM's block size {BLOCK_SIZE}; got "
+                         f"{sorted({s.block_size for s in specs})} (start vLLM with --block-size {BLOCK_SIZE})")
+    windows = {s.sliding_window for s, k in zip(specs, kinds) if k is LayerKind.SWA}
+    if len(windows) > 1:
+        raise ValueError(f"kvledger connector: one sliding window for all layers; got {sorted(windows)}")
+    kind_of = {name: k for g, k in zip(groups, kinds) for name in g.layer_names}
+    names = sorted(kind_of, key=layer_index)
+    spec = specs[0]
+    hybrid = LayerKind.SWA in kinds
+    geometry = KvGeometry(n_layers=len(names), kv_heads=spec.num_kv_heads, head_dim=spec.head_size,
+                          dtype_bytes=torch.empty((), dtype=spec.dtype).element_size(),
+                          device=str(current_platform.device_type), dtype=str(spec.dtype).removeprefix("torch."),
+                          layer_kinds=tuple(kind_of[n] for n in names) if hybrid else (),
+                          window=windows.pop() if hybrid else None)
+    return geometry, KvGroups(kinds.index(LayerKind.FULL),
+                              tuple(i for i, k in enumerate(kinds) if k is LayerKind.SWA))
 
 
-class KvledgerConnector(KVConnectorBase_V1):
-    """vLLM v1 KV connector over kvledger's block ledger (see the module docstring)."""
+class KvledgerConnector(KVConnectorBase_V1, SupportsHMA):
+    """vLLM v1 KV connector over kvledger's ledgers (see the module docstring)."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
         self.config = ConnectorConfig.from_extra(extra)
         model = self.config.model or vllm_config.model_config.served_model_name
-        self.geometry = geometry_of(vllm_config, kv_cache_config)
+        self.geometry, self.groups = geometry_of(vllm_config, kv_cache_config)
         self.spec = connector_spec(str(model), self.geometry)
         ledger = shared_ledger(self.config)
+        state = shared_state_ledger(self.config, self.spec) if self.spec.has_swa else None
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler_side = SchedulerSide(ledger, self.spec)
-            log.warning("kvledger connector: hybrid KV caching is off (full-attention KV only, "
-                        "no sliding-window snapshots); store %s, keys of model %r (fingerprint %s)",
-                        self.config.path or self.config.redis_url, self.spec.name, self.spec.fingerprint())
+            self.scheduler_side = SchedulerSide(ledger, self.spec, state=state, groups=self.groups)
+            log.warning("kvledger connector: store %s, keys of model %r (fingerprint %s); KV cache groups: "
+                        "full %d → block ledger, sliding-window %s → state ledger (W = %s)",
+                        self.config.path or self.config.redis_url, self.spec.name, self.spec.fingerprint(),
+                        self.groups.full, list(self.groups.windows) or "none", self.spec.window)
         else:
-            self.worker_side = WorkerSide(ledger, self.config.events)
+            self.worker_side = WorkerSide(ledger, self.config.events, state)
 
     # --- scheduler side ------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self.scheduler_side is not None
-        return self.scheduler_side.matched_tokens(request, num_computed_tokens), False
+        n = self.scheduler_side.matched_tokens(request, num_computed_tokens)
+        return n, n > 0 and self.scheduler_side.loads_async
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self.scheduler_side is not None
-        self.scheduler_side.after_alloc(request, num_external_tokens)
+        ids = blocks.get_block_ids() if num_external_tokens and self.scheduler_side.loads_async else None
+        self.scheduler_side.after_alloc(request, num_external_tokens, ids)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.scheduler_side is not None
@@ -107,19 +154,30 @@ class KvledgerConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if self.scheduler_side is not None:
             self.scheduler_side.note_failed(connector_output.invalid_block_ids)
+            self.scheduler_side.note_failed_requests(connector_output.failed_recving)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler_side is not None
         return False, self.scheduler_side.finished(request.request_id)
+
+    def request_finished_all_groups(self, request: Request,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """Never delays the free: every save (blocks and windows) was copied out in the step that computed it."""
+        return self.request_finished(request, [])
 
     # --- worker side -----------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self.worker_side is not None
         layer_bytes = BLOCK_SIZE * self.geometry.layer_token_bytes
-        layout = KvLayout(kv_caches, self._kv_cache_config.num_blocks, layer_bytes)
-        assert layout.block_bytes == self.spec.block_bytes(), "a ledger block is all layers of one vLLM block"
-        self.worker_side.register(layout)
+        num_blocks = self._kv_cache_config.num_blocks
+        groups = self._kv_cache_config.kv_cache_groups
+        full = {n: kv_caches[n] for n in groups[self.groups.full].layer_names}
+        layout = KvLayout(full, num_blocks, layer_bytes)
+        assert layout.block_bytes == self.spec.block_bytes(), "a ledger block is the full layers of one vLLM block"
+        window_group = {n: i for i, g in enumerate(self.groups.windows) for n in groups[g].layer_names}
+        windows = KvLayout({n: kv_caches[n] for n in window_group}, num_blocks, layer_bytes) if window_group else None
+        self.worker_side.register(layout, windows, window_group)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self.worker_side is not None
@@ -138,6 +196,13 @@ class KvledgerConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         assert self.worker_side is not None
         self.worker_side.finish_step()
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """A hybrid model's loads, per request: each load that ended, and those that failed (also ended)."""
+        if self.worker_side is None:
+            return KVConnectorTransferResults()
+        done, failed = self.worker_side.take_transfer_results()
+        return KVConnectorTransferResults(finished_recving=done | failed, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker_side.take_failed() if self.worker_side is not None else set()

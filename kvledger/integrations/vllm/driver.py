@@ -6,7 +6,7 @@
 stdin, one object a line:  {"prompt": [ids], "max_tokens": 16, "salt": "tenantA"}  → one result line
                            {"quit": true}                                           → exits
 stdout: lines starting with `KVLEDGER ` carry JSON (vLLM logs on the same streams are not JSON):
-    {"ready": true, "start_s": ...}
+    {"ready": true, "start_s": ..., "hybrid_kv_cache_manager": true}
     {"tokens": [...], "seconds": ..., "num_cached_tokens": ..., "kv_transfer_params": {...}}
 
 `seconds` is the wall time of the whole request: with max_tokens 1 it is the time to the first
@@ -79,7 +79,9 @@ def main(argv: list[str]) -> int:
         os.environ.setdefault(key, value)
     t0 = time.perf_counter()
     llm = start(opts)
-    say({"ready": True, "start_s": time.perf_counter() - t0})
+    scheduler_config = llm.llm_engine.vllm_config.scheduler_config
+    say({"ready": True, "start_s": time.perf_counter() - t0,
+         "hybrid_kv_cache_manager": not scheduler_config.disable_hybrid_kv_cache_manager})
     for line in sys.stdin:
         job = json.loads(line)
         if job.get("quit"):

@@ -11,12 +11,15 @@ from kvledger.engine.models.registry import DEFAULT_MODEL, load_tokenizer
 README = Path(__file__).resolve().parents[3] / "README.md"
 
 
-def long_prompt(n_tokens: int, variant: int = 0) -> list[int]:
-    """`n_tokens` token ids: "Session {variant}." then the README, repeated as needed."""
+def long_prompt(n_tokens: int, variant: int = 0, *, model: str = DEFAULT_MODEL, bos: int | None = None) -> list[int]:
+    """`n_tokens` token ids: `bos` if given (Gemma needs its <bos>, 2), "Session {variant}." then the
+    README, repeated as needed, in `model`'s tokenizer."""
     assert n_tokens > 0
-    tokenizer = load_tokenizer(DEFAULT_MODEL)
+    tokenizer = load_tokenizer(model)
     body = README.read_text(encoding="utf-8")
-    ids = tokenizer.encode(f"Session {variant}. Read the document, then summarize it.\n\n").ids
+    special = {} if bos is None else {"add_special_tokens": False}   # `bos` once, first, not per piece
+    ids = [] if bos is None else [bos]
+    ids += tokenizer.encode(f"Session {variant}. Read the document, then summarize it.\n\n", **special).ids
     while len(ids) < n_tokens:
-        ids += tokenizer.encode(body).ids
+        ids += tokenizer.encode(body, **special).ids
     return ids[:n_tokens]

@@ -27,6 +27,25 @@ Ranges, in tokens, for one request (B = 128):
 A preempted request comes back through the CHECK; its block list is replaced, and a
 load that failed leaves vLLM recomputing from the failed block, which is then saved.
 
+A hybrid model (full and sliding-window layers, vLLM's hybrid KV cache manager on: one block
+table per KV cache group) asks the state ledger too, and the hit is core's rule 3′ as it is
+(`decide_hit` over the leading blocks and the snapshot positions `snapshot_candidates` names;
+for Gemma 3, R = 1: a hit at L1 = ⌊(L − 1)/B⌋·B needs the snapshot at L1, else the latest
+earlier one q, and the hit is q). Its ranges, W the window:
+
+| range                       | what                                                             |
+|-----------------------------|------------------------------------------------------------------|
+| [local, hit)                | full group: ledger blocks, loaded whole                          |
+| [hit − W, hit) ∩ [local, …) | sliding-window groups: the snapshot at `hit` (their blocks before |
+|                             | it are vLLM's null blocks: outside every later query's window)   |
+| x in rule 4′'s positions    | saved after the step whose tokens start before x and end at or   |
+|                             | past it: vLLM still holds the blocks of [x − W, x) then (that    |
+|                             | step's first query attends back to x − W; vLLM frees a sliding   |
+|                             | block only once the processed tokens leave it behind)            |
+
+Its loads are vLLM's asynchronous loads: with several KV cache groups vLLM takes load failures
+per request, not per block id, and a failed one is recomputed from 0 (exact, rule 8).
+
 vLLM objects are duck-typed here (`request.request_id`, `.prompt_token_ids`,
 `.all_token_ids`, `.cache_salt`; the scheduler output's fields), so this module imports
 no vLLM and the main test suite drives it with plain records.
@@ -39,9 +58,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvledger.core import ModelSpec, decide_hit, extend_chain, root_key
+from kvledger.core import ModelSpec, decide_hit, extend_chain, prefill_store_positions, root_key, snapshot_candidates
 from kvledger.integrations.vllm.config import namespace_of
-from kvledger.integrations.vllm.records import BlockRun, StepPlan
+from kvledger.integrations.vllm.records import BlockRun, KvGroups, StepPlan, WindowRun
+from kvledger.state.ledger import StateLedger
 from kvledger.store.ledger import BlockLedger
 
 log = logging.getLogger("kvledger.vllm")
@@ -65,6 +85,9 @@ class RequestTrack:
     load_tokens: int = 0            # tokens vLLM counts as loaded by it
     loaded_tokens: int = 0
     failed_blocks: int = 0
+    window_ids: list[list[int]] = field(default_factory=list)
+    async_load: tuple[BlockRun | None, WindowRun] | None = None
+    window_at: int = 0              # the snapshot position a load restored (0: none)
 
 
 def cacheable(request: Any) -> bool:
@@ -77,18 +100,32 @@ def cacheable(request: Any) -> bool:
 class SchedulerSide:
     """CHECK and step planning; one instance lives in vLLM's scheduler process."""
 
-    def __init__(self, ledger: BlockLedger, spec: ModelSpec) -> None:
-        assert not spec.has_swa, "the connector keys full-attention KV only"
+    def __init__(self, ledger: BlockLedger, spec: ModelSpec, *, state: StateLedger | None = None,
+                 groups: KvGroups | None = None) -> None:
+        groups = groups or KvGroups()
+        assert spec.has_swa == (state is not None) == bool(groups.windows), \
+            "a model with sliding-window layers has sliding-window groups and a state ledger, and only it"
         self.ledger = ledger
+        self.state = state
+        self.groups = groups
         self.spec = spec
         self.block = spec.block_size
         self.tracks: dict[str, RequestTrack] = {}
+        self.n_groups = 1 + len(groups.windows)        # every group is the full one or a window one
+        self.checked: dict[str, tuple[int, int]] = {}  # req_id → (vLLM's local hit, the hit) of its last CHECK
 
-    # --- CHECK (side-effect free) ------------------------------------------------
+    @property
+    def loads_async(self) -> bool:
+        """Loads are vLLM's asynchronous loads, reported per request (a hybrid model; module docstring)."""
+        return self.spec.has_swa
+
+    # --- CHECK (reads metadata only; a hybrid CHECK remembers its answer for the allocation) ---
 
     def cached_blocks(self, token_ids: Sequence[int], namespace: str) -> int:
         """Leading blocks of the prompt present in the ledger, from metadata only (no TTL refresh)."""
-        keys = extend_chain(root_key(self.spec, namespace), token_ids, self.block)
+        return self._leading(extend_chain(root_key(self.spec, namespace), token_ids, self.block))
+
+    def _leading(self, keys: list[bytes]) -> int:
         if not keys:
             return 0
         try:
@@ -102,18 +139,32 @@ class SchedulerSide:
         return n
 
     def matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
-        """Tokens beyond vLLM's local hit the ledger can supply: min(cached · B, L − 1) (module docstring)."""
+        """Tokens beyond vLLM's local hit the ledgers can supply: min(cached · B, L − 1) for a full-attention
+        model, rule 3′ over the blocks and the snapshots for a hybrid one (module docstring)."""
         if not cacheable(request):
             return 0
         prompt = request.prompt_token_ids
-        cached = self.cached_blocks(prompt, namespace_of(request.cache_salt))
-        hit = decide_hit(len(prompt), cached, (), self.spec, own_last_block=True).hit_tokens
+        keys = extend_chain(root_key(self.spec, namespace_of(request.cache_salt)), prompt, self.block)
+        cached = self._leading(keys)
+        if self.state is None:
+            hit = decide_hit(len(prompt), cached, (), self.spec, own_last_block=True).hit_tokens
+        else:
+            hit = decide_hit(len(prompt), cached, self._snapshots(len(prompt), cached, keys), self.spec).hit_tokens
+            self.checked[request.request_id] = (num_computed_tokens, hit)
         return max(hit - num_computed_tokens, 0)
+
+    def _snapshots(self, prompt_len: int, cached: int, keys: list[bytes]) -> set[int]:
+        """The snapshot positions among those `decide_hit` may use (metadata only: the files' presence)."""
+        assert self.state is not None
+        wanted = snapshot_candidates(prompt_len, cached, self.spec)
+        return self.state.positions(keys, at=wanted) if wanted else set()
 
     # --- allocation and steps ------------------------------------------------------
 
-    def after_alloc(self, request: Any, num_external_tokens: int) -> None:
-        """vLLM allocated blocks for `request` and will count `num_external_tokens` as loaded."""
+    def after_alloc(self, request: Any, num_external_tokens: int,
+                    block_ids: Sequence[Sequence[int]] | None = None) -> None:
+        """vLLM allocated blocks for `request` (`block_ids`: per KV cache group, all of the request's)
+        and will count `num_external_tokens` as loaded."""
         if not cacheable(request):
             assert num_external_tokens == 0, "no hit is offered for a request whose KV the token ids do not name"
             return
@@ -121,29 +172,98 @@ class SchedulerSide:
         if track is None:
             track = RequestTrack(request, namespace_of(request.cache_salt))
             self.tracks[request.request_id] = track
+        if self.loads_async and num_external_tokens:
+            assert block_ids is not None, "an asynchronous load is planned from the allocation"
+            self._plan_async_load(track, num_external_tokens, block_ids)
+            return
         track.pending_load = num_external_tokens
+
+    def _plan_async_load(self, track: RequestTrack, external: int, block_ids: Sequence[Sequence[int]]) -> None:
+        """A hybrid model's load of [local, hit): the full group's blocks and the window at `hit`."""
+        local, hit = self.checked.pop(track.request.request_id)
+        assert hit - local == external and local % self.block == 0 == hit % self.block, \
+            "vLLM loads what the CHECK offered, from a block boundary to a snapshot position"
+        self._take_ids(track, block_ids, replace=True)
+        run = self._run(track, track.request.request_id, local // self.block, hit // self.block)
+        window = self._window(track, hit, skip_before=local)
+        assert window is not None, "a hit at a snapshot position has its window's blocks"
+        track.async_load = (run, window)
+        if run is not None:
+            self._refresh(track, run.end)
+            track.load_ids = run.block_ids
+        track.load_tokens, track.window_at = external, hit
+        track.loaded_tokens += external
+
+    def _take_ids(self, track: RequestTrack, block_ids: Sequence[Sequence[int]], *, replace: bool) -> None:
+        """A request's vLLM blocks, per group: all of them (`replace`), or the step's new ones."""
+        if replace:
+            track.block_ids = list(block_ids[self.groups.full])
+            track.window_ids = [list(block_ids[g]) for g in self.groups.windows]
+            return
+        track.block_ids.extend(block_ids[self.groups.full])
+        for ids, g in zip(track.window_ids, self.groups.windows):
+            ids.extend(block_ids[g])
+
+    def _window(self, track: RequestTrack, position: int, *, skip_before: int = 0) -> WindowRun | None:
+        """The window at boundary `position` (min(W, position) tokens before it) in the request's blocks;
+        None when a sliding-window group lacks them. `skip_before`: tokens vLLM's own cache holds."""
+        assert self.spec.window is not None and position % self.block == 0
+        n = min(self.spec.window, position) // self.block
+        first, end = position // self.block - n, position // self.block
+        if any(len(ids) < end for ids in track.window_ids):
+            return None
+        keys = self._keys(track, end)
+        skip = max(skip_before // self.block - first, 0)
+        return WindowRun(track.request.request_id, keys[end - 1], position,
+                         tuple(tuple(ids[first:end]) for ids in track.window_ids), skip)
 
     def plan_step(self, out: Any) -> StepPlan:
         """The loads and saves of one scheduler step (`out` is vLLM's SchedulerOutput)."""
         loads: list[BlockRun] = []
         saves: list[BlockRun] = []
+        window_loads: list[WindowRun] = []
+        window_saves: list[WindowRun] = []
+        for track in self.tracks.values():   # hybrid: the loads planned at allocation (their requests wait)
+            if track.async_load is not None:
+                run, window = track.async_load
+                track.async_load = None
+                loads.extend([run] if run is not None else [])
+                window_loads.append(window)
         for req in out.scheduled_new_reqs:
             track = self.tracks.get(req.req_id)
             if track is not None:
-                track.block_ids = list(req.block_ids[0])
+                self._take_ids(track, req.block_ids, replace=True)
                 self._plan(track, req.req_id, req.num_computed_tokens, out.num_scheduled_tokens, loads, saves)
+                self._plan_windows(track, req.num_computed_tokens, out.num_scheduled_tokens, window_saves)
         cached = out.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             track = self.tracks.get(req_id)
             if track is None:
                 continue
             new_ids = cached.new_block_ids[i]
-            if req_id in cached.resumed_req_ids:
-                track.block_ids = list(new_ids[0]) if new_ids else []  # resumed: the full list, replaced
+            if req_id in cached.resumed_req_ids:   # resumed: the full lists, replaced
+                self._take_ids(track, new_ids or [[] for _ in range(self.n_groups)], replace=True)
             elif new_ids:
-                track.block_ids.extend(new_ids[0])
+                self._take_ids(track, new_ids, replace=False)
             self._plan(track, req_id, cached.num_computed_tokens[i], out.num_scheduled_tokens, loads, saves)
-        return StepPlan(tuple(loads), tuple(saves))
+            self._plan_windows(track, cached.num_computed_tokens[i], out.num_scheduled_tokens, window_saves)
+        return StepPlan(tuple(loads), tuple(saves), tuple(window_loads), tuple(window_saves),
+                        by_request=self.loads_async)
+
+    def _plan_windows(self, track: RequestTrack, computed: int, scheduled: dict[str, int],
+                      window_saves: list[WindowRun]) -> None:
+        """Rule 4′: the windows at the prompt's store positions that this step's tokens complete."""
+        if self.state is None:
+            return
+        end = computed + scheduled.get(track.request.request_id, 0)
+        for x in prefill_store_positions(len(track.request.prompt_token_ids), self.spec):
+            if computed < x <= end:
+                window = self._window(track, x)
+                if window is None:
+                    log.warning("kvledger: no vLLM blocks for the window at %d of %s; no snapshot saved",
+                                x, track.request.request_id)
+                else:
+                    window_saves.append(window)
 
     def _plan(self, track: RequestTrack, req_id: str, computed: int, scheduled: dict[str, int],
               loads: list[BlockRun], saves: list[BlockRun]) -> None:
@@ -213,10 +333,24 @@ class SchedulerSide:
                 track.loaded_tokens -= track.load_tokens - failed[0] * self.block
                 track.load_ids = ()
 
+    def note_failed_requests(self, req_ids: Iterable[str]) -> None:
+        """The workers reported these requests' (asynchronous) loads as failed: vLLM recomputes them from 0."""
+        for req_id in req_ids:
+            track = self.tracks.get(req_id)
+            if track is not None and track.load_tokens:
+                track.failed_blocks += max(len(track.load_ids), 1)
+                track.loaded_tokens -= track.load_tokens
+                track.load_ids, track.load_tokens, track.window_at = (), 0, 0
+
     def finished(self, req_id: str) -> dict[str, Any] | None:
-        """Forget a request; what the connector did for it (vLLM returns it as kv_transfer_params)."""
+        """Forget a request; what the connector did for it (vLLM returns it as kv_transfer_params):
+        a hybrid model's also says at which position its window came from a snapshot (`window_at`, 0: none)."""
+        self.checked.pop(req_id, None)
         track = self.tracks.pop(req_id, None)
         if track is None:
             return None
-        return {"kvledger": {"namespace": track.namespace, "loaded_tokens": track.loaded_tokens,
-                             "failed_blocks": track.failed_blocks}}
+        report = {"namespace": track.namespace, "loaded_tokens": track.loaded_tokens,
+                  "failed_blocks": track.failed_blocks}
+        if self.state is not None:
+            report["window_at"] = track.window_at
+        return {"kvledger": report}

@@ -11,6 +11,17 @@ One step, as vLLM drives it:
     wait_for_save        the copier has ended; put the saved rows as chains (one segment per run)
     get_block_ids_with_load_errors   the failed vLLM blocks: vLLM recomputes from the first one
 
+A hybrid model's step also moves windows (`WindowRun`: the sliding-window layers' blocks around
+a snapshot position) between the state ledger's snapshot files and vLLM's sliding-window groups:
+a window load reads the whole snapshot and writes it at once in `start_load_kv` (its request is
+waiting for this asynchronous load, not in the step's forward), a window save copies the blocks
+out in `wait_for_save`, after the forward wrote them. Its loads are reported per request
+(`take_transfer_results`: finished, failed), never as block ids (vLLM's hybrid manager takes none).
+
+A snapshot's bytes, n = len(window) blocks, the windowed layers in model order:
+
+    row j (window block j) = | SWA layer a's slice of block j | SWA layer b's | … |   (n rows, back to back)
+
 Rule 8: a block that does not arrive intact, and every later block of its run, is never copied
 and is reported (vLLM discards the step's output for that request and recomputes it); nothing
 computed after a failed block in the same step is saved; a load that does not finish within
@@ -32,7 +43,8 @@ import torch
 
 from kvledger.engine.swapin import SwapIn, SwapItem
 from kvledger.integrations.vllm.layout import KvLayout
-from kvledger.integrations.vllm.records import BlockRun, StepPlan
+from kvledger.integrations.vllm.records import BlockRun, StepPlan, WindowRun
+from kvledger.state.ledger import StateLedger
 from kvledger.store.ledger import BlockLedger
 
 log = logging.getLogger("kvledger.vllm")
@@ -78,10 +90,15 @@ class Staging:
 class WorkerSide:
     """Loads and saves for one worker; `layout` is set once vLLM registers its KV caches."""
 
-    def __init__(self, ledger: BlockLedger, events: str | None = None) -> None:
+    def __init__(self, ledger: BlockLedger, events: str | None = None, state: StateLedger | None = None) -> None:
         self.ledger = ledger
         self.events = events
+        self.state = state
         self.layout: KvLayout | None = None
+        self.windows: KvLayout | None = None   # the sliding-window layers (a hybrid model)
+        self.window_group: dict[str, int] = {}  # SWA layer name → its group's index in WindowRun.block_ids
+        self.finished_requests: set[str] = set()  # by-request loads done this step (reported once)
+        self.failed_requests: set[str] = set()    # … and those of them that failed
         self.loads: list[Transfer] = []
         self.swap: SwapIn | None = None
         self.settled = True        # this step's load outcomes are in `failed` and `poisoned`
@@ -91,8 +108,12 @@ class WorkerSide:
         self.failed: set[int] = set()
         self.poisoned: dict[str, int] = {}  # req_id → first chain position not to save this step
 
-    def register(self, layout: KvLayout) -> None:
-        self.layout = layout
+    def register(self, layout: KvLayout, windows: KvLayout | None = None,
+                 window_group: dict[str, int] | None = None) -> None:
+        """`layout`: the layers a ledger block holds; `windows`: the sliding-window layers, each in the
+        group `window_group[name]` (an index into `WindowRun.block_ids`)."""
+        assert (windows is None) == (self.state is None), "sliding-window layers iff a state ledger"
+        self.layout, self.windows, self.window_group = layout, windows, dict(window_group or {})
         pin = layout.device.type == "cuda"
         self.load_rows, self.save_rows = Staging(layout.block_bytes, pin), Staging(layout.block_bytes, pin)
 
@@ -104,6 +125,11 @@ class WorkerSide:
         self.plan, self.saves = plan, None
         self.failed, self.poisoned, self.abandoned = set(), {}, False
         self.loads = []
+        if plan.by_request:
+            self.finished_requests |= {run.req_id for run in plan.loads} | {w.req_id for w in plan.window_loads}
+        for window in plan.window_loads:
+            if not self._load_window(window):
+                self.failed_requests.add(window.req_id)
         if not plan.loads:
             return
         assert self.layout is not None, "KV caches are registered before the first step"
@@ -126,6 +152,49 @@ class WorkerSide:
             items.append(SwapItem(t.rows[:t.ok].numpy(), list(t.run.block_ids[:t.ok])))
         return items
 
+    def _load_window(self, w: WindowRun) -> bool:
+        """Read the snapshot at `w.position` whole, check its size, write its blocks past `w.skip`."""
+        assert self.state is not None and self.windows is not None, "a window load needs the state ledger"
+        t0 = time.perf_counter()
+        n = len(w.block_ids[0])
+        buf = bytearray(n * self.windows.block_bytes)
+        try:
+            size = self.state.fetch_into(w.key, buf)
+        except Exception as e:  # noqa: BLE001 - rule 8: an unreadable snapshot is a miss
+            log.warning("kvledger: snapshot at %d unreadable (%s); vLLM recomputes", w.position, e)
+            size = None
+        ok = size == len(buf)
+        if ok:
+            rows = torch.frombuffer(buf, dtype=torch.uint8).view(n, self.windows.block_bytes)
+            for name in self.windows.names:
+                self.windows.scatter(name, rows[w.skip:], w.block_ids[self.window_group[name]][w.skip:])
+        else:
+            log.warning("kvledger: snapshot at %d of %s missing or of the wrong size (%s B, expected %d); "
+                        "vLLM recomputes", w.position, w.req_id, size, len(buf))
+        self._window_event("window_load", w, ok=ok, seconds=time.perf_counter() - t0)
+        return ok
+
+    def _save_window(self, w: WindowRun) -> None:
+        """Copy the window's blocks out of vLLM's sliding-window groups and keep them as the snapshot."""
+        assert self.state is not None and self.windows is not None
+        t0 = time.perf_counter()
+        rows = torch.empty((len(w.block_ids[0]), self.windows.block_bytes), dtype=torch.uint8)
+        for name in self.windows.names:
+            self.windows.gather(name, w.block_ids[self.window_group[name]], rows)
+        try:
+            ok = self.state.put(w.key, w.position, rows.numpy().reshape(-1))
+        except Exception as e:  # noqa: BLE001 - rule 8: a failed save is a future miss
+            log.warning("kvledger: snapshot save at %d failed (%s)", w.position, e)
+            ok = False
+        self._window_event("window_save", w, ok=ok, seconds=time.perf_counter() - t0)
+
+    def take_transfer_results(self) -> tuple[set[str], set[str]]:
+        """The by-request loads ended since the last call, and those of them that failed (each reported once)."""
+        self._end_loads()
+        done, failed = self.finished_requests, self.failed_requests
+        self.finished_requests, self.failed_requests = set(), set()
+        return done, failed
+
     def layer_loaded(self, name: str) -> None:
         """Before layer `name` computes: wait until its loaded blocks are in vLLM's cache."""
         if self.swap is None or self.abandoned or self.layout is None or name not in self.layout.index:
@@ -144,8 +213,7 @@ class WorkerSide:
         log.warning("kvledger: load abandoned (%s); vLLM recomputes its %d blocks", why,
                     sum(len(t.run.keys) for t in self.loads))
         for t in self.loads:
-            self.failed.update(t.run.block_ids)
-            self.poisoned[t.run.req_id] = t.run.start
+            self._note_failed(t, 0)
         self.abandoned = self.settled = True
 
     def _settle(self) -> None:
@@ -159,8 +227,15 @@ class WorkerSide:
         self.settled = True
         for t in self.loads:
             if t.ok < len(t.run.keys):
-                self.failed.update(t.run.block_ids[t.ok:])
-                self.poisoned[t.run.req_id] = t.run.start + t.ok
+                self._note_failed(t, t.ok)
+
+    def _note_failed(self, t: Transfer, ok: int) -> None:
+        """Blocks past the first `ok` of a load did not arrive: by block id, or (by request) the request."""
+        if self.plan.by_request:
+            self.failed_requests.add(t.run.req_id)
+        else:
+            self.failed.update(t.run.block_ids[ok:])
+        self.poisoned[t.run.req_id] = t.run.start + ok
 
     def _end_loads(self) -> None:
         """The step ends: outcomes noted, the copier ended (or cancelled and reported), one event per load
@@ -235,6 +310,9 @@ class WorkerSide:
                 self.layer_computed(name)
             for t in self._prepare_saves():
                 self._put(t)
+        for w in self.plan.window_saves:
+            if w.req_id not in self.poisoned:   # computed on lost KV: not saved
+                self._save_window(w)
         self.loads, self.saves, self.plan = [], None, StepPlan()
 
     def _put(self, t: Transfer) -> None:
@@ -253,13 +331,21 @@ class WorkerSide:
         self._end_loads()
         return set(self.failed)
 
+    def _window_event(self, kind: str, w: WindowRun, *, ok: bool, seconds: float) -> None:
+        self._write_event({"event": kind, "req_id": w.req_id, "position": w.position,
+                           "blocks": len(w.block_ids[0]), "ok": int(ok), "seconds": round(seconds, 6),
+                           "t": time.time()})
+
     def _event(self, kind: str, run: BlockRun, *, ok: int, seconds: float, **extra: float) -> None:
         """One JSON line per transfer into the `events` file (appended; one write per line)."""
-        if not self.events:
-            return
-        line = json.dumps({"event": kind, "req_id": run.req_id, "namespace": run.namespace, "start": run.start,
+        self._write_event({"event": kind, "req_id": run.req_id, "namespace": run.namespace, "start": run.start,
                            "blocks": len(run.keys), "ok": ok, "seconds": round(seconds, 6), "t": time.time(),
                            **{k: round(v, 6) for k, v in extra.items()}})
+
+    def _write_event(self, fields: dict[str, object]) -> None:
+        if not self.events:
+            return
+        line = json.dumps(fields)
         fd = os.open(self.events, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         try:
             os.write(fd, (line + "\n").encode())
