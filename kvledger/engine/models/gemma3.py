@@ -9,7 +9,11 @@ names, norm weights w with scale 1 + w): the one `gemma3_gguf` converts from the
     SWA  (the other 15)       RingKV    2 × 256 × bf16 = 1,024 B   snapshots: 15 × 518 × 1,024 B
 
 Every attention reads K and V back from its cache in bf16, cold or hit alike, so a hit sees exactly the
-values a cold prefill saw. What one layer computes (transformers' `Gemma3DecoderLayer`):
+values a cold prefill saw. Every product has a row count fixed by absolute positions (`fixed_rows`): the
+projections and the MLP in ROW_TILE-row GEMMs, attention in TILE-query tiles whose key span is fixed by the
+tile. So a snapshot hit, an exact resume at a checkpoint, a chunked prefill and a cold one compute every
+position with the same floats on one machine (`torch.equal` logits and greedy tokens), and K and V round
+to the same bf16 values. What one layer computes (transformers' `Gemma3DecoderLayer`):
 
     h = x + post_attention_norm(attn(input_norm(x)))      attn: q_norm, k_norm per head, then RoPE;
     y = h + post_feedforward_norm(mlp(pre_feedforward_norm(h)))        scores · query_pre_attn_scalar^-½
@@ -18,9 +22,11 @@ values a cold prefill saw. What one layer computes (transformers' `Gemma3Decoder
 The input is embed(tokens) · √hidden; logits = final_norm(x) · embedᵀ (softcapped when the config says).
 RoPE θ is 10,000 on sliding layers and 1,000,000 on full ones (no scaling: the 270M config has none).
 
-    keys a query at i attends (W = 512, s = chunk.truncate_from or 0)
-    SWA   max(s, i − W + 1) .. i    (`base.window_start`)
-    FULL  0 .. i                    positions < keep_blocks_until come from the blocks, never written
+    keys a query at i attends (W = 512, s = chunk.truncate_from or 0)   keys of its tile [t, t + TILE)
+    SWA   max(s, i − W + 1) .. i    (`base.window_start`)                  [max(0, t − W + 1), t + TILE)
+    FULL  0 .. i                    positions < keep_blocks_until come     [0, t + TILE)
+                                    from the blocks, never written
+    (a tile's rows and keys not held are zeros; masked, their results are dropped)
 """
 
 from __future__ import annotations
@@ -37,10 +43,11 @@ from torch import Tensor, nn
 
 from kvledger.core import LayerKind, ModelSpec
 from kvledger.engine.models.base import BeforeLayer, Chunk, Model, PagedKV, window_start
+from kvledger.engine.models.fixed_rows import mm, place_rows
 from kvledger.engine.models.ring_kv import RingKV
 
 LOCAL_ROPE_THETA = 10_000.0   # Gemma 3's sliding-layer θ: in no GGUF field (transformers' rope_local_base_freq)
-QUERY_TILE = 512              # queries per attention call: scores stay [heads, 512, ≤ keys] however long the chunk
+TILE = 16                     # queries per attention GEMM, aligned to absolute positions (module docstring)
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,24 +120,51 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
+def linear(x: Tensor, layer: nn.Linear, chunks: Sequence[Chunk]) -> Tensor:
+    """layer(x) for the rows of `chunks` (concatenated, in order): each chunk's rows in fixed-row GEMMs."""
+    w, outs, off = layer.weight.t(), [], 0
+    for c in chunks:
+        n = c.end - c.start
+        outs.append(mm(x[off:off + n], w, c.start))
+        off += n
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
 def attend(q: Tensor, k: Tensor, v: Tensor, q_start: int, k_start: int, scale: float, window: int | None,
            truncate_from: int | None) -> Tensor:
-    """Causal attention of queries at [q_start, q_start + n) over keys at [k_start, k_start + m) (k_start ≤ the
-    first key any query attends), `window` None for full attention; q [n, heads, d], k/v [m, kv_heads, d]."""
-    out = []
-    for a in range(0, q.shape[0], QUERY_TILE):
-        b = min(a + QUERY_TILE, q.shape[0])
-        first = k_start if window is None else window_start(q_start + a, window, truncate_from)
-        lo, hi = first - k_start, q_start + b - k_start
-        qpos = torch.arange(q_start + a, q_start + b, device=q.device).unsqueeze(1)
-        kpos = torch.arange(first, q_start + b, device=q.device).unsqueeze(0)
+    """Causal attention of queries at [q_start, q_start + n) over keys at [k_start, k_start + m), `window` None
+    for full attention; q [n, heads, d], k/v [m, kv_heads, d]; k_start ≤ the first key any query attends.
+
+    Tile by tile of TILE queries aligned to absolute positions, each over its fixed key span (module
+    docstring): one GEMM of fixed shape for the scores, one for the values, so a query's floats depend only
+    on its own row and keys, never on the split."""
+    n, heads, d = q.shape
+    kv = k.shape[1]
+    group = heads // kv
+    q_end, k_end = q_start + n, k_start + k.shape[0]
+    out = q.new_empty(n, heads, d)
+    for t in range(q_start // TILE * TILE, q_end, TILE):
+        lo = 0 if window is None else max(0, t - window + 1)
+        hi = t + TILE
+        a, b = max(t, q_start), min(hi, q_end)                 # the tile's rows that are queries here
+        ka, kb = max(lo, k_start), min(hi, k_end)              # the span's keys that are held
+        rows = place_rows(q[a - q_start:b - q_start], 0, a - t, TILE)
+        keys = place_rows(k[ka - k_start:kb - k_start], 0, ka - lo, hi - lo)
+        values = place_rows(v[ka - k_start:kb - k_start], 0, ka - lo, hi - lo)
+        qpos = torch.arange(t, hi, device=q.device).unsqueeze(1)
+        kpos = torch.arange(lo, hi, device=q.device).unsqueeze(0)
         mask = kpos <= qpos
         if window is not None:
             mask &= kpos >= torch.clamp(qpos - window + 1, min=truncate_from or 0)
-        q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q[a:b], k[lo:hi], v[lo:hi]))
-        o = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, scale=scale, enable_gqa=True)
-        out.append(o.squeeze(0).transpose(0, 1))
-    return torch.cat(out)
+        mask |= ~mask.any(-1, keepdim=True)                      # a row with no key is padding: any finite value
+        qg = rows.view(TILE, kv, group, d).permute(1, 2, 0, 3).reshape(kv, group * TILE, d)
+        scores = torch.bmm(qg, keys.permute(1, 2, 0)) * scale   # [kv, group · TILE, keys]
+        scores = scores.view(kv, group, TILE, hi - lo).masked_fill(~mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).view(kv, group * TILE, hi - lo)
+        o = torch.bmm(probs, values.permute(1, 0, 2))             # [kv, group · TILE, d]
+        o = o.view(kv, group, TILE, d).permute(2, 0, 1, 3).reshape(TILE, heads, d)
+        out[a - q_start:b - q_start] = o[a - t:b - t]
+    return out
 
 
 class Attention(nn.Module):
@@ -148,9 +182,9 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, chunks: Sequence[Chunk], cache: PagedKV | RingKV
                 ) -> Tensor:
         t = x.shape[0]
-        q = rotate(self.q_norm(self.q_proj(x).view(t, self.heads, self.head_dim)), cos, sin)
-        k = rotate(self.k_norm(self.k_proj(x).view(t, self.kv_heads, self.head_dim)), cos, sin)
-        v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
+        q = rotate(self.q_norm(linear(x, self.q_proj, chunks).view(t, self.heads, self.head_dim)), cos, sin)
+        k = rotate(self.k_norm(linear(x, self.k_proj, chunks).view(t, self.kv_heads, self.head_dim)), cos, sin)
+        v = linear(x, self.v_proj, chunks).view(t, self.kv_heads, self.head_dim)
         outs, off = [], 0
         for c in chunks:
             n = c.end - c.start
@@ -158,7 +192,7 @@ class Attention(nn.Module):
             attend_one = self._full if isinstance(cache, PagedKV) else self._sliding
             outs.append(attend_one(q[sl], k[sl], v[sl], c, cache))
             off += n
-        return self.o_proj(torch.cat(outs).reshape(t, -1))
+        return linear(torch.cat(outs).reshape(t, -1), self.o_proj, chunks)
 
     def _full(self, q: Tensor, k: Tensor, v: Tensor, c: Chunk, cache: PagedKV) -> Tensor:
         """Keys [0, end) read back from the blocks; those of positions < keep_blocks_until are reused as they are."""
@@ -188,8 +222,9 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden, cfg.intermediate, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate, cfg.hidden, bias=False)
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+    def forward(self, x: Tensor, chunks: Sequence[Chunk]) -> Tensor:
+        hidden = F.gelu(linear(x, self.gate_proj, chunks), approximate="tanh") * linear(x, self.up_proj, chunks)
+        return linear(hidden, self.down_proj, chunks)
 
 
 class DecoderLayer(nn.Module):
@@ -205,7 +240,7 @@ class DecoderLayer(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, chunks: Sequence[Chunk], cache: PagedKV | RingKV
                 ) -> Tensor:
         x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, chunks, cache))
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x), chunks))
 
 
 class Gemma3(Model):
@@ -247,8 +282,9 @@ class Gemma3(Model):
             if before_layer is not None:
                 before_layer(i)
             x = layer(x, *rope[self.spec.layers[i]], chunks, self.caches[i])
-        last = torch.tensor([c.end - c.start for c in chunks], device=dev).cumsum(0) - 1
-        logits = F.linear(self.norm(x[last]), self.embed_tokens.weight)   # tied lm_head
+        last = torch.tensor([c.end - c.start for c in chunks]).cumsum(0) - 1
+        head = self.embed_tokens.weight   # tied lm_head; one row per GEMM: the same shape whatever the batch
+        logits = torch.cat([F.linear(self.norm(x[i:i + 1]), head) for i in last.tolist()])
         cap = self.cfg.final_logit_softcapping
         return (torch.tanh(logits / cap) * cap if cap else logits).float()
 

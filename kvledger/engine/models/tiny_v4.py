@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from kvledger.core.spec import LayerKind, ModelSpec
 from kvledger.engine.models.base import BeforeLayer, Chunk, Model
-from kvledger.engine.models.tiny_v4_attention import mm
+from kvledger.engine.models.fixed_rows import mm
 from kvledger.engine.models.tiny_v4_cache import TinyV4LayerCache
 from kvledger.engine.models.tiny_v4_engine import engine_forward
 from kvledger.engine.models.tiny_v4_layers import MLP, Attention, RMSNorm

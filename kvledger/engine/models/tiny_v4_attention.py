@@ -11,11 +11,9 @@ Keys of a query at position i (one softmax over both sets):
 for the consumer layers. Queries run in tiles of 128 aligned to absolute positions, so a window
 never spans more than 255 keys and no L × L mask is ever built.
 
-Why a resume, a chunked prefill and a cold prefill compute the same floats on every CPU: a
-GEMM's rounding depends on the kernel the BLAS picks, and MKL picks it by CPU and by the row
-count (an AVX2, AVX-512 or AMX machine, a 1-row decode step or a 300-row prefill each round
-differently in the last bits). So no product here ever has a row count that depends on how the
-positions were split; every row is computed at a place fixed by its absolute position p:
+Why a resume, a chunked prefill and a cold prefill compute the same floats on every CPU
+(`fixed_rows`): no product here ever has a row count that depends on how the positions were split;
+every row is computed at a place fixed by its absolute position p:
 
     product                      GEMM shape (rows)           row of position p at
     projections, MLP, head       ROW_TILE = 16               slot p % 16 of the 16-row GEMM
@@ -38,8 +36,9 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from kvledger.engine.models.fixed_rows import place_rows
+
 TILE = 128
-ROW_TILE = 16
 
 
 class Rope:
@@ -76,31 +75,6 @@ class Compressed(NamedTuple):
     keys: Tensor    # roped
     values: Tensor
     valid: Tensor   # [q, n] or [q, k] bool
-
-
-def mm(x: Tensor, w: Tensor, first: int) -> Tensor:
-    """x @ w for the rows of positions [first, first + len(x)): GEMMs of exactly ROW_TILE rows, the row of
-    position p at slot p % ROW_TILE (module docstring), so its floats never depend on the split."""
-    lead, n = first % ROW_TILE, x.shape[0]
-    rows = place_rows(x, 0, lead, -(-(lead + n) // ROW_TILE) * ROW_TILE)
-    out = x.new_empty(rows.shape[0], w.shape[1])
-    for t in range(0, rows.shape[0], ROW_TILE):
-        torch.mm(rows[t:t + ROW_TILE], w, out=out[t:t + ROW_TILE])
-    return out[lead:lead + n]
-
-
-def place_rows(x: Tensor, dim: int, offset: int, size: int) -> Tensor:
-    """A zero tensor of `size` along `dim` with x at [offset, offset + x.shape[dim]) (x itself when it fits
-    exactly)."""
-    n = x.shape[dim]
-    assert offset >= 0 and offset + n <= size, f"rows [{offset}, {offset + n}) do not fit in {size}"
-    if offset == 0 and n == size:
-        return x
-    shape = list(x.shape)
-    shape[dim] = size
-    out = x.new_zeros(shape)
-    out.narrow(dim, offset, n).copy_(x)
-    return out
 
 
 def tiles(lo: int, hi: int) -> list[tuple[int, int]]:

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from kvledger.core.spec import LayerKind
+from kvledger.engine.models.fixed_rows import mm
 from kvledger.engine.models.tiny_v4_attention import (
     TILE,
     Compressed,
@@ -21,7 +22,6 @@ from kvledger.engine.models.tiny_v4_attention import (
     canonical_keys,
     csa_keys,
     hca_keys,
-    mm,
     prepare_entries,
     tiles,
     window_mask,
