@@ -195,3 +195,22 @@ def test_a_decode_window_is_the_next_turns_snapshot(gemma, ledger, holder):
     assert (d.kind, d.hit_tokens, usage.cached_tokens) == (HitKind.SNAPSHOT, 768, 768)
     assert torch.equal(gemma.first_logits["turn2"], cold_logits) and out == cold_out
 
+
+
+def test_a_snapshot_lost_after_the_check_is_an_exact_replay(gemma, ledger, holder, cold_long):
+    """The CHECK found the snapshot at 640; it is gone (expired, evicted) before the engine fetches it. The
+    hit is lowered to an exact replay over the blocks (rule 3′): 0 tokens reported, the cold answer bit for bit."""
+    from kvledger.engine.api import EngineRequest, SamplingParams
+    from kvledger.entrypoint.check import check_prompt
+    from tests.engine.helpers import drain
+
+    ids = PROMPTS["long"]["ids"]
+    gemma.clear_device_cache()
+    keys, d = check_prompt(ids, SPEC, block_ledger=ledger, state_ledger=holder)
+    assert d.kind is HitKind.SNAPSHOT and d.hit_tokens == 640
+    assert holder.pool.discard(keys[640 // 128 - 1])
+    gemma.add_request(EngineRequest("lost", ids, keys, d, SamplingParams(max_tokens=len(cold_long[0]),
+                                                                         ignore_eos=True)))
+    out, usage = drain(gemma)
+    assert (usage.hit_kind, usage.cached_tokens) == ("replay", 0)
+    assert torch.equal(gemma.first_logits["lost"], cold_long[1]) and out == cold_long[0]
