@@ -306,4 +306,8 @@ def load_gemma3(folder: Path, spec: ModelSpec, device: torch.device, kv_dtype: t
     state.pop("lm_head.weight", None)   # tied: the embeddings are the head
     model.load_state_dict(state, strict=True, assign=True)
     model.set_rope()
-    return model.to(device).eval()
+    model = model.to(device).eval()
+    for module in model.modules():   # `linear` multiplies by weightᵀ: keep that contiguous (measured ~1.5× on 16 rows)
+        if isinstance(module, nn.Linear):
+            module.weight.data = module.weight.data.t().contiguous().t()
+    return model
