@@ -99,16 +99,19 @@ class LedgerWriter:
         """Rule 4: the windows at the prompt's own cap and at its last boundary (rule 9: exact ones only)."""
         if self.state_ledger is None or not self.spec.has_swa or not seq.exact:
             return
-        b = self.spec.block_size
         for position in prefill_store_positions(seq.prompt_len, self.spec):
-            self.model.export_window(seq.slot, position, self.slots.staging)
-            self.state_ledger.put(seq.keys[position // b - 1], position, self.slots.staging.numpy())
+            self._put_window(seq, position)
 
     def store_checkpoint(self, seq: Sequence, position: int) -> None:
         """Rule 4′ (periodic): the window at `position`, where a prefill chunk just ended (rule 9: exact only)."""
         if self.state_ledger is None or not seq.exact:
             return
-        assert seq.computed == position and position % self.spec.block_size == 0
+        assert seq.computed == position
+        self._put_window(seq, position)
+
+    def _put_window(self, seq: Sequence, position: int) -> None:
+        """The slot's window ending at `position` (a multiple of B its ring still holds) to the state ledger."""
+        assert self.state_ledger is not None and position % self.spec.block_size == 0
         self.model.export_window(seq.slot, position, self.slots.staging)
         self.state_ledger.put(seq.keys[position // self.spec.block_size - 1], position, self.slots.staging.numpy())
 
