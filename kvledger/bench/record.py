@@ -34,12 +34,12 @@ def recorded(name: str, run: Callable[[Any], Any]) -> Callable[[Any], Any]:
         except OSError as e:
             raise CliError(f"--record {folder}: {e.strerror or e}") from None
         args.json = True
-        before, started = os.getloadavg(), time.time()
+        before, started, commit = os.getloadavg(), time.time(), _commit()   # the code that runs: read it first
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
             code = run(args)
         result = json.loads(out.getvalue())
-        result["run"] = run_info(name, before, started)
+        result["run"] = run_info(name, before, started, commit)
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(started))
         (folder / f"{name}-{stamp}.json").write_text(json.dumps(result, indent=1) + "\n")
         emit_json(result)
@@ -48,9 +48,11 @@ def recorded(name: str, run: Callable[[Any], Any]) -> Callable[[Any], Any]:
     return record_run
 
 
-def run_info(name: str, load_before: tuple[float, float, float], started: float) -> dict[str, Any]:
-    """Where and when a run ran: what a reader needs to judge its figures."""
-    return {"bench": name, "command": "kvledger " + " ".join(sys.argv[1:]), "commit": _commit(),
+def run_info(name: str, load_before: tuple[float, float, float], started: float, commit: str | None
+             ) -> dict[str, Any]:
+    """Where and when a run ran: what a reader needs to judge its figures. `commit`: the checkout's when the run
+    started (a run takes minutes; a commit landing meanwhile is not what ran)."""
+    return {"bench": name, "command": "kvledger " + " ".join(sys.argv[1:]), "commit": commit,
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
             "wall_s": round(time.time() - started, 1),
             "cpu": _cpu_model(), "cores": os.cpu_count(), "python": platform.python_version(),

@@ -21,3 +21,21 @@ def test_an_unwritable_record_folder_is_one_line(run_cli, tmp_path):
     (tmp_path / "file").write_text("")
     r = run_cli("bench", "sim", "--record", str(tmp_path / "file" / "results"))
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--record" in r.stderr, r.stderr
+
+
+def test_the_commit_is_the_one_checked_out_when_the_run_started(tmp_path, monkeypatch, capsys):
+    """A run takes minutes and a commit may land meanwhile: the file names the code that ran."""
+    from types import SimpleNamespace
+
+    from kvledger.bench import record
+
+    head = ["a" * 40]
+    monkeypatch.setattr(record, "_commit", lambda: head[0])
+
+    def run(args):
+        head[0] = "b" * 40   # a commit lands while the bench runs
+        print(json.dumps({"figure": 1}))
+
+    record.recorded("fake", run)(SimpleNamespace(record=str(tmp_path), json=False))
+    (kept,) = tmp_path.glob("fake-*.json")
+    assert json.loads(kept.read_text())["run"]["commit"] == "a" * 40
