@@ -138,6 +138,9 @@ def measure(model: str, tokens: int, device: str, data_dir: str, *, repeat: int 
     kinds = KINDS if spec.has_swa else KINDS[:2]
     runs: dict[str, list[dict]] = {"stored": [], **{k: [] for k in kinds}}
     try:
+        if tokens + greedy > engine.max_model_len:
+            raise ValueError(f"--tokens {tokens} + {greedy} greedy tokens do not fit {model}'s context of "
+                             f"{engine.max_model_len}: at most {engine.max_model_len - greedy} tokens")
         prompt = _prompt(tokens, engine.model.vocab_size)
         runs["stored"].append(_run(engine, ledger, states, prompt, "stored", "stored", "bench", greedy))
         kept = _bytes_kept(spec, prompt, ledger, states)
@@ -219,9 +222,12 @@ def run(args: argparse.Namespace) -> None:
         raise CliError(f"--period must be a positive multiple of the 128-token block, got {args.period}")
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    with tempfile.TemporaryDirectory(prefix="kvledger-ttft-") as tmp:
-        result = measure(args.model, args.tokens, args.device, args.data_dir or tmp, repeat=args.repeat,
-                         period=args.period, chunk=args.chunk)
+    try:
+        with tempfile.TemporaryDirectory(prefix="kvledger-ttft-") as tmp:
+            result = measure(args.model, args.tokens, args.device, args.data_dir or tmp, repeat=args.repeat,
+                             period=args.period, chunk=args.chunk)
+    except ValueError as e:
+        raise CliError(str(e)) from None
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "ttft.json").write_text(json.dumps(result, indent=2))
