@@ -205,12 +205,13 @@ def test_a_snapshot_lost_after_the_check_is_an_exact_replay(gemma, ledger, holde
     from tests.engine.helpers import drain
 
     ids = PROMPTS["long"]["ids"]
-    gemma.clear_device_cache()
-    keys, d = check_prompt(ids, SPEC, block_ledger=ledger, state_ledger=holder)
+    run_request(gemma, ledger, ids, request_id="lost-cold", namespace="lost", max_tokens=1, state_ledger=holder)
+    gemma.clear_device_cache()   # (its own namespace: the module's other snapshots may have evicted cold_long's)
+    keys, d = check_prompt(ids, SPEC, block_ledger=ledger, state_ledger=holder, namespace="lost")
     assert d.kind is HitKind.SNAPSHOT and d.hit_tokens == 640
     assert holder.pool.discard(keys[640 // 128 - 1])
     gemma.add_request(EngineRequest("lost", ids, keys, d, SamplingParams(max_tokens=len(cold_long[0]),
-                                                                         ignore_eos=True)))
+                                                                         ignore_eos=True), namespace="lost"))
     out, usage = drain(gemma)
     assert (usage.hit_kind, usage.cached_tokens) == ("replay", 0)
     assert torch.equal(gemma.first_logits["lost"], cold_long[1]) and out == cold_long[0]
