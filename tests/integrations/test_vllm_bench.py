@@ -126,6 +126,13 @@ def test_stored_phase_colds_all_then_same_process_hits_and_one_greedy_check_per_
     assert len({tuple(prompt_of(t, hybrid_schedule.variant(t, r))) for t in (256, 512) for r in (0, 1)}) == 4
 
 
+def test_warm_up_asks_each_engine_a_short_prompt_twice_a_cold_then_a_hit():
+    log: list[str] = []
+    engines = {"vllm": Hybrid("v", log, 10.0, 0.5), "kvledger": Hybrid("k", log, 11.0, 1.0)}
+    hybrid_schedule.warm_up(engines, prompt_of, 10_000)
+    assert log == ["vc1", "vh1", "kc1", "kh1"]
+
+
 def test_fresh_phase_hits_every_stored_prompt_and_checks_16_tokens_at_the_first_repeat():
     log: list[str] = []
     store: set = set()
