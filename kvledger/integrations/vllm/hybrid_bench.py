@@ -144,20 +144,24 @@ def run(args: Any) -> dict[str, Any]:
                 before[0] = now
 
             samples += hybrid_schedule.stored_phase(engines, sizes, repeat, prompt_of, after_size)
-        finally:
-            close(engines)
+        finally:   # vLLM alone stays: its own hits are asked again beside the fresh processes'
+            close({n: e for n, e in engines.items() if n != "vllm"})
         again = {"kvledger": VllmProcess(kvl, env=env)}
         if "mooncake" in engines:
             again["mooncake"] = VllmProcess({**common, "connector": "mooncake"}, env=mc_env)
-        fresh, failed = start_required(again, ("kvledger",))
+        try:
+            fresh, failed = start_required(again, ("kvledger",))
+        except BaseException:
+            close({"vllm": engines["vllm"]})
+            raise
         failures.update({f"{n}_fresh": line for n, line in failed.items()})
         try:
             start_s["fresh"] = {n: e.start_s for n, e in fresh.items()}
             hybrid.update({f"{n}_fresh": e.hybrid_kv_cache_manager for n, e in fresh.items()})
             hybrid_schedule.warm_up(fresh, prompt_of, 10_001)
-            samples += hybrid_schedule.fresh_phase(fresh, sizes, repeat, prompt_of)
+            samples += hybrid_schedule.fresh_phase({"vllm": engines["vllm"], **fresh}, sizes, repeat, prompt_of)
         finally:
-            close(fresh)
+            close({"vllm": engines["vllm"], **fresh})
         events = _events(base / "kvledger-events.jsonl")
     finally:
         mooncake.__exit__(None, None, None)

@@ -9,14 +9,17 @@ Two phases, each a set of vLLM processes alive together that take one request at
 |        | `simple_cpu_offload_disk` (prefix cache on: it     | `simple_cpu_offload_disk` after vLLM's own cache   |
 |        | requires it)                                       | is emptied) the same prompt again: hit             |
 | fresh  | `kvledger`, `mooncake`: new processes on the same  | every role: hit (max_tokens 1), vLLM's own cache   |
-|        | stores, after the stored phase's are gone          | cold (off)                                         |
+|        | stores, after the stored phase's are gone; `vllm`  | cold (off) in the new ones; `vllm` hits its own    |
+|        | (the same process, still alive)                    | cache again, beside them (`phase` "fresh"; first a |
+|        |                                                    | `refill` of the prompt, which its LRU may have     |
+|        |                                                    | evicted since, not counted)                        |
 
 The roles' order rotates by one each repeat. At r = 0 of each size, the greedy check: the hitting roles
 ask for 16 tokens (`check_hit`), and `vllm` computes the same prompt cold again under another cache
 salt (`check_cold`: the reference tokens). Prompts of different (L, r) share no block (`variant`).
-A sample is a dict: role, prompt_tokens, repeat, kind (cold | hit | check_cold | check_hit), seconds
-(wall time of the request: the TTFT at max_tokens 1), cpu_s (the engine's), cached (vLLM's
-num_cached_tokens), tokens (the generated ids).
+A sample is a dict: role, phase (stored | fresh), prompt_tokens, repeat, kind (cold | hit |
+check_cold | check_hit), seconds (wall time of the request: the TTFT at max_tokens 1), cpu_s (the
+engine's), cached (vLLM's num_cached_tokens), tokens (the generated ids).
 """
 
 from __future__ import annotations
@@ -52,13 +55,14 @@ def rotated(names: list[str], r: int) -> list[str]:
 
 
 def ask(engines: Mapping[str, Engine], role: str, prompt: list[int], kind: str, repeat: int,
-        *, max_tokens: int = 1, salt: str | None = None) -> dict[str, Any]:
+        *, max_tokens: int = 1, salt: str | None = None, phase: str = "stored") -> dict[str, Any]:
     """One request, as a sample."""
     engine = engines[role]
     before = engine.cpu_s()
     out = engine.generate(prompt, max_tokens=max_tokens, salt=salt, timeout_s=TIMEOUT_S)
-    return {"role": role, "prompt_tokens": len(prompt), "repeat": repeat, "kind": kind, "seconds": out["seconds"],
-            "cpu_s": engine.cpu_s() - before, "cached": out["num_cached_tokens"], "tokens": out["tokens"]}
+    return {"role": role, "phase": phase, "prompt_tokens": len(prompt), "repeat": repeat, "kind": kind,
+            "seconds": out["seconds"], "cpu_s": engine.cpu_s() - before, "cached": out["num_cached_tokens"],
+            "tokens": out["tokens"]}
 
 
 def warm_up(engines: Mapping[str, Engine], prompt_of: PromptOf, variant_id: int) -> None:
@@ -105,12 +109,16 @@ def check(engines: Mapping[str, Engine], names: list[str], prompt: list[int], r:
 
 def fresh_phase(engines: Mapping[str, Engine], sizes: list[int], repeat: int,
                 prompt_of: PromptOf) -> list[dict[str, Any]]:
-    """Hits of the stored prompts in processes that never computed them."""
+    """Hits of the stored prompts in processes that never computed them, beside `vllm`'s hits of its own
+    cache (the same moment's floor); the greedy check of the new processes at r = 0."""
     samples: list[dict[str, Any]] = []
     for tokens in sizes:
         for r in range(repeat):
             prompt, names = prompt_of(tokens, variant(tokens, r)), rotated(list(engines), r)
-            samples += [ask(engines, name, prompt, "hit", r) for name in names]
+            if PLAIN in engines:   # its cache may have evicted the prompt since: put it back (not counted)
+                samples.append(ask(engines, PLAIN, prompt, "refill", r, phase="fresh"))
+            samples += [ask(engines, name, prompt, "hit", r, phase="fresh") for name in names]
             if r == 0:
-                samples += check(engines, names, prompt, r)
+                samples += [s | {"phase": "fresh"} for s in check(engines, [n for n in names if n != PLAIN],
+                                                                    prompt, r)]
     return samples
