@@ -32,7 +32,8 @@ from kvledger.util.output import CliError, emit_json
 WARMUP_TOKENS = 512
 TIMEOUT_S = 1800.0  # one request on a loaded 2-core machine
 HELP = "TTFT cold vs hit under vLLM: kvledger's connector beside vLLM's ExampleConnector"
-EXAMPLES = ("kvledger bench vllm --json",)  # `--help`'s epilog
+EXAMPLES = ("kvledger bench vllm --json",  # `--help`'s epilog
+            "kvledger bench vllm --model gemma3-270m --sizes 4096,16384 --repeat 3 --record docs/results")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -41,6 +42,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hits", type=int, default=3, help="hit requests per round and connector")
     p.add_argument("--plain", action="store_true", help="also time cold prompts on a vLLM without connector")
     p.add_argument("--dir", metavar="DIR", help="where the stores go (default: the temp dir)")
+    hybrid = p.add_argument_group("a hybrid model (--model gemma3-270m): vLLM's hybrid KV cache manager on, "
+                                  "kvledger beside vLLM's prefix cache, SimpleCPUOffload (disk) and MooncakeStore")
+    hybrid.add_argument("--model", help="run the hybrid bench on this registered model (gemma3-270m)")
+    hybrid.add_argument("--sizes", type=_sizes, default=[4096, 16384], metavar="N,N",
+                        help="prompt lengths in tokens")
+    hybrid.add_argument("--repeat", type=int, default=3, help="runs of each kind per size")
+    hybrid.add_argument("--chunk", type=int, default=4096, help="vLLM's max_num_batched_tokens (prefill chunk)")
+    hybrid.add_argument("--peers", type=lambda v: [x for x in v.split(",") if x],
+                        default=["mooncake", "simple_cpu_offload_disk"], metavar="NAME,NAME",
+                        help="peer connectors to try")
+
+
+def _sizes(value: str) -> list[int]:
+    sizes = [int(x) for x in value.split(",") if x]
+    if not sizes or min(sizes) < 256:
+        raise argparse.ArgumentTypeError("prompt lengths of at least 256 tokens, comma-separated")
+    return sizes
 
 
 def measure(engines: dict[str, Any], tokens: int, rounds: int, hits: int,
@@ -116,6 +134,8 @@ def run(args: argparse.Namespace) -> None:
     from kvledger.engine.models import registry
     from kvledger.integrations.vllm.client import VLLM_PYTHON, EngineError, VllmProcess, wait_all
 
+    if getattr(args, "model", None):
+        return run_hybrid(args)
     if args.tokens < 256 or args.rounds < 1 or args.hits < 1:
         raise CliError("--tokens must be at least 256, --rounds and --hits at least 1")
     if not VLLM_PYTHON.exists():
@@ -155,6 +175,55 @@ def run(args: argparse.Namespace) -> None:
         emit_json(result)
     else:
         print_table(result)
+
+
+def run_hybrid(args: argparse.Namespace) -> None:
+    """`--model NAME`: `hybrid_bench`'s run, printed as a table or one JSON object."""
+    from kvledger.engine.models import registry
+    from kvledger.integrations.vllm import hybrid_bench
+    from kvledger.integrations.vllm.client import VLLM_PYTHON, EngineError
+
+    if args.model not in registry.NAMES or not registry.cli_resolve(args.model).spec.has_swa:
+        raise CliError(f"--model {args.model}: a registered model with sliding-window layers (gemma3-270m)")
+    unknown = sorted(set(args.peers) - set(hybrid_bench.PEERS))
+    if args.repeat < 1 or unknown:
+        raise CliError(f"--repeat must be at least 1; --peers takes {','.join(hybrid_bench.PEERS)} (not {unknown})")
+    if not VLLM_PYTHON.exists():
+        raise CliError(f"{VLLM_PYTHON} is missing: run `make vllm-venv`")
+    try:
+        result = hybrid_bench.run(args)
+    except (EngineError, ValueError) as e:
+        raise CliError(str(e)) from None
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "vllm.json").write_text(json.dumps(result, indent=1) + "\n")
+    if args.json:
+        emit_json(result)
+    else:
+        print_hybrid_table(result)
+
+
+def print_hybrid_table(r: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from kvledger.integrations.vllm.hybrid_report import table_lines
+
+    t = Table(title=f"TTFT under vLLM, {r['model']}: median (min–max) of {r['repeat']} runs")
+    for col in ("prompt", "run", "cold s", "hit s", "hit tokens", "hit / cold", "hit / vLLM hit", "greedy 16 = cold"):
+        t.add_column(col, justify="right")
+    for line in table_lines(r):
+        t.add_row(*line)
+    console = Console()
+    console.print(t)
+    for b in r["bytes_per_cached_token"]:
+        parts = [f"{b['prompt_tokens']:,} tokens: all layers {b['all_layers']:,} B/token"]
+        if "kvledger" in b:
+            parts.append(f"kvledger {b['kvledger']:,.0f} (× {b['kvledger_over_all_layers']:.3f})")
+        if "mooncake" in b:
+            parts.append(f"MooncakeStore {b['mooncake']:,.0f} (× {b['mooncake_over_all_layers']:.3f})")
+        console.print("; ".join(parts))
 
 
 def summarize(args: argparse.Namespace, kvl: dict[str, Any], ex: dict[str, Any],

@@ -82,6 +82,13 @@ class VllmProcess:
         self.proc.stdin.flush()
         return self._next(timeout_s)
 
+    def reset_prefix_cache(self) -> bool:
+        """Empty vLLM's own prefix cache (what the connector stored stays): a later repeat is the connector's hit."""
+        assert self.proc is not None and self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"reset_prefix_cache": True}) + "\n")
+        self.proc.stdin.flush()
+        return bool(self._next(60.0)["reset"])
+
     def cpu_s(self) -> float:
         """CPU seconds the engine process has used so far (user + system; Linux /proc)."""
         assert self.proc is not None

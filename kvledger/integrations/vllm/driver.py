@@ -4,6 +4,7 @@
                                                                   "store": DIR, "prefix_caching": false}'
 
 stdin, one object a line:  {"prompt": [ids], "max_tokens": 16, "salt": "tenantA"}  → one result line
+                           {"reset_prefix_cache": true}                             → {"reset": bool}
                            {"quit": true}                                           → exits
 stdout: lines starting with `KVLEDGER ` carry JSON (vLLM logs on the same streams are not JSON):
     {"ready": true, "start_s": ..., "hybrid_kv_cache_manager": true}
@@ -11,7 +12,10 @@ stdout: lines starting with `KVLEDGER ` carry JSON (vLLM logs on the same stream
 
 `seconds` is the wall time of the whole request: with max_tokens 1 it is the time to the first
 token. Connectors: "kvledger" (this package), "example" (vLLM's in-tree ExampleConnector, its
-files under `store`), or none. Runs under `.venv-vllm` only (it imports vLLM).
+files under `store`), "simple-disk" (vLLM's SimpleCPUOffloadConnector, backend `disk`, its file
+`<store>/kv.rank_0`; it needs vLLM's prefix cache on), "mooncake" (vLLM's MooncakeStoreConnector;
+its store's settings in the file that `MOONCAKE_CONFIG_PATH` names), or none. Runs under
+`.venv-vllm` only (it imports vLLM).
 """
 
 from __future__ import annotations
@@ -40,6 +44,13 @@ def transfer_config(opts: dict[str, Any]) -> dict[str, Any] | None:
     if kind == "example":
         return {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
                 "kv_connector_extra_config": {"shared_storage_path": opts["store"]}}
+    if kind == "simple-disk":
+        return {"kv_connector": "SimpleCPUOffloadConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": {"kv_offload_backend": "disk", "disk_path": f"{opts['store']}/kv",
+                                              "disk_capacity_bytes": opts.get("disk_capacity_bytes", 2 << 30),
+                                              "use_page_cache": opts.get("use_page_cache", False)}}
+    if kind == "mooncake":
+        return {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both", "kv_connector_extra_config": {}}
     assert kind is None, f"unknown connector {kind!r}"
     return None
 
@@ -86,6 +97,9 @@ def main(argv: list[str]) -> int:
         job = json.loads(line)
         if job.get("quit"):
             break
+        if job.get("reset_prefix_cache"):   # vLLM's own device prefix cache only, not the connector's
+            say({"reset": bool(llm.reset_prefix_cache())})
+            continue
         say(generate(llm, job))
     return 0
 
