@@ -24,6 +24,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvledger.util.serve_process import free_port, spawn
+
 ERROR_LINE = re.compile(r"\b[A-Za-z_.]*(Error|Exception|Unavailable)\b: .*")
 FRAME_LINE = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<fn>\S+)')
 
@@ -55,12 +57,6 @@ def bytes_under(root: Path) -> dict[str, int]:
             kind = "snapshots" if "snapshots" in path.relative_to(root).parts[:1] else "blocks"
             out[kind] += path.stat().st_size
     return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass(slots=True)
@@ -106,7 +102,7 @@ class MooncakeLoopback:
 
     def _spawn(self, name: str, argv: list[str]) -> None:
         log = open(self.work / f"{name}.log", "wb")  # noqa: SIM115 - the child writes it until __exit__
-        self.procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=self.work))
+        self.procs.append(spawn(argv, stdout=log, stderr=subprocess.STDOUT, cwd=self.work))   # dies with us
 
     def _wait(self, ready: object, name: str, timeout_s: float = 60.0) -> None:
         deadline = time.monotonic() + timeout_s
