@@ -5,6 +5,11 @@ without one (chunked) is counted as it arrives and refused once it passes the li
 are counted, not characters. The whole body must be in within `timeout_s` seconds of the
 request's start (its headers in): a body trickled a byte at a time is cut off then, never
 waited on forever. Both refusals close the connection.
+
+Before a 413 the rest of the body is read and dropped, up to DRAIN_BYTES in all and within the same
+deadline: a server that answers and closes while the client is still sending resets the connection,
+and the client loses the answer it was sent (it sees a broken connection, not the 413). A body
+declared larger than DRAIN_BYTES is refused at once.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from collections.abc import Callable
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 BODY_TIMEOUT_S = 30.0   # default --body-timeout-s: 4 MiB (the default --max-body-bytes) at ≥ 140 KB/s
+DRAIN_BYTES = 16 << 20  # the most of a refused body read (and dropped) so that its client gets the 413
 
 
 class BodyLimit:
@@ -34,10 +40,12 @@ class BodyLimit:
             await self.app(scope, receive, send)
             return
         declared = dict(scope.get("headers") or []).get(b"content-length")
+        deadline = time.monotonic() + self.timeout_s
         if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
+            if declared.isdigit() and int(declared) <= DRAIN_BYTES:
+                await _drain(receive, deadline, DRAIN_BYTES)
             await self._too_large(send)
             return
-        deadline = time.monotonic() + self.timeout_s
         body, more = [], True
         size = 0
         while more:
@@ -52,6 +60,8 @@ class BodyLimit:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_bytes:
+                if message.get("more_body", False):
+                    await _drain(receive, deadline, DRAIN_BYTES - size)
                 await self._too_large(send)
                 return
             body.append(chunk)
@@ -70,6 +80,20 @@ class BodyLimit:
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
                                 (b"connection", b"close")]})
         await send({"type": "http.response.body", "body": payload})
+
+
+async def _drain(receive: Receive, deadline: float, budget: int) -> None:
+    """Read and drop the request's body until its end, `budget` bytes, the deadline or a disconnect."""
+    while budget > 0:
+        try:
+            message = await asyncio.wait_for(receive(), deadline - time.monotonic())
+        except TimeoutError:
+            return
+        if message["type"] != "http.request":
+            return
+        budget -= len(message.get("body", b""))
+        if not message.get("more_body", False):
+            return
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:
