@@ -28,15 +28,15 @@ HIT_KINDS = ("hit", "periodic", "fallback", "replay")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from kvledger.bench.engine_cli import add_period_arg, add_threads_arg
     from kvledger.engine.models.registry import add_model_arg
 
     add_model_arg(p)
     p.add_argument("--prompts", type=int, default=50, help="prompts of real text (default %(default)s)")
     p.add_argument("--tokens", type=int, default=1200, help="tokens per prompt, <bos> included (default %(default)s)")
-    p.add_argument("--period", type=int, default=512, help="checkpoint every N tokens, a multiple of 128 "
-                   "(default %(default)s)")
+    add_period_arg(p)
     p.add_argument("--greedy", type=int, default=32, help="greedy tokens per run (default %(default)s)")
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default %(default)s)")
+    add_threads_arg(p)
 
 
 def reference_texts(tokenizer: Any, n: int, tokens: int, bos: int | None) -> list[list[int]]:
@@ -115,27 +115,20 @@ def _report(model: str, prompts: int, tokens: int, period: int, greedy: int, row
 
 
 def run(args: argparse.Namespace) -> None:
-    import torch
-
+    from kvledger.bench.engine_cli import check_period, run_measure
     from kvledger.engine.models.registry import cli_resolve
-    from kvledger.util.output import CliError, emit_json
+    from kvledger.util.output import CliError
 
     cli_resolve(args.model)
     if args.prompts < 1 or args.greedy < 1 or args.tokens < 256:
         raise CliError("--prompts and --greedy must be at least 1, --tokens at least 256")
-    if args.period < 128 or args.period % 128:
-        raise CliError(f"--period must be a positive multiple of the 128-token block, got {args.period}")
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
-    try:
+    check_period(args.period)
+
+    def measured() -> dict[str, Any]:
         with tempfile.TemporaryDirectory(prefix="kvledger-accuracy-") as tmp:
-            result = measure(args.model, args.prompts, args.tokens, args.period, args.greedy, tmp)
-    except ValueError as e:
-        raise CliError(str(e)) from None
-    if args.json:
-        emit_json(result)
-        return
-    _print_table(result)
+            return measure(args.model, args.prompts, args.tokens, args.period, args.greedy, tmp)
+
+    run_measure(args, measured, _print_table)
 
 
 def _print_table(r: dict) -> None:

@@ -33,6 +33,7 @@ STRATEGIES = ("prefill", "periodic:512", "periodic:1024", "periodic:2048", "zero
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from kvledger.bench.engine_cli import add_threads_arg
     from kvledger.engine.models.registry import add_model_arg
 
     add_model_arg(p)
@@ -42,7 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--questions", type=int, default=6, help="questions after it (default %(default)s)")
     p.add_argument("--question-tokens", type=int, default=160, help="tokens per question (default %(default)s)")
     p.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated (default %(default)s)")
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default %(default)s)")
+    add_threads_arg(p)
 
 
 def all_layers_bytes_per_token(spec: Any) -> int:
@@ -145,25 +146,16 @@ def _parse(text: str, block: int) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> None:
-    import torch
-
+    from kvledger.bench.engine_cli import run_measure
     from kvledger.engine.models.registry import cli_resolve
-    from kvledger.util.output import CliError, emit_json
+    from kvledger.util.output import CliError
 
     entry = cli_resolve(args.model)
     strategies = _parse(args.strategies, entry.spec.block_size)
     if args.questions < 2 or args.question_tokens < 1 or args.doc_tokens < 2 * entry.spec.block_size:
         raise CliError("--questions must be at least 2, --question-tokens at least 1, --doc-tokens at least 256")
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
-    try:
-        result = measure(args.model, args.doc_tokens, args.questions, args.question_tokens, strategies)
-    except ValueError as e:
-        raise CliError(str(e)) from None
-    if args.json:
-        emit_json(result)
-        return
-    _print_table(result)
+    run_measure(args, lambda: measure(args.model, args.doc_tokens, args.questions, args.question_tokens,
+                                      strategies), _print_table)
 
 
 def _print_table(r: dict) -> None:

@@ -47,17 +47,16 @@ KINDS = ("cold", "hit", "periodic", "fallback", "replay")   # each run --repeat 
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from kvledger.bench.engine_cli import add_period_arg, add_threads_arg
     from kvledger.engine.models.registry import add_model_arg
 
     add_model_arg(p)
     p.add_argument("--tokens", type=int, default=4096, help="prompt length in tokens (default %(default)s)")
     p.add_argument("--repeat", type=int, default=3, help="runs of each kind (default %(default)s)")
-    p.add_argument("--period", type=int, default=512,
-                   help="tokens between the cold prefill's checkpoints, a multiple of 128 (default %(default)s)")
+    add_period_arg(p)
     p.add_argument("--chunk", type=int, default=4096, help="prefill chunk in tokens (default %(default)s)")
     p.add_argument("--device", default="cpu", help="torch device (default %(default)s)")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch intra-op threads on CPU (default %(default)s: a loaded machine spins on more)")
+    add_threads_arg(p)
     p.add_argument("--data-dir", help="block ledger folder (default: a fresh temporary one)")
 
 
@@ -208,33 +207,27 @@ def run(args: argparse.Namespace) -> None:
     import json
     from pathlib import Path
 
-    import torch
-
+    from kvledger.bench.engine_cli import check_period, run_measure
     from kvledger.engine.models.registry import cli_resolve
-    from kvledger.util.output import CliError, emit_json
+    from kvledger.util.output import CliError
 
     cli_resolve(args.model)
     if args.tokens < 2 * 128:
         raise CliError("--tokens must be at least 256 (a hit needs a whole block before the cap)")
     if args.repeat < 1 or args.chunk < 1:
         raise CliError("--repeat and --chunk must be at least 1")
-    if args.period < 128 or args.period % 128:
-        raise CliError(f"--period must be a positive multiple of the 128-token block, got {args.period}")
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
-    try:
+    check_period(args.period)
+
+    def measured() -> dict[str, Any]:
         with tempfile.TemporaryDirectory(prefix="kvledger-ttft-") as tmp:
             result = measure(args.model, args.tokens, args.device, args.data_dir or tmp, repeat=args.repeat,
                              period=args.period, chunk=args.chunk)
-    except ValueError as e:
-        raise CliError(str(e)) from None
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "ttft.json").write_text(json.dumps(result, indent=2))
-    if args.json:
-        emit_json(result)
-        return
-    _print_table(result)
+        if args.out:
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            (Path(args.out) / "ttft.json").write_text(json.dumps(result, indent=2))
+        return result
+
+    run_measure(args, measured, _print_table)
 
 
 def _print_table(r: dict) -> None:
