@@ -166,7 +166,11 @@ def run(args: argparse.Namespace) -> None:
             engine.__exit__(None, None, None)
         shutil.rmtree(base, ignore_errors=True)
     kvl, ex, plain = figures["kvledger"], figures["example"], figures.get("plain")
-    result = summarize(args, kvl, ex, plain)
+    _output(args, summarize(args, kvl, ex, plain), print_table)
+
+
+def _output(args: argparse.Namespace, result: dict[str, Any], table: Any) -> None:
+    """The result into --out DIR/vllm.json, then one JSON object (--json) or `table(result)`."""
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
@@ -174,7 +178,7 @@ def run(args: argparse.Namespace) -> None:
     if args.json:
         emit_json(result)
     else:
-        print_table(result)
+        table(result)
 
 
 def run_hybrid(args: argparse.Namespace) -> None:
@@ -194,14 +198,7 @@ def run_hybrid(args: argparse.Namespace) -> None:
         result = hybrid_bench.run(args)
     except (EngineError, ValueError) as e:
         raise CliError(str(e)) from None
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "vllm.json").write_text(json.dumps(result, indent=1) + "\n")
-    if args.json:
-        emit_json(result)
-    else:
-        print_hybrid_table(result)
+    _output(args, result, print_hybrid_table)
 
 
 def print_hybrid_table(r: dict[str, Any]) -> None:
