@@ -150,11 +150,17 @@ def _text_ids(text: str) -> list[int]:
     return load_tokenizer("gemma3-270m").encode(text, add_special_tokens=False).ids
 
 
-def _cold(gemma, ledger, tokens, name, max_tokens):
-    """The cold answer of `tokens` in a namespace of its own: (output, first logits)."""
-    out, usage, d = run_request(gemma, ledger, tokens, request_id=name, namespace=name, max_tokens=max_tokens)
+def _assert_snapshot_hit_is_cold(gemma, ledger, holder, tokens, namespace, name, hit):
+    """`tokens` in `namespace`, the device cache emptied, hit the snapshot at `hit` (reported as cached) and
+    answer 8 greedy tokens bit for bit as their cold computation in a namespace of their own."""
+    cold_out, usage, d = run_request(gemma, ledger, tokens, request_id=f"{name}-cold", namespace=f"{name}-cold",
+                                     max_tokens=8)
     assert d.kind is HitKind.MISS and usage.cached_tokens == 0
-    return out, gemma.first_logits[name]
+    gemma.clear_device_cache()
+    out, usage, d = run_request(gemma, ledger, tokens, request_id=name, namespace=namespace, max_tokens=8,
+                                state_ledger=holder)
+    assert (d.kind, d.hit_tokens, usage.cached_tokens) == (HitKind.SNAPSHOT, hit, hit)
+    assert torch.equal(gemma.first_logits[name], gemma.first_logits[f"{name}-cold"]) and out == cold_out
 
 
 def test_a_checkpoint_lets_another_question_on_the_same_document_resume_exactly(gemma, ledger, holder):
@@ -172,12 +178,7 @@ def test_a_checkpoint_lets_another_question_on_the_same_document_resume_exactly(
         gemma.checkpoint_every = 0
     keys = chain_keys(a, SPEC, "rag")
     assert holder.positions(keys, at=[512, 1024, 1408, 1664]) == {512, 1024, 1664}
-    cold_out, cold_logits = _cold(gemma, ledger, b, "rag-cold", 8)
-    gemma.clear_device_cache()
-    out, usage, d = run_request(gemma, ledger, b, request_id="rag-b", namespace="rag", max_tokens=8,
-                                state_ledger=holder)
-    assert (d.kind, d.hit_tokens, usage.cached_tokens) == (HitKind.SNAPSHOT, 1024, 1024)
-    assert torch.equal(gemma.first_logits["rag-b"], cold_logits) and out == cold_out
+    _assert_snapshot_hit_is_cold(gemma, ledger, holder, b, "rag", "rag-b", 1024)
 
 
 def test_a_decode_window_is_the_next_turns_snapshot(gemma, ledger, holder):
@@ -188,13 +189,7 @@ def test_a_decode_window_is_the_next_turns_snapshot(gemma, ledger, holder):
     out1, _, _ = run_request(gemma, ledger, prompt, request_id="turn1", namespace="turns", max_tokens=50,
                              state_ledger=holder)
     turn2 = prompt + out1 + _text_ids(" Then")
-    cold_out, cold_logits = _cold(gemma, ledger, turn2, "turn2-cold", 8)
-    gemma.clear_device_cache()
-    out, usage, d = run_request(gemma, ledger, turn2, request_id="turn2", namespace="turns", max_tokens=8,
-                                state_ledger=holder)
-    assert (d.kind, d.hit_tokens, usage.cached_tokens) == (HitKind.SNAPSHOT, 768, 768)
-    assert torch.equal(gemma.first_logits["turn2"], cold_logits) and out == cold_out
-
+    _assert_snapshot_hit_is_cold(gemma, ledger, holder, turn2, "turns", "turn2", 768)
 
 
 def test_a_snapshot_lost_after_the_check_is_an_exact_replay(gemma, ledger, holder, cold_long):
