@@ -77,7 +77,6 @@ def encode_meta(namespace: str, ttl_class: str, ttl_s: float, created: float,
     return bytes(buf)
 
 
-
 def encode_chain(write: ChainWrite, sel: Sequence[int], views: Sequence[memoryview], now: float
                  ) -> tuple[bytes, list[tuple[bytes, bytes, int, int, int, int]], int]:
     """One segment of the blocks `sel` of `write` (in chain order, their bytes `views`), written at `now`: its

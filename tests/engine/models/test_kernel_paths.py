@@ -11,9 +11,9 @@ different split of each GEMM across threads. The two claims checked, on the same
   the cold prefill, whichever kernels the machine's MKL picks (tiny_v4_attention.py says how);
   checked under every path.
 - Gemma 3 270M is bit-exact the same way (`fixed_rows`): a chunked prefill, a snapshot hit, a checkpoint
-  resume and a next turn give `torch.equal` logits to the cold prefill; checked under the path that
-  differs everywhere (its comparisons with transformers, bounded by 1e-3, are left out: their reference
-  was computed with the fast kernels).
+  resume and a next turn give `torch.equal` logits to the cold prefill; checked under the AVX2 and AVX-512
+  paths and the one that differs everywhere (its comparisons with transformers, bounded by 1e-3, are left
+  out: their reference was computed with the default kernels).
 - SmolLM2 on the reference engine is exact within float32 rounding: a hit computes its last rows
   in GEMMs of another row count than the cold prefill, which may round differently, so its
   logits are bounded (max |Δ| ≤ 1e-4 · max |logit|) and its 32 greedy tokens must be equal;
@@ -43,7 +43,7 @@ KERNEL_PATHS = {
 
 
 CASES = [*((path, BIT_EXACT) for path in sorted(KERNEL_PATHS)), ("mkl-compatible", WITHIN_ROUNDING),
-         ("mkl-compatible", GEMMA_BIT_EXACT)]
+         *((path, GEMMA_BIT_EXACT) for path in ("mkl-avx2", "mkl-avx512", "mkl-compatible"))]
 NAMES = {id(BIT_EXACT): "bit", id(WITHIN_ROUNDING): "rounding", id(GEMMA_BIT_EXACT): "gemma3-bit"}
 
 
