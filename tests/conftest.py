@@ -46,3 +46,17 @@ def redis_cluster():
 
     with RedisCluster() as cluster:
         yield cluster
+
+
+@pytest.fixture
+def juicefs(tmp_path):
+    """A real JuiceFS volume of this test's own: metadata on a redis-server of its own (not the one a test
+    keeps kvledger's index on), data under tmp_path/jfs/objects; `juicefs.mount(path)` adds a client (a
+    "machine"), all unmounted after the test. Skipped, saying why, where FUSE or juicefs is unavailable."""
+    from kvledger.util.juicefs import JuiceFS, fuse_unavailable
+    from kvledger.util.redis_server import RedisServer
+
+    if (why := fuse_unavailable()) is not None:
+        pytest.skip(why)
+    with RedisServer() as meta, JuiceFS(tmp_path / "jfs", meta.url.rsplit("/", 1)[0] + "/1") as volume:
+        yield volume

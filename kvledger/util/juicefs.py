@@ -25,6 +25,21 @@ from pathlib import Path
 from kvledger.util.serve_process import spawn, terminate
 
 MOUNT_TIMEOUT_S = 30.0
+FUSE_DEVICE = "/dev/fuse"
+
+
+def fuse_unavailable() -> str | None:
+    """None where a JuiceFS volume can be mounted on this machine; else why not, in one line (the tests skip
+    with it; `kvledger up --juicefs` refuses with it)."""
+    try:
+        juicefs_binary()
+    except RuntimeError as e:
+        return str(e)
+    try:
+        os.close(os.open(FUSE_DEVICE, os.O_RDWR))
+    except OSError as e:
+        return f"FUSE is unavailable: {FUSE_DEVICE}: {e.strerror}"
+    return None
 
 
 def juicefs_binary() -> str:
@@ -67,10 +82,17 @@ class JuiceFS:
         self.binary = juicefs_binary()
         self.mounts: list[Mount] = []
 
-    def format(self) -> JuiceFS:
+    def format(self, capacity_gib: int = 0) -> JuiceFS:
+        """Create the volume (idempotent for the same name and bucket). No trash: a removed segment frees its
+        space at once, as on 3FS; `capacity_gib` > 0 sets a hard quota (a full volume fails writes ENOSPC)."""
         (self.root / "objects").mkdir(parents=True, exist_ok=True)
-        self._run("format", "--storage", "file", "--bucket", f"{self.root / 'objects'}/", self.meta_url, self.name)
+        self._run("format", "--storage", "file", "--bucket", f"{self.root / 'objects'}/", "--trash-days", "0",
+                  *(["--capacity", str(capacity_gib)] if capacity_gib else []), self.meta_url, self.name)
         return self
+
+    def set_capacity(self, capacity_gib: int) -> None:
+        """Change the volume's hard quota (0: none); mounted clients see it within a heartbeat."""
+        self._run("config", self.meta_url, "--capacity", str(capacity_gib), "--yes")
 
     def mount(self, path: Path) -> Mount:
         """A new client mounted at `path` (created), ready when `path` is a mount point."""
@@ -78,7 +100,7 @@ class JuiceFS:
         path.mkdir(parents=True, exist_ok=True)
         log = self.root / f"mount-{len(self.mounts)}.log"
         with open(log, "ab") as out:
-            proc = spawn([self.binary, "mount", self.meta_url, str(path), "--no-usage-report"],
+            proc = spawn([self.binary, "mount", self.meta_url, str(path), "--no-usage-report", "--backup-meta", "0"],
                          stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         mount = Mount(path, proc, log)
         self.mounts.append(mount)

@@ -249,7 +249,7 @@ def metric(url: str, name: str, **labels: str) -> float:
     return total
 
 
-def test_a_dead_mount_on_one_machine_costs_no_wrong_answer_and_removes_no_block(tmp_path, no_cache):
+def test_a_dead_mount_on_one_machine_costs_no_wrong_answer_and_removes_no_block(tmp_path, no_cache, juicefs):
     """A real JuiceFS volume with two clients, as two machines would mount it: prefill-0 on mount 1;
     prefill-1, decode-0 and the entrypoint on mount 2; round-robin over the prefill engines. Halfway,
     mount 1's client is SIGKILLed (every call there fails with ENOTCONN). prefill-0 leaves the registry
@@ -259,11 +259,10 @@ def test_a_dead_mount_on_one_machine_costs_no_wrong_answer_and_removes_no_block(
 
     from kvledger.engine.session import engine_request
     from kvledger.util.cluster_token import new_token_file
-    from kvledger.util.juicefs import JuiceFS
     from kvledger.util.redis_server import RedisServer
 
-    with RedisServer() as r, JuiceFS(tmp_path / "jfs", r.url.rsplit("/", 1)[0] + "/1") as volume:
-        mounts = [volume.mount(tmp_path / "m1"), volume.mount(tmp_path / "m2")]
+    with RedisServer() as r:
+        mounts = [juicefs.mount(tmp_path / "m1"), juicefs.mount(tmp_path / "m2")]
         token = tmp_path / "cluster.token"
         new_token_file(token)
         common = ["--redis-url", r.url, "--token-file", str(token), "--model", "tiny-v4", "--grace-s", "1"]
