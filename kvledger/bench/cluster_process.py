@@ -22,7 +22,7 @@ from kvledger.core import DEFAULT_MODEL
 from kvledger.util.serve_process import spawn, terminate
 
 START_TIMEOUT_S = 900.0   # several model loads at once on a loaded 2-core machine
-STATUS = re.compile(r"^\s+(\S+)\s+pid (\d+)\s+ready(?: at (\S+))?")
+STATUS = re.compile(r"^\s+(\S+)\s+pid (\d+)\s+ready(?: again)?(?: at (\S+))?")
 READY = re.compile(r"^kvledger up: ready at http://[^:]+:(\d+)")
 
 

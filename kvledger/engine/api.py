@@ -74,6 +74,16 @@ def check_request_keys(req: EngineRequest, tokens: np.ndarray, spec: ModelSpec) 
 
 
 @dataclass(frozen=True, slots=True)
+class Leg:
+    """One engine leg of a cluster request (entrypoint/remote.py): which engine ran it, as what, and from
+    which output token on (the leg computed prompt + output[:start] and generated after it)."""
+
+    kind: str      # "whole" | "prefill" | "decode" | "continue"
+    engine: str
+    start: int     # output tokens the client had when the leg began
+
+
+@dataclass(frozen=True, slots=True)
 class RequestUsage:
     """Token counts and timings of one request.
 
@@ -93,6 +103,10 @@ class RequestUsage:
                                    # (0 for a device-cache hit: no estimate from cached tokens)
     fetch_misses: dict[str, int] = field(default_factory=dict)  # blocks the fetch missed, by cause
                                    # ("absent", "corrupt"), as the fetcher process's store counted them
+    computed_prompt_tokens: int = 0  # prompt positions this engine ran through the forward, counted there (not
+                                   # derived from the decision): cached + computed = prompt for an exact hit,
+                                   # so a usage that claims more reuse than happened shows
+    legs: tuple[Leg, ...] = ()     # the cluster's engine legs of the request, in order (empty in one process)
 
 
 @dataclass(frozen=True, slots=True)

@@ -159,9 +159,10 @@ class Engine:
         if self.fetcher is not None:
             self.fetcher.unlink_staging()
 
-    def wait_stored(self) -> None:
-        """Until every block queued for the block ledger is written."""
-        self.writer.wait()
+    def wait_stored(self, timeout_s: float | None = None) -> bool:
+        """Until every block queued for the block ledger so far is written (or its put failed), at most
+        `timeout_s` seconds (None: no bound); whether they all were."""
+        return self.writer.wait(timeout_s)
 
     def clear_device_cache(self) -> int:
         """Forget the device prefix cache (the next hit comes from the ledgers); blocks forgotten."""
@@ -206,6 +207,7 @@ class Engine:
         was_prefill = seq.in_prefill
         seq.computed += n
         if was_prefill:
+            seq.prompt_forwarded += n
             seq.add_time("compute_s", cost.forward_s)
         if seq.in_prefill:
             if seq.computed in seq.checkpoints:
@@ -276,4 +278,4 @@ class Engine:
         device = min(seq.device_hit_blocks * self.spec.block_size, seq.cached_tokens)
         return RequestUsage(seq.prompt_len, seq.cached_tokens, len(seq.output), seq.decision.kind.value, ttft,
                             dict(seq.timings), device, fetch_bytes=seq.fetch_bytes,
-                            fetch_misses=dict(seq.fetch_misses))
+                            fetch_misses=dict(seq.fetch_misses), computed_prompt_tokens=seq.prompt_forwarded)

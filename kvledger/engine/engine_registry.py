@@ -31,7 +31,7 @@ import redis
 
 log = logging.getLogger("kvledger.cluster")
 ROLES = ("prefill", "decode", "both")
-DEFAULT_TTL_S = 3.0
+DEFAULT_TTL_S = 2.0   # a frozen or dead engine leaves the listing within this long of its last beat
 MAX_AGE_S = 30.0      # an entry issued longer ago is absent, whatever Redis's expiry says (clocks may differ)
 FAULT_HOLD_S = 10.0   # an engine whose store failed a read stays out of the registry this long after the last
 

@@ -32,12 +32,13 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from kvledger.engine.api import EngineRequest
 from kvledger.engine.async_engine import AsyncEngine
 from kvledger.engine.client import EngineFailed, EngineRejected
-from kvledger.engine.engine_registry import EngineInfo, Heartbeat, Registry
+from kvledger.engine.engine_registry import DEFAULT_TTL_S, EngineInfo, Heartbeat, Registry
 from kvledger.engine.session import H_MAC, H_SEQ, H_SESSION, SESSION_PATH, SessionTable
 from kvledger.state.auth import derive_keys
 from kvledger.engine.wire import KEEPALIVE_S, GenerateBody, WireEvent
 
 log = logging.getLogger("kvledger.cluster")
+WAIT_STORED_S = 10.0   # a prefill leg's end waits this long at most for its blocks to be on the block ledger
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +55,7 @@ class EngineConfig:
     replay: bool = False
     checkpoint_every: int = 0   # rule 4′: a snapshot every this many prompt tokens while prefilling (0: none)
     grace_s: float = 60.0
-    heartbeat_ttl_s: float = 3.0
+    heartbeat_ttl_s: float = DEFAULT_TTL_S
 
 
 class StartupInterrupted(BaseException):
@@ -156,7 +157,8 @@ class EngineProcess:
                     if wire.token_ids:   # the client gets the token now; the end once the KV is stored
                         yield wire.model_copy(update={"finished": False, "finish_reason": None}).line()
                         wire = wire.model_copy(update={"token_ids": []})
-                    await asyncio.to_thread(self.engine.engine.wait_stored)
+                    async for _ in _with_keepalive(self._stored(req.request_id), KEEPALIVE_S):
+                        yield b"\n"
                 yield wire.line()
         except EngineRejected as e:
             yield WireEvent(finished=True, finish_reason="abort", error=f"rejected: {e}").line()
@@ -165,6 +167,18 @@ class EngineProcess:
         finally:
             self.prefill_left.pop(req.request_id, None)
             await events.aclose()
+
+
+    async def _stored(self, request_id: str) -> AsyncIterator[None]:
+        """Ends once the writes queued so far are on the ledgers, or after WAIT_STORED_S: a slow or stuck store
+        (a dead client's lock on a shared mount, a full volume) costs the next leg a recompute, never the
+        request (rule 8). Yields nothing: `_with_keepalive` around it keeps the stream alive meanwhile."""
+        assert self.engine is not None
+        if not await asyncio.to_thread(self.engine.engine.wait_stored, WAIT_STORED_S):
+            log.warning("%s: its blocks were not stored within %.0f s; the next leg recomputes what is missing",
+                        request_id, WAIT_STORED_S)
+        return
+        yield
 
 
 async def _with_keepalive(events: AsyncIterator[Any], interval_s: float) -> AsyncIterator[Any]:

@@ -57,6 +57,7 @@ class Sequence:
     fetch_misses: dict[str, int] = field(default_factory=dict)   # cause → blocks the fetch missed
     finish_reason: str | None = None
     checkpoints: tuple[int, ...] = ()      # rule 4′: prefill positions a chunk ends at, to snapshot there
+    prompt_forwarded: int = 0              # prompt positions run through the forward (computed_prompt_tokens)
 
     def prefill_chunk(self, budget: int) -> int:
         """Prompt tokens the next prefill chunk computes: the rest of the prompt within `budget`, ending at the

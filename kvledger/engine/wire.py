@@ -129,7 +129,8 @@ class WireEvent(BaseModel):
             usage = {"prompt_tokens": u.prompt_tokens, "cached_tokens": u.cached_tokens,
                      "completion_tokens": u.completion_tokens, "hit_kind": u.hit_kind, "ttft_s": u.ttft_s,
                      "timings": u.timings, "device_cached_tokens": u.device_cached_tokens, "engine": engine_id,
-                     "fetch_bytes": u.fetch_bytes, "fetch_misses": u.fetch_misses}
+                     "fetch_bytes": u.fetch_bytes, "fetch_misses": u.fetch_misses,
+                     "computed_prompt_tokens": u.computed_prompt_tokens}
         return cls(token_ids=list(ev.token_ids), finished=ev.finished, finish_reason=ev.finish_reason, usage=usage)
 
     def token_event(self, request_id: str, vocab_size: int | None = None) -> TokenEvent:
@@ -146,7 +147,8 @@ class WireEvent(BaseModel):
                                  str(u["hit_kind"]), u.get("ttft_s"), dict(u.get("timings") or {}),
                                  int(u.get("device_cached_tokens", 0)), u.get("engine"),
                                  int(u.get("fetch_bytes", 0)),
-                                 {str(k): int(v) for k, v in (u.get("fetch_misses") or {}).items()})
+                                 {str(k): int(v) for k, v in (u.get("fetch_misses") or {}).items()},
+                                 int(u.get("computed_prompt_tokens", 0)))
             _check_usage(usage)
         return TokenEvent(request_id, tuple(self.token_ids), self.finished, self.finish_reason, usage)
 
@@ -156,8 +158,9 @@ class WireEvent(BaseModel):
 
 def _check_usage(u: RequestUsage) -> None:
     counts = (u.prompt_tokens, u.cached_tokens, u.completion_tokens, u.device_cached_tokens, u.fetch_bytes,
-              *u.fetch_misses.values())
-    if min(counts) < 0 or not u.device_cached_tokens <= u.cached_tokens <= u.prompt_tokens:
+              u.computed_prompt_tokens, *u.fetch_misses.values())
+    if (min(counts) < 0 or not u.device_cached_tokens <= u.cached_tokens <= u.prompt_tokens
+            or u.computed_prompt_tokens > u.prompt_tokens):
         raise ValueError("impossible token counts in the usage")
     if u.hit_kind not in set(HitKind):
         raise ValueError(f"hit_kind {u.hit_kind!r}")

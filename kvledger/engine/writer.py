@@ -11,8 +11,9 @@ Rule 9: a sequence that is not exact (`Sequence.exact`: a window was truncated) 
 
 Blocks are copied from the device to host memory on the engine's thread (the device blocks may
 be reused right after); `put_chain` runs on a writer thread, so the engine never waits on the
-disk. `wait()` blocks until every queued put is done (tests, the demo's next turn). A failed put
-is logged by the ledger and counted there; nothing here raises (rule 8).
+disk. `wait()` blocks until every put queued before the call is done (a prefill leg's end, tests, the
+demo's next turn); puts queued later do not lengthen it. A failed put is logged by the ledger and counted
+there; nothing here raises (rule 8).
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ class LedgerWriter:
         self.block_ledger, self.state_ledger = block_ledger, state_ledger
         self.queue: queue.Queue[PutJob | None] = queue.Queue()
         self.blocks_written = 0
+        self._done = threading.Condition()
+        self._queued = self._finished = 0   # puts queued / finished so far (the writer is FIFO)
         self.thread = threading.Thread(target=self._run, name="kvledger-writer", daemon=True)
         self.thread.start()
 
@@ -62,7 +65,9 @@ class LedgerWriter:
             except Exception:  # noqa: BLE001 - a store fault is a later miss (rule 8), never an engine error
                 log.exception("put_chain failed")
             finally:
-                self.queue.task_done()
+                with self._done:
+                    self._finished += 1
+                    self._done.notify_all()
 
     def export_blocks(self, block_ids: list[int]) -> np.ndarray:
         """uint8 [n, block_bytes]: each block's layers concatenated in layer order (models/base.py)."""
@@ -92,6 +97,8 @@ class LedgerWriter:
             return
         blocks = self.export_blocks(seq.block_table[first:upto])
         parent = seq.keys[first - 1] if first else None
+        with self._done:
+            self._queued += 1
         self.queue.put(PutJob(seq.keys[first:upto], blocks, first, parent, seq.request.namespace,
                               seq.request.ttl_class))
 
@@ -124,9 +131,12 @@ class LedgerWriter:
         self.state_ledger.put(seq.keys[position // self.spec.block_size - 1], position,
                               self.slots.replica[seq.slot].numpy())
 
-    def wait(self) -> None:
-        """Until every queued put is on the ledger."""
-        self.queue.join()
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Until every put queued before this call is on the ledger (or failed: rule 8), at most `timeout_s`
+        seconds (None: no bound); whether they all were."""
+        with self._done:
+            target = self._queued
+            return self._done.wait_for(lambda: self._finished >= target, timeout_s)
 
     def close(self) -> None:
         self.queue.put(None)

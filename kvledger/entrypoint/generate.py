@@ -23,7 +23,7 @@ from kvledger.engine.client import EngineFailed, EngineRejected
 from kvledger.entrypoint.detokenize import TextStream
 from kvledger.entrypoint.errors import ApiError, engine_error
 from kvledger.entrypoint.prepare import Prepared
-from kvledger.entrypoint.protocol import Usage
+from kvledger.entrypoint.protocol import LegDetails, Usage
 from kvledger.entrypoint.server_state import ServerState
 
 log = logging.getLogger("kvledger.serve")
@@ -135,8 +135,10 @@ def usage_of(prep: Prepared, out: Outcome) -> Usage:
     if u is None:
         return Usage.of(prep.prompt_tokens, 0, len(out.token_ids))
     cached = min(u.cached_tokens, prep.prompt_tokens)
+    legs = [LegDetails(kind=leg.kind, engine=leg.engine, start=leg.start) for leg in u.legs] or None
     return Usage.of(prep.prompt_tokens, cached, len(out.token_ids), hit_kind=u.hit_kind,
-                    device_cached=min(u.device_cached_tokens, cached), engine=u.engine)
+                    device_cached=min(u.device_cached_tokens, cached), computed=u.computed_prompt_tokens,
+                    engine=u.engine, legs=legs)
 
 
 def record(state: ServerState, prep: Prepared, out: Outcome) -> None:

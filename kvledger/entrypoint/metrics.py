@@ -29,6 +29,7 @@ from prometheus_client.registry import Collector
 
 from kvledger.core import tenant_of
 from kvledger.engine.api import RequestUsage
+from kvledger.engine.engine_registry import ROLES, EngineInfo
 from kvledger.store.backend import StoreStats
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 120.0)
@@ -121,6 +122,11 @@ class ServeMetrics:
         self.leg_cached_tokens = Counter("kvledger_engine_leg_cached_tokens", "Tokens a leg did not compute, by "
                                          "where they came from (device cache or the ledgers)", ["kind", "source"],
                                          registry=r)
+        self.engines = Gauge("kvledger_engines", "Engines in the registry (cluster mode), by role", ["role"],
+                             registry=r)
+        self.engine_restarts = Counter("kvledger_engine_restarts", "Engines seen back in the registry as a new "
+                                       "process (a supervisor restarted them)", ["engine"], registry=r)
+        self._engine_pids: dict[str, int] = {}   # engine id → the pid it last registered with
         self.fetch_misses: dict[str, int] = {}   # cause → blocks the fetchers missed (read_misses)
         self.store = StoreFigures(stats, counters)
         r.register(StoreCollector(self.store.latest, self.fetch_misses))
@@ -130,6 +136,16 @@ class ServeMetrics:
         if usage is not None:
             self.leg_cached_tokens.labels(kind, "device").inc(usage.device_cached_tokens)
             self.leg_cached_tokens.labels(kind, "store").inc(usage.cached_tokens - usage.device_cached_tokens)
+
+    def engines_listed(self, members: list[EngineInfo]) -> None:
+        """One listing of the registry: engines by role, and a restart for each id that comes back with another
+        pid (a restart on the same machine; one id moved to another machine counts too)."""
+        for role in ROLES:
+            self.engines.labels(role).set(sum(1 for e in members if e.role == role))
+        for e in members:
+            if self._engine_pids.get(e.engine_id, e.pid) != e.pid:
+                self.engine_restarts.labels(e.engine_id).inc()
+            self._engine_pids[e.engine_id] = e.pid
 
     def error(self, kind: str) -> None:
         self.errors.labels(kind=kind).inc()

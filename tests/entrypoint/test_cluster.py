@@ -60,6 +60,12 @@ def test_prefill_on_one_engine_hits_on_the_other_through_the_decode_engine(clust
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     assert second.usage.prompt_tokens_details.cached_tokens == cap > 0
     assert b["store_cached_tokens"] == cap and b["device_cached_tokens"] == 0   # from the shared store
+    # what the prefill engine ran through the model: the rest of the prompt, no more (no over-claimed reuse)
+    assert a["computed_prompt_tokens"] == first.usage.prompt_tokens and b["computed_prompt_tokens"] == \
+        second.usage.prompt_tokens - cap
+    # P/D: a prefill leg for the first token, then a decode leg from there
+    assert [(leg["kind"], leg["start"]) for leg in b["legs"]] == [("prefill", 0), ("decode", 1)]
+    assert b["legs"][0]["engine"] == b["engine"] and b["legs"][1]["engine"].startswith("decode-")
     assert first.choices[0].message.content == second.choices[0].message.content == \
         reference.choices[0].message.content
     assert second.usage.completion_tokens == reference.usage.completion_tokens

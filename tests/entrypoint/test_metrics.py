@@ -70,3 +70,21 @@ def test_counters_are_live_between_scans():
     assert 'kvledger_store_read_misses_total{cause="corrupt"} 0.0' in _scrape(metrics)[1]
     live["misses_corrupt"] = 3
     assert 'kvledger_store_read_misses_total{cause="corrupt"} 3.0' in _scrape(metrics)[1]
+
+
+def test_an_engine_back_with_another_pid_counts_as_a_restart():
+    from kvledger.engine.engine_registry import EngineInfo
+
+    from .metrics_text import metric
+
+    def engine(engine_id: str, role: str, pid: int) -> EngineInfo:
+        return EngineInfo(engine_id, role, "http://127.0.0.1:1", "tiny-v4", 4096, 32000, (2,), pid)
+
+    metrics = ServeMetrics(lambda: None)
+    metrics.engines_listed([engine("prefill-0", "prefill", 10), engine("decode-0", "decode", 11)])
+    metrics.engines_listed([engine("prefill-0", "prefill", 10)])                  # decode-0 died: gone
+    metrics.engines_listed([engine("prefill-0", "prefill", 10), engine("decode-0", "decode", 12)])   # back
+    text = generate_latest(metrics.registry).decode()
+    assert metric(text, "kvledger_engine_restarts_total", engine="decode-0") == 1
+    assert metric(text, "kvledger_engine_restarts_total", engine="prefill-0") == 0
+    assert metric(text, "kvledger_engines", role="decode") == 1 and metric(text, "kvledger_engines") == 2

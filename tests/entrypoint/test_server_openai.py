@@ -52,7 +52,9 @@ def test_chat_hits_again_after_restart_and_never_across_keys(shared_server):
     again = chat(client(server, ALPHA))
     assert again.usage.prompt_tokens_details.cached_tokens == cap
     assert again.usage.model_dump()["kvledger"] == {"hit_kind": "full", "device_cached_tokens": 0,
-                                                     "store_cached_tokens": cap, "engine": None}
+                                                     "store_cached_tokens": cap,
+                                                     "computed_prompt_tokens": again.usage.prompt_tokens - cap,
+                                                     "engine": None, "legs": None}
     assert again.choices[0].message.content == first.choices[0].message.content
     _completion_and_streams(server)
 

@@ -1,0 +1,52 @@
+"""The ledger writer's wait: bounded, and blind to puts queued after it began (a prefill leg's end waits for its
+own blocks, not for every later request's)."""
+
+import threading
+import time
+
+from kvledger.engine.api import EngineRequest, SamplingParams
+from kvledger.engine.engine import Engine
+from kvledger.entrypoint.check import check_prompt
+from kvledger.store.ledger import BlockLedger
+
+from .helpers import drain, prompt
+
+
+def test_wait_stored_is_bounded_and_waits_only_for_what_was_queued_before(tmp_path):
+    with BlockLedger.open(path=tmp_path, fsync=False) as ledger:
+        engine = Engine("tiny-v4", block_ledger=ledger)
+        permits = threading.Semaphore(0)   # one per put allowed through: a store that hangs until told
+        real_put = ledger.put_chain
+
+        def held_put(*args, **kw):
+            permits.acquire(timeout=30)
+            return real_put(*args, **kw)
+
+        def run(request_id: str, seed: int) -> list[bytes]:
+            tokens = [t % 32000 for t in prompt(300, seed)]
+            keys, decision = check_prompt(tokens, engine.spec, block_ledger=ledger, state_ledger=None)
+            engine.add_request(EngineRequest(request_id, tokens, keys, decision,
+                                             SamplingParams(max_tokens=2, ignore_eos=True)))
+            drain(engine)
+            return keys
+
+        ledger.put_chain = held_put
+        try:
+            a = run("a", 1)
+            t0 = time.monotonic()
+            assert engine.wait_stored(0.3) is False            # a's put hangs: the wait ends, and says so
+            assert 0.25 < time.monotonic() - t0 < 5
+            waited: list[bool] = []
+            waiter = threading.Thread(target=lambda: waited.append(engine.wait_stored(20)))
+            waiter.start()                                     # waits for a's put only
+            b = run("b", 2)                                    # queued after the wait began, and held
+            permits.release()                                  # a's put goes through; b's still hangs
+            waiter.join(20)
+            assert waited == [True] and ledger.match(a) == len(a) == 2
+            assert ledger.match(b) == 0
+            permits.release()
+            assert engine.wait_stored(20) is True and ledger.match(b) == 2
+        finally:
+            for _ in range(4):
+                permits.release()
+            engine.close()
