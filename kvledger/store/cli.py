@@ -19,6 +19,7 @@ from kvledger.store.backend import BlockStore
 from kvledger.store.ledger import BLOCKS_DIR, blocks_dir
 from kvledger.store.open import StoreLocation, open_block_store
 from kvledger.util.output import CliError, emit_json, examples
+from kvledger.util.redis_client import shown_url
 
 SEGMENTS = "segments"   # what every file block store holds (store/segment_files.py)
 
@@ -115,12 +116,12 @@ def open_store(root: Path | None, redis_url: str | None, capacity_bytes: int | N
     try:
         return open_block_store(location, capacity_bytes=capacity_bytes, create=False, check=True)
     except ValueError as e:
-        raise CliError(f"bad --redis-url {redis_url!r}: {e}") from None
+        raise CliError(f"bad --redis-url {shown_url(redis_url or '')!r}: {e}") from None
     except redis.RedisError as e:
-        raise CliError(f"cannot reach Redis at {redis_url}: {e}") from None
+        raise CliError(f"cannot reach Redis at {shown_url(redis_url or '')}: {e}") from None
     except (OSError, lmdb.Error) as e:
         if isinstance(e, OSError) and e.filename is None and redis_url is not None:  # a socket, not the folder
-            raise CliError(f"cannot reach Redis at {redis_url}: {e}") from None
+            raise CliError(f"cannot reach Redis at {shown_url(redis_url or '')}: {e}") from None
         raise CliError(f"{root}: cannot open ({getattr(e, 'strerror', None) or e})") from None
 
 

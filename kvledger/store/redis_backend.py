@@ -56,6 +56,7 @@ from kvledger.store.redis_keys import Placement
 from kvledger.store.segment_files import bytes_view
 from kvledger.store.shared_files import VOLUME_FILE, Location, SharedFiles
 from kvledger.store.redis_meta import EXISTS, MATCH, PUT, decode_meta, encode_meta
+from kvledger.util.redis_client import shown_url
 from kvledger.util.redis_fanout import FAULTS, Call, RedisNodes, command, script_call
 
 log = logging.getLogger("kvledger.store")
@@ -72,7 +73,8 @@ class RedisStore:
 
     def __init__(self, url: str, *, prefix: str = "kvl:", timeout_s: float = 2.0, check: bool = False,
                  files: SharedFiles | None = None) -> None:
-        self.url = url
+        self.url = url                  # reopens the store (another process): may carry a password
+        self.shown = shown_url(url)     # what logs, errors and stats print
         self.files = files
         self.prefix = prefix.encode()
         self.bprefix = self.prefix + b"b:"
@@ -98,10 +100,10 @@ class RedisStore:
         slot = key_slot(name) if self.nodes.cluster else 0
         reply = self.nodes.run([Call(slot, command("SET", name, local, "NX", "GET"))])[0]
         if isinstance(reply, BaseException):
-            log.warning("cannot check the volume of %s against %s: %s", root, self.url, reply)
+            log.warning("cannot check the volume of %s against %s: %s", root, self.shown, reply)
             return False
         if reply is not None and reply.decode() != local:
-            raise ValueError(f"{root} is not the volume the index at {self.url} describes ({VOLUME_FILE} says "
+            raise ValueError(f"{root} is not the volume the index at {self.shown} describes ({VOLUME_FILE} says "
                              f"{local}, Redis {reply.decode()}): is the shared filesystem mounted there?")
         return True
 
@@ -119,7 +121,7 @@ class RedisStore:
         if not self.nodes.cluster and str(masters[0].info("cluster").get("cluster_enabled", 0)) == "1":
             raise ValueError("that server is a node of a Redis Cluster: give a redis+cluster://HOST:PORT URL")
         if faults:
-            log.warning("%d of %d masters of %s do not answer: %s", len(faults), len(masters), self.url, faults[0])
+            log.warning("%d of %d masters of %s do not answer: %s", len(faults), len(masters), self.shown, faults[0])
 
     def _k(self, key: bytes) -> bytes:
         return self.place.name(key)
@@ -144,7 +146,7 @@ class RedisStore:
             elif int(reply) < len(idx):
                 n = min(n, idx[int(reply)])
         if fault is not None:
-            log.warning("CHECK on %s failed (answering %d): %s", self.url, n, fault)
+            log.warning("CHECK on %s failed (answering %d): %s", self.shown, n, fault)
             self.counters.match_failures += 1
         return n
 
@@ -152,7 +154,7 @@ class RedisStore:
         try:
             return self._exists_or_raise(keys)
         except FAULTS as e:
-            log.warning("exists on %s failed: %s", self.url, e)
+            log.warning("exists on %s failed: %s", self.shown, e)
             self.counters.exists_failures += 1
             return [False] * len(keys)
 
@@ -196,7 +198,7 @@ class RedisStore:
             raced += sum(1 for r in replies if r == 0)
             fault = next((r for r in replies if isinstance(r, BaseException)), None)
             if fault is not None:  # stop here: a hung server would cost a timeout per chunk
-                log.warning("put of %d blocks to %s failed: %s", len(sel), self.url, fault)
+                log.warning("put of %d blocks to %s failed: %s", len(sel), self.shown, fault)
                 self.counters.put_failures += 1
                 self.counters.blocks_written += written
                 return PutResult(written, skipped + raced, len(sel) - written - raced)
@@ -249,7 +251,7 @@ class RedisStore:
                 else:
                     out[i] = self._check_copy(keys[i], reply[0], reply[1], bufs[i])
             if fault is not None:  # stop here (a hung server would cost a timeout per chunk): the rest is a miss
-                log.warning("get from %s failed: %s", self.url, fault)
+                log.warning("get from %s failed: %s", self.shown, fault)
                 self.counters.misses_absent += len(keys) - 1 - chunk[-1]
                 return out
         return out
@@ -272,7 +274,7 @@ class RedisStore:
                 located.append((i, loc))
         fault = next((r for r in replies if isinstance(r, BaseException)), None)
         if fault is not None:
-            log.warning("get from %s failed: %s", self.url, fault)
+            log.warning("get from %s failed: %s", self.shown, fault)
         for (i, _), got in zip(located, self.files.read(located, bufs)):
             if isinstance(got, int):
                 out[i] = got
@@ -301,7 +303,7 @@ class RedisStore:
         meta = decode_meta(m)
         if meta is None or len(d) != meta[2] or xxhash.xxh3_64_intdigest(d) != meta[3]:
             self.counters.misses_corrupt += 1
-            log.warning("block %s on %s fails its checksum: deleted", key.hex(), self.url)
+            log.warning("block %s on %s fails its checksum: deleted", key.hex(), self.shown)
             self._unpublish([key])
             return -1
         v = memoryview(buf).cast("B")
@@ -321,7 +323,7 @@ class RedisStore:
         replies = self.nodes.run(calls)
         fault = next((r for r in replies if isinstance(r, BaseException)), None)
         if fault is not None:
-            log.warning("delete on %s failed: %s", self.url, fault)
+            log.warning("delete on %s failed: %s", self.shown, fault)
         return sum(int(r) for r in replies if not isinstance(r, BaseException))
 
     def delete(self, keys: Sequence[bytes]) -> int:
@@ -347,7 +349,7 @@ class RedisStore:
                 removed += removed_f
                 batches += b
         except FAULTS as e:
-            log.warning("gc on %s stopped: %s", self.url, e)
+            log.warning("gc on %s stopped: %s", self.shown, e)
         return GcResult(removed, 0, freed, batches)
 
     def stats(self) -> StoreStats:
@@ -358,7 +360,7 @@ class RedisStore:
         try:
             return redis_upkeep.verify(self, remove)
         except FAULTS as e:
-            log.warning("verify of %s stopped: %s", self.url, e)
+            log.warning("verify of %s stopped: %s", self.shown, e)
             return VerifyResult(0, 0, 0, 0)
 
     def probe(self) -> str | None:

@@ -36,7 +36,7 @@ def scan_names(store: RedisStore, batch: int) -> Iterator[tuple[redis.Redis, lis
             except FAULTS as e:
                 if not store.nodes.cluster:
                     raise
-                log.warning("scan of %s on %s stopped: %s", store.url, node, e)
+                log.warning("scan of %s on %s stopped: %s", store.shown, node, e)
                 break
             if names:
                 yield node, names
@@ -66,7 +66,7 @@ def blocks(store: RedisStore) -> Iterator[BlockInfo]:
                 expiry = now + ttl / 1000 if ttl >= 0 else None
                 yield BlockInfo(store.place.key_of(name), parent, pos, size, created, expiry, ns, cls)
     except FAULTS as e:
-        log.warning("scan of %s stopped: %s", store.url, e)
+        log.warning("scan of %s stopped: %s", store.shown, e)
 
 
 def remove_unreadable(store: RedisStore, batch: int) -> tuple[int, int]:
@@ -87,7 +87,7 @@ def remove_unreadable(store: RedisStore, batch: int) -> tuple[int, int]:
 
 
 def stats(store: RedisStore) -> StoreStats:
-    st = StoreStats(store.backend, store.url)
+    st = StoreStats(store.backend, store.shown)
     parents: set[bytes] = set()
     keys: list[bytes] = []
     for b in blocks(store):

@@ -26,6 +26,16 @@ _local = threading.local()
 REDIS_URL_ENV = "KVLEDGER_REDIS_URL"   # the default of --redis-url: a URL with a password stays off command lines
 
 
+def shown_url(url: str) -> str:
+    """`url` without its credentials (`redis://:PASSWORD@host` → `redis://host`): what logs, errors and stats
+    print. Every URL kvledger prints goes through this."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    netloc, slash, path = rest.partition("/")
+    return f"{scheme}://{netloc.rpartition('@')[2]}{slash}{path}"
+
+
 def redis_client(url: str, *, timeout_s: float = 2.0, deadlines: bool = False):  # -> redis.Redis | RedisCluster
     """A client for `url` with socket timeouts `timeout_s` and no retries; with `deadlines`, its
     connections also honour this thread's `deadline` block. Imports redis only when called."""

@@ -21,7 +21,7 @@ import redis
 import redis.cluster
 from redis.crc import key_slot
 
-from kvledger.util.redis_client import redis_client
+from kvledger.util.redis_client import redis_client, shown_url
 from kvledger.util.redis_cluster import is_cluster_url
 
 log = logging.getLogger("kvledger.redis")
@@ -237,14 +237,15 @@ class RedisNodes:
         moved = isinstance(e, (redis.exceptions.MovedError, redis.exceptions.AskError))
         if not self.cluster and (moved or isinstance(e, redis.exceptions.ClusterCrossSlotError)) and not self._warned:
             self._warned = True  # a redis:// URL naming one node of a cluster: every key is a miss
-            log.warning("%s answers %r: it is a Redis Cluster node; give a redis+cluster:// URL", self.url, str(e))
+            log.warning("%s answers %r: it is a Redis Cluster node; give a redis+cluster:// URL", shown_url(self.url),
+                        str(e))
         if isinstance(e, redis.ResponseError) and not moved:
             return  # an ordinary error reply: the map is fine
         if not moved and time.monotonic() - self._forgot < FORGET_S:
             return
         if self.cluster and self._client is not None:
             self._forgot = time.monotonic()
-            log.debug("Redis Cluster %s: %s; slot map to be learned again", self.url, e)
+            log.debug("Redis Cluster %s: %s; slot map to be learned again", shown_url(self.url), e)
             self._slot_node_of = None
             if not self._given:
                 self._client = None
