@@ -3,6 +3,7 @@
     volume = JuiceFS(tmp / "jfs", meta_url="redis://127.0.0.1:6379/1").format()
     a, b = volume.mount(tmp / "m1"), volume.mount(tmp / "m2")   # two clients: two "machines"
     a.kill()      # the client dies: every call on a.path fails with ENOTCONN (a dead mount)
+    a.unmount(); a = volume.mount(tmp / "m1")   # detached, and a new client at the same path
     volume.close()  # unmounts what is left
 
 Metadata on a Redis database (JuiceFS's own keys: give it a database kvledger does not use), data in
@@ -94,14 +95,18 @@ class JuiceFS:
         """Change the volume's hard quota (0: none); mounted clients see it within a heartbeat."""
         self._run("config", self.meta_url, "--capacity", str(capacity_gib), "--yes")
 
-    def mount(self, path: Path) -> Mount:
-        """A new client mounted at `path` (created), ready when `path` is a mount point."""
+    def mount(self, path: Path, *options: str) -> Mount:
+        """A new client mounted at `path` (created), ready when `path` is a mount point. Each client has a cache
+        folder of its own under the volume's root, as each machine would (clients sharing one would read each
+        other's cached blocks); `options` are more `juicefs mount` flags, e.g. "--cache-size", "0"."""
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        log = self.root / f"mount-{len(self.mounts)}.log"
+        n = len(self.mounts)
+        log = self.root / f"mount-{n}.log"
+        cmd = [self.binary, "mount", self.meta_url, str(path), "--no-usage-report", "--backup-meta", "0",
+               "--cache-dir", str(self.root / f"cache-{n}"), *options]
         with open(log, "ab") as out:
-            proc = spawn([self.binary, "mount", self.meta_url, str(path), "--no-usage-report", "--backup-meta", "0"],
-                         stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            proc = spawn(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         mount = Mount(path, proc, log)
         self.mounts.append(mount)
         deadline = time.monotonic() + MOUNT_TIMEOUT_S
