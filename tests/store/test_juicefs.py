@@ -2,7 +2,8 @@
 
 What assumed a local filesystem, each checked on the real thing: reads list nothing and stat nothing (no
 directory mtime), no flock anywhere, opening costs the same at 1 and at 200 segments, a dead mount never
-raises out of close, a remounted volume reads again without a restart.
+raises out of close, a remounted volume reads again without a restart, and the embedded store (and
+`kvledger store`) never writes its LMDB index onto the mount.
 """
 
 from __future__ import annotations
@@ -13,10 +14,12 @@ import secrets
 from collections import Counter
 from pathlib import Path
 
+import pytest
 import redis
 
 from kvledger.store.backend import UNREADABLE
 from kvledger.store.ledger import BlockLedger, blocks_dir
+from kvledger.store.lmdb_store import LmdbStore, NotEmbeddedFolder
 
 from .conftest import chain
 
@@ -152,3 +155,43 @@ def test_a_store_reads_again_when_its_volume_is_mounted_again_at_the_same_path(t
     assert a.match(first) == a.match(second) == 4   # nothing was unpublished meanwhile
     a.close()
     b.close()
+
+
+def test_the_embedded_store_refuses_the_mount_and_writes_nothing_there(tmp_path, juicefs, redis_server):
+    """LmdbStore refuses a cluster store's folder and any folder on a FUSE filesystem before writing: no
+    index.lmdb/, tmp/ or segments/ appears, so no LMDB lock or flock is ever taken on the mount."""
+    mount = juicefs.mount(tmp_path / "a")
+    cluster = _ledger(mount, redis_server.url, "kvl:")
+    keys, blocks = chain(3, seed=9)
+    cluster.put_chain(keys, blocks)
+    before = sorted(os.listdir(blocks_dir(mount.path)))
+    with pytest.raises(NotEmbeddedFolder, match="is a cluster store"):
+        LmdbStore(blocks_dir(mount.path))
+    with pytest.raises(NotEmbeddedFolder, match="fuse.juicefs"):
+        BlockLedger.open(path=mount.path / "plain")
+    assert sorted(os.listdir(blocks_dir(mount.path))) == before == ["segments", "volume.id"]
+    assert not (mount.path / "plain").exists()
+    cluster.close()
+
+
+@pytest.mark.parametrize("path", ["blocks", "."])
+def test_store_stats_without_redis_url_on_the_mount_is_refused_in_one_line(tmp_path, juicefs, redis_server,
+                                                                          run_cli, path):
+    """`kvledger store stats --path MOUNT/blocks` (or the data dir MOUNT) without --redis-url: before, it opened
+    LMDB on the shared mount, wrote index.lmdb/ and tmp/ there, "migrated" every segment and reported 100-year
+    expiries. Now: one line, exit 2, saying to give --redis-url, and nothing written. With it: the stats."""
+    mount = juicefs.mount(tmp_path / "a")
+    cluster = _ledger(mount, redis_server.url, "kvl:")
+    keys, blocks = chain(5, seed=4)
+    cluster.put_chain(keys, blocks)
+    cluster.close()
+    store = blocks_dir(mount.path)
+    before = sorted(os.listdir(store))
+    r = run_cli("store", "stats", "--path", str(mount.path / path), "--json")
+    assert r.returncode == 2 and r.stdout == "", r
+    assert len(r.stderr.strip().splitlines()) == 1 and "--redis-url" in r.stderr and "cluster store" in r.stderr
+    assert sorted(os.listdir(store)) == before == ["segments", "volume.id"]   # no index.lmdb/, no tmp/
+    assert not (mount.path / "index.lmdb").exists() and not (mount.path / "tmp").exists()
+    r = run_cli("store", "stats", "--path", str(mount.path / path), "--redis-url", redis_server.url, "--json")
+    assert r.returncode == 0, r.stderr
+    assert '"blocks":5' in r.stdout and sorted(os.listdir(store)) == before
