@@ -169,7 +169,7 @@ class SegmentFiles:
             got = self.read_into(name, views, start)
         except FileNotFoundError:
             return ["missing"] * len(run)
-        except OSError as err:   # a local error: the cached descriptor may be of a dead mount, reopen next time
+        except OSError as err:   # a local error, on a fresh descriptor too: dropped, the next read opens again
             log.warning("read of segment %s failed: %s", name, err)
             self._drop_fd(name)
             return ["unreadable"] * len(run)
