@@ -23,10 +23,12 @@ import sys
 import time
 from pathlib import Path
 
+from kvledger.util.filesystem import MOUNTINFO, parse_mountinfo
 from kvledger.util.serve_process import spawn, terminate
 
 MOUNT_TIMEOUT_S = 30.0
 FUSE_DEVICE = "/dev/fuse"
+FUSE_CONNECTIONS = Path("/sys/fs/fuse/connections")   # fusectl: a folder per FUSE connection, by device minor
 
 
 def fuse_unavailable() -> str | None:
@@ -52,6 +54,28 @@ def juicefs_binary() -> str:
     return found
 
 
+def abort_connection(mount_point: Path) -> None:
+    """Abort the FUSE connection mounted at `mount_point` (fusectl, mounted at FUSE_CONNECTIONS if it is not):
+    every request on it fails with ENOTCONN at once, as when the last descriptor of a dead client closes.
+    Reads mountinfo, never the mount; does nothing where no FUSE mount is there or fusectl cannot be had."""
+    try:
+        entries = parse_mountinfo(MOUNTINFO.read_text())
+    except OSError:
+        return
+    where = os.path.abspath(mount_point)
+    minors = [e.dev[1] for e in entries
+              if e.mount_point == where and (e.fstype == "fuse" or e.fstype.startswith("fuse."))]
+    if not minors:
+        return
+    abort = FUSE_CONNECTIONS / str(minors[-1]) / "abort"
+    if not abort.parent.exists():
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            subprocess.run(["mount", "-t", "fusectl", "fusectl", str(FUSE_CONNECTIONS)], capture_output=True,
+                           timeout=10)
+    with contextlib.suppress(OSError):
+        abort.write_text("1")
+
+
 class Mount:
     """One JuiceFS client mounted at `path`."""
 
@@ -60,8 +84,12 @@ class Mount:
 
     def kill(self) -> None:
         """SIGKILL the client (its process group: `juicefs mount` serves from a child it forks): the mount
-        stays, dead (ENOTCONN), as when a machine's client crashes."""
+        stays, dead (ENOTCONN), as when a machine's client crashes. Its FUSE connection is aborted too: a
+        supervisor killed while it waited on its own mount (it stats the mount point when its child dies)
+        holds /dev/fuse in an uninterruptible wait for an answer nobody will give, and every call on the
+        mount, a fork's closing of an inherited descriptor included, would hang with it."""
         self._signal_group(signal.SIGKILL)
+        abort_connection(self.path)
         self.proc.wait(10)
 
     def unmount(self) -> None:
@@ -69,6 +97,7 @@ class Mount:
         self._signal_group(signal.SIGTERM)
         if terminate(self.proc, 10) is None or self.proc.returncode is not None:
             self._signal_group(signal.SIGKILL)
+            abort_connection(self.path)
         with contextlib.suppress(OSError, subprocess.SubprocessError):
             subprocess.run(["umount", "-l", str(self.path)], capture_output=True, timeout=10)
 
