@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvledger.bench.cluster_process import ClusterProcess
+from kvledger.util.juicefs import abort_connection
 
 BUSY_WAIT_S = 5.0      # how long a "mid-prefill" / "mid-stream" fault waits for its engine to be busy
 FILL_CHUNK = 4 << 20   # bytes of one write of the filler
@@ -90,8 +91,11 @@ def mounts(cluster: ClusterProcess) -> list[str]:
 
 def kill_mount(cluster: ClusterProcess, rng: random.Random, hold_s: float) -> str:
     name = rng.choice(mounts(cluster))
+    path = cluster.members[name].url
+    assert path is not None
     with contextlib.suppress(ProcessLookupError):
         os.killpg(cluster.members[name].pid, signal.SIGKILL)   # `juicefs mount` serves from a child it forks
+    abort_connection(Path(path))   # as the kernel does once a dead client's /dev/fuse closes (util/juicefs.py)
     return f"SIGKILL the JuiceFS client {name} (its mount stays, dead: ENOTCONN; up mounts it again)"
 
 

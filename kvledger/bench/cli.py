@@ -24,6 +24,7 @@ BENCHES = {
     "scale": "kvledger.bench.scale_bench",   # block ledger at node scale: persisted index vs the previous design
     "redis-cluster": "kvledger.bench.redis_cluster_bench",  # CHECK on a 3-master Redis Cluster vs one server
     "replay": "kvledger.bench.replay",       # live trace replay per routing policy vs the simulator's prediction
+    "mount": "kvledger.bench.mount_bench",   # cluster block ledger on a local folder vs a JuiceFS volume
     "chaos": "kvledger.bench.chaos",         # the cluster on JuiceFS under faults, every reply checked
 }
 

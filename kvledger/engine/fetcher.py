@@ -8,6 +8,12 @@ engine is inherited or pickled). Messages are struct frames, little-endian:
     response  | magic "KVF2" | job u32 | intact i32 (leading blocks read and verified; -1: error) | ns u64 |
               | bytes_read u64 | absent u32 | corrupt u32 |
 
+The fetcher's first frame is a response with magic "KVFR" (job 0; ns: how long opening its store took): the
+store is open. A job's deadline (`timeout_s` + 50 ms per block) counts from its submission or from that
+frame, whichever is later: a store still opening (a fresh fetcher, a restarted one) costs no job its time.
+Until the frame, a job's deadline is `open_timeout_s` after the process started plus its own budget, so a
+fetcher that hangs while opening is killed too.
+
 The fetcher writes block i of a job at offset + i · block_bytes and answers once the whole job is
 read: `intact` leading blocks arrived with their checksums verified (the ledger checks them).
 `bytes_read` are the bytes of every block that arrived intact (what the store really delivered);
@@ -42,6 +48,8 @@ from kvledger.util.redis_client import REDIS_URL_ENV
 from kvledger.util.serve_process import spawn
 
 MAGIC = b"KVF2"
+READY = b"KVFR"   # the magic of the fetcher's first frame: its store is open
+OPEN_TIMEOUT_S = 30.0   # a fetcher whose store is not open this long after its start is killed (its jobs: 0)
 REQUEST = struct.Struct("<4sIIQI")
 RESPONSE = struct.Struct("<4sIiQQII")
 
@@ -82,7 +90,9 @@ def serve(sock: socket.socket, shm_name: str, path: str | None, redis_url: str |
     shm = shared_memory.SharedMemory(name=shm_name)
     with contextlib.suppress(Exception):  # attached, not owned: the engine unlinks it
         resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+    t0 = time.perf_counter_ns()
     store = _open_store(path, redis_url, prefix)
+    sock.sendall(RESPONSE.pack(READY, 0, 0, time.perf_counter_ns() - t0, 0, 0, 0))
     view = memoryview(shm.buf)
     try:
         while True:
@@ -132,8 +142,9 @@ class FetchJob:
     job: int
     offset: int           # bytes into the staging area
     n: int                # blocks
-    deadline: float       # perf_counter seconds
-    started: float
+    deadline: float       # perf_counter seconds (see the module docstring: counted from the store being open)
+    started: float        # perf_counter seconds at submission
+    budget_s: float       # seconds the fetcher has for it once its store is open
     intact: int | None = None   # set when done: leading blocks intact (0 on any failure)
     fetch_s: float = 0.0
     bytes_read: int = 0         # bytes of the blocks that arrived intact (0 when the fetcher failed)
@@ -152,9 +163,13 @@ def ledger_location(ledger: object) -> StoreLocation:
 class Fetcher:
     """Engine side: the staging area, the process, the jobs in flight (single-threaded use)."""
 
-    def __init__(self, ledger: object, block_bytes: int, capacity_blocks: int, *, timeout_s: float = 10.0) -> None:
+    def __init__(self, ledger: object, block_bytes: int, capacity_blocks: int, *, timeout_s: float = 10.0,
+                 open_timeout_s: float = OPEN_TIMEOUT_S) -> None:
         assert block_bytes > 0 and capacity_blocks > 0
         self.block_bytes, self.capacity, self.timeout_s = block_bytes, capacity_blocks, timeout_s
+        self.open_timeout_s = open_timeout_s   # a fetcher whose store is not open by then is killed
+        self.spawned = 0.0                     # perf_counter seconds when the process was started
+        self.ready_at: float | None = None     # perf_counter seconds when its READY frame arrived
         self.location = ledger_location(ledger)
         self.shm = shared_memory.SharedMemory(create=True, size=block_bytes * capacity_blocks)
         self.staging = np.ndarray((capacity_blocks, block_bytes), dtype=np.uint8, buffer=self.shm.buf)
@@ -175,9 +190,20 @@ class Fetcher:
         cmd += ["--prefix", where.prefix] if where.prefix != DEFAULT_PREFIX else []
         env = {k: v for k, v in os.environ.items() if k != REDIS_URL_ENV}   # the URL may carry a password:
         env |= {REDIS_URL_ENV: where.redis_url} if where.redis_url else {}  # not on the command line
+        self.spawned, self.ready_at = time.perf_counter(), None
         self.proc = spawn(cmd, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env)   # dies with us
         theirs.close()
         self.sock = ours
+
+    @property
+    def ready(self) -> bool:
+        """Whether the process has said that its store is open (read by `poll`)."""
+        return self.ready_at is not None
+
+    def _deadline(self, job: FetchJob) -> float:
+        if self.ready_at is None:
+            return self.spawned + self.open_timeout_s + job.budget_s
+        return max(job.started, self.ready_at) + job.budget_s
 
     @property
     def pid(self) -> int:
@@ -200,8 +226,8 @@ class Fetcher:
         if first is None:
             return None
         now = time.perf_counter()
-        job = FetchJob(self._next, first * self.block_bytes, len(keys),
-                       now + self.timeout_s + 0.05 * len(keys), now)
+        job = FetchJob(self._next, first * self.block_bytes, len(keys), 0.0, now, self.timeout_s + 0.05 * len(keys))
+        job.deadline = self._deadline(job)
         self._next = self._next % 0xFFFFFFFF + 1
         self.jobs[job.job] = job
         self.used[job.job] = (first, len(keys))
@@ -222,11 +248,13 @@ class Fetcher:
         self.jobs.pop(job.job, None)
 
     def poll(self, timeout_s: float = 0.0) -> None:
-        """Collect answers (waiting up to `timeout_s` for the first); restart on death or deadline."""
+        """Collect answers (waiting up to `timeout_s` for the first, or with no job pending for the READY frame
+        of a fetcher not ready yet); restart on death or deadline."""
         pending = [j for j in self.jobs.values() if not j.done]
-        if not pending or self.sock is None:
+        if self.sock is None or (not pending and self.ready):
             return
-        wait = min(timeout_s, max(0.0, min(j.deadline for j in pending) - time.perf_counter()))
+        deadline = min((j.deadline for j in pending), default=float("inf"))
+        wait = min(timeout_s, max(0.0, deadline - time.perf_counter()))
         readable, _, _ = select.select([self.sock], [], [], wait)
         while readable:
             try:
@@ -235,6 +263,10 @@ class Fetcher:
             except (EOFError, OSError, struct.error):
                 self._restart()
                 return
+            if magic == READY and not self.ready:
+                self._on_ready()
+                readable, _, _ = select.select([self.sock], [], [], 0)
+                continue
             job = self.jobs.get(job_id)
             if magic != MAGIC or job is None:
                 self._restart()
@@ -244,6 +276,13 @@ class Fetcher:
             readable, _, _ = select.select([self.sock], [], [], 0)
         if any(not j.done and j.deadline < time.perf_counter() for j in self.jobs.values()):
             self._restart()
+
+    def _on_ready(self) -> None:
+        """The store is open: every job waiting so far gets its whole budget from now."""
+        self.ready_at = time.perf_counter()
+        for job in self.jobs.values():
+            if not job.done:
+                job.deadline = self._deadline(job)
 
     def _restart(self) -> None:
         """Kill the process (dead, hung or confused); every job in flight reads as nothing intact."""

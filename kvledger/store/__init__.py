@@ -4,7 +4,7 @@
     open.py          open_block_store(StoreLocation): the one place a backend is chosen
     segment.py       on-disk format of a segment file (metadata first, then blocks in chain order)
     segment_files.py a flat segment directory's I/O: whole-segment writes, reads via an fd cache
-    lmdb_store.py    LmdbStore: segment files + the persisted LMDB index (the embedded store)
+    lmdb_store.py    LmdbStore: segment files + the persisted LMDB index (the embedded store; local folders only)
     lmdb_index.py    the LMDB index's tables and the writes that keep its invariants
     lmdb_write.py    its write path; lmdb_gc.py GC, eviction, compaction; lmdb_upkeep.py migration, verify, stats
     chain_check.py   CHECK by bisection over a prompt's keys; refresher.py TTL refreshes off the CHECK path;

@@ -2,7 +2,8 @@
 
 `--path DIR` opens a file store: DIR itself when it holds `segments/`, or the store under it when
 DIR is the `--data-dir` of `kvledger serve` / `up` (`store.ledger.blocks_dir`). `--redis-url URL`
-opens a Redis one (it must answer). With neither, the store under serve's default data dir.
+opens a Redis one (it must answer). With neither, the store under serve's default data dir. A cluster
+store's folder (`--path MOUNT` without `--redis-url`) is refused, never opened as an embedded store.
 Bad input → one line on stderr, exit 2; with `--json`, one JSON object on stdout.
 """
 
@@ -112,9 +113,13 @@ def open_store(root: Path | None, redis_url: str | None, capacity_bytes: int | N
     layout is migrated once); `CliError` when it cannot be opened or Redis does not answer."""
     import redis
 
+    from kvledger.store.lmdb_store import NotEmbeddedFolder
+
     location = StoreLocation(None if root is None else str(root), redis_url)
     try:
         return open_block_store(location, capacity_bytes=capacity_bytes, create=False, check=True)
+    except NotEmbeddedFolder as e:   # a cluster store, or a shared mount: nothing was written there
+        raise CliError(f"{e}; give --redis-url URL, the Redis index of that store") from None
     except ValueError as e:
         raise CliError(f"bad --redis-url {shown_url(redis_url or '')!r}: {e}") from None
     except redis.RedisError as e:

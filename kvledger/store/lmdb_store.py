@@ -17,6 +17,10 @@ segment, to note the refresh of those segments (refresher.py): no write on the C
 Read path: blocks back to back in one segment are read with one `preadv` into the caller's
 buffers and checked against their xxh3-64; a mismatch or short read is a miss, and the block is
 dropped from the index (if the index still names those bytes).
+
+Local only: every open writes (the LMDB lock file, tmp/, a migration's index), and LMDB's locks and mmap
+do not hold across machines. So a folder that is a cluster store (it holds `shared_files.VOLUME_FILE`: its
+index is on Redis) or lies on a network or FUSE filesystem is refused before anything is written there.
 """
 
 from __future__ import annotations
@@ -38,13 +42,31 @@ from kvledger.store.chain_check import leading_present
 from kvledger.store.lmdb_index import BLOCK, BlockRec, LmdbIndex, SegRec
 from kvledger.store.segment_files import HOST, Location, SegmentFiles, bytes_view
 from kvledger.store.refresher import Refresher
+from kvledger.store.shared_files import VOLUME_FILE
 from kvledger.store.ttl import Clock, wall_clock
+from kvledger.util.filesystem import filesystem_type, is_network_type
 
 log = logging.getLogger("kvledger.store")
 
 SEGMENTS = "segments/"  # the prefix of every segment path the index records (relative to the store's root)
 REFRESH_TXN = 256      # segments refreshed per write transaction
 REFRESH_GRAIN_S = 1.0  # a hit refreshes expiry to ≥ now + ttl − this: one walk per chain tail per second
+
+
+class NotEmbeddedFolder(ValueError):
+    """A folder the embedded store refuses to open (see the module docstring): nothing was written there."""
+
+
+def check_local_folder(root: Path) -> None:
+    """Raise `NotEmbeddedFolder` when `root` is a cluster store or lies on a network/FUSE filesystem; reads
+    only (a stat, mountinfo). OSError when the folder does not answer (a dead mount)."""
+    if (root / VOLUME_FILE).exists():
+        raise NotEmbeddedFolder(f"{root} is a cluster store ({VOLUME_FILE} inside): its index is on Redis, "
+                                "not in an embedded LMDB index")
+    fstype = filesystem_type(root)
+    if fstype is not None and is_network_type(fstype):
+        raise NotEmbeddedFolder(f"{root} is on a {fstype} filesystem: the embedded store's LMDB index needs a "
+                                "local one")
 
 
 def _open_index(root: Path, sync: bool) -> LmdbIndex:
@@ -74,6 +96,7 @@ class LmdbStore:
             raise FileNotFoundError(f"{self.root}: no such directory")
         assert capacity_bytes is None or capacity_bytes > 0
         assert 0 < low_watermark <= 1
+        check_local_folder(self.root)
         (self.root / "segments").mkdir(parents=True, exist_ok=True)
         (self.root / "tmp").mkdir(exist_ok=True)
         self.capacity_bytes = capacity_bytes

@@ -7,9 +7,10 @@
                       shared mount (SharedFiles)
 
 Errors are the callers' to map (the CLI turns each into its one line, exit 2): `ValueError` for a bad
-location or a folder that is not the volume Redis describes, `OSError` / `lmdb.Error` for a folder
-that does not open, and with `check=True` a Redis fault (`redis.RedisError`, `OSError`) for a server
-that does not answer. Every later fault is absorbed by the store (backend.py).
+location, a folder that is not the volume Redis describes, or one the embedded store refuses
+(`lmdb_store.NotEmbeddedFolder`: a cluster store's folder, a network or FUSE filesystem), `OSError` /
+`lmdb.Error` for a folder that does not open, and with `check=True` a Redis fault (`redis.RedisError`,
+`OSError`) for a server that does not answer. Every later fault is absorbed by the store (backend.py).
 """
 
 from __future__ import annotations

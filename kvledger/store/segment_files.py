@@ -7,7 +7,9 @@ method raises `OSError` on a fault; the store decides what a fault means (a miss
 
     write:  .tmp-<host>-<pid>-<rand>  --writev, fsync-->  rename to <ns time>-<host>-<pid>-<rand>.kvs
     read:   blocks by `Location` (file, offset, size, xxh3-64), as an index records them: one preadv per run of
-            blocks back to back in one file, straight into the caller's buffers (IOV_MAX per call), each checked
+            blocks back to back in one file, straight into the caller's buffers (IOV_MAX per call), each checked;
+            a cached descriptor whose read fails is dropped and the file opened again (a shared mount
+            mounted again at the same path after its client died reads again, without a restart)
 
 Read outcomes: the size read; "corrupt" (checksum mismatch), "truncated" (a short read), "missing" (no such
 file), "unreadable" (any other OSError: EIO, ENOTCONN, ESTALE...). What each means is the store's to say
@@ -167,8 +169,9 @@ class SegmentFiles:
             got = self.read_into(name, views, start)
         except FileNotFoundError:
             return ["missing"] * len(run)
-        except OSError as err:
+        except OSError as err:   # a local error, on a fresh descriptor too: dropped, the next read opens again
             log.warning("read of segment %s failed: %s", name, err)
+            self._drop_fd(name)
             return ["unreadable"] * len(run)
         out: list[Outcome] = []
         for (_, loc), v in zip(run, views):
@@ -182,7 +185,17 @@ class SegmentFiles:
         return out
 
     def read_into(self, name: str, views: list[memoryview], offset: int) -> int:
-        """Fill `views` from `offset` of segment `name`; the bytes read (fewer only at end of file)."""
+        """Fill `views` from `offset` of segment `name`; the bytes read (fewer only at end of file). A cached
+        descriptor that fails is dropped and the file opened again, once: its mount may have died and been
+        mounted again at the same path since (a descriptor of the dead one fails forever). A fresh
+        descriptor's error is raised (the caller drops it)."""
+        cached = name in self._fds
+        try:
+            return preadv_all(self._fd(name), views, offset)
+        except OSError:
+            if not cached:
+                raise
+            self._drop_fd(name)
         return preadv_all(self._fd(name), views, offset)
 
     def _fd(self, name: str) -> int:
@@ -193,22 +206,36 @@ class SegmentFiles:
         fd = os.open(self.seg_dir / name, os.O_RDONLY)
         self._fds[name] = fd
         while len(self._fds) > MAX_OPEN_FDS:
-            os.close(self._fds.popitem(last=False)[1])
+            close_quietly(self._fds.popitem(last=False)[1])
         return fd
+
+    def _drop_fd(self, name: str) -> None:
+        """Forget (and close) the cached descriptor of `name`; the caller holds `_io_lock`."""
+        fd = self._fds.pop(name, None)
+        if fd is not None:
+            close_quietly(fd)
 
     def close_fd(self, name: str) -> None:
         with self._io_lock:
-            fd = self._fds.pop(name, None)
-        if fd is not None:
-            os.close(fd)
+            self._drop_fd(name)
 
     def close(self) -> None:
+        """Close every cached descriptor; never raises (a dead mount fails close() with ENOTCONN)."""
         with self._io_lock:
             for fd in self._fds.values():
-                os.close(fd)
+                close_quietly(fd)
             self._fds.clear()
 
 # --- helpers -------------------------------------------------------------------------------
+
+def close_quietly(fd: int) -> None:
+    """Close `fd`; a fault is logged, never raised: the descriptor is released either way (close(2)), and on a
+    dead mount (ENOTCONN, EIO) there is nothing left to flush for a read-only one."""
+    try:
+        os.close(fd)
+    except OSError as e:
+        log.info("close of a segment descriptor failed: %s", e)
+
 
 def pid_alive(pid: int) -> bool:
     try:

@@ -3,6 +3,7 @@
     volume = JuiceFS(tmp / "jfs", meta_url="redis://127.0.0.1:6379/1").format()
     a, b = volume.mount(tmp / "m1"), volume.mount(tmp / "m2")   # two clients: two "machines"
     a.kill()      # the client dies: every call on a.path fails with ENOTCONN (a dead mount)
+    a.unmount(); a = volume.mount(tmp / "m1")   # detached, and a new client at the same path
     volume.close()  # unmounts what is left
 
 Metadata on a Redis database (JuiceFS's own keys: give it a database kvledger does not use; its password,
@@ -23,10 +24,12 @@ import sys
 import time
 from pathlib import Path
 
+from kvledger.util.filesystem import MOUNTINFO, parse_mountinfo
 from kvledger.util.serve_process import spawn, terminate
 
 MOUNT_TIMEOUT_S = 30.0
 FUSE_DEVICE = "/dev/fuse"
+FUSE_CONNECTIONS = Path("/sys/fs/fuse/connections")   # fusectl: a folder per FUSE connection, by device minor
 
 
 def fuse_unavailable() -> str | None:
@@ -52,6 +55,34 @@ def juicefs_binary() -> str:
     return found
 
 
+def fuse_minors(mount_point: Path) -> list[int]:
+    """The device minors of the FUSE mounts at `mount_point`, oldest first, from mountinfo (never the mount: a
+    hung client cannot hang the caller); [] when there is none or mountinfo cannot be read."""
+    try:
+        entries = parse_mountinfo(MOUNTINFO.read_text())
+    except OSError:
+        return []
+    where = os.path.abspath(mount_point)
+    return [e.dev[1] for e in entries
+            if e.mount_point == where and (e.fstype == "fuse" or e.fstype.startswith("fuse."))]
+
+
+def abort_connection(mount_point: Path) -> None:
+    """Abort the FUSE connection mounted at `mount_point` (fusectl, mounted at FUSE_CONNECTIONS if it is not):
+    every request on it fails with ENOTCONN at once, as when the last descriptor of a dead client closes.
+    Reads mountinfo, never the mount; does nothing where no FUSE mount is there or fusectl cannot be had."""
+    minors = fuse_minors(mount_point)
+    if not minors:
+        return
+    abort = FUSE_CONNECTIONS / str(minors[-1]) / "abort"
+    if not abort.parent.exists():
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            subprocess.run(["mount", "-t", "fusectl", "fusectl", str(FUSE_CONNECTIONS)], capture_output=True,
+                           timeout=10)
+    with contextlib.suppress(OSError):
+        abort.write_text("1")
+
+
 class Mount:
     """One JuiceFS client mounted at `path`."""
 
@@ -60,8 +91,12 @@ class Mount:
 
     def kill(self) -> None:
         """SIGKILL the client (its process group: `juicefs mount` serves from a child it forks): the mount
-        stays, dead (ENOTCONN), as when a machine's client crashes."""
+        stays, dead (ENOTCONN), as when a machine's client crashes. Its FUSE connection is aborted too: a
+        supervisor killed while it waited on its own mount (it stats the mount point when its child dies)
+        holds /dev/fuse in an uninterruptible wait for an answer nobody will give, and every call on the
+        mount, a fork's closing of an inherited descriptor included, would hang with it."""
         self._signal_group(signal.SIGKILL)
+        abort_connection(self.path)
         self.proc.wait(10)
 
     def unmount(self) -> None:
@@ -69,6 +104,7 @@ class Mount:
         self._signal_group(signal.SIGTERM)
         if terminate(self.proc, 10) is None or self.proc.returncode is not None:
             self._signal_group(signal.SIGKILL)
+            abort_connection(self.path)
         with contextlib.suppress(OSError, subprocess.SubprocessError):
             subprocess.run(["umount", "-l", str(self.path)], capture_output=True, timeout=10)
 
@@ -77,7 +113,7 @@ class Mount:
         `umount -l`). Never touches a file under the mount, so a hung client cannot hang the caller."""
         if self.proc.poll() is not None:
             return f"its client exited with {self.proc.returncode}"
-        if not os.path.ismount(self.path):
+        if not fuse_minors(self.path):
             return f"{self.path} is not mounted any more"
         return None
 
@@ -95,6 +131,7 @@ class JuiceFS:
         self.binary = juicefs_binary()
         self.env = {**os.environ, "META_PASSWORD": password} if password else None
         self.mounts: list[Mount] = []
+        self._serial = 0   # mounts made so far (names each client's log and cache folder)
 
     def format(self, capacity_gib: int = 0) -> JuiceFS:
         """Create the volume (idempotent for the same name and bucket). No trash: a removed segment frees its
@@ -108,14 +145,19 @@ class JuiceFS:
         """Change the volume's hard quota (0: none); mounted clients see it within a heartbeat."""
         self._run("config", self.meta_url, "--capacity", str(capacity_gib), "--yes")
 
-    def mount(self, path: Path) -> Mount:
-        """A new client mounted at `path` (created), ready when `path` is a mount point."""
+    def mount(self, path: Path, *options: str) -> Mount:
+        """A new client mounted at `path` (created), ready when `path` is a mount point. Each client has a cache
+        folder of its own under the volume's root, as each machine would (clients sharing one would read each
+        other's cached blocks); `options` are more `juicefs mount` flags, e.g. "--cache-size", "0"."""
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        log = self.root / f"mount-{path.name}.log"
+        n = self._serial   # never reused: a client mounted again gets a log and cache of its own
+        self._serial += 1
+        log = self.root / f"mount-{n}.log"
+        cmd = [self.binary, "mount", self.meta_url, str(path), "--no-usage-report", "--backup-meta", "0",
+               "--cache-dir", str(self.root / f"cache-{n}"), *options]
         with open(log, "ab") as out:
-            proc = spawn([self.binary, "mount", self.meta_url, str(path), "--no-usage-report", "--backup-meta", "0"],
-                         stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=self.env)
+            proc = spawn(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=self.env)
         mount = Mount(path, proc, log)
         self.mounts.append(mount)
         deadline = time.monotonic() + MOUNT_TIMEOUT_S

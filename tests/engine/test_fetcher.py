@@ -64,9 +64,17 @@ def test_killed_process_is_restarted(setup):
     assert job.intact == 3
 
 
+def _wait_ready(fetcher):
+    deadline = time.monotonic() + 30
+    while not fetcher.ready and time.monotonic() < deadline:
+        fetcher.poll(0.1)
+    assert fetcher.ready
+
+
 def test_hung_process_hits_the_deadline(setup):
     _, fetcher, _ = setup
     fetcher.timeout_s = 0.5
+    _wait_ready(fetcher)   # hung with its store open (one hung while opening: the next tests)
     os.kill(fetcher.pid, signal.SIGSTOP)
     t0 = time.monotonic()
     job = fetcher.submit(KEYS[:2])
@@ -105,3 +113,45 @@ def test_the_fetcher_opens_the_cluster_store_of_the_ledger_prefix_included(tmp_p
     finally:
         fetcher.close()
         ledger.close()
+
+
+def test_a_job_submitted_while_the_store_opens_gets_its_whole_budget(tmp_path, redis_server):
+    """The deadline counts from the fetcher's READY frame, not from the submission: a store that takes long to
+    open (Redis pausing writes for 1.5 s holds its volume check) costs the first job nothing. Before, a job's
+    0.8 s deadline started at once: the fetcher was killed while opening and the job read as 0 intact."""
+    import redis
+
+    ledger = BlockLedger.open(path=tmp_path, redis_url=redis_server.url, fsync=False)
+    blocks = [np.full(BB, i + 1, np.uint8) for i in range(len(KEYS))]
+    assert ledger.put_chain(KEYS, blocks).written == 6
+    redis.Redis.from_url(redis_server.url).execute_command("CLIENT", "PAUSE", 1500, "WRITE")
+    fetcher = Fetcher(ledger, BB, 8, timeout_s=0.5)
+    try:
+        job = fetcher.submit(KEYS)
+        assert not fetcher.ready
+        _wait(fetcher, job)
+        assert (job.intact, fetcher.restarts) == (6, 0) and job.fetch_s > 1.0
+        assert all((fetcher.view(job)[i] == blocks[i]).all() for i in range(6))
+        assert fetcher.ready_at - fetcher.spawned > 1.0   # the open was slow indeed
+    finally:
+        fetcher.close()
+        ledger.close()
+
+
+def test_a_fetcher_that_hangs_while_opening_is_killed_after_the_open_timeout(setup):
+    """Counting from READY must not wait forever: a fetcher stopped before it opened its store is killed
+    `open_timeout_s` (plus the job's budget) after its start, its job read as 0 intact, and a new one serves."""
+    ledger, _, _ = setup
+    fetcher = Fetcher(ledger, BB, 8, timeout_s=0.5, open_timeout_s=1.0)
+    try:
+        os.kill(fetcher.pid, signal.SIGSTOP)
+        job = fetcher.submit(KEYS[:2])
+        _wait(fetcher, job)
+        assert (job.intact, fetcher.restarts) == (0, 1)
+        assert 1.0 < job.fetch_s < 10
+        fetcher.release(job)
+        job = fetcher.submit(KEYS[:2])
+        _wait(fetcher, job)
+        assert job.intact == 2 and fetcher.ready
+    finally:
+        fetcher.close()

@@ -173,3 +173,24 @@ def test_a_cluster_check_and_read_cost_one_round_trip_and_no_listing(tmp_path, w
     assert not {k: v for k, v in calls.items() if k != "preadv"}, f"the read path listed a folder: {calls}"
     b.close()
     a.close()
+
+
+def test_a_cluster_store_folder_is_refused_by_the_embedded_store_and_by_store_stats(tmp_path, redis_server, run_cli):
+    """A folder holding `volume.id` is a cluster store (its index on Redis): LmdbStore refuses it before writing
+    (before, it wrote index.lmdb/ and tmp/ there and indexed every segment as its own), and `kvledger store`
+    without --redis-url answers one line, exit 2. (The same on a real JuiceFS mount: test_juicefs.py.)"""
+    from kvledger.store.lmdb_store import LmdbStore, NotEmbeddedFolder
+
+    with BlockLedger.open(path=tmp_path, redis_url=redis_server.url, fsync=False) as a:
+        keys, blocks = chain(4)
+        a.put_chain(keys, blocks)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(NotEmbeddedFolder, match="cluster store"):
+        LmdbStore(tmp_path)
+    with pytest.raises(NotEmbeddedFolder):
+        BlockLedger.open(path=tmp_path)
+    for cmd in ("stats", "gc", "verify"):
+        r = run_cli("store", cmd, "--path", str(tmp_path), "--json")
+        assert r.returncode == 2 and r.stdout == "" and len(r.stderr.strip().splitlines()) == 1, (cmd, r)
+        assert "give --redis-url" in r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == before == ["segments", "volume.id"]
