@@ -1,7 +1,9 @@
 """Why a prompt missed: its miss tokens split by cause (pure; the entrypoint's CHECK supplies the facts).
 
-A prompt of L tokens whose CHECK decided `d` (cap, L1 = d.block_hit_tokens, hit = d.hit_tokens) and whose
-engine then reused `cached` tokens (rule 8 may lower it) misses L − cached tokens. They split, left to right:
+A prompt of L tokens whose CHECK found its leading blocks up to L1 = min(blocks present · B, cap) and decided
+`d` (cap, hit = d.hit_tokens; rule 3′ lowers d.block_hit_tokens below L1 to where it resumes exactly) and
+whose engine then reused `cached` tokens (rule 8 may lower it) misses L − cached tokens. They split, left to
+right:
 
     | tokens                | cause                                                                  |
     |-----------------------|------------------------------------------------------------------------|
@@ -57,18 +59,22 @@ class MissSplit:
         return sum(self.tokens.values())
 
 
-def split_misses(prompt_len: int, decision: HitDecision, cached: int, block_cause: MissCause,
+def split_misses(prompt_len: int, decision: HitDecision, block_tokens: int, cached: int, block_cause: MissCause,
                  divergence: int | None = None) -> MissSplit:
     """The miss tokens of one prompt by cause (the module's table). `block_cause` is the first absent block's
-    (one of BLOCK_CAUSES; unused when every block up to the cap hit); `divergence` goes with DIVERGED."""
+    (one of BLOCK_CAUSES; unused when every block up to the cap hit); `divergence` goes with DIVERGED;
+    `block_tokens` is L1.
+    `cached` may exceed the decision's hit (an engine found more in its own device cache than the CHECK saw):
+    each range then starts at `cached` at the earliest."""
     assert block_cause in BLOCK_CAUSES
-    d, cap = decision, max(decision.cap, 0)
-    assert 0 <= cached <= d.hit_tokens <= d.block_hit_tokens <= cap <= prompt_len, (prompt_len, d, cached)
-    parts = {MissCause.LOAD_FAILED: d.hit_tokens - cached,
-             MissCause.SNAPSHOT_MISSING: d.block_hit_tokens - d.hit_tokens,
-             block_cause: cap - d.block_hit_tokens,
-             MissCause.TAIL: prompt_len - cap}
-    tokens = {cause: n for cause, n in parts.items() if n > 0}
+    d, cap, l1 = decision, max(decision.cap, 0), block_tokens
+    assert 0 <= d.hit_tokens <= l1 <= cap <= prompt_len and 0 <= cached <= prompt_len, (prompt_len, d, l1, cached)
+    ranges = ((MissCause.LOAD_FAILED, 0, d.hit_tokens), (MissCause.SNAPSHOT_MISSING, d.hit_tokens, l1),
+              (block_cause, l1, cap), (MissCause.TAIL, cap, prompt_len))
+    tokens: dict[MissCause, int] = {}
+    for cause, start, end in ranges:
+        if (n := end - max(start, cached)) > 0:
+            tokens[cause] = n
     split = MissSplit(tokens, divergence if MissCause.DIVERGED in tokens else None)
     assert split.total == prompt_len - cached
     return split

@@ -17,13 +17,26 @@ import numpy as np
 
 from kvledger.core import HitDecision, ModelSpec, decide_hit, extend_chain, root_key, snapshot_candidates
 from kvledger.state.ledger import StateLedger
+from kvledger.store.backend import Match
 from kvledger.store.ledger import BlockLedger
 
 
 def check_prompt(tokens: Any, spec: ModelSpec, *, block_ledger: BlockLedger, state_ledger: StateLedger | None,
                  namespace: str = "default", ttl_class: str | None = None, replay: bool = False,
                  known_keys: Sequence[bytes] = ()) -> tuple[list[bytes], HitDecision]:
-    """Chain keys + CHECK on the index + the directory's snapshot positions + decide_hit.
+    """`check_prompt_explained` without the tombstone."""
+    keys, decision, _ = check_prompt_explained(tokens, spec, block_ledger=block_ledger, state_ledger=state_ledger,
+                                               namespace=namespace, ttl_class=ttl_class, replay=replay,
+                                               known_keys=known_keys)
+    return keys, decision
+
+
+def check_prompt_explained(tokens: Any, spec: ModelSpec, *, block_ledger: BlockLedger,
+                           state_ledger: StateLedger | None, namespace: str = "default", ttl_class: str | None = None,
+                           replay: bool = False, known_keys: Sequence[bytes] = ()
+                           ) -> tuple[list[bytes], HitDecision, Match]:
+    """Chain keys + CHECK on the index + the directory's snapshot positions + decide_hit, and the index's answer
+    (`store.backend.Match`: the leading blocks present, the first absent one's tombstone, if it kept one).
 
     `known_keys`: the keys of the leading blocks of `tokens`, computed earlier in this process (a later leg
     of the same request): only the blocks after them are hashed. Faults read as misses (the ledgers never
@@ -34,9 +47,10 @@ def check_prompt(tokens: Any, spec: ModelSpec, *, block_ledger: BlockLedger, sta
     assert len(known_keys) <= len(arr) // b, "known keys name full blocks of this prompt"
     parent = known_keys[-1] if known_keys else root_key(spec, namespace)
     keys = [*known_keys, *extend_chain(parent, arr[len(known_keys) * b:], b)]
-    cached = block_ledger.match(keys, namespace=namespace, ttl_class=ttl_class)
+    found = block_ledger.match_explained(keys, namespace=namespace, ttl_class=ttl_class)
+    cached = found.blocks
     snapshots: set[int] = set()
     at = snapshot_candidates(len(arr), cached, spec, replay=replay)
     if at and state_ledger is not None:
         snapshots = state_ledger.positions(keys, at=at)
-    return keys, decide_hit(len(arr), cached, snapshots, spec, replay=replay)
+    return keys, decide_hit(len(arr), cached, snapshots, spec, replay=replay), found

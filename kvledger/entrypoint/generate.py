@@ -15,8 +15,10 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvledger.core import tenant_of
+from kvledger.core.attribution import MissCause, MissSplit, split_misses
 from kvledger.engine.api import RequestUsage, TokenEvent
 from kvledger.entrypoint.activity import RequestRecord
 from kvledger.engine.client import EngineFailed, EngineRejected
@@ -47,6 +49,7 @@ class Outcome:
     usage: RequestUsage | None = None
     first_token_at: float | None = None
     last_token_at: float | None = None
+    miss: dict[str, Any] | None = None   # usage.kvledger.miss, when the request asked (explain_cache_miss)
 
 
 async def run(state: ServerState, prep: Prepared, out: Outcome) -> AsyncIterator[Delta]:
@@ -82,6 +85,19 @@ async def run(state: ServerState, prep: Prepared, out: Outcome) -> AsyncIterator
     finally:
         state.metrics.running.dec()
     out.text = text.text
+    if prep.explain_miss:
+        split = miss_split(prep, usage_of(prep, out).prompt_cache_hit_tokens)
+        out.miss = state.misses.explain(split, prep.first_absent, prep.engine_request.tokens)
+
+
+def miss_split(prep: Prepared, cached: int) -> MissSplit:
+    """The request's miss tokens by cause (core.attribution), from its CHECK and the `cached` tokens the engine
+    really reused."""
+    first, d = prep.first_absent, prep.decision
+    l1 = max(d.cap, 0) if first is None else first.start   # L1: the blocks present, up to the cap
+    return split_misses(prep.prompt_tokens, d, l1, cached,
+                        first.cause if first is not None else MissCause.COLD,
+                        first.divergence if first is not None else None)
 
 
 async def until_stopped(events: AsyncIterator[TokenEvent], stopping: asyncio.Event | None
@@ -138,7 +154,15 @@ def usage_of(prep: Prepared, out: Outcome) -> Usage:
     legs = [LegDetails(kind=leg.kind, engine=leg.engine, start=leg.start) for leg in u.legs] or None
     return Usage.of(prep.prompt_tokens, cached, len(out.token_ids), hit_kind=u.hit_kind,
                     device_cached=min(u.device_cached_tokens, cached), computed=u.computed_prompt_tokens,
-                    engine=u.engine, legs=legs)
+                    engine=u.engine, legs=legs, miss=out.miss)
+
+
+def usage_json(prep: Prepared, out: Outcome) -> dict[str, Any]:
+    """The response's usage object: `kvledger.miss` only when asked for (the default response is unchanged)."""
+    usage = usage_of(prep, out).model_dump()
+    if usage["kvledger"] is not None and usage["kvledger"]["miss"] is None:
+        del usage["kvledger"]["miss"]
+    return usage
 
 
 def record(state: ServerState, prep: Prepared, out: Outcome) -> None:
@@ -156,8 +180,23 @@ def record(state: ServerState, prep: Prepared, out: Outcome) -> None:
     if ttft is not None:
         m.ttft.labels("hit" if cached > 0 else "cold").observe(ttft)
     _record_fetch(state, prep, out, cached)
+    _record_misses(state, prep, out, cached)
     state.activity.record(RequestRecord(time.time(), prep.request_id, ns, prep.endpoint, usage.prompt_tokens,
                                         cached, usage.completion_tokens, kind, ttft, out.finish_reason))
+
+
+def _record_misses(state: ServerState, prep: Prepared, out: Outcome, cached: int) -> None:
+    """Miss tokens by cause (`kvledger_prompt_miss_tokens_total`), the tenant's causes and divergence sites, and
+    the prompt into its namespace's sample (after its own lookup: a prompt never explains itself)."""
+    if state.config.no_cache:
+        return
+    req = prep.engine_request
+    split = miss_split(prep, cached)
+    tenant = tenant_of(req.namespace)
+    for cause, n in split.tokens.items():
+        state.metrics.prompt_miss_tokens.labels(tenant, str(cause)).inc(n)
+    state.misses.account(req.namespace, split, prep.first_absent, req.tokens)
+    state.misses.add(req.namespace, req.tokens, req.keys)
 
 
 def _record_fetch(state: ServerState, prep: Prepared, out: Outcome, cached: int) -> None:
@@ -183,14 +222,14 @@ def completion_body(state: ServerState, prep: Prepared, out: Outcome) -> dict:
     return {"id": prep.request_id, "object": "text_completion", "created": int(time.time()), "model": state.model,
             "choices": [{"index": 0, "text": out.text, "token_ids": out.token_ids, "logprobs": None,
                          "finish_reason": out.finish_reason}],
-            "usage": usage_of(prep, out).model_dump()}
+            "usage": usage_json(prep, out)}
 
 
 def chat_body(state: ServerState, prep: Prepared, out: Outcome) -> dict:
     return {"id": prep.request_id, "object": "chat.completion", "created": int(time.time()), "model": state.model,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text}, "logprobs": None,
                          "finish_reason": out.finish_reason}],
-            "usage": usage_of(prep, out).model_dump()}
+            "usage": usage_json(prep, out)}
 
 
 async def sse(state: ServerState, prep: Prepared, release) -> AsyncIterator[str]:
@@ -213,7 +252,7 @@ async def sse(state: ServerState, prep: Prepared, release) -> AsyncIterator[str]
                  {"index": 0, "text": "", "token_ids": [], "logprobs": None, "finish_reason": out.finish_reason})
         yield _data(head | {"choices": [final]} | extra)
         if prep.include_usage:
-            yield _data(head | {"choices": [], "usage": usage_of(prep, out).model_dump()})
+            yield _data(head | {"choices": [], "usage": usage_json(prep, out)})
         record(state, prep, out)
     except ApiError as e:
         state.metrics.error(e.kind)

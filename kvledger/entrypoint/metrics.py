@@ -104,6 +104,9 @@ class ServeMetrics:
                                   ["namespace", "hit_kind"], registry=r)
         self.miss_tokens = Counter("kvledger_prompt_cache_miss_tokens", "Prompt tokens computed",
                                    ["namespace", "hit_kind"], registry=r)
+        self.prompt_miss_tokens = Counter("kvledger_prompt_miss_tokens", "Prompt tokens computed, by why they were "
+                                          "not served from the cache (cold, diverged, expired, evicted, load_failed, "
+                                          "snapshot_missing, tail)", ["namespace", "cause"], registry=r)
         self.generation_tokens = Counter("kvledger_generation_tokens", "Generated tokens", ["namespace"],
                                          registry=r)
         self.ttft = Histogram("kvledger_time_to_first_token_seconds", "Arrival to first token, by cache outcome",

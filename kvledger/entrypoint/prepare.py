@@ -19,8 +19,9 @@ from kvledger.core import HitDecision, decide_hit, hit_cap, salted_namespace
 from kvledger.engine.api import EngineRequest, SamplingParams
 from kvledger.entrypoint.auth import Tenant
 from kvledger.engine.models.chat_template import ChatTemplateError
-from kvledger.entrypoint.check import check_prompt
+from kvledger.entrypoint.check import check_prompt_explained
 from kvledger.entrypoint.errors import ApiError, bad_request, model_not_found
+from kvledger.entrypoint.misses import FirstAbsent
 from kvledger.entrypoint.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from kvledger.entrypoint.server_state import ServerState
 from kvledger.engine.models.tokenizer import encode_ids
@@ -43,6 +44,9 @@ class Prepared:
     include_usage: bool
     arrival: float
     absent_blocks: int              # blocks under the hit cap the index did not hold
+    first_absent: FirstAbsent | None = None   # the first of them and why it is absent (None: every block up to
+                                              # the cap is present, or --no-cache)
+    explain_miss: bool = False      # the client asked for usage.kvledger.miss
 
     @property
     def request_id(self) -> str:
@@ -69,14 +73,14 @@ async def prepare(state: ServerState, tenant: Tenant, body: SamplingFields, endp
     tokens = await asyncio.to_thread(prompt_tokens, state, body)
     sampling = sampling_params(state, body, len(tokens))
     namespace = salted_namespace(tenant.namespace, body.cache_salt)
-    keys, decision = await asyncio.to_thread(_check, state, tokens, namespace, tenant.ttl_class)
+    keys, decision, first = await asyncio.to_thread(_check, state, tokens, namespace, tenant.ttl_class)
     cap_blocks = max(hit_cap(len(tokens), state.spec), 0) // state.spec.block_size
     absent = cap_blocks - min(decision.block_hit_tokens // state.spec.block_size, cap_blocks)
     prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
     req = EngineRequest(f"{prefix}-{uuid.uuid4().hex}", tokens, keys, decision, sampling, namespace,
                         tenant.ttl_class)
     return Prepared(req, endpoint, tenant, body.stop_strings, body.stream, body.include_usage, arrival,
-                    absent if not state.config.no_cache else 0)
+                    absent if not state.config.no_cache else 0, first, body.explain_cache_miss)
 
 
 def refuse_unsupported(body: SamplingFields) -> None:
@@ -97,13 +101,18 @@ def refuse_unsupported(body: SamplingFields) -> None:
 
 
 def _check(state: ServerState, tokens: np.ndarray, namespace: str, ttl_class: str | None
-           ) -> tuple[list[bytes], HitDecision]:
+           ) -> tuple[list[bytes], HitDecision, FirstAbsent | None]:
+    """The CHECK, and when it stops short of the cap, the first absent block's cause (entrypoint/misses.py)."""
     if state.config.no_cache:   # the baseline: nothing is looked up, every prompt is computed
         from kvledger.core import chain_keys
 
-        return chain_keys(tokens, state.spec, namespace), decide_hit(len(tokens), 0, set(), state.spec)
-    return check_prompt(tokens, state.spec, block_ledger=state.block_ledger, state_ledger=state.state_ledger,
-                        namespace=namespace, ttl_class=ttl_class, replay=state.config.replay)
+        return chain_keys(tokens, state.spec, namespace), decide_hit(len(tokens), 0, set(), state.spec), None
+    keys, decision, found = check_prompt_explained(tokens, state.spec, block_ledger=state.block_ledger,
+                                                   state_ledger=state.state_ledger, namespace=namespace,
+                                                   ttl_class=ttl_class, replay=state.config.replay)
+    if found.blocks * state.spec.block_size >= max(decision.cap, 0):
+        return keys, decision, None
+    return keys, decision, state.misses.first_absent(namespace, tokens, keys, found.blocks, found.gone)
 
 
 def refuse_oversized_text(state: ServerState, body: SamplingFields) -> None:

@@ -67,6 +67,7 @@ class SamplingFields(_Request):
     seed: Annotated[int, Field(ge=-(2**63), lt=2**64)] | None = None
     user: str | None = None
     cache_salt: Annotated[str, Field(min_length=1, max_length=1024)] | None = None
+    explain_cache_miss: bool = False   # kvledger's: usage.kvledger.miss says why the prompt's tokens missed
     logprobs: Any = None
     response_format: Any = None   # only null or {"type": "text"} (prepare.refuse_unsupported)
 
@@ -164,6 +165,7 @@ class CacheDetails(BaseModel):
     computed_prompt_tokens: int | None = None   # None when no engine reported (the request failed first)
     engine: str | None = None     # the engine that served the prompt (cluster mode)
     legs: list[LegDetails] | None = None   # cluster mode: the engine legs, in order
+    miss: dict[str, Any] | None = None     # with explain_cache_miss only: miss tokens by cause, the divergence
 
 
 class Usage(BaseModel):
@@ -179,14 +181,15 @@ class Usage(BaseModel):
 
     @classmethod
     def of(cls, prompt: int, cached: int, completion: int, *, hit_kind: str = "miss", device_cached: int = 0,
-           computed: int | None = None, engine: str | None = None, legs: list[LegDetails] | None = None) -> Usage:
+           computed: int | None = None, engine: str | None = None, legs: list[LegDetails] | None = None,
+           miss: dict[str, Any] | None = None) -> Usage:
         assert 0 <= device_cached <= cached <= prompt
         return cls(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                    prompt_cache_hit_tokens=cached, prompt_cache_miss_tokens=prompt - cached,
                    prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
                    kvledger=CacheDetails(hit_kind=hit_kind, device_cached_tokens=device_cached,
                                          store_cached_tokens=cached - device_cached, computed_prompt_tokens=computed,
-                                         engine=engine, legs=legs))
+                                         engine=engine, legs=legs, miss=miss))
 
 
 class ModelCard(BaseModel):

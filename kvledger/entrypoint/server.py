@@ -207,6 +207,14 @@ def _api_routes(app: FastAPI) -> None:
         state = _state(request)
         return ModelList(data=[ModelCard(id=state.model, created=state.created, max_model_len=state.max_model_len)])
 
+    @app.get("/v1/cache/misses", responses=ERRORS, tags=["kvledger"])
+    async def cache_misses(request: Request, tenant: AuthTenant) -> JSONResponse:
+        """Why prompts missed: per tenant, prompt and miss tokens by cause and the top divergence sites. A
+        tenant's key sees its own tenant only (every namespace its cache salts make); an operator sees all."""
+        state = _state(request)
+        everyone = may_operate(state.keys, tenant)
+        return JSONResponse({"object": "list", "data": state.misses.report(None if everyone else tenant.namespace)})
+
     @app.get("/health", tags=["operator"])
     async def health(request: Request) -> JSONResponse:
         state = _state(request)

@@ -19,6 +19,7 @@ from kvledger.entrypoint.activity import Activity
 from kvledger.entrypoint.auth import Tenant, load_keys
 from kvledger.entrypoint.config import ServeConfig
 from kvledger.entrypoint.metrics import ServeMetrics
+from kvledger.entrypoint.misses import MissBook
 from kvledger.entrypoint.remote import RemoteEngines
 from kvledger.store.ttl import TtlPolicy
 
@@ -46,6 +47,9 @@ class ServerState:
         self.max_token_bytes = longest_token_bytes(self.tokenizer) if self.tokenizer is not None else 0
         self.metrics = ServeMetrics(self.store_stats, lambda: self.block_ledger.store.counters.as_dict())
         self.activity = Activity()
+        tok = self.tokenizer   # spans are shown as text where there is a tokenizer, as token ids otherwise
+        self.misses = MissBook(self.spec.block_size,   # why prompts miss (misses.py)
+                               decode=None if tok is None else lambda ids: tok.decode(ids, skip_special_tokens=False))
         self.in_flight: dict[str, int] = {}   # tenant label → requests admitted and not finished
         self.engine: EngineClient | None = None
         self._engine_core: Any = None          # the loaded embedded engine, before its loop starts

@@ -90,6 +90,23 @@ class Counters:
         return asdict(self)
 
 
+@dataclass(frozen=True, slots=True)
+class Gone:
+    """A tombstone: the block was stored, and removed for `cause` ("expired" | "evicted") at `at` (epoch s)."""
+
+    cause: str
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Match:
+    """A CHECK's answer: the leading blocks present, and the tombstone of the first absent one (None: none kept,
+    or every key present)."""
+
+    blocks: int
+    gone: Gone | None = None
+
+
 class PutResult(NamedTuple):
     written: int   # blocks newly stored by this call
     skipped: int   # blocks that were already present

@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from kvledger.core import KEY_BYTES, ModelSpec, extend_chain, root_key
-from kvledger.store.backend import Buffer, BlockStore, ChainWrite, GcResult, PutResult, StoreStats, VerifyResult
+from kvledger.store.backend import (Buffer, BlockStore, ChainWrite, GcResult, Match, PutResult, StoreStats,
+                                    VerifyResult)
 from kvledger.store.open import DEFAULT_PREFIX, StoreLocation, open_block_store
 from kvledger.store.ttl import Clock, TtlPolicy, wall_clock
 
@@ -58,6 +59,11 @@ class BlockLedger:
         """Leading blocks of `keys` (from chain position 0) present, from metadata only; refreshes them."""
         _, ttl_s = self.policy.resolve(namespace, ttl_class)
         return self.store.match(keys, ttl_s)
+
+    def match_explained(self, keys: Sequence[bytes], *, namespace: str = "default", ttl_class: str | None = None
+                        ) -> Match:
+        """`match`, and the tombstone of the first absent key (why it is absent), in the same lookup."""
+        return Match(self.match(keys, namespace=namespace, ttl_class=ttl_class))
 
     def match_tokens(self, tokens: Any, spec: ModelSpec, *, namespace: str = "default",
                      ttl_class: str | None = None) -> tuple[list[bytes], int]:

@@ -143,11 +143,51 @@ function drawChart(series, bucketS) {
   el("text", { x: W - pad, y: H - 8, "font-size": 11, fill: "#6b7280", "text-anchor": "end" }, new Date(t1 * 1000).toLocaleTimeString());
 }
 
+const CAUSES = ["cold", "diverged", "expired", "evicted", "load_failed", "snapshot_missing", "tail"];
+const CAUSE_COLORS = { cold: "#9ec5fe", diverged: "#d63384", expired: "#fd7e14", evicted: "#ffc107",
+  load_failed: "#b02a37", snapshot_missing: "#6f42c1", tail: "#adb5bd" };
+
+function renderMisses(list) {
+  // one stacked bar per tenant: its miss tokens by cause, as shares of its prompt tokens
+  const tenants = list.data;
+  fillTable("miss-causes", tenants.map((t) => [t.namespace, fmt(t.requests), fmt(t.prompt_tokens),
+    ...CAUSES.map((c) => fmt(t.miss_tokens[c] || 0))]));
+  fillTable("divergences", tenants.flatMap((t) => t.top_divergences.map((s) => [t.namespace, fmt(s.position),
+    fmt(s.requests), fmt(s.tokens_lost), JSON.stringify(s.ours), JSON.stringify(s.theirs),
+    fmt(s.blocks_won_if_moved_to_end)])));
+  const svg = $("miss-chart"), W = 800, H = 160, pad = 28, ns = "http://www.w3.org/2000/svg";
+  svg.replaceChildren();
+  const el = (tag, attrs, text) => {
+    const e = document.createElementNS(ns, tag);
+    for (const [k, v] of Object.entries(attrs)) e.setAttribute(k, v);
+    if (text !== undefined) e.textContent = text;
+    svg.appendChild(e); return e;
+  };
+  if (!tenants.length) { el("text", { x: W / 2, y: H / 2, "text-anchor": "middle", fill: "#6b7280" }, "no requests yet"); return; }
+  const rowH = (H - pad) / tenants.length;
+  tenants.forEach((t, i) => {
+    let x = 120;
+    for (const c of CAUSES) {
+      const w = (W - 130) * (t.miss_tokens[c] || 0) / Math.max(t.prompt_tokens, 1);
+      if (w > 0) el("rect", { x, y: pad / 2 + i * rowH + 2, width: w, height: rowH - 4, fill: CAUSE_COLORS[c],
+        "data-cause": c, "data-tokens": t.miss_tokens[c] });
+      x += w;
+    }
+    el("text", { x: 4, y: pad / 2 + (i + 0.5) * rowH + 4, "font-size": 12, fill: "#1d2330" }, t.namespace);
+  });
+  $("miss-legend").replaceChildren(...CAUSES.map((c) => {
+    const s = document.createElement("span");
+    s.innerHTML = `<span class="sw" style="background:${CAUSE_COLORS[c]}"></span>`;
+    s.append(c.replace("_", " "));
+    return s;
+  }), " (share of each namespace's prompt tokens; the rest hit)");
+}
+
 async function refresh() {
   try {
-    const [m, a] = await Promise.all([fetch("/metrics", { headers: auth() }),
-      fetch("/dashboard/activity", { headers: auth() })]);
-    const bad = [m, a].find((r) => !r.ok);
+    const [m, a, x] = await Promise.all([fetch("/metrics", { headers: auth() }),
+      fetch("/dashboard/activity", { headers: auth() }), fetch("/v1/cache/misses", { headers: auth() })]);
+    const bad = [m, a, x].find((r) => !r.ok);
     if (bad) {
       $("status").textContent = [401, 403].includes(bad.status) ? "this server needs an operator key (above)"
         : "error " + bad.status;
@@ -155,6 +195,7 @@ async function refresh() {
     }
     renderMetrics(parseMetrics(await m.text()));
     renderActivity(await a.json());
+    renderMisses(await x.json());
     $("status").textContent = "updated " + new Date().toLocaleTimeString();
     document.body.dataset.loaded = "1";
   } catch (e) {

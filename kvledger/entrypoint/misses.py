@@ -1,0 +1,268 @@
+"""Why prompts miss, live: the recent prompts each namespace sent, the cause of each miss, the divergence sites.
+
+    book = MissBook(block_size=128)
+    site = book.first_absent(namespace, tokens, keys, blocks, gone)   # at the CHECK: the first absent block's cause
+    book.add(namespace, tokens, keys)                                 # the prompt joins its namespace's sample
+    split = book.account(namespace, prompt_len, decision, cached, site)   # at the end: tokens by cause, sites
+
+The sample. Per namespace (salted namespaces apart: they share no block), the most recent prompts' token ids,
+in memory only (never persisted, never shown outside the tenant), at most `max_prompts` prompts and
+`max_tokens` tokens each namespace and `max_total_tokens` over all (the least recently used namespace gives
+way first). They are indexed by chain key as a trie of blocks: a block's key → the blocks that followed it in
+some sampled prompt (`ROOT` → the first blocks), each child remembered by its key and the latest prompt that
+has it. So the nearest sampled prompt of a missing one is found in O(its blocks): the children of its last
+present block are the only candidates for its first absent one.
+
+The first absent block's cause (core.attribution): a tombstone the index kept (expired, evicted), else
+`diverged` at the first token t where the prompt differs from a sampled prompt that went on past t inside that
+block (in the first block, only after MIN_SHARED common tokens), else `cold` (nothing sampled continued there:
+first seen, or a prompt that extends what was cached, as a conversation's next turn does).
+
+The divergence sites, per tenant: where prompts diverge (token position), how often, the tokens lost after
+them, and an example: the differing spans of the prompt and of the sampled one it diverged from, and how many
+more blocks would hit with the varying span moved to the end (the answer of `kvledger diff`).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvledger.core import tenant_of
+from kvledger.core.attribution import MissCause, MissSplit
+from kvledger.store.backend import Gone
+
+ROOT = b""                    # the parent of every first block in the trie
+MAX_PROMPTS = 256             # per namespace
+MAX_TOKENS = 1 << 20          # per namespace: 4 MiB of uint32 token ids
+MAX_TOTAL_TOKENS = 8 << 20    # over every namespace: 32 MiB
+MAX_SITES = 64                # divergence sites kept per tenant (the smallest by tokens lost give way)
+SPAN_TOKENS = 24              # at most this many tokens of a differing span are shown (decoded)
+MIN_SHARED = 32               # a prompt whose first block is absent diverged only if it shared this many tokens
+                              # (a chat template's few fixed tokens do not make two prompts related)
+
+
+@dataclass(slots=True)
+class _Prompt:
+    tokens: np.ndarray        # uint32
+    keys: list[bytes]         # chain keys of its full blocks
+
+
+@dataclass(slots=True)
+class _Namespace:
+    prompts: OrderedDict[int, _Prompt] = field(default_factory=OrderedDict)   # oldest first
+    children: dict[bytes, dict[bytes, int]] = field(default_factory=dict)      # parent → child key → prompt id
+    tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class FirstAbsent:
+    """The first absent block of a prompt at its CHECK, and why it is absent."""
+
+    block: int                                  # its index (the CHECK's leading present blocks)
+    start: int                                  # its first token (L1 = block · B)
+    cause: MissCause                            # one of core.attribution.BLOCK_CAUSES
+    divergence: int | None = None               # token index (diverged only)
+    other: np.ndarray | None = field(default=None, repr=False)   # the sampled prompt it diverged from
+    gone_at: float | None = None                # the tombstone's time (expired, evicted)
+
+
+@dataclass(slots=True)
+class Site:
+    """One divergence position of a tenant's prompts."""
+
+    position: int
+    requests: int = 0
+    tokens_lost: int = 0          # miss tokens of the diverged requests, beyond the position's block
+    blocks_won: int = 0           # of the latest example: blocks that would hit with the span moved to the end
+    example: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class _Tenant:
+    requests: int = 0
+    prompt_tokens: int = 0
+    miss_tokens: dict[str, int] = field(default_factory=dict)
+    sites: dict[int, Site] = field(default_factory=dict)
+
+
+class MissBook:
+    """The sample, the causes and the sites of one server (thread-safe: CHECKs run in worker threads)."""
+
+    def __init__(self, block_size: int, *, max_prompts: int = MAX_PROMPTS, max_tokens: int = MAX_TOKENS,
+                 max_total_tokens: int = MAX_TOTAL_TOKENS, decode: Callable[[list[int]], str] | None = None) -> None:
+        assert block_size > 0 and max_prompts > 0 and 0 < max_tokens <= max_total_tokens
+        self.b = block_size
+        self.max_prompts, self.max_tokens, self.max_total_tokens = max_prompts, max_tokens, max_total_tokens
+        self.decode = decode
+        self._spaces: OrderedDict[str, _Namespace] = OrderedDict()   # least recently used first
+        self._tenants: dict[str, _Tenant] = {}
+        self._total = 0
+        self._next_id = 0
+        self._lock = threading.Lock()
+
+    # --- the CHECK ---------------------------------------------------------------------
+
+    def first_absent(self, namespace: str, tokens: np.ndarray, keys: list[bytes], blocks: int,
+                     gone: Gone | None) -> FirstAbsent:
+        """The cause of block `blocks` of the prompt (the first one the index does not hold)."""
+        if gone is not None:
+            cause = MissCause.EXPIRED if gone.cause == "expired" else MissCause.EVICTED
+            return FirstAbsent(blocks, blocks * self.b, cause, gone_at=gone.at)
+        t, other = self._nearest(namespace, tokens, keys, blocks)
+        related = blocks > 0 or t >= MIN_SHARED
+        if other is not None and related and t < min((blocks + 1) * self.b, len(tokens)) and len(other) > t:
+            return FirstAbsent(blocks, blocks * self.b, MissCause.DIVERGED, t, other)
+        return FirstAbsent(blocks, blocks * self.b, MissCause.COLD)
+
+    def _nearest(self, namespace: str, tokens: np.ndarray, keys: list[bytes], blocks: int
+                 ) -> tuple[int, np.ndarray | None]:
+        """(t, prompt): the sampled prompt that shares the longest prefix with `tokens` among those that share
+        its first `blocks` blocks, and the length of that prefix (t >= blocks · B); (0, None) when none."""
+        b, start = self.b, blocks * self.b
+        with self._lock:
+            space = self._spaces.get(namespace)
+            if space is None or blocks > len(keys):
+                return 0, None
+            ids = list(space.children.get(keys[blocks - 1] if blocks else ROOT, {}).values())
+            others = [space.prompts[i].tokens for i in ids]
+        mine = np.asarray(tokens[start:start + b], dtype=np.uint32)
+        best, best_t = None, start
+        for other in others:
+            theirs = other[start:start + b]
+            n = min(len(mine), len(theirs))
+            differ = np.flatnonzero(mine[:n] != theirs[:n])
+            t = start + (int(differ[0]) if differ.size else n)
+            if best is None or t > best_t:
+                best, best_t = other, t
+        return best_t, best
+
+    def add(self, namespace: str, tokens: np.ndarray, keys: list[bytes]) -> None:
+        """The prompt joins its namespace's sample (the oldest prompts give way beyond the caps)."""
+        tokens = np.array(tokens, dtype=np.uint32)   # a copy: the caller's array lives on in the engine
+        if len(tokens) > self.max_tokens:
+            return
+        with self._lock:
+            space = self._spaces.pop(namespace, None) or _Namespace()
+            self._spaces[namespace] = space   # most recently used
+            pid, self._next_id = self._next_id, self._next_id + 1
+            space.prompts[pid] = _Prompt(tokens, list(keys))
+            space.tokens += len(tokens)
+            self._total += len(tokens)
+            for parent, child in self._edges(keys, tokens):
+                space.children.setdefault(parent, {})[child] = pid
+            while len(space.prompts) > self.max_prompts or space.tokens > self.max_tokens:
+                self._drop_oldest(space)
+            while self._total > self.max_total_tokens:
+                lru_name, lru = next(iter(self._spaces.items()))
+                self._drop_oldest(lru)
+                if not lru.prompts:
+                    del self._spaces[lru_name]
+
+    def _edges(self, keys: list[bytes], tokens: np.ndarray) -> list[tuple[bytes, bytes]]:
+        """(parent, child) of every block of a prompt in the trie; a partial last block is a child named by its
+        length and tokens (no chain key: partial blocks have none)."""
+        parents = [ROOT, *keys]
+        edges = list(zip(parents, keys))
+        rest = tokens[len(keys) * self.b:]
+        if len(rest):
+            edges.append((parents[len(keys)], b"partial:" + rest.tobytes()))
+        return edges
+
+    def _drop_oldest(self, space: _Namespace) -> None:
+        pid, prompt = space.prompts.popitem(last=False)
+        space.tokens -= len(prompt.tokens)
+        self._total -= len(prompt.tokens)
+        for parent, child in self._edges(prompt.keys, prompt.tokens):
+            kids = space.children.get(parent)
+            if kids is not None and kids.get(child) == pid:
+                del kids[child]
+                if not kids:
+                    del space.children[parent]
+
+    # --- the end of a request ---------------------------------------------------------------
+
+    def account(self, namespace: str, split: MissSplit, first: FirstAbsent | None, tokens: np.ndarray) -> None:
+        """A request's miss tokens by cause (`core.attribution.split_misses`), counted for its tenant; a
+        divergence counted at its site."""
+        site = None
+        if split.divergence is not None and first is not None and first.other is not None:
+            site = self._site(split, first, tokens)
+        with self._lock:
+            tenant = self._tenants.setdefault(tenant_of(namespace), _Tenant())
+            tenant.requests += 1
+            tenant.prompt_tokens += len(tokens)
+            for cause, n in split.tokens.items():
+                tenant.miss_tokens[cause] = tenant.miss_tokens.get(cause, 0) + n
+            if site is not None:
+                have = tenant.sites.get(site.position)
+                if have is None:
+                    tenant.sites[site.position] = have = Site(site.position)
+                have.requests += 1
+                have.tokens_lost += split.tokens.get(MissCause.DIVERGED, 0)
+                have.blocks_won, have.example = site.blocks_won, site.example
+                if len(tenant.sites) > MAX_SITES:
+                    del tenant.sites[min(tenant.sites.values(), key=lambda s: s.tokens_lost).position]
+
+    def explain(self, split: MissSplit, first: FirstAbsent | None, tokens: np.ndarray) -> dict[str, Any]:
+        """The request's own explanation (usage, on request): tokens by cause and, for a divergence, its site."""
+        out: dict[str, Any] = {"causes": {str(c): n for c, n in split.tokens.items()}}
+        if split.divergence is not None and first is not None and first.other is not None:
+            site = self._site(split, first, tokens)
+            out["divergence"] = {"position": site.position, "blocks_won_if_moved_to_end": site.blocks_won,
+                                 **site.example}
+        return out
+
+    def _site(self, split: MissSplit, first: FirstAbsent, tokens: np.ndarray) -> Site:
+        """The divergence of one request: the differing spans (the common suffix removed), decoded, and the blocks
+        that would hit with the varying span moved to the end (as core.diff_prompts counts them)."""
+        assert split.divergence is not None and first.other is not None
+        mine, theirs, t = np.asarray(tokens, dtype=np.uint32), first.other, split.divergence
+        n = min(len(mine), len(theirs)) - t
+        tail_mine, tail_theirs = mine[len(mine) - n:][::-1], theirs[len(theirs) - n:][::-1]
+        differ = np.flatnonzero(tail_mine != tail_theirs)
+        suffix = int(differ[0]) if differ.size else n
+        common = t + suffix
+        won = max(common // self.b - t // self.b, 0)
+        example = {"ours": self._show(mine[t:len(mine) - suffix]), "theirs": self._show(theirs[t:len(theirs) - suffix]),
+                   "blocks_lost": max(split.tokens.get(MissCause.DIVERGED, 0) // self.b, 0)}
+        return Site(t, blocks_won=won, example=example)
+
+    def _show(self, span: np.ndarray) -> str | list[int]:
+        ids = [int(x) for x in span[:SPAN_TOKENS]]
+        more = len(span) > SPAN_TOKENS
+        if self.decode is None:
+            return ids
+        return self.decode(ids) + ("…" if more else "")
+
+    # --- what the endpoint and the page show ------------------------------------------------
+
+    def report(self, tenant: str | None = None, top: int = 10) -> list[dict[str, Any]]:
+        """Per tenant (only `tenant`'s when given): requests, prompt and miss tokens by cause, the top divergence
+        sites by tokens lost."""
+        with self._lock:
+            names = sorted(self._tenants) if tenant is None else [tenant] if tenant in self._tenants else []
+            out = []
+            for name in names:
+                t = self._tenants[name]
+                sites = sorted(t.sites.values(), key=lambda s: -s.tokens_lost)[:top]
+                out.append({"namespace": name, "requests": t.requests, "prompt_tokens": t.prompt_tokens,
+                            "miss_tokens": dict(sorted(t.miss_tokens.items())),
+                            "top_divergences": [{"position": s.position, "requests": s.requests,
+                                                 "tokens_lost": s.tokens_lost,
+                                                 "blocks_won_if_moved_to_end": s.blocks_won, **s.example}
+                                                for s in sites]})
+        return out
+
+    def sample_bytes(self, namespace: str) -> int:
+        """Bytes the sample of one namespace holds: token ids and chain keys (the index's dict overhead apart)."""
+        with self._lock:
+            space = self._spaces.get(namespace)
+            if space is None:
+                return 0
+            return sum(p.tokens.nbytes + 16 * len(p.keys) for p in space.prompts.values())
