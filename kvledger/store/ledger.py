@@ -4,6 +4,7 @@
     ledger = BlockLedger.open(redis_url="redis://127.0.0.1:6379/0")  # shared (Redis: index and bytes)
     ledger = BlockLedger.open(path="/mnt/3fs/kvl", redis_url=url)    # cluster (Redis index, shared files)
     keys, n = ledger.match_tokens(tokens, spec, namespace="tenant")  # CHECK, hashing included
+    m = ledger.match_explained(keys, namespace="tenant")  # m.blocks, and m.gone: why keys[m.blocks] is absent
     ledger.put_chain(keys[n:], blocks, namespace="tenant", start_pos=n, parent=keys[n - 1])
     ledger.get_into(keys[:n], bufs)                                  # blocks into caller buffers
 
@@ -19,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from kvledger.core import KEY_BYTES, ModelSpec, extend_chain, root_key
-from kvledger.store.backend import Buffer, BlockStore, ChainWrite, GcResult, PutResult, StoreStats, VerifyResult
+from kvledger.store.backend import (Buffer, BlockStore, ChainWrite, GcResult, Match, PutResult, StoreStats,
+                                    VerifyResult)
 from kvledger.store.open import DEFAULT_PREFIX, StoreLocation, open_block_store
 from kvledger.store.ttl import Clock, TtlPolicy, wall_clock
 
@@ -58,6 +60,14 @@ class BlockLedger:
         """Leading blocks of `keys` (from chain position 0) present, from metadata only; refreshes them."""
         _, ttl_s = self.policy.resolve(namespace, ttl_class)
         return self.store.match(keys, ttl_s)
+
+    def match_explained(self, keys: Sequence[bytes], *, namespace: str = "default",
+                        ttl_class: str | None = None) -> Match:
+        """`match` (same blocks, same refresh, same faults) and, when a key is absent, the tombstone of the
+        first absent one: expired or evicted, and when (`Gone`); None for a key never stored or a fault.
+        Same call, same round trip."""
+        _, ttl_s = self.policy.resolve(namespace, ttl_class)
+        return self.store.match_explained(keys, ttl_s)
 
     def match_tokens(self, tokens: Any, spec: ModelSpec, *, namespace: str = "default",
                      ttl_class: str | None = None) -> tuple[list[bytes], int]:
