@@ -73,6 +73,15 @@ GC_GRACE_S = 60.0           # cluster-mode GC spares file blocks younger than th
 __all__ = ["RedisStore", "VOLUME_FILE", "GC_GRACE_S"]
 
 
+_CAUSES = {b"expired": MissCause.EXPIRED, b"evicted": MissCause.EVICTED}
+
+
+def _why(reply: bytes) -> tuple[int, Gone | None]:
+    """MATCH's explained answer 'COUNT CAUSE UNIX_MS' → (count, its tombstone)."""
+    first, cause, ms = reply.split()
+    return int(first), Gone(_CAUSES[cause], int(ms) / 1000)
+
+
 class RedisStore:
     """Blocks and their metadata on the Redis server or Redis Cluster at `url` (see the module docstring).
     `tomb_grace_s`: how long a tombstone outlives its block (redis_meta.py; one value for every client of a
@@ -168,9 +177,9 @@ class RedisStore:
                 if idx[0] < n:
                     n, gone = idx[0], None
                 continue
-            first, why = (reply, None) if isinstance(reply, int) else (int(reply[0]), reply)
+            first, why = (reply, None) if isinstance(reply, int) else _why(reply)
             if first < len(idx) and idx[first] < n:
-                n, gone = idx[first], None if why is None else Gone(MissCause(why[1].decode()), why[2] / 1000)
+                n, gone = idx[first], why
         if fault is not None:
             log.warning("CHECK on %s failed (answering %d): %s", self.shown, n, fault)
             self.counters.match_failures += 1

@@ -59,19 +59,27 @@ end
 # to explain the first absent key. A block at chain position c lagging `at - c` by more than the grain is set
 # to expire at `at - c`, or 1 ms before the block walked before it, whichever is sooner (tails first); its
 # tombstone `grace` after it. Returns how many leading KEYS are present, or with ARGV[8] and a tombstone of the
-# first absent one {that count, 'expired' | 'evicted', unix ms} (the table in the module docstring).
+# first absent one 'COUNT expired|evicted UNIX_MS' (the table in the module docstring; one string: cheaper to
+# parse than an array).
 MATCH = _NOW + """
 local ttl, at, pos, grain = tonumber(ARGV[1]), ARGV[2], ARGV[3], tonumber(ARGV[4])
 local tprefix, blen, grace = ARGV[5], tonumber(ARGV[6]), tonumber(ARGV[7])
+local now = nil
 local function explain(n, tomb)
   local v = redis.call('GET', tomb)
   if not v then return n end
-  if string.sub(v, 1, 1) == 'x' then return {n, 'evicted', tonumber(string.sub(v, 2))} end
-  local expiry, now = redis.call('PEXPIRETIME', tomb) - tonumber(v), now_ms()
-  if now >= expiry then return {n, 'expired', expiry} end
-  return {n, 'evicted', now}
+  if string.sub(v, 1, 1) == 'x' then return string.format('%d evicted %s', n, string.sub(v, 2)) end
+  local expiry = redis.call('PEXPIRETIME', tomb) - tonumber(v)
+  now = now or now_ms()
+  if now >= expiry then return string.format('%d expired %d', n, expiry) end
+  return string.format('%d evicted %d', n, now)
 end
-if at == '' then at = now_ms() + ttl else at = tonumber(at) end
+if at == '' then
+  now = now_ms()
+  at = now + ttl
+else
+  at = tonumber(at)
+end
 local prev = at + 1
 for i, k in ipairs(KEYS) do
   local c = i - 1
