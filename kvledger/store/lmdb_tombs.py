@@ -16,7 +16,7 @@ pages), so ~105 MB for the table at the cap, paged in only where a CHECK or a GC
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import lmdb
@@ -42,19 +42,26 @@ class Tombstones:
     def __post_init__(self) -> None:
         assert self.cap >= 0
 
-    def bury(self, w: lmdb.Transaction, keys: Iterable[bytes], cause: MissCause, at: float) -> None:
-        """In the write transaction `w`: a tombstone (at, cause) for each key, then the oldest dropped past the cap."""
+    def bury(self, w: lmdb.Transaction, keys: Sequence[bytes], cause: MissCause, at: float) -> None:
+        """In the write transaction `w`: a tombstone (at, cause) for each key, then the oldest dropped past the cap.
+        Both tables take their rows in one C-level insert each; only keys buried before are looked at one by one."""
+        if not keys:
+            return
         idx = self.index
         seq = idx.total(w, NEXT)
         code = CAUSE_CODE[cause]
-        for key in keys:
-            old = w.get(key, db=idx.tombs)
-            if old is not None:
-                w.delete(SEG_ID.pack(TOMB.unpack(old)[0]), db=idx.tomb_order)
-            w.put(key, TOMB.pack(seq, at, code), db=idx.tombs)
-            w.put(SEG_ID.pack(seq), key, db=idx.tomb_order)
-            seq += 1
-        w.put(NEXT, U64.pack(seq), db=idx.meta)
+        rows = [(k, TOMB.pack(seq + i, at, code)) for i, k in enumerate(keys)]
+        with w.cursor(db=idx.tombs) as cur:
+            _, added = cur.putmulti(rows, overwrite=False)
+        if added < len(rows):   # buried before: the latest tombstone replaces the old one and its order row
+            for k, v in rows:
+                old = w.get(k, db=idx.tombs)
+                if old != v:
+                    w.delete(SEG_ID.pack(TOMB.unpack(old)[0]), db=idx.tomb_order)
+                    w.put(k, v, db=idx.tombs)
+        with w.cursor(db=idx.tomb_order) as cur:   # sequence numbers only grow: appended
+            cur.putmulti([(SEG_ID.pack(seq + i), k) for i, k in enumerate(keys)], append=True)
+        w.put(NEXT, U64.pack(seq + len(keys)), db=idx.meta)
         self._trim(w)
 
     def _trim(self, w: lmdb.Transaction) -> None:
