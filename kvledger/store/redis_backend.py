@@ -357,10 +357,13 @@ class RedisStore:
     def _unpublish(self, keys: Sequence[bytes]) -> int:
         """Delete the blocks `keys`, each leaving an evicted tombstone (BURY: one script per group of one slot);
         how many existed (a fault is logged)."""
-        groups = self.place.groups(keys)
-        calls = [Call(slot, script_call(self._bury, [self._k(keys[i]) for i in idx], *self._tomb_args))
-                 for slot, _, idx in groups]
-        replies = self.nodes.run(calls)
+        return self.bury([(slot, [self._k(keys[i]) for i in idx]) for slot, _, idx in self.place.groups(keys)])
+
+    def bury(self, batches: Sequence[tuple[int, list[bytes]]]) -> int:
+        """Delete blocks by Redis name, each leaving an evicted tombstone: one BURY script per (hash slot, names of
+        blocks in that slot), one round trip per node; how many existed (a fault is logged, never raised)."""
+        replies = self.nodes.run([Call(slot, script_call(self._bury, names, *self._tomb_args))
+                                  for slot, names in batches])
         fault = next((r for r in replies if isinstance(r, BaseException)), None)
         if fault is not None:
             log.warning("delete on %s failed: %s", self.shown, fault)

@@ -72,10 +72,10 @@ def blocks(store: RedisStore) -> Iterator[BlockInfo]:
 def remove_unreadable(store: RedisStore, batch: int) -> tuple[int, int]:
     """Delete blocks whose metadata does not parse, each leaving an evicted tombstone (damaged); (removed,
     batches). Raises on a Redis fault of the scan (one of the removal is logged)."""
-    bad = [store.place.key_of(name) for _, name, meta, ttl in scan(store, batch) if meta is None and ttl != -2]
+    bad = [name for _, name, meta, ttl in scan(store, batch) if meta is None and ttl != -2]
     removed = batches = 0
     for i in range(0, len(bad), batch):
-        removed += store._unpublish(bad[i:i + batch])
+        removed += store.bury([(store.nodes.slot(name), [name]) for name in bad[i:i + batch]])
         batches += 1
     return removed, batches
 
@@ -124,7 +124,7 @@ def verify(store: RedisStore, remove: bool) -> VerifyResult:
                 continue
             bad += 1
             if remove and got != "unreadable":
-                removed += store._unpublish([store.place.key_of(name)])   # an evicted tombstone: damaged
+                removed += store.bury([(store.nodes.slot(name), [name])])   # an evicted tombstone: damaged
     return VerifyResult(checked, bad, removed, nbytes)
 
 

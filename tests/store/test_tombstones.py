@@ -356,3 +356,21 @@ def test_redis_maxmemory_eviction_reads_as_evicted(redis_server):
     m = led.match_explained(keys, ttl_class="agent")
     assert m.blocks < 40 and near(m.gone, EVICTED, time.time()), m
     store.close()
+
+
+def test_redis_gc_and_verify_removals_leave_evicted_tombstones(redis_at):
+    """Unreadable metadata (GC) and bad bytes (verify) are damage: each removed block says evicted, then."""
+    url, prefix, raw = redis_at
+    store = RedisStore(url, prefix=prefix)
+    keys, blocks = chain(30, seed=33)
+    BlockLedger(store).put_chain(keys, blocks)
+    raw.hset(store._k(keys[20]), "m", b"junk")
+    t = time.time()
+    assert store.gc().expired == 1
+    m = store.match_explained(keys, DAY_S)
+    assert m.blocks == 20 and near(m.gone, EVICTED, t), m
+    raw.hset(store._k(keys[9]), "d", b"short")
+    assert store.verify().removed == 1
+    m = store.match_explained(keys, DAY_S)
+    assert m.blocks == 9 and near(m.gone, EVICTED, time.time()), m
+    store.close()
