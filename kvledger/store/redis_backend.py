@@ -42,8 +42,8 @@ from typing import Any
 import xxhash
 from redis.crc import key_slot
 
-from kvledger.store import redis_upkeep
 from kvledger.core.attribution import MissCause
+from kvledger.store import redis_upkeep
 from kvledger.store.backend import (
     BlockInfo,
     Buffer,
@@ -76,7 +76,7 @@ __all__ = ["RedisStore", "VOLUME_FILE", "GC_GRACE_S"]
 _CAUSES = {b"expired": MissCause.EXPIRED, b"evicted": MissCause.EVICTED}
 
 
-def _why(reply: bytes) -> tuple[int, Gone | None]:
+def _why(reply: bytes) -> tuple[int, Gone]:
     """MATCH's explained answer 'COUNT CAUSE UNIX_MS' → (count, its tombstone)."""
     first, cause, ms = reply.split()
     return int(first), Gone(_CAUSES[cause], int(ms) / 1000)

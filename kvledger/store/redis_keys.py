@@ -24,8 +24,8 @@ holds 1/64 of the blocks (a reshard moves whole groups). A `{` in `prefix` overr
 
 Tombstones: the tombstone of a block (redis_meta.py) is named as the block with `{prefix}t:` for
 `{prefix}b:` — `{prefix}t:<key>`, `{prefix}t:{<tag>}<key>` — so it shares its block's hash slot and a
-block's script reaches it. A prefix that makes Redis hash whole names (`{}`) leaves no common slot:
-such a store keeps no tombstones (`Placement.tombs` False).
+block's script reaches it. A prefix that leaves no common slot on a cluster (`{}`: Redis hashes whole
+names; an unclosed `{`: the tag takes in `b:` or `t:`) keeps no tombstones (`Placement.tombs` False).
 """
 
 from __future__ import annotations
@@ -72,7 +72,9 @@ class Placement:
         self.heads = [bprefix + b"{" + t + b"}" for t in group_tags()] if cluster else [bprefix] * TAGS
         fixed = cluster and all(_tag_is_fixed(h) for h in self.heads)
         self.slots: list[int] | None = [key_slot(h) for h in self.heads] if fixed else None
-        self.tombs = bool(tprefix) and (not cluster or fixed)   # a tombstone shares its block's slot
+        # a tombstone must share its block's slot: with a prefix holding an unclosed `{` the tags would differ
+        self.tombs = bool(tprefix) and (not cluster or self.slots is not None and all(
+            key_slot(tprefix + h[len(bprefix):]) == slot for h, slot in zip(self.heads, self.slots)))
         self.tprefix = tprefix if self.tombs else b""
 
     def tomb_name(self, key: bytes) -> bytes | None:

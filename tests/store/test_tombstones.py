@@ -218,6 +218,18 @@ def test_redis_expired_at_its_expiry_with_a_miss_in_the_middle(redis_at):
     led.close()
 
 
+def test_a_tombstone_shares_its_blocks_slot():
+    from redis.crc import key_slot
+
+    from kvledger.store.redis_keys import Placement
+
+    for prefix in (b"kvl:", b"kvl:{tenant}:"):
+        place = Placement(prefix + b"b:", True, prefix + b"t:")
+        keys = [bytes([i]) * 16 for i in range(64)]
+        assert place.tombs and all(key_slot(place.tomb_name(k)) == place.slot(k) for k in keys)
+        assert Placement(prefix + b"b:", False, prefix + b"t:").tomb_name(keys[1]) == prefix + b"t:" + keys[1]
+
+
 def test_redis_never_stored_and_all_present_have_no_tombstone(redis_at):
     url, prefix, _ = redis_at
     led = BlockLedger(RedisStore(url, prefix=prefix))
@@ -331,8 +343,11 @@ def test_cluster_mode_lost_bytes_leave_an_evicted_tombstone(tmp_path, redis_serv
     led.close()
 
 
-def test_a_prefix_hashing_whole_names_keeps_no_tombstones_and_still_matches(redis_cluster):
-    store = RedisStore(redis_cluster.url, prefix=f"t{secrets.token_hex(4)}{{}}:")
+@pytest.mark.parametrize("brace", ["{}:", "{:"])
+def test_a_prefix_without_a_slot_in_common_keeps_no_tombstones_and_still_matches(redis_cluster, brace):
+    """`{}`: Redis hashes whole names; `{` unclosed: the tag would be `…b:{g}` for a block, `…t:{g}` for its
+    tombstone. Either way no slot in common: no tombstones, and CHECK answers as ever."""
+    store = RedisStore(redis_cluster.url, prefix=f"t{secrets.token_hex(4)}{brace}")
     assert not store.place.tombs and store.place.tomb_name(b"k" * 16) is None
     led = BlockLedger(store)
     keys, blocks = chain(40, seed=30)
