@@ -13,6 +13,15 @@ CHECK. The latency of answering "how many leading blocks of this prompt are stor
 and Redis (one Lua call). Baseline: vLLM's default prefix-cache hashing — per block
 sha256(pickle.dumps((parent_hash, tuple(block_tokens)))) over the tokens as a Python list,
 plus one dict lookup per block. Converting a Python list to the array is reported apart.
+
+Explained CHECK (`--explained`, issue 24). `match_explained` (the CHECK that also says why its first absent
+block is absent: its tombstone) against plain `match`, the ledger call alone on precomputed keys (no hashing
+to dilute the difference), embedded and Redis, at `--explained-keys` (64 and 1,024 keys: 8K and 128K-token
+prompts), every block present (`hit`) and the chain's second half gone with tombstones (`half`: deleted,
+so a tombstone each); p50 and p99 over `--explained-reps` interleaved reps, and the median per-rep ratio.
+Redis also runs the CHECK script of before tombstones (`pre`) on the same keys: a hit again within the
+refresh grain (`hit`, `half`: as a repeated prompt or a next turn) and, with every block's expiry set back
+a day before each rep, untimed (`refresh`: each CHECK rewrites every expiry, and the tombstones' with them).
 """
 
 from __future__ import annotations
@@ -52,6 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--check-reps", type=int, default=31, help="interleaved CHECK reps per prompt length")
     p.add_argument("--check-tokens", default=",".join(map(str, CHECK_TOKENS)), help="prompt lengths for CHECK")
     p.add_argument("--no-redis", action="store_true", help="skip the Redis CHECK (no redis-server started)")
+    p.add_argument("--explained", action="store_true", help="also time match_explained against match (issue 24)")
+    p.add_argument("--explained-keys", default="64,1024", help="CHECK lengths in blocks for --explained")
+    p.add_argument("--explained-reps", type=int, default=301, help="interleaved reps per case for --explained")
 
 
 # --- throughput --------------------------------------------------------------------------
@@ -247,6 +259,109 @@ def check_latency(spec: ModelSpec, base: Path, sizes: list[int], reps: int, redi
     return res
 
 
+# --- explained CHECK (tombstones) -----------------------------------------------------------
+
+# The Redis CHECK script before tombstones (one server): every present block's expiry rewritten (GT), no tombstone.
+PRE_TOMBSTONE_MATCH = """
+local ttl, at = tonumber(ARGV[1]), ARGV[2]
+local t = redis.call('TIME')
+at = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + ttl
+for i, k in ipairs(KEYS) do
+  if redis.call('PEXPIREAT', k, at - (i - 1), 'GT') == 0 and redis.call('EXISTS', k) == 0 then
+    return i - 1
+  end
+end
+return #KEYS
+"""
+
+
+def _explained_variants(led: Any, keys: list[bytes], want: int) -> dict[str, Any]:
+    """The timed CHECKs of one case: plain, explained, and on Redis the script before tombstones."""
+    from kvledger.store.ttl import DEFAULT_CLASS, DEFAULT_CLASSES
+    from kvledger.util.redis_fanout import Call, script_call
+
+    def expect(got: int, what: str) -> int:
+        assert got == want, f"{what} answered {got}, expected {want}"
+        return got
+
+    out = {"plain": lambda: expect(led.match(keys), "match"),
+           "explained": lambda: expect(led.match_explained(keys).blocks, "match_explained")}
+    store = led.store
+    if getattr(store, "nodes", None) is not None:
+        sha, ttl_ms = store.nodes.script(PRE_TOMBSTONE_MATCH), int(DEFAULT_CLASSES[DEFAULT_CLASS] * 1000)
+        call = [Call(0, script_call(sha, keys, ttl_ms, "", head=store.bprefix))]
+        out["pre"] = lambda: expect(int(store.nodes.run(call)[0]), "the script before tombstones")
+    return out
+
+
+def _set_back(led: Any, keys: list[bytes]) -> None:
+    """Every block's expiry a day from now (tails first): the next CHECK must rewrite each one."""
+    at = int(time.time() * 1000) + 86_400_000
+    node = led.store.nodes.client()
+    pipe = node.pipeline(transaction=False)
+    for c, k in enumerate(keys):
+        pipe.pexpireat(led.store._k(k), at - c)
+    pipe.execute()
+
+
+def _time_case(variants: dict[str, Any], reps: int, before: Any = None) -> dict[str, list[float]]:
+    """ms of each variant per rep, interleaved in a rotating order; `before()` untimed before each call."""
+    names = list(variants)
+    times: dict[str, list[float]] = {k: [] for k in names}
+    for rep in range(reps):
+        for k in names[rep % len(names):] + names[:rep % len(names)]:
+            if before is not None:
+                before()
+            t0 = time.perf_counter()
+            variants[k]()
+            times[k].append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def _pct(ts: list[float], q: float) -> float:
+    ts = sorted(ts)
+    return ts[min(len(ts) - 1, int(q * len(ts)))]
+
+
+def explained_check(base: Path, lengths: list[int], reps: int, redis_url: str | None) -> dict[str, Any]:
+    """The explained-CHECK figures (module docstring): `explained_{backend}_{n}_{case}_{variant}_p50_ms` / `_p99_ms`
+    and `explained_ratio_{backend}_{n}_{case}` (explained / plain, median per rep); on Redis
+    `tombstone_ratio_{n}_{case}` (plain / pre: the CHECK with tombstone upkeep against the one before)."""
+    from kvledger.store.ledger import BlockLedger
+
+    rng = np.random.default_rng(13)
+    ledgers = {"embedded": BlockLedger.open(path=base / "explained-store", fsync=False)}
+    if redis_url:
+        ledgers["redis"] = BlockLedger.open(redis_url=redis_url, timeout_s=10.0)
+    res: dict[str, Any] = {"explained_keys": lengths, "explained_reps": reps}
+    try:
+        for n in lengths:
+            full = [rng.bytes(16) for _ in range(n)]
+            half = [rng.bytes(16) for _ in range(n)]
+            for name, led in ledgers.items():
+                led.put_chain(full, [b"\0"] * n)
+                led.put_chain(half, [b"\0"] * n)
+                led.delete(half[n // 2:])        # tombstones, tail first: the CHECK's first absent key has one
+                assert led.match_explained(half).gone is not None
+                cases = [("hit", full, n, None), ("half", half, n // 2, None)]
+                if name == "redis":
+                    cases += [("refresh", full, n, lambda led=led, full=full: _set_back(led, full))]
+                for case, keys, want, before in cases:
+                    times = _time_case(_explained_variants(led, keys, want), reps, before)
+                    for variant, ts in times.items():
+                        res[f"explained_{name}_{n}_{case}_{variant}_p50_ms"] = _pct(ts, 0.5)
+                        res[f"explained_{name}_{n}_{case}_{variant}_p99_ms"] = _pct(ts, 0.99)
+                    res[f"explained_ratio_{name}_{n}_{case}"] = statistics.median(
+                        a / b for a, b in zip(times["explained"], times["plain"]))
+                    if "pre" in times:
+                        res[f"tombstone_ratio_{n}_{case}"] = statistics.median(
+                            a / b for a, b in zip(times["plain"], times["pre"]))
+    finally:
+        for led in ledgers.values():
+            led.close()
+    return res
+
+
 # --- entry -------------------------------------------------------------------------------
 
 def run(args: argparse.Namespace) -> None:
@@ -255,6 +370,13 @@ def run(args: argparse.Namespace) -> None:
         sizes = [int(x) for x in args.check_tokens.split(",") if x.strip()]
     except ValueError as e:
         raise CliError(str(e)) from None
+    try:
+        explained_keys = [int(x) for x in args.explained_keys.split(",") if x.strip()]
+    except ValueError as e:
+        raise CliError(f"--explained-keys: {e}") from None
+    if args.explained and (not explained_keys or min(explained_keys) < 2 or max(explained_keys) > 1 << 16
+                           or not 1 <= args.explained_reps <= 100_000):
+        raise CliError("--explained-keys: lengths of 2..65,536 blocks; --explained-reps: 1..100,000")
     if args.reps < 1 or args.check_reps < 1 or args.blocks_per_put < 1 or args.total_mb <= 0:
         raise CliError("--reps, --check-reps, --blocks-per-put and --total-mb must be positive")
     for flag, value, limit in (("--reps", args.reps, 1000), ("--check-reps", args.check_reps, 10_000),
@@ -278,6 +400,8 @@ def run(args: argparse.Namespace) -> None:
             redis_url = server.url
         tp = throughput(spec, base, int(args.total_mb * 1e6), args.blocks_per_put, args.reps)
         ck = check_latency(spec, base, sizes, args.check_reps, redis_url)
+        if args.explained:
+            ck |= explained_check(base, explained_keys, args.explained_reps, redis_url)
     finally:
         if server is not None:
             server.close()
@@ -322,6 +446,28 @@ def _print(r: dict[str, Any]) -> None:
         t.add_row(f"{L:,}", f"{r[f'check_ms_{tag}_embedded']:.2f}", "-" if redis_ms is None else f"{redis_ms:.2f}",
                   f"{r[f'check_ms_{tag}_baseline']:.2f}", f"{r[f'check_ratio_{tag}']:.3f}",
                   f"{r[f'check_ms_{tag}_list_to_array']:.2f}")
+    c.print(t)
+    if "explained_keys" in r:
+        _print_explained(c, r)
+
+
+def _print_explained(c: Any, r: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    t = Table(title="CHECK explained (tombstone of the first absent block) vs plain, ledger call only: p50 / p99 ms")
+    for col in ("backend", "keys", "case", "plain", "explained", "ratio", "before tombstones", "ratio"):
+        t.add_column(col, justify="right")
+    for name in ("embedded", "redis"):
+        for n in r["explained_keys"]:
+            for case in ("hit", "half", "refresh"):
+                key = f"explained_{name}_{n}_{case}"
+                if f"{key}_plain_p50_ms" not in r:
+                    continue
+                cell = [f"{r[f'{key}_{v}_p50_ms']:.3f} / {r[f'{key}_{v}_p99_ms']:.3f}" if f"{key}_{v}_p50_ms" in r
+                        else "-" for v in ("plain", "explained", "pre")]
+                pre = r.get(f"tombstone_ratio_{n}_{case}")
+                t.add_row(name, str(n), case, cell[0], cell[1], f"{r[f'explained_ratio_{name}_{n}_{case}']:.3f}",
+                          cell[2], "-" if pre is None or name != "redis" else f"{pre:.3f}")
     c.print(t)
 
 

@@ -7,6 +7,7 @@
     lmdb_store.py    LmdbStore: segment files + the persisted LMDB index (the embedded store; local folders only)
     lmdb_index.py    the LMDB index's tables and the writes that keep its invariants
     lmdb_write.py    its write path; lmdb_gc.py GC, eviction, compaction; lmdb_upkeep.py migration, verify, stats
+    lmdb_tombs.py    its tombstones: when and why each removed block went (bounded), for `match_explained`
     chain_check.py   CHECK by bisection over a prompt's keys; refresher.py TTL refreshes off the CHECK path;
                      map_trim.py bounds the index map's share of a process's RSS
     redis_backend.py RedisStore: Redis index (+ bytes, or bytes in SharedFiles: the cluster mode)

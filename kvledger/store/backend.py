@@ -10,6 +10,10 @@ in Redis or in segment files on a shared mount, the cluster mode).
 Fault rule (DESIGN.md rule 8): no method raises into the caller for a storage fault. A
 missing, expired, corrupt or truncated block is a miss (counted in `counters`); a full disk
 or an unreachable server makes `put` return `failed` and `match` answer 0.
+
+Tombstones: a block a store removes (its TTL ran out, or it went for room or as damaged) leaves a small
+record of when and why, bounded, so that `match_explained` can say why the first absent block of a
+prompt is absent without keeping its bytes (`Gone`; see each store for its bounds).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple, Protocol
 
 from kvledger.core import KEY_BYTES
+from kvledger.core.attribution import MissCause
 from kvledger.core.keys import namespace_bytes
 
 Buffer = Any  # anything with the writable/readable buffer protocol: bytearray, memoryview, numpy array
@@ -92,16 +97,21 @@ class Counters:
 
 @dataclass(frozen=True, slots=True)
 class Gone:
-    """A tombstone: the block was stored, and removed for `cause` ("expired" | "evicted") at `at` (epoch s)."""
+    """Why a block the store held is absent now, from its tombstone.
 
-    cause: str
+    `cause`: `MissCause.EXPIRED` (its TTL ran out; `at` is its expiry) or `MissCause.EVICTED` (removed
+    before its expiry: for room, or as damaged; `at` is the removal, or where the store cannot know it,
+    the moment it was found gone). `at`: epoch seconds."""
+
+    cause: MissCause
     at: float
 
 
 @dataclass(frozen=True, slots=True)
 class Match:
-    """A CHECK's answer: the leading blocks present, and the tombstone of the first absent one (None: none kept,
-    or every key present)."""
+    """A CHECK's answer with its reason: `blocks` leading keys present (what `match` answers) and, when
+    blocks < len(keys), the tombstone of keys[blocks] (None: never stored, tombstone dropped by its
+    bound, or a fault)."""
 
     blocks: int
     gone: Gone | None = None
@@ -200,6 +210,10 @@ class BlockStore(Protocol):
     def match(self, keys: Sequence[bytes], ttl_s: float) -> int:
         """Leading blocks of `keys` present and unexpired, from metadata only; refreshes their expiry
         to at least now + `ttl_s`."""
+
+    def match_explained(self, keys: Sequence[bytes], ttl_s: float) -> Match:
+        """`match`, plus the tombstone of the first absent key, in the same call (no extra round trip;
+        nothing more when every key is present). A fault: `Match(blocks before it, None)`, never raised."""
 
     def get_into(self, keys: Sequence[bytes], bufs: Sequence[Buffer]) -> list[int]:
         """Read each block into its buffer (at least the block's size); its size, or -1 for a miss."""

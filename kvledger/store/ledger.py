@@ -4,6 +4,7 @@
     ledger = BlockLedger.open(redis_url="redis://127.0.0.1:6379/0")  # shared (Redis: index and bytes)
     ledger = BlockLedger.open(path="/mnt/3fs/kvl", redis_url=url)    # cluster (Redis index, shared files)
     keys, n = ledger.match_tokens(tokens, spec, namespace="tenant")  # CHECK, hashing included
+    m = ledger.match_explained(keys, namespace="tenant")  # m.blocks, and m.gone: why keys[m.blocks] is absent
     ledger.put_chain(keys[n:], blocks, namespace="tenant", start_pos=n, parent=keys[n - 1])
     ledger.get_into(keys[:n], bufs)                                  # blocks into caller buffers
 
@@ -60,10 +61,13 @@ class BlockLedger:
         _, ttl_s = self.policy.resolve(namespace, ttl_class)
         return self.store.match(keys, ttl_s)
 
-    def match_explained(self, keys: Sequence[bytes], *, namespace: str = "default", ttl_class: str | None = None
-                        ) -> Match:
-        """`match`, and the tombstone of the first absent key (why it is absent), in the same lookup."""
-        return Match(self.match(keys, namespace=namespace, ttl_class=ttl_class))
+    def match_explained(self, keys: Sequence[bytes], *, namespace: str = "default",
+                        ttl_class: str | None = None) -> Match:
+        """`match` (same blocks, same refresh, same faults) and, when a key is absent, the tombstone of the
+        first absent one: expired or evicted, and when (`Gone`); None for a key never stored or a fault.
+        Same call, same round trip."""
+        _, ttl_s = self.policy.resolve(namespace, ttl_class)
+        return self.store.match_explained(keys, ttl_s)
 
     def match_tokens(self, tokens: Any, spec: ModelSpec, *, namespace: str = "default",
                      ttl_class: str | None = None) -> tuple[list[bytes], int]:

@@ -19,6 +19,9 @@ hit refreshes the whole matched prefix and a put refreshes the chain it extends.
 Compaction: a segment whose live bytes fall under COMPACT_BELOW of its data bytes (blocks
 deleted or dropped from its middle) is rewritten with its live blocks only, in a new file
 fsynced before the transaction that moves the blocks to it; the old file goes after.
+
+Tombstones: every block GC removes is buried (lmdb_tombs.py) in the transaction that removes it: `expired`
+at its segment's expiry, or `evicted` at the time of the eviction; so is every block `delete` forgets.
 """
 
 from __future__ import annotations
@@ -31,8 +34,10 @@ from dataclasses import dataclass
 
 import lmdb
 
+from kvledger.core.attribution import MissCause
 from kvledger.store.backend import Counters, GcResult
 from kvledger.store.lmdb_index import ORDER, SEG_ID, BlockRec, LmdbIndex, SegRec
+from kvledger.store.lmdb_tombs import Tombstones
 
 log = logging.getLogger("kvledger.store")
 TXN_BLOCKS = 128    # blocks removed per write transaction at most
@@ -54,9 +59,11 @@ class Collector:
     """GC, eviction, deletion and compaction over one index (see the module docstring). `unlink` removes files
     once the commit that forgot them is durable; `flush` writes this process's noted refreshes (before anything
     is judged expired or least recently hit); `rewrite` copies a segment's live blocks into a new file
-    (compaction); `where` names the store in logs. Sizes in bytes."""
+    (compaction); `tombs` records what was removed; `where` names the store in logs. Sizes in bytes, times
+    epoch seconds."""
 
     index: LmdbIndex
+    tombs: Tombstones
     unlink: Callable[[list[str]], None]
     flush: Callable[[], None]
     rewrite: Rewrite
@@ -65,10 +72,11 @@ class Collector:
     low_watermark: float
     where: str
 
-    def _remove_batch(self, order_db: lmdb._Database, stop: Callable[[float, int], bool],
-                      batch: int) -> tuple[int, int, int]:
+    def _remove_batch(self, order_db: lmdb._Database, stop: Callable[[float, int], bool], batch: int,
+                      cause: MissCause, now: float) -> tuple[int, int, int]:
         """One write transaction: remove segments in `order_db` order while `stop(time, bytes so far)` is false,
-        about `batch` blocks at most, then sync it and unlink their files; (segments, blocks, bytes) removed."""
+        about `batch` blocks at most, burying their blocks (`cause`: expired at their segment's expiry, else
+        at `now`), then sync it and unlink their files; (segments, blocks, bytes) removed."""
         idx = self.index
         segs = n = nbytes = 0
         paths: list[str] = []
@@ -94,9 +102,10 @@ class Collector:
                 if seg is None:
                     w.delete(raw, db=order_db)  # a stray row
                 else:
-                    got, got_bytes, path = idx.remove_segment(w, seg_id, seg)
-                    n, nbytes = n + got, nbytes + got_bytes
+                    keys, got_bytes, path = idx.remove_segment(w, seg_id, seg)
+                    n, nbytes = n + len(keys), nbytes + got_bytes
                     paths.append(path)
+                    self.tombs.bury(w, keys, cause, seg.expiry if cause is MissCause.EXPIRED else now)
                 segs += 1
         if segs:
             held = time.perf_counter() - t0
@@ -110,13 +119,15 @@ class Collector:
         from disk here, outside the writer lock, rather than inside it while every other writer waits."""
         idx = self.index
         n = 0
-        with idx.env.begin() as r, r.cursor(db=order_db) as cur, r.cursor(db=idx.blocks) as blocks:
+        with (idx.env.begin() as r, r.cursor(db=order_db) as cur, r.cursor(db=idx.blocks) as blocks,
+              r.cursor(db=idx.tombs) as tombs):
             for raw in cur.iternext(values=False):
                 ms, _, seg_id = ORDER.unpack(raw)
                 if stop(ms / 1000, 0):
                     return
                 keys = idx.keys_of(r, seg_id)
                 blocks.getmulti(keys)
+                tombs.getmulti(keys)
                 n += len(keys)
                 if n >= batch:
                     return
@@ -132,14 +143,15 @@ class Collector:
         expired = evicted = freed = batches = 0
         try:
             while True:
-                segs, n, nb = self._remove_batch(self.index.by_expiry, lambda t, _: t >= now, batch)
+                segs, n, nb = self._remove_batch(self.index.by_expiry, lambda t, _: t >= now, batch,
+                                                 MissCause.EXPIRED, now)
                 if segs == 0:
                     break
                 expired += n
                 freed += nb
                 batches += 1
             if self.capacity_bytes is not None:
-                n, nb, b = self.evict(self._live_bytes() - int(self.capacity_bytes * self.low_watermark), batch)
+                n, nb, b = self.evict(self._live_bytes() - int(self.capacity_bytes * self.low_watermark), now, batch)
                 evicted, freed, batches = n, freed + nb, batches + b
             batches += self.compact(batch)
         except (OSError, lmdb.Error) as e:
@@ -154,51 +166,55 @@ class Collector:
             return self.index.total(txn, b"live_bytes")
 
 
-    def evict(self, need_bytes: int, batch: int = 4096) -> tuple[int, int, int]:
-        """Remove least recently hit segments (tails first) until `need_bytes` are freed; (blocks, bytes, batches)."""
+    def evict(self, need_bytes: int, now: float, batch: int = 4096) -> tuple[int, int, int]:
+        """Remove least recently hit segments (tails first) until `need_bytes` are freed, burying their blocks as
+        evicted at `now`; (blocks, bytes, batches)."""
         n = nbytes = batches = 0
         batch = min(batch, TXN_BLOCKS)
         while nbytes < need_bytes:
             left = need_bytes - nbytes
             segs, got, got_bytes = self._remove_batch(self.index.by_hit, lambda _, freed, left=left: freed >= left,
-                                                 batch)
+                                                      batch, MissCause.EVICTED, now)
             if segs == 0:
                 break
             n, nbytes, batches = n + got, nbytes + got_bytes, batches + 1
         return n, nbytes, batches
 
 
-    def make_room(self, incoming: int) -> None:
-        """Before a put of `incoming` bytes: evict down to the low watermark if the put would pass capacity."""
+    def make_room(self, incoming: int, now: float) -> None:
+        """Before a put of `incoming` bytes at `now`: evict down to the low watermark if the put would pass
+        capacity."""
         cap = self.capacity_bytes
         assert cap is not None
         live = self._live_bytes()
         if live + incoming > cap:
             self.flush()  # this process's noted hits count before anything is judged least recently hit
             target = max(int(cap * self.low_watermark) - incoming, 0)
-            n = self.evict(live - target)[0]
+            n = self.evict(live - target, now)[0]
             self.counters.gc_evicted += n
 
 
-    def delete(self, keys: Sequence[bytes]) -> int:
-        """Forget these blocks (one transaction); files left empty are unlinked, sparse ones compacted by gc."""
+    def delete(self, keys: Sequence[bytes], now: float) -> int:
+        """Forget these blocks (one transaction), burying them as evicted at `now`; files left empty are unlinked,
+        sparse ones compacted by gc."""
         from kvledger.store.lmdb_write import COMPACT_BELOW
 
         idx = self.index
-        n = 0
         paths = []
+        gone = []
         try:
             with idx.env.begin(write=True) as w:
                 for k in keys:
                     rec = idx.block(w, k)
                     if rec is not None:
                         paths.append(idx.drop_block(w, k, rec, COMPACT_BELOW))
-                        n += 1
+                        gone.append(k)
+                self.tombs.bury(w, gone, MissCause.EVICTED, now)
         except lmdb.Error as e:
             log.warning("delete on %s failed: %s", self.where, e)
             return 0
         self.unlink([p for p in paths if p])
-        return n
+        return len(gone)
 
 
     def compact(self, batch: int = 4096, most: int = 100_000) -> int:

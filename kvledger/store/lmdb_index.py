@@ -14,6 +14,7 @@ transaction), opening is O(1) and a process's memory holds only the pages it tou
     sparse     segment id → ''                                  live share under the compaction threshold
     paths      relative path → segment id                       verify: files the index does not know
     meta       name → u64                                       totals, next segment id, format
+    tombs, tomb_order                                           removed blocks: when and why (lmdb_tombs.py)
 
 Expiry and last hit are per segment (the blocks of one put): a CHECK hit refreshes the few
 segments of the prefix it matched, never one record per block.
@@ -100,7 +101,8 @@ class SegRec:
 def _open_dbs(env: lmdb.Environment) -> dict[bytes, lmdb._Database]:
     """The named databases, in one transaction (LMDB opens a name under its writer lock: an open waits for at
     most the one write transaction in progress, never for a GC run, which commits in small batches)."""
-    names = (b"blocks", b"segs", b"seg_keys", b"by_expiry", b"by_hit", b"sparse", b"paths", b"meta")
+    names = (b"blocks", b"segs", b"seg_keys", b"by_expiry", b"by_hit", b"sparse", b"paths", b"meta", b"tombs",
+             b"tomb_order")
     with env.begin(write=True) as txn:
         return {n: env.open_db(n, txn=txn) for n in names}
 
@@ -138,7 +140,7 @@ class LmdbIndex:
         with _SHARED_LOCK:
             shared = _SHARED.get(self._name)
             if shared is None:
-                env = lmdb.open(self._name, map_size=MAP_SIZE, max_dbs=10, sync=False, metasync=False,
+                env = lmdb.open(self._name, map_size=MAP_SIZE, max_dbs=16, sync=False, metasync=False,
                                 readahead=False, max_readers=1024)
                 trim = MapTrim(os.path.join(self._name, "data.mdb"))
                 shared = _SHARED[self._name] = _SharedEnv(env, _open_dbs(env), trim)
@@ -148,6 +150,7 @@ class LmdbIndex:
         self.blocks, self.segs, self.seg_keys = dbs[b"blocks"], dbs[b"segs"], dbs[b"seg_keys"]
         self.by_expiry, self.by_hit, self.sparse = dbs[b"by_expiry"], dbs[b"by_hit"], dbs[b"sparse"]
         self.paths, self.meta = dbs[b"paths"], dbs[b"meta"]
+        self.tombs, self.tomb_order = dbs[b"tombs"], dbs[b"tomb_order"]
 
     def persist(self) -> None:
         """Make every commit so far durable (all processes': it syncs the file), outside any transaction."""
@@ -269,16 +272,18 @@ class LmdbIndex:
             w.put(SEG_ID.pack(rec.seg), b"", db=self.sparse)
         return None
 
-    def remove_segment(self, w: lmdb.Transaction, seg_id: int, seg: SegRec) -> tuple[int, int, str]:
-        """Forget a segment and every block it still holds: (blocks, bytes, path to unlink)."""
+    def remove_segment(self, w: lmdb.Transaction, seg_id: int, seg: SegRec) -> tuple[list[bytes], int, str]:
+        """Forget a segment and every block it still holds: (their keys, their bytes, path to unlink)."""
         sid = SEG_ID.pack(seg_id)
-        n = nbytes = 0
+        gone: list[bytes] = []
+        nbytes = 0
         for idx, key in enumerate(self.keys_of(w, seg_id)):
             rec = self.block(w, key)
             if rec is not None and rec.seg == seg_id and rec.idx == idx:
                 w.delete(key, db=self.blocks)
-                n += 1
+                gone.append(key)
                 nbytes += rec.size
+        n = len(gone)
         self.bump(w, b"blocks", -n)
         self.bump(w, b"live_bytes", -nbytes)
         self.bump(w, b"segments", -1)
@@ -288,4 +293,4 @@ class LmdbIndex:
         w.delete(order_key(seg.expiry, seg.first_pos, seg_id), db=self.by_expiry)
         w.delete(order_key(seg.last_hit, seg.first_pos, seg_id), db=self.by_hit)
         w.delete(seg.path.encode(), db=self.paths)
-        return n, nbytes, seg.path
+        return gone, nbytes, seg.path

@@ -13,6 +13,9 @@ leaves a file the index does not know (`verify` removes it); never an index entr
 CHECK: a binary search over the prompt's keys (chain_check.py) in one read snapshot, then a
 walk from the found tail to the chain's head through the segments' `head_parent`, one step per
 segment, to note the refresh of those segments (refresher.py): no write on the CHECK path.
+`match_explained` reads, in the same snapshot, why the first absent key is absent: its record
+past its expiry (expired at that expiry, before GC removed it) or its tombstone (lmdb_tombs.py:
+GC, eviction and damaged reads bury what they remove); nothing more when every key is present.
 
 Read path: blocks back to back in one segment are read with one `preadv` into the caller's
 buffers and checked against their xxh3-64; a mismatch or short read is a miss, and the block is
@@ -36,10 +39,12 @@ from pathlib import Path
 import lmdb
 
 from kvledger.store import lmdb_gc, lmdb_upkeep, lmdb_write
-from kvledger.store.backend import (BlockInfo, Buffer, ChainWrite, Counters, GcResult, PutResult, StoreStats,
-                                    VerifyResult, probe_folder, shown_name)
+from kvledger.core.attribution import MissCause
+from kvledger.store.backend import (BlockInfo, Buffer, ChainWrite, Counters, GcResult, Gone, Match, PutResult,
+                                    StoreStats, VerifyResult, probe_folder, shown_name)
 from kvledger.store.chain_check import leading_present
 from kvledger.store.lmdb_index import BLOCK, BlockRec, LmdbIndex, SegRec
+from kvledger.store.lmdb_tombs import DEFAULT_CAP, Tombstones
 from kvledger.store.segment_files import HOST, Location, SegmentFiles, bytes_view
 from kvledger.store.refresher import Refresher
 from kvledger.store.shared_files import VOLUME_FILE
@@ -85,12 +90,14 @@ class LmdbStore:
     """The embedded block store at production scale; see the module docstring.
 
     `capacity_bytes`: when live bytes would exceed it, put evicts least recently hit segments
-    (tails first) down to `low_watermark` × capacity. `fsync=False` skips fsyncs (tests, bench builds)."""
+    (tails first) down to `low_watermark` × capacity. `fsync=False` skips fsyncs (tests, bench builds).
+    `tombstones`: how many tombstones of removed blocks the index keeps at most (oldest dropped)."""
 
     backend = "file"
 
     def __init__(self, root: str | os.PathLike, *, capacity_bytes: int | None = None, fsync: bool = True,
-                 clock: Clock = wall_clock, create: bool = True, low_watermark: float = 0.9) -> None:
+                 clock: Clock = wall_clock, create: bool = True, low_watermark: float = 0.9,
+                 tombstones: int = DEFAULT_CAP) -> None:
         self.root = Path(root)
         if not create and not self.root.is_dir():
             raise FileNotFoundError(f"{self.root}: no such directory")
@@ -104,9 +111,10 @@ class LmdbStore:
         self.clock = clock
         self.counters = Counters()
         self.index = _open_index(self.root, fsync)
+        self.tombs = Tombstones(self.index, tombstones)
         self.refresher = Refresher(self._write_refresh)
         self.writer = lmdb_write.Writer(self.index, self.root, fsync, self._expiry, self.unlink)
-        self.collector = lmdb_gc.Collector(self.index, self.unlink, self.flush,
+        self.collector = lmdb_gc.Collector(self.index, self.tombs, self.unlink, self.flush,
                                            functools.partial(lmdb_upkeep.rewrite_segment, self.get_into, self.writer),
                                            self.counters, capacity_bytes, low_watermark, str(self.root))
         self.files = SegmentFiles(self.root, fsync=fsync)   # reads by location (paths under segments/)
@@ -132,6 +140,13 @@ class LmdbStore:
 
     def match(self, keys: Sequence[bytes], ttl_s: float) -> int:
         """Leading blocks present and unexpired (binary search, chain_check.py); notes their refresh."""
+        return self._check(keys, ttl_s, False).blocks
+
+    def match_explained(self, keys: Sequence[bytes], ttl_s: float) -> Match:
+        """`match`, and why keys[blocks] is absent (`_gone`), from the same read snapshot."""
+        return self._check(keys, ttl_s, True)
+
+    def _check(self, keys: Sequence[bytes], ttl_s: float, explain: bool) -> Match:
         now = self.clock()
         try:
             with self.index.env.begin() as txn:
@@ -145,11 +160,21 @@ class LmdbStore:
                 self.index.touched(len(cache) + 8)
                 if b:
                     self._refresh(txn, keys[b - 1], now + ttl_s, now)
-                return b
+                gone = self._gone(txn, keys[b], b, now, cache) if explain and b < len(keys) else None
+                return Match(b, gone)
         except lmdb.Error as e:
             log.warning("CHECK on %s failed: %s", self.root, e)
             self.counters.match_failures += 1
-            return 0
+            return Match(0)
+
+    def _gone(self, txn: lmdb.Transaction, key: bytes, pos: int, now: float, cache: dict[int, float]) -> Gone | None:
+        """Why `key` (at chain position `pos`) is not a live block: its record past its expiry (expired then,
+        not yet collected), or its tombstone; None when neither (never stored, or its tombstone dropped)."""
+        rec = self.index.block(txn, key)
+        if rec is None:
+            return self.tombs.find(txn, key)
+        expiry = self._expiry(txn, rec.seg, cache)
+        return Gone(MissCause.EXPIRED, expiry) if rec.pos == pos and 0 <= expiry < now else None
 
     def _refresh(self, txn: lmdb.Transaction, tail: bytes, expiry: float, now: float) -> None:
         """Note the refresh of the chain ending at `tail`, unless this process did so under REFRESH_GRAIN_S ago."""
@@ -216,7 +241,7 @@ class LmdbStore:
                     log.warning("put of %d bytes exceeds the store's capacity %d", incoming, self.capacity_bytes)
                     self.counters.put_failures += 1
                     return PutResult(0, skipped, len(sel))
-                self.collector.make_room(incoming)
+                self.collector.make_room(incoming, now)
             path, rows, file_size = self.writer.write_segment(write, sel, views, now)
             written = self.writer.index_segment(write, path, rows, file_size, now)
             self.index.persist()   # acknowledged only once its index entries are durable
@@ -291,7 +316,7 @@ class LmdbStore:
                 self.counters.misses_truncated += 1
             bad.append((keys[i], recs[i]))  # type: ignore[arg-type]
         if bad and drop:
-            lmdb_upkeep.drop_bad(self.index, self.unlink, bad)
+            lmdb_upkeep.drop_bad(self.tombs, self.unlink, bad, self.clock())
         return out
 
     def blocks(self) -> Iterator[BlockInfo]:
@@ -317,7 +342,7 @@ class LmdbStore:
     # --- removal, upkeep, views ------------------------------------------------------
 
     def delete(self, keys: Sequence[bytes]) -> int:
-        return self.collector.delete(keys)
+        return self.collector.delete(keys, self.clock())
 
     def gc(self, batch: int = 4096) -> GcResult:
         return self.collector.gc(self.clock(), batch)

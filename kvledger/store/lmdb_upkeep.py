@@ -22,9 +22,11 @@ from pathlib import Path
 
 import lmdb
 
+from kvledger.core.attribution import MissCause
 from kvledger.store import segment as seg_format
 from kvledger.store.backend import StoreStats, VerifyResult, shown_name, stored_name
 from kvledger.store.lmdb_index import FORMAT, SEG_ID, U64, BlockRec, LmdbIndex, SegRec
+from kvledger.store.lmdb_tombs import Tombstones
 from kvledger.store.lmdb_write import Writer
 from kvledger.store.segment_files import pid_alive
 
@@ -119,17 +121,23 @@ def _migrate_one(index: LmdbIndex, root: Path, w: lmdb.Transaction, rel: str) ->
         index.put_seg(w, seg_id, seg)
 
 
-def drop_bad(index: LmdbIndex, unlink: Callable[[list[str]], None], bad: list[tuple[bytes, BlockRec]]) -> None:
-    """Forget blocks that failed their read, if the index still names those very bytes."""
+def drop_bad(tombs: Tombstones, unlink: Callable[[list[str]], None], bad: list[tuple[bytes, BlockRec]],
+             now: float) -> None:
+    """Forget blocks that failed their read, if the index still names those very bytes, burying them as evicted
+    at `now` (removed as damaged)."""
     from kvledger.store.lmdb_write import COMPACT_BELOW
 
+    index = tombs.index
     paths = []
+    gone = []
     try:
         with index.env.begin(write=True) as w:
             for key, rec in bad:
                 now_rec = index.block(w, key)
                 if now_rec is not None and now_rec.seg == rec.seg and now_rec.idx == rec.idx:
                     paths.append(index.drop_block(w, key, now_rec, COMPACT_BELOW))
+                    gone.append(key)
+            tombs.bury(w, gone, MissCause.EVICTED, now)
     except lmdb.Error as e:
         log.warning("cannot drop %d bad blocks: %s", len(bad), e)
     unlink([p for p in paths if p])

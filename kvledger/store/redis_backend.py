@@ -11,10 +11,13 @@ a tail that outlives its head; it cannot be matched (CHECK walks from the head) 
 CHECK is one Lua script per hash slot among the keys, batched per node: on one server one
 script, one round trip; on a Redis Cluster (`redis+cluster://` URL) one round trip per master
 touched, all masters at once (kvledger.util.redis_fanout). A script walks its keys in chain order,
-refreshes each present block's expiry (`PEXPIREAT … GT`, never shortening it) and stops at its
-first absent one; the answer is the chain position of the first absent key over all scripts. The
-expiry instant is one for the whole CHECK: this server's `TIME` on one server, this client's clock
-on a cluster (the masters' clocks would not order a chain split over them). No block byte touched.
+refreshes each present block's expiry (never shortening it; only one that lags by more than the
+refresh grain, redis_meta.py) and stops at its first absent one; the answer is the chain position of
+the first absent key over all scripts. The expiry instant is one for the whole CHECK: this server's
+`TIME` on one server, this client's clock on a cluster (the masters' clocks would not order a chain
+split over them). No block byte touched. `match_explained` asks the same scripts to read, at their
+first absent key, its tombstone (redis_meta.py: expired or evicted, and when): the one of the script
+that holds the chain's first absent key is the answer. Nothing more runs when every key is present.
 
 Cluster mode (`files=` SharedFiles on a shared mount: 3FS, CephFS, NFS): Redis holds only the
 metadata and answers CHECK for every entrypoint; the bytes go to segment files that every engine
@@ -39,6 +42,7 @@ from typing import Any
 import xxhash
 from redis.crc import key_slot
 
+from kvledger.core.attribution import MissCause
 from kvledger.store import redis_upkeep
 from kvledger.store.backend import (
     BlockInfo,
@@ -47,6 +51,8 @@ from kvledger.store.backend import (
     MISS,
     Counters,
     GcResult,
+    Gone,
+    Match,
     PutResult,
     StoreStats,
     UNREADABLE,
@@ -55,7 +61,8 @@ from kvledger.store.backend import (
 from kvledger.store.redis_keys import Placement
 from kvledger.store.segment_files import bytes_view
 from kvledger.store.shared_files import VOLUME_FILE, Location, SharedFiles
-from kvledger.store.redis_meta import EXISTS, MATCH, PUT, decode_meta, encode_meta
+from kvledger.store.redis_meta import (BURY, EXISTS, MATCH, PUT, REFRESH_GRAIN, TOMB_GRACE_S, decode_meta,
+                                       encode_meta)
 from kvledger.util.redis_client import shown_url
 from kvledger.util.redis_fanout import FAULTS, Call, RedisNodes, command, script_call
 
@@ -66,13 +73,24 @@ GC_GRACE_S = 60.0           # cluster-mode GC spares file blocks younger than th
 __all__ = ["RedisStore", "VOLUME_FILE", "GC_GRACE_S"]
 
 
+_CAUSES = {b"expired": MissCause.EXPIRED, b"evicted": MissCause.EVICTED}
+
+
+def _why(reply: bytes) -> tuple[int, Gone]:
+    """MATCH's explained answer 'COUNT CAUSE UNIX_MS' → (count, its tombstone)."""
+    first, cause, ms = reply.split()
+    return int(first), Gone(_CAUSES[cause], int(ms) / 1000)
+
+
 class RedisStore:
-    """Blocks and their metadata on the Redis server or Redis Cluster at `url` (see the module docstring)."""
+    """Blocks and their metadata on the Redis server or Redis Cluster at `url` (see the module docstring).
+    `tomb_grace_s`: how long a tombstone outlives its block (redis_meta.py; one value for every client of a
+    store: the default but in tests)."""
 
     backend = "redis"
 
     def __init__(self, url: str, *, prefix: str = "kvl:", timeout_s: float = 2.0, check: bool = False,
-                 files: SharedFiles | None = None) -> None:
+                 files: SharedFiles | None = None, tomb_grace_s: float = TOMB_GRACE_S) -> None:
         self.url = url                  # reopens the store (another process): may carry a password
         self.shown = shown_url(url)     # what logs, errors and stats print
         self.files = files
@@ -80,10 +98,13 @@ class RedisStore:
         self.bprefix = self.prefix + b"b:"
         self.counters = Counters()
         self.nodes = RedisNodes(url, timeout_s)
-        self.place = Placement(self.bprefix, self.nodes.cluster)
+        self.place = Placement(self.bprefix, self.nodes.cluster, self.prefix + b"t:")
+        self.grace_ms = int(tomb_grace_s * 1000)
+        self._tomb_args = (self.place.tprefix, len(self.bprefix), self.grace_ms)   # MATCH's and BURY's
         self._match = self.nodes.script(MATCH)
         self._exists = self.nodes.script(EXISTS)
         self._put = self.nodes.script(PUT)
+        self._bury = self.nodes.script(BURY)
         if check:  # raises: for the CLI, which reports an unreachable server (every master down) as bad input
             self._ping_any()
         # cluster mode: the files must be the volume this Redis's index describes (`claim_volume`); until that
@@ -129,26 +150,40 @@ class RedisStore:
     # --- CHECK -----------------------------------------------------------------
 
     def match(self, keys: Sequence[bytes], ttl_s: float) -> int:
+        return self._check(keys, ttl_s, False).blocks
+
+    def match_explained(self, keys: Sequence[bytes], ttl_s: float) -> Match:
+        return self._check(keys, ttl_s, True)
+
+    def _check(self, keys: Sequence[bytes], ttl_s: float, explain: bool) -> Match:
+        """The MATCH scripts of `keys` (one per slot, one round trip per node); `explain`: with the tombstone of
+        the first absent key. A failed node answers the keys before its first one, with no tombstone."""
         if not keys:
-            return 0
+            return Match(0)
         ttl_ms = int(ttl_s * 1000)
+        tail = (ttl_ms // REFRESH_GRAIN, *self._tomb_args, b"1" if explain else b"")
         groups = self.place.groups(keys)
         if self.nodes.cluster:  # one instant for every master (their clocks would not order a chain)
             ttl, at = b"%d" % ttl_ms, b"%d" % (int(time.time() * 1000) + ttl_ms)
             calls = [Call(slot, script_call(self._match, self.place.names_of(keys, head, idx), ttl, at,
-                                            array("I", idx).tobytes(), head=head)) for slot, head, idx in groups]
+                                            array("I", idx).tobytes(), *tail, head=head))
+                     for slot, head, idx in groups]
         else:
-            calls = [Call(0, script_call(self._match, keys, ttl_ms, "", "", head=self.bprefix))]
-        n, fault = len(keys), None
+            calls = [Call(0, script_call(self._match, keys, ttl_ms, "", "", *tail, head=self.bprefix))]
+        n, gone, fault = len(keys), None, None
         for (_, _, idx), reply in zip(groups, self.nodes.run(calls)):
             if isinstance(reply, BaseException):
-                fault, n = reply, min(n, idx[0])
-            elif int(reply) < len(idx):
-                n = min(n, idx[int(reply)])
+                fault = reply
+                if idx[0] < n:
+                    n, gone = idx[0], None
+                continue
+            first, why = (reply, None) if isinstance(reply, int) else _why(reply)
+            if first < len(idx) and idx[first] < n:
+                n, gone = idx[first], why
         if fault is not None:
             log.warning("CHECK on %s failed (answering %d): %s", self.shown, n, fault)
             self.counters.match_failures += 1
-        return n
+        return Match(n, gone)
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         try:
@@ -230,8 +265,11 @@ class RedisStore:
                            write.namespace, write.ttl_class)
         field, value = ("d", v) if where is None else ("l", where)
         key = write.keys[i]
-        return Call(self.place.slot(key), command("EVALSHA", self._put, 1, self._k(key), meta, field, value,
-                                                  expire_at_ms - pos))
+        names = [self._k(key)]
+        if (tomb := self.place.tomb_name(key)) is not None:
+            names.append(tomb)
+        return Call(self.place.slot(key), command("EVALSHA", self._put, len(names), *names, meta, field, value,
+                                                  expire_at_ms - pos, self.grace_ms))
 
     # --- read ------------------------------------------------------------------
 
@@ -317,17 +355,23 @@ class RedisStore:
     # --- removal and operator views ----------------------------------------------
 
     def _unpublish(self, keys: Sequence[bytes]) -> int:
-        """DEL the Redis keys of `keys` (one DEL per group of one slot); how many existed (a fault is logged)."""
-        groups = self.place.groups(keys)
-        calls = [Call(slot, command("DEL", *[self._k(keys[i]) for i in idx])) for slot, _, idx in groups]
-        replies = self.nodes.run(calls)
+        """Delete the blocks `keys`, each leaving an evicted tombstone (BURY: one script per group of one slot);
+        how many existed (a fault is logged)."""
+        return self.bury([(slot, [self._k(keys[i]) for i in idx]) for slot, _, idx in self.place.groups(keys)])
+
+    def bury(self, batches: Sequence[tuple[int, list[bytes]]]) -> int:
+        """Delete blocks by Redis name, each leaving an evicted tombstone: one BURY script per (hash slot, names of
+        blocks in that slot), one round trip per node; how many existed (a fault is logged, never raised)."""
+        replies = self.nodes.run([Call(slot, script_call(self._bury, names, *self._tomb_args))
+                                  for slot, names in batches])
         fault = next((r for r in replies if isinstance(r, BaseException)), None)
         if fault is not None:
             log.warning("delete on %s failed: %s", self.shown, fault)
         return sum(int(r) for r in replies if not isinstance(r, BaseException))
 
     def delete(self, keys: Sequence[bytes]) -> int:
-        """Unpublish `keys`; in the cluster mode their bytes go at the next GC (no key names them)."""
+        """Unpublish `keys` (tombstones say evicted); in the cluster mode their bytes go at the next GC (no key
+        names them)."""
         if not keys:
             return 0
         return self._unpublish(keys)

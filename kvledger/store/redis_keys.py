@@ -21,6 +21,11 @@ absent key. The price: a group can refresh a few present blocks past the chain's
 one (blocks after a hole, which a later put of the hole makes reachable again), and a slot
 holds 1/64 of the blocks (a reshard moves whole groups). A `{` in `prefix` overrides the tag
 (Redis hashes the first `{…}`): `prefix="kvl:{tenant}:"` puts every block in one slot, on purpose.
+
+Tombstones: the tombstone of a block (redis_meta.py) is named as the block with `{prefix}t:` for
+`{prefix}b:` — `{prefix}t:<key>`, `{prefix}t:{<tag>}<key>` — so it shares its block's hash slot and a
+block's script reaches it. A prefix that leaves no common slot on a cluster (`{}`: Redis hashes whole
+names; an unclosed `{`: the tag takes in `b:` or `t:`) keeps no tombstones (`Placement.tombs` False).
 """
 
 from __future__ import annotations
@@ -58,14 +63,23 @@ def _tag_is_fixed(head: bytes) -> bool:
 
 
 class Placement:
-    """Names and slots of blocks under `bprefix` (`{prefix}b:`); `cluster` False: one server, one slot 0."""
+    """Names and slots of blocks under `bprefix` (`{prefix}b:`), and of their tombstones under `tprefix`
+    (`{prefix}t:`; b"": none); `cluster` False: one server, one slot 0."""
 
-    def __init__(self, bprefix: bytes, cluster: bool) -> None:
+    def __init__(self, bprefix: bytes, cluster: bool, tprefix: bytes = b"") -> None:
         self.bprefix = bprefix
         self.cluster = cluster
         self.heads = [bprefix + b"{" + t + b"}" for t in group_tags()] if cluster else [bprefix] * TAGS
         fixed = cluster and all(_tag_is_fixed(h) for h in self.heads)
         self.slots: list[int] | None = [key_slot(h) for h in self.heads] if fixed else None
+        # a tombstone must share its block's slot: with a prefix holding an unclosed `{` the tags would differ
+        self.tombs = bool(tprefix) and (not cluster or self.slots is not None and all(
+            key_slot(tprefix + h[len(bprefix):]) == slot for h, slot in zip(self.heads, self.slots)))
+        self.tprefix = tprefix if self.tombs else b""
+
+    def tomb_name(self, key: bytes) -> bytes | None:
+        """The name of `key`'s tombstone (None where the store keeps none): `tprefix` for `bprefix` in its name."""
+        return self.tprefix + self.name(key)[len(self.bprefix):] if self.tombs else None
 
     def name(self, key: bytes) -> bytes:
         return self.heads[(key[0] if key else 0) % TAGS] + key

@@ -1,7 +1,39 @@
 """What the Redis block store keeps on the server: one hash per block (named as `redis_keys` says),
 field `m` the packed metadata below (never pickle), and either field `d`, the bytes, or, in the cluster
-mode, field `l`, where the bytes are (`shared_files.Location`: segment file and offset); and the Lua
-scripts of CHECK, exists and put (one round trip per node touched)."""
+mode, field `l`, where the bytes are (`shared_files.Location`: segment file and offset); beside it the
+block's tombstone; and the Lua scripts of CHECK, exists, put and removal (one round trip per node touched).
+
+Tombstones. Redis expires a block by itself, with no hook, so the record of why a block is gone is
+written while it lives: the put writes, with the block, a string key in the block's hash slot, its
+tombstone, whose value is the grace G in ms and which expires exactly G after the block
+(G = TOMB_GRACE_S, 7 days, one per store). A CHECK that extends a block's expiry extends its
+tombstone's alike, so a tombstone outlives its block by G whatever the hits, and the block's last
+expiry is the tombstone's minus its value. When a CHECK finds a block absent and its tombstone there:
+
+    | tombstone                       | the block                                  | Gone              |
+    |---------------------------------|--------------------------------------------|-------------------|
+    | value G, server time ≥ expiry   | its TTL ran out                            | expired, expiry   |
+    | value G, server time < expiry   | removed before it: maxmemory eviction, an  | evicted, now (the |
+    |                                 | operator's DEL, FLUSH... (Redis says not)  | time is not kept) |
+    | value 'x' + ms (BURY wrote it)  | deleted by kvledger: damaged, or `delete`  | evicted, that ms  |
+    | absent                          | never stored here, written before          | None              |
+    |                                 | tombstones, gone over G ago, or the        |                   |
+    |                                 | tombstone itself evicted by maxmemory      |                   |
+
+What bounds them: a tombstone lives at most G past its block, so Redis holds the tombstones of its
+live blocks plus those of the blocks gone in the last G: at most the blocks put in the last TTL + G, and
+each ~100 B of used_memory (72 B by MEMORY USAGE; a block's record in the cluster mode, metadata and
+location only, is ~580 B). Under a maxmemory policy that evicts by LRU/LFU, tombstones (rarely read) go before
+blocks, and a block evicted after its tombstone reads as never stored; under volatile-ttl they go
+after (they expire later).
+
+Refresh grain. A CHECK rewrites a block's expiry (and its tombstone's) only when it lags the target
+(now + TTL − chain position) by more than TTL / REFRESH_GRAIN: a hit leaves every present block
+expiring at least now + TTL × (1 − 1/64) (agent 3 d: within 68 min). Reading the expiry
+(PEXPIRETIME) costs a CHECK less than rewriting it, so a prefix hit again within the grain (a
+conversation's next turn, a shared system prompt) costs one read per block and nothing is written
+or replicated; a refresh costs a read and two writes (the block's and its tombstone's).
+"""
 
 from __future__ import annotations
 
@@ -10,26 +42,59 @@ import struct
 from kvledger.store.backend import read_name, stored_name
 
 META = struct.Struct("<16sIIQddHH")  # parent, pos, size, xxh3_64, created, ttl_s, ns_len, cls_len (+ ns, cls)
+TOMB_GRACE_S = 7 * 86_400.0   # a tombstone outlives its block by this (one value per store: every client alike)
+REFRESH_GRAIN = 64            # a CHECK rewrites an expiry only when it lags its target by more than TTL / this
 
-# Every key a script touches is in KEYS (Redis Cluster refuses anything else), all of one hash slot.
-# KEYS: blocks in chain order. ARGV[1]: TTL ms; ARGV[2]: the expiry instant in unix ms ('': this server's
-# TIME + TTL); ARGV[3]: each key's chain position, u32 little-endian ('': 0, 1, 2, …). Block at chain
-# position c expires at `at - c` (tails first), `GT` so a hit never shortens a TTL. Returns how many
-# leading KEYS are present.
-MATCH = """
-local ttl, at, pos = tonumber(ARGV[1]), ARGV[2], ARGV[3]
-if at == '' then  -- one instant for the whole walk: the refreshed chain stays ordered tails first
+_NOW = """
+local function now_ms()
   local t = redis.call('TIME')
-  at = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + ttl
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+"""
+
+# KEYS: blocks in chain order, all of one hash slot (their tombstones share it: named from them, not in KEYS).
+# ARGV[1]: TTL ms; ARGV[2]: the expiry instant in unix ms ('': this server's TIME + TTL); ARGV[3]: each key's
+# chain position, u32 little-endian ('': 0, 1, 2, …); ARGV[4]: the refresh grain ms; ARGV[5]: the tombstone
+# name prefix ('': none); ARGV[6]: the length of the block name prefix; ARGV[7]: the grace ms; ARGV[8]: '1'
+# to explain the first absent key. A block at chain position c lagging `at - c` by more than the grain is set
+# to expire at `at - c`, or 1 ms before the block walked before it, whichever is sooner (tails first); its
+# tombstone `grace` after it. Returns how many leading KEYS are present, or with ARGV[8] and a tombstone of the
+# first absent one 'COUNT expired|evicted UNIX_MS' (the table in the module docstring; one string: cheaper to
+# parse than an array).
+MATCH = _NOW + """
+local ttl, at, pos, grain = tonumber(ARGV[1]), ARGV[2], ARGV[3], tonumber(ARGV[4])
+local tprefix, blen, grace = ARGV[5], tonumber(ARGV[6]), tonumber(ARGV[7])
+local now = nil
+local function explain(n, tomb)
+  local v = redis.call('GET', tomb)
+  if not v then return n end
+  if string.sub(v, 1, 1) == 'x' then return string.format('%d evicted %s', n, string.sub(v, 2)) end
+  local expiry = redis.call('PEXPIRETIME', tomb) - tonumber(v)
+  now = now or now_ms()
+  if now >= expiry then return string.format('%d expired %d', n, expiry) end
+  return string.format('%d evicted %d', n, now)
+end
+if at == '' then
+  now = now_ms()
+  at = now + ttl
 else
   at = tonumber(at)
 end
+local prev = at + 1
 for i, k in ipairs(KEYS) do
   local c = i - 1
   if pos ~= '' then c = struct.unpack('<I4', pos, 4 * i - 3) end
-  if redis.call('PEXPIREAT', k, at - c, 'GT') == 0 and redis.call('EXISTS', k) == 0 then
+  local e = redis.call('PEXPIRETIME', k)
+  if e == -2 then
+    if ARGV[8] == '1' and tprefix ~= '' then return explain(i - 1, tprefix .. string.sub(k, blen + 1)) end
     return i - 1
   end
+  if e >= 0 and e < at - c - grain then
+    e = math.min(at - c, prev - 1)
+    redis.call('PEXPIREAT', k, e)
+    if tprefix ~= '' then redis.call('PEXPIREAT', tprefix .. string.sub(k, blen + 1), e + grace, 'GT') end
+  end
+  if e >= 0 then prev = e end
 end
 return #KEYS
 """
@@ -43,13 +108,30 @@ end
 return table.concat(out)
 """
 
-# KEYS[1]: the block. ARGV: metadata, the field of the bytes ('d') or of their location ('l'), its value,
-# the expiry instant in unix ms. Returns 0 when the block is present (written once), else 1.
+# KEYS[1]: the block; KEYS[2], if given: its tombstone. ARGV: metadata, the field of the bytes ('d') or of their
+# location ('l'), its value, the expiry instant in unix ms, the tombstone's grace ms. Returns 0 when the block
+# is present (written once), else 1.
 PUT = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
 redis.call('HSET', KEYS[1], 'm', ARGV[1], ARGV[2], ARGV[3])
 redis.call('PEXPIREAT', KEYS[1], ARGV[4])
+if KEYS[2] then redis.call('SET', KEYS[2], ARGV[5], 'PXAT', tonumber(ARGV[4]) + tonumber(ARGV[5])) end
 return 1
+"""
+
+# KEYS: blocks of one hash slot. ARGV[1]: the tombstone name prefix ('': none); ARGV[2]: the length of the block
+# name prefix; ARGV[3]: the grace ms. Deletes each block; the tombstone of each one deleted says 'x' + this
+# server's time in ms (evicted then) and lives `grace` from now. Returns how many blocks were deleted.
+BURY = _NOW + """
+local tprefix, blen, grace = ARGV[1], tonumber(ARGV[2]), ARGV[3]
+local mark, n = string.format('x%d', now_ms()), 0
+for _, k in ipairs(KEYS) do
+  if redis.call('DEL', k) == 1 then
+    n = n + 1
+    if tprefix ~= '' then redis.call('SET', tprefix .. string.sub(k, blen + 1), mark, 'PX', grace) end
+  end
+end
+return n
 """
 
 

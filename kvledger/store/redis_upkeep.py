@@ -70,19 +70,13 @@ def blocks(store: RedisStore) -> Iterator[BlockInfo]:
 
 
 def remove_unreadable(store: RedisStore, batch: int) -> tuple[int, int]:
-    """Delete blocks whose metadata does not parse; (removed, batches). Raises on a Redis fault."""
-    bad: dict[int, tuple[redis.Redis, list[bytes]]] = {}
-    for node, name, meta, ttl in scan(store, batch):
-        if meta is None and ttl != -2:
-            bad.setdefault(id(node), (node, []))[1].append(name)
+    """Delete blocks whose metadata does not parse, each leaving an evicted tombstone (damaged); (removed,
+    batches). Raises on a Redis fault of the scan (one of the removal is logged)."""
+    bad = [name for _, name, meta, ttl in scan(store, batch) if meta is None and ttl != -2]
     removed = batches = 0
-    for node, names in bad.values():
-        for i in range(0, len(names), batch):
-            pipe = node.pipeline(transaction=False)
-            for name in names[i:i + batch]:
-                pipe.delete(name)
-            removed += sum(int(x) for x in pipe.execute())
-            batches += 1
+    for i in range(0, len(bad), batch):
+        removed += store.bury([(store.nodes.slot(name), [name]) for name in bad[i:i + batch]])
+        batches += 1
     return removed, batches
 
 
@@ -130,7 +124,7 @@ def verify(store: RedisStore, remove: bool) -> VerifyResult:
                 continue
             bad += 1
             if remove and got != "unreadable":
-                removed += int(node.delete(name))
+                removed += store.bury([(store.nodes.slot(name), [name])])   # an evicted tombstone: damaged
     return VerifyResult(checked, bad, removed, nbytes)
 
 

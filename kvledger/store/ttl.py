@@ -2,7 +2,8 @@
 
 Defaults follow DESIGN.md: `agent` traffic 3 days, `chatbot` 7 days. A namespace can be
 bound to a class (`namespace_class`), a request can name its own class, and a hit
-refreshes a block's expiry to at least `now + ttl(class of the hitting request)`.
+refreshes a block's expiry to at least `now + ttl(class of the hitting request)`, less a grain
+that spares rewriting what a recent hit set: 1 s on the embedded store, TTL / 64 on Redis.
 All times are seconds; clocks are injectable (`Clock`) so tests never sleep.
 """
 

@@ -53,3 +53,25 @@ def test_full_run_io_targets_and_check_floor(full_run):
 @pytest.mark.slow
 def test_full_run_check_targets(full_run):
     assert full_run["check_ms_1m_embedded"] < 15 and full_run["check_ratio_1m"] <= 0.25
+
+
+def test_explained_check_figures(run_cli, tmp_path):
+    """`--explained` (issue 24): match_explained beside match, embedded and Redis, each case; Redis also beside the
+    CHECK script of before tombstones."""
+    r = run_cli("bench", "store", "--json", "--total-mb", "1", "--blocks-per-put", "4", "--reps", "1",
+                "--check-reps", "1", "--check-tokens", "8192", "--explained", "--explained-keys", "4,16",
+                "--explained-reps", "3", "--dir", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+    assert res["explained_keys"] == [4, 16]
+    for n in (4, 16):
+        for name, cases, variants in (("embedded", ("hit", "half"), ("plain", "explained")),
+                                      ("redis", ("hit", "half", "refresh"), ("plain", "explained", "pre"))):
+            for case in cases:
+                assert res[f"explained_ratio_{name}_{n}_{case}"] > 0
+                for v in variants:
+                    key = f"explained_{name}_{n}_{case}_{v}"
+                    assert 0 < res[f"{key}_p50_ms"] <= res[f"{key}_p99_ms"]
+        assert res[f"tombstone_ratio_{n}_refresh"] > 0
+    r = run_cli("bench", "store", "--json", "--no-redis", "--explained", "--explained-keys", "1")
+    assert r.returncode == 2 and r.stdout == "" and len(r.stderr.strip().splitlines()) == 1
