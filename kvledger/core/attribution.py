@@ -60,21 +60,26 @@ class MissSplit:
 
 
 def split_misses(prompt_len: int, decision: HitDecision, block_tokens: int, cached: int, block_cause: MissCause,
-                 divergence: int | None = None) -> MissSplit:
+                 divergence: int | None = None, diverged_block: int | None = None) -> MissSplit:
     """The miss tokens of one prompt by cause (the module's table). `block_cause` is the first absent block's
     (one of BLOCK_CAUSES; unused when every block up to the cap hit); `divergence` goes with DIVERGED;
-    `block_tokens` is L1.
+    `block_tokens` is L1. A divergence in a later block than L1's (`diverged_block`: that block's first token;
+    blocks of a prompt seen a moment ago, not in the index yet) leaves [L1, diverged_block) cold: known content,
+    not stored yet.
     `cached` may exceed the decision's hit (an engine found more in its own device cache than the CHECK saw):
     each range then starts at `cached` at the earliest."""
     assert block_cause in BLOCK_CAUSES
     d, cap, l1 = decision, max(decision.cap, 0), block_tokens
     assert 0 <= d.hit_tokens <= l1 <= cap <= prompt_len and 0 <= cached <= prompt_len, (prompt_len, d, l1, cached)
+    split_at = l1   # where block_cause starts: a divergence's block
+    if block_cause is MissCause.DIVERGED and diverged_block is not None:
+        split_at = min(max(diverged_block, l1), cap)
     ranges = ((MissCause.LOAD_FAILED, 0, d.hit_tokens), (MissCause.SNAPSHOT_MISSING, d.hit_tokens, l1),
-              (block_cause, l1, cap), (MissCause.TAIL, cap, prompt_len))
+              (MissCause.COLD, l1, split_at), (block_cause, split_at, cap), (MissCause.TAIL, cap, prompt_len))
     tokens: dict[MissCause, int] = {}
     for cause, start, end in ranges:
         if (n := end - max(start, cached)) > 0:
-            tokens[cause] = n
+            tokens[cause] = tokens.get(cause, 0) + n
     split = MissSplit(tokens, divergence if MissCause.DIVERGED in tokens else None)
     assert split.total == prompt_len - cached
     return split

@@ -95,9 +95,9 @@ def miss_split(prep: Prepared, cached: int) -> MissSplit:
     really reused."""
     first, d = prep.first_absent, prep.decision
     l1 = max(d.cap, 0) if first is None else first.start   # L1: the blocks present, up to the cap
-    return split_misses(prep.prompt_tokens, d, l1, cached,
-                        first.cause if first is not None else MissCause.COLD,
-                        first.divergence if first is not None else None)
+    if first is None:
+        return split_misses(prep.prompt_tokens, d, l1, cached, MissCause.COLD)
+    return split_misses(prep.prompt_tokens, d, l1, cached, first.cause, first.divergence, first.diverged_block)
 
 
 async def until_stopped(events: AsyncIterator[TokenEvent], stopping: asyncio.Event | None

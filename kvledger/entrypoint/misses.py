@@ -43,8 +43,9 @@ MAX_TOKENS = 1 << 20          # per namespace: 4 MiB of uint32 token ids
 MAX_TOTAL_TOKENS = 8 << 20    # over every namespace: 32 MiB
 MAX_SITES = 64                # divergence sites kept per tenant (the smallest by tokens lost give way)
 SPAN_TOKENS = 24              # at most this many tokens of a differing span are shown (decoded)
-MIN_SHARED = 32               # a prompt whose first block is absent diverged only if it shared this many tokens
-                              # (a chat template's few fixed tokens do not make two prompts related)
+MIN_SHARED = 32               # a prompt diverged in its first block only if it shared this many leading tokens,
+                              # or most of the block position by position (a same-length edit: a timestamp, an
+                              # id); a chat template's few fixed tokens do not make two prompts related
 
 
 @dataclass(slots=True)
@@ -67,8 +68,10 @@ class FirstAbsent:
     block: int                                  # its index (the CHECK's leading present blocks)
     start: int                                  # its first token (L1 = block · B)
     cause: MissCause                            # one of core.attribution.BLOCK_CAUSES
-    divergence: int | None = None               # token index (diverged only)
+    divergence: int | None = None               # token index (diverged only; may lie past `start`: blocks the
+                                                # sample holds that the index does not yet)
     other: np.ndarray | None = field(default=None, repr=False)   # the sampled prompt it diverged from
+    diverged_block: int | None = None           # the first token of the block the divergence lies in
     gone_at: float | None = None                # the tombstone's time (expired, evicted)
 
 
@@ -114,33 +117,39 @@ class MissBook:
         if gone is not None:
             cause = MissCause.EXPIRED if gone.cause == "expired" else MissCause.EVICTED
             return FirstAbsent(blocks, blocks * self.b, cause, gone_at=gone.at)
-        t, other = self._nearest(namespace, tokens, keys, blocks)
-        related = blocks > 0 or t >= MIN_SHARED
-        if other is not None and related and t < min((blocks + 1) * self.b, len(tokens)) and len(other) > t:
-            return FirstAbsent(blocks, blocks * self.b, MissCause.DIVERGED, t, other)
+        t, other, alike = self._nearest(namespace, tokens, keys, blocks)
+        related = t >= MIN_SHARED or alike >= 0.5
+        if other is not None and related and t < len(tokens) and len(other) > t:   # both go on past t, apart
+            return FirstAbsent(blocks, blocks * self.b, MissCause.DIVERGED, t, other, t // self.b * self.b)
         return FirstAbsent(blocks, blocks * self.b, MissCause.COLD)
 
     def _nearest(self, namespace: str, tokens: np.ndarray, keys: list[bytes], blocks: int
-                 ) -> tuple[int, np.ndarray | None]:
-        """(t, prompt): the sampled prompt that shares the longest prefix with `tokens` among those that share
-        its first `blocks` blocks, and the length of that prefix (t >= blocks · B); (0, None) when none."""
-        b, start = self.b, blocks * self.b
+                 ) -> tuple[int, np.ndarray | None, float]:
+        """(t, prompt, alike): the sampled prompt that shares the longest prefix with `tokens` among those that
+        share its first `blocks` blocks, the length of that prefix (t >= blocks · B), and the share of the block
+        holding t where the two agree position by position; (0, None, 0) when none. Blocks the sample holds past
+        the index's (written moments ago, or still being written) are followed down the trie."""
+        b = self.b
         with self._lock:
             space = self._spaces.get(namespace)
             if space is None or blocks > len(keys):
-                return 0, None
-            ids = list(space.children.get(keys[blocks - 1] if blocks else ROOT, {}).values())
+                return 0, None, 0.0
+            parent = keys[blocks - 1] if blocks else ROOT
+            while blocks < len(keys) and keys[blocks] in space.children.get(parent, {}):
+                parent, blocks = keys[blocks], blocks + 1
+            ids = list(space.children.get(parent, {}).values())
             others = [space.prompts[i].tokens for i in ids]
+        start = blocks * b
         mine = np.asarray(tokens[start:start + b], dtype=np.uint32)
-        best, best_t = None, start
+        best, best_t, alike = None, start, 0.0
         for other in others:
             theirs = other[start:start + b]
             n = min(len(mine), len(theirs))
             differ = np.flatnonzero(mine[:n] != theirs[:n])
             t = start + (int(differ[0]) if differ.size else n)
             if best is None or t > best_t:
-                best, best_t = other, t
-        return best_t, best
+                best, best_t, alike = other, t, 1.0 - differ.size / max(n, 1)
+        return best_t, best, alike
 
     def add(self, namespace: str, tokens: np.ndarray, keys: list[bytes]) -> None:
         """The prompt joins its namespace's sample (the oldest prompts give way beyond the caps)."""

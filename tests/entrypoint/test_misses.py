@@ -54,7 +54,7 @@ def test_the_divergence_site_says_what_varies_and_what_moving_it_wins():
     keys = chain_keys(b, SPEC, "alpha")
     first = book.first_absent("alpha", b, keys, 2, None)
     d = decide_hit(len(b), 2, set(), SPEC)
-    split = split_misses(len(b), d, first.start, d.hit_tokens, first.cause, first.divergence)
+    split = split_misses(len(b), d, first.start, d.hit_tokens, first.cause, first.divergence, first.diverged_block)
     book.account("alpha", split, first, b)
     explained = book.explain(split, first, b)
     div = explained["divergence"]

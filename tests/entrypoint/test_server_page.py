@@ -34,9 +34,12 @@ class Values(HTMLParser):
         self.tables: dict[str, list[list[str]]] = {}
         self._table: str | None = None
         self._cell: list[str] | None = None
+        self.bars: list[tuple[str, str]] = []   # (cause, tokens) of each bar of the misses chart
 
     def handle_starttag(self, tag, attrs):
         a = dict(attrs)
+        if tag == "rect" and "data-cause" in a:
+            self.bars.append((a["data-cause"], a["data-tokens"]))
         if tag == "body" and a.get("data-loaded") == "1":
             self.body_loaded = True
         if "id" in a and "data-value" in a:
@@ -120,3 +123,30 @@ def test_diff_form_says_why_a_prompt_missed(open_server):
     assert status == 401   # with a key file, the form needs a key (the page has a field for it)
     status, d = open_server.post("/dashboard/diff", {"a": [1], "b": [2]})   # a tenant's key (alpha)
     assert status == 403 and d["error"]["code"] == "operator_key_required"
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (make system installs it)")
+def test_page_shows_misses_by_cause_and_the_divergence_sites(open_server, tmp_path):
+    """The operator page's misses chart and tables equal /v1/cache/misses: a divergence at a timestamp."""
+    a = "Report of 10:21:04Z for the shops. " + "The quarterly numbers follow, one line per shop. " * 20
+    for prompt in (a, a.replace("10:21:04Z", "10:25:37Z")):
+        status, body = open_server.post("/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 1,
+                                                            "temperature": 0})
+        assert status == 200, body
+    run = chromium(open_server.url + f"/#key={OPS}", tmp_path / "profile", "--dump-dom")
+    assert run.returncode == 0, run.stderr[-2000:]
+    page = Values()
+    page.feed(run.stdout)
+    assert page.body_loaded
+    data = json.loads(open_server.get("/v1/cache/misses", OPERATOR)[1])["data"]
+    causes = {row[0]: row for row in page.tables["miss-causes"][1:] if row}
+    for t in data:
+        row = causes[t["namespace"]]
+        assert int(row[1].replace(",", "")) == t["requests"]
+        assert [int(x.replace(",", "")) for x in row[3:]] == [t["miss_tokens"].get(c, 0) for c in (
+            "cold", "diverged", "expired", "evicted", "load_failed", "snapshot_missing", "tail")]
+    sites = [row for row in page.tables["divergences"][1:] if row]
+    alpha = next(t for t in data if t["namespace"] == "alpha")
+    assert alpha["top_divergences"] and any("5:37" in row[4] and "1:04" in row[5] for row in sites), sites
+    bars = sorted((c, int(n)) for c, n in page.bars)
+    assert bars == sorted((c, n) for t in data for c, n in t["miss_tokens"].items() if n > 0)

@@ -2,12 +2,13 @@
 
 import json
 import threading
+import time
 import urllib.request
 
 import numpy as np
 
 from kvledger.core import ModelSpec, chain_keys
-from kvledger.store.ledger import blocks_dir
+from kvledger.store.ledger import BlockLedger, blocks_dir
 from kvledger.util.serve_process import ServeProcess
 from tests.engine.helpers import flip_byte_of_block
 from tests.entrypoint.metrics_text import metric
@@ -123,5 +124,32 @@ def test_a_poisoned_sampling_request_never_stops_another_stream(tmp_path):
         assert status == 200 and len(body["choices"][0]["token_ids"]) == 4, body
         status, body = tiny_penalty
         assert status == 400 and body["error"]["param"] == "repetition_penalty", body
+    finally:
+        server.stop()
+
+
+def test_blocks_without_their_window_are_snapshot_missing(tmp_path):
+    """Prompt P (1000 tokens) leaves snapshots at 768 and 896. Q shares P's first 700 tokens: its blocks hit to
+    640, where no snapshot lies (nor below): rule 3′ resumes exactly from 0, so [0, 640) is snapshot_missing,
+    the block [640, 768) diverged at 700, and the last 232 tokens are the tail."""
+    server = ServeProcess(tmp_path / "data", model="tiny-v4").start()
+    try:
+        p = np.random.default_rng(3).integers(100, 30000, 1000).tolist()
+        q = p[:700] + np.random.default_rng(4).integers(100, 30000, 300).tolist()
+        body = {"model": "tiny-v4", "max_tokens": 1, "temperature": 0, "explain_cache_miss": True}
+        status, first = server.post("/v1/completions", body | {"prompt": p})
+        assert status == 200 and first["usage"]["kvledger"]["miss"]["causes"] == {"cold": 768, "tail": 232}
+        keys = chain_keys(np.asarray(p, dtype=np.uint32), ModelSpec.preset("tiny-v4"))
+        with BlockLedger.open(path=blocks_dir(tmp_path / "data")) as ledger:   # P's blocks are written behind
+            deadline = time.monotonic() + 30                                     # its reply: wait for them
+            while ledger.match(keys) < 7:
+                assert time.monotonic() < deadline, "P's blocks never reached the store"
+                time.sleep(0.05)
+        status, second = server.post("/v1/completions", body | {"prompt": q})
+        assert status == 200, second
+        miss = second["usage"]["kvledger"]["miss"]
+        assert miss["causes"] == {"snapshot_missing": 640, "diverged": 128, "tail": 232}
+        assert miss["divergence"]["position"] == 700
+        assert metric(_metrics(server), "kvledger_prompt_miss_tokens_total", cause="snapshot_missing") == 640
     finally:
         server.stop()
