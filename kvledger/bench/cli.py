@@ -26,6 +26,7 @@ BENCHES = {
     "replay": "kvledger.bench.replay",       # live trace replay per routing policy vs the simulator's prediction
     "mount": "kvledger.bench.mount_bench",   # cluster block ledger on a local folder vs a JuiceFS volume
     "chaos": "kvledger.bench.chaos",         # the cluster on JuiceFS under faults, every reply checked
+    "misses": "kvledger.bench.misses_bench", # miss attribution: the CHECK with it on vs off, the sample's memory
 }
 
 

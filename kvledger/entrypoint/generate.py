@@ -24,6 +24,7 @@ from kvledger.entrypoint.activity import RequestRecord
 from kvledger.engine.client import EngineFailed, EngineRejected
 from kvledger.entrypoint.detokenize import TextStream
 from kvledger.entrypoint.errors import ApiError, engine_error
+from kvledger.entrypoint.misses import FirstAbsent
 from kvledger.entrypoint.prepare import Prepared
 from kvledger.entrypoint.protocol import LegDetails, Usage
 from kvledger.entrypoint.server_state import ServerState
@@ -50,6 +51,7 @@ class Outcome:
     first_token_at: float | None = None
     last_token_at: float | None = None
     miss: dict[str, Any] | None = None   # usage.kvledger.miss, when the request asked (explain_cache_miss)
+    first_absent: FirstAbsent | None = None   # the first absent block under the cap, and why (at the end)
 
 
 async def run(state: ServerState, prep: Prepared, out: Outcome) -> AsyncIterator[Delta]:
@@ -85,15 +87,25 @@ async def run(state: ServerState, prep: Prepared, out: Outcome) -> AsyncIterator
     finally:
         state.metrics.running.dec()
     out.text = text.text
+    out.first_absent = first_absent(state, prep)
     if prep.explain_miss:
-        split = miss_split(prep, usage_of(prep, out).prompt_cache_hit_tokens)
-        out.miss = state.misses.explain(split, prep.first_absent, prep.engine_request.tokens)
+        split = miss_split(prep, usage_of(prep, out).prompt_cache_hit_tokens, out.first_absent)
+        out.miss = state.misses.explain(split, out.first_absent, prep.engine_request.tokens)
 
 
-def miss_split(prep: Prepared, cached: int) -> MissSplit:
+def first_absent(state: ServerState, prep: Prepared) -> FirstAbsent | None:
+    """The first block under the cap the CHECK did not find, and why (entrypoint/misses.py: its tombstone, else
+    the namespace's sample); None when every block up to the cap was there, or under --no-cache."""
+    found, d, req = prep.found, prep.decision, prep.engine_request
+    if found is None or found.blocks * state.spec.block_size >= max(d.cap, 0):
+        return None
+    return state.misses.first_absent(req.namespace, req.tokens, req.keys, found.blocks, found.gone)
+
+
+def miss_split(prep: Prepared, cached: int, first: FirstAbsent | None) -> MissSplit:
     """The request's miss tokens by cause (core.attribution), from its CHECK and the `cached` tokens the engine
     really reused."""
-    first, d = prep.first_absent, prep.decision
+    d = prep.decision
     l1 = max(d.cap, 0) if first is None else first.start   # L1: the blocks present, up to the cap
     if first is None:
         return split_misses(prep.prompt_tokens, d, l1, cached, MissCause.COLD)
@@ -191,11 +203,11 @@ def _record_misses(state: ServerState, prep: Prepared, out: Outcome, cached: int
     if state.config.no_cache:
         return
     req = prep.engine_request
-    split = miss_split(prep, cached)
+    split = miss_split(prep, cached, out.first_absent)
     tenant = tenant_of(req.namespace)
     for cause, n in split.tokens.items():
         state.metrics.prompt_miss_tokens.labels(tenant, str(cause)).inc(n)
-    state.misses.account(req.namespace, split, prep.first_absent, req.tokens)
+    state.misses.account(req.namespace, split, out.first_absent, req.tokens)
     state.misses.add(req.namespace, req.tokens, req.keys)
 
 

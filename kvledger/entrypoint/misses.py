@@ -1,9 +1,12 @@
 """Why prompts miss, live: the recent prompts each namespace sent, the cause of each miss, the divergence sites.
 
     book = MissBook(block_size=128)
-    site = book.first_absent(namespace, tokens, keys, blocks, gone)   # at the CHECK: the first absent block's cause
-    book.add(namespace, tokens, keys)                                 # the prompt joins its namespace's sample
-    split = book.account(namespace, prompt_len, decision, cached, site)   # at the end: tokens by cause, sites
+    first = book.first_absent(namespace, tokens, keys, blocks, gone)   # the first absent block's cause
+    book.account(namespace, split, first, tokens)                      # its tokens by cause (core.attribution)
+    book.add(namespace, tokens, keys)                                  # the prompt joins its namespace's sample
+
+`blocks` and `gone` are what the CHECK's index lookup answered (`store.backend.Match`: the tombstone comes in the
+same round trip); the sample is consulted when the request is done, so the CHECK pays nothing for it.
 
 The sample. Per namespace (salted namespaces apart: they share no block), the most recent prompts' token ids,
 in memory only (never persisted, never shown outside the tenant), at most `max_prompts` prompts and

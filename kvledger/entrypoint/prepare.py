@@ -21,7 +21,7 @@ from kvledger.entrypoint.auth import Tenant
 from kvledger.engine.models.chat_template import ChatTemplateError
 from kvledger.entrypoint.check import check_prompt_explained
 from kvledger.entrypoint.errors import ApiError, bad_request, model_not_found
-from kvledger.entrypoint.misses import FirstAbsent
+from kvledger.store.backend import Match
 from kvledger.entrypoint.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from kvledger.entrypoint.server_state import ServerState
 from kvledger.engine.models.tokenizer import encode_ids
@@ -44,8 +44,8 @@ class Prepared:
     include_usage: bool
     arrival: float
     absent_blocks: int              # blocks under the hit cap the index did not hold
-    first_absent: FirstAbsent | None = None   # the first of them and why it is absent (None: every block up to
-                                              # the cap is present, or --no-cache)
+    found: Match | None = None      # the index's answer at the CHECK (blocks present, the first absent one's
+                                    # tombstone); None under --no-cache
     explain_miss: bool = False      # the client asked for usage.kvledger.miss
 
     @property
@@ -73,14 +73,14 @@ async def prepare(state: ServerState, tenant: Tenant, body: SamplingFields, endp
     tokens = await asyncio.to_thread(prompt_tokens, state, body)
     sampling = sampling_params(state, body, len(tokens))
     namespace = salted_namespace(tenant.namespace, body.cache_salt)
-    keys, decision, first = await asyncio.to_thread(_check, state, tokens, namespace, tenant.ttl_class)
+    keys, decision, found = await asyncio.to_thread(_check, state, tokens, namespace, tenant.ttl_class)
     cap_blocks = max(hit_cap(len(tokens), state.spec), 0) // state.spec.block_size
     absent = cap_blocks - min(decision.block_hit_tokens // state.spec.block_size, cap_blocks)
     prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
     req = EngineRequest(f"{prefix}-{uuid.uuid4().hex}", tokens, keys, decision, sampling, namespace,
                         tenant.ttl_class)
     return Prepared(req, endpoint, tenant, body.stop_strings, body.stream, body.include_usage, arrival,
-                    absent if not state.config.no_cache else 0, first, body.explain_cache_miss)
+                    absent if not state.config.no_cache else 0, found, body.explain_cache_miss)
 
 
 def refuse_unsupported(body: SamplingFields) -> None:
@@ -101,18 +101,17 @@ def refuse_unsupported(body: SamplingFields) -> None:
 
 
 def _check(state: ServerState, tokens: np.ndarray, namespace: str, ttl_class: str | None
-           ) -> tuple[list[bytes], HitDecision, FirstAbsent | None]:
-    """The CHECK, and when it stops short of the cap, the first absent block's cause (entrypoint/misses.py)."""
+           ) -> tuple[list[bytes], HitDecision, Match | None]:
+    """The CHECK, with the index's answer: the first absent block's tombstone comes in the same round trip, and
+    the rest of its cause (the sample: entrypoint/misses.py) is looked up once the request is done, off the
+    CHECK's path."""
     if state.config.no_cache:   # the baseline: nothing is looked up, every prompt is computed
         from kvledger.core import chain_keys
 
         return chain_keys(tokens, state.spec, namespace), decide_hit(len(tokens), 0, set(), state.spec), None
-    keys, decision, found = check_prompt_explained(tokens, state.spec, block_ledger=state.block_ledger,
-                                                   state_ledger=state.state_ledger, namespace=namespace,
-                                                   ttl_class=ttl_class, replay=state.config.replay)
-    if found.blocks * state.spec.block_size >= max(decision.cap, 0):
-        return keys, decision, None
-    return keys, decision, state.misses.first_absent(namespace, tokens, keys, found.blocks, found.gone)
+    return check_prompt_explained(tokens, state.spec, block_ledger=state.block_ledger,
+                                  state_ledger=state.state_ledger, namespace=namespace, ttl_class=ttl_class,
+                                  replay=state.config.replay)
 
 
 def refuse_oversized_text(state: ServerState, body: SamplingFields) -> None:
