@@ -46,7 +46,7 @@ demo: setup
 
 test: setup vllm-venv
 	$(VENV)/bin/ruff check kvledger tests
-	$(PY) -m pytest -q -m 'not slow'
+	$(PY) -m pytest -q -m 'not slow' --durations=30
 
 test-all: setup
 	$(VENV)/bin/ruff check kvledger tests
