@@ -37,7 +37,7 @@ NAMESPACE = "alpha"
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", default="8192,131072", help="prompt lengths (default %(default)s)")
-    p.add_argument("--reps", type=int, default=201, help="interleaved reps per case (default %(default)s)")
+    p.add_argument("--reps", type=int, default=2001, help="interleaved reps per case (default %(default)s)")
     p.add_argument("--model", default="smollm2-135m", help="the ModelSpec whose keys and hit rule are used")
     p.add_argument("--sample-prompt-tokens", type=int, default=8192, help="prompt length filling the sample")
     p.add_argument("--no-redis", action="store_true", help="the embedded store only (no redis-server)")
