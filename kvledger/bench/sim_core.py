@@ -31,7 +31,7 @@ import numpy as np
 from kvledger.bench.sim_store import SimBlockStore, StatePool
 from kvledger.bench.trace import TraceRequest
 from kvledger.core import HitKind, ModelSpec, decide_hit, decode_replica_positions, decode_store_position
-from kvledger.core import prefill_store_positions
+from kvledger.core import prefill_store_positions, snapshot_candidates
 from kvledger.core.plan import PUBLISHED_PREFILL_TOKENS_PER_S
 
 ROUTINGS = ("match", "affinity", "random")
@@ -190,18 +190,25 @@ class Simulator:
         return blocks
 
     def _decide(self, r: TraceRequest, engine: int, now: float) -> _Decision:
+        """The hit of r on `engine`: `decide_hit` over the cached blocks and the snapshots reachable at the
+        positions it may use (`snapshot_candidates`: L1 alone for a model that falls back, every boundary
+        up to L1 for one that resumes exactly, rule 3′). Only the highest reachable one can decide (a
+        snapshot at L1, else the latest q < L1), so the search stops there. `l1` stays the blocks' L1 (what
+        the CHECK refreshes), also when an exact resume starts earlier."""
         cfg, spec = self.cfg, self.spec
         store = self.stores[engine if cfg.local else 0]
         cached = self._cached_blocks(r, store, now)
         replay = cfg.replay or cfg.swa == "zero"
-        d = decide_hit(r.input_length, cached, (), spec, replay=replay)
-        l1 = d.block_hit_tokens
-        if d.kind in (HitKind.FALLBACK, HitKind.REPLAY):
-            found = self._snapshot(r, l1, engine, store, now)
-            if found is not None:
-                d = decide_hit(r.input_length, cached, (l1,), spec)
-                assert d.swa_hit
-                return _Decision(d.hit_tokens, d.recompute_from, d.kind.value, l1, *found)
+        found: dict[int, tuple[int, int | None, tuple | None]] = {}
+        for pos in reversed(snapshot_candidates(r.input_length, cached, spec, replay=replay)):
+            where = self._snapshot(r, pos, engine, store, now)
+            if where is not None:
+                found[pos] = where
+                break
+        d = decide_hit(r.input_length, cached, found.keys(), spec, replay=replay)
+        l1 = min(min(cached, r.input_length // self.B) * self.B, d.cap)
+        if d.swa_hit:
+            return _Decision(d.hit_tokens, d.recompute_from, d.kind.value, l1, *found[d.hit_tokens])
         return _Decision(d.hit_tokens, d.recompute_from, d.kind.value, l1)
 
     def _snapshot(self, r: TraceRequest, pos: int, engine: int, store: SimBlockStore, now: float

@@ -63,6 +63,25 @@ def test_snapshot_at_l1_is_used_when_stored_there():
     assert simulate(reqs, SimConfig(spec=V4, state_slots=0)).kinds["fallback"] == 1
 
 
+TINY = ModelSpec.preset("tiny-v4")   # windowed, not trained for the fallback: rule 3′ (exact resume)
+
+
+def test_a_model_that_resumes_exactly_hits_at_the_latest_snapshot():
+    """Rule 3′ (tiny-v4, Gemma 3): without a snapshot at L1 the hit is the latest snapshot q < L1 whose blocks
+    are all present, as `decide_hit` decides it with every candidate position (it was 0 before: the simulator
+    asked `decide_hit` with no snapshot, which for such a model is a miss)."""
+    reqs = _pair()   # A (2048 tokens) stores its snapshots at c = 1792 and p = 1920; B's L1 = 2048
+    stored = set(prefill_store_positions(2048, TINY))
+    expect = decide_hit(4096, 16, stored, TINY)
+    res = simulate(reqs, SimConfig(spec=TINY))
+    assert expect.kind.value == "snapshot" and expect.hit_tokens == 1920
+    assert res.hit_tokens == expect.hit_tokens and res.kinds["snapshot"] == 1
+    assert res.computed_tokens == 2048 + 4096 - 1920
+    assert simulate(reqs, SimConfig(spec=TINY, state_slots=0)).hit_tokens == 0   # no snapshot anywhere: a miss
+    assert simulate(reqs, SimConfig(spec=TINY, swa="full")).hit_tokens == decide_hit(4096, 16, {2048}, TINY).hit_tokens
+    assert simulate(reqs, SimConfig(spec=TINY, replay=True)).kinds["replay"] == 1
+
+
 def test_cap_and_full_attention_model():
     same = [TraceRequest(0.0, 2048, 0, (1, 2, 3, 4)), TraceRequest(100.0, 2048, 0, (1, 2, 3, 4))]
     cap = decide_hit(2048, 16, set(), V4).cap  # 1792: the last 134 tokens (and the block around them) are computed
