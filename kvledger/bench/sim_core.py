@@ -20,9 +20,11 @@ Model (units: seconds, tokens, bytes):
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import math
 import random
+import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -35,6 +37,8 @@ from kvledger.core import prefill_store_positions, snapshot_candidates
 from kvledger.core.plan import PUBLISHED_PREFILL_TOKENS_PER_S
 
 ROUTINGS = ("match", "affinity", "random")
+# under `match`, how the entrypoint picks among the engines (the live router's policies, entrypoint/router.py)
+ENGINE_POLICIES = ("cache-aware", "round-robin", "least-loaded", "prefix-affinity")
 SWA_STRATEGIES = ("memory", "full", "periodic", "zero")
 _PREFILL_DONE, _DECODE_DONE, _ARRIVAL = 0, 1, 2  # at equal times, writes land before arrivals
 
@@ -52,8 +56,10 @@ class SimConfig:
     fetch_latency_s: float = 1e-3
     decode_tps: float = 30.0
     capacity_bytes: float = math.inf
+    low_watermark: float = 1.0     # past the capacity, eviction goes down to this share of it (the live store: 0.9)
     ttl_s: Mapping[str, float] | None = None
     routing: str = "match"
+    engine_policy: str = "cache-aware"   # `match` only: which engine computes (the live router's policy)
     swa: str = "memory"
     swa_period: int = 4            # periodic:N — blocks between stored snapshots
     state_slots: int = 4096        # memory — snapshots one engine's host pool holds
@@ -67,7 +73,9 @@ class SimConfig:
         assert self.prefill_engines > 0 and self.decode_engines > 0
         assert self.prefill_tps > 0 and self.fetch_bytes_per_s > 0 and self.decode_tps > 0
         assert self.routing in ROUTINGS and self.swa in SWA_STRATEGIES and self.swa_period > 0
-        assert self.capacity_bytes >= 0 and self.time_scale > 0
+        assert self.capacity_bytes >= 0 and self.time_scale > 0 and 0 < self.low_watermark <= 1
+        assert self.engine_policy in ENGINE_POLICIES
+        assert self.routing == "match" or self.engine_policy == "cache-aware", "local caches route by their own rule"
 
     @property
     def local(self) -> bool:
@@ -118,6 +126,12 @@ def reuse_ceiling(requests: Sequence[TraceRequest]) -> float:
     return repeats / refs if refs else 0.0
 
 
+def _rendezvous(first_id: int, engine: int) -> bytes:
+    """prefix-affinity's score of an engine for a prefix (the highest wins): a hash of both, the same in
+    every process."""
+    return hashlib.blake2b(struct.pack("<qq", first_id & (2**63 - 1), engine), digest_size=8).digest()
+
+
 def _ids_hit(r: TraceRequest, hit_tokens: int) -> float:
     """How many of r's ids lie in [0, hit_tokens), counting a cut id by its covered share."""
     bt = r.block_tokens
@@ -150,9 +164,12 @@ class Simulator:
                 raise ValueError(f"request blocks of {r.block_tokens} tokens are not whole {self.B}-token blocks")
         n, m = cfg.prefill_engines, cfg.decode_engines
         per_store = cfg.capacity_bytes / n if cfg.local else cfg.capacity_bytes
-        self.stores = [SimBlockStore(per_store) for _ in range(n if cfg.local else 1)]
+        self.stores = [SimBlockStore(per_store, cfg.low_watermark) for _ in range(n if cfg.local else 1)]
         self.pools = [StatePool(cfg.state_slots) for _ in range(n + m)]
         self.busy = [0.0] * n
+        self.queued: list[list[float]] = [[] for _ in range(n)]   # least-loaded: when each engine's prefills end
+        self.served = [0] * n                                       # requests each prefill engine computed
+        self.turn = 0                                               # round-robin's next engine
         self.decoding = [0] * m
         self.rng = random.Random(cfg.seed)
         self.swa_block_bytes = spec.swa_stored_layers * self.B * spec.swa_bytes_per_token if spec.has_swa else 0
@@ -251,7 +268,7 @@ class Simulator:
             return e, self._decide(r, e, now)
         if cfg.routing == "match":
             d = self._decide(r, 0, now)
-            e = min(range(n), key=lambda i: (wait[i] + sum(self._service(r, self._local_holder(d, i), i)[:2]), i))
+            e = self._pick(r, d, now, wait)
             return e, self._local_holder(d, e)
         decisions = [self._decide(r, e, now) for e in range(n)]
         best = max(range(n), key=lambda i: (decisions[i].hit_tokens, -wait[i], -i))
@@ -259,6 +276,24 @@ class Simulator:
         if decisions[best].hit_tokens == 0 or wait[best] - wait[idle] > cfg.affinity_balance_s:
             best = idle
         return best, decisions[best]
+
+    def _pick(self, r: TraceRequest, d: _Decision, now: float, wait: list[float]) -> int:
+        """The engine `match` sends r to, by `engine_policy` (entrypoint/router.py's table): cache-aware = the
+        least queueing + service; round-robin = the next in turn; least-loaded = the fewest prefills admitted
+        and not done; prefix-affinity = a rendezvous hash of the first block's id (every engine when r has no
+        full block: a hash of its length). Ties go to the lowest index."""
+        n, policy = self.cfg.prefill_engines, self.cfg.engine_policy
+        if policy == "round-robin":
+            self.turn += 1
+            return (self.turn - 1) % n
+        if policy == "least-loaded":
+            for q in self.queued:
+                q[:] = [t for t in q if t > now]
+            return min(range(n), key=lambda i: (len(self.queued[i]), i))
+        if policy == "prefix-affinity":
+            first = r.hash_ids[0] if r.hash_ids else r.input_length
+            return max(range(n), key=lambda i: (_rendezvous(first, i), -i))
+        return min(range(n), key=lambda i: (wait[i] + sum(self._service(r, self._local_holder(d, i), i)[:2]), i))
 
     def _local_holder(self, d: _Decision, engine: int) -> _Decision:
         """d with `engine` as the holder when its own pool has the snapshot too (no pull needed)."""
@@ -355,6 +390,9 @@ class Simulator:
                 fetch, compute, nbytes = self._service(r, d, e)
                 start = max(now, self.busy[e])
                 self.busy[e] = done = start + fetch + compute
+                self.served[e] += 1
+                if cfg.engine_policy == "least-loaded":
+                    self.queued[e].append(done)
                 engine_of[i] = e
                 res.busy_s += fetch + compute
                 res.requests += 1

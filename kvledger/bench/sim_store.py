@@ -15,15 +15,17 @@ from collections.abc import Hashable
 class SimBlockStore:
     """Entries (a block, or a snapshot kept on storage) with a size, a unit count and an expiry.
 
-    Invariants: `bytes` == the sum of live entries' sizes <= `capacity` after every `put`;
+    Invariants: `bytes` == the sum of live entries' sizes <= `capacity` after every `put` (a put past it
+    evicts down to `low_watermark` × capacity, as the live store does);
     an entry is gone once `now >= expiry`; a touch (hit or rewrite) renews the expiry
     (TTL refreshed on a hit) and makes the entry most recently used; eviction takes the least
     recently used first. Units: how many 128-token blocks an entry holds (its usable prefix).
     """
 
-    def __init__(self, capacity: float = math.inf) -> None:
-        assert capacity >= 0
+    def __init__(self, capacity: float = math.inf, low_watermark: float = 1.0) -> None:
+        assert capacity >= 0 and 0 < low_watermark <= 1
         self.capacity = capacity
+        self.low_watermark = low_watermark
         self.bytes = 0
         self.evicted_bytes = 0
         self.expired_bytes = 0
@@ -69,7 +71,9 @@ class SimBlockStore:
             self._entries[key] = entry
             self.bytes += size
         self._set_expiry(key, entry, now + ttl)
-        while self.bytes > self.capacity:
+        if self.bytes <= self.capacity:
+            return True
+        while self.bytes > self.capacity * self.low_watermark:
             oldest = next(iter(self._entries))
             self.evicted_bytes += self._entries[oldest][1]
             self._drop(oldest)

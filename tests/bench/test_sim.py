@@ -153,3 +153,34 @@ def test_longer_ttl_never_lowers_the_hit_rate(head):
              for d in (0.25, 1, 3, 7)]
     assert rates == sorted(rates) and rates[0] < rates[-1]
     assert rates[-1] <= simulate(head, cfg).block_hit_rate
+
+
+def test_engine_policies_of_the_live_router_over_the_shared_store():
+    """`match` with the live router's policies: the hit rate is the shared store's whichever engine computes;
+    the policy moves only where the work queues (round-robin alternates, prefix-affinity keeps a prefix on one
+    engine, least-loaded avoids the busy one)."""
+    from kvledger.bench.sim_core import ENGINE_POLICIES, Simulator
+
+    reqs = [TraceRequest(float(i), 1024, 1, (1, 2, 3, 4 + i % 3, 100 + i), 128) for i in range(30)]  # 1 s apart
+    one_engine = simulate(reqs, SimConfig(spec=SMOL, prefill_engines=1)).hit_tokens
+    engines_of = {}
+    for policy in ENGINE_POLICIES:
+        sim = Simulator(reqs, SimConfig(spec=SMOL, prefill_engines=3, engine_policy=policy))
+        assert sim.run().hit_tokens == one_engine > 0, policy
+        engines_of[policy] = sim.served
+    assert engines_of["round-robin"] == [10, 10, 10]
+    assert sorted(engines_of["prefix-affinity"]) == [0, 0, 30]    # one first block: one engine
+    assert engines_of["least-loaded"] == engines_of["cache-aware"] == [30, 0, 0]   # idle engines, ties → lowest
+    with pytest.raises(AssertionError):
+        SimConfig(spec=SMOL, routing="random", engine_policy="round-robin")
+
+
+def test_capacity_evicts_down_to_the_low_watermark():
+    from kvledger.bench.sim_store import SimBlockStore
+
+    store = SimBlockStore(1000, low_watermark=0.5)
+    for k in range(10):
+        store.put(k, 1, 100, 0.0, math.inf)
+    assert store.bytes == 1000 and len(store) == 10          # at the capacity: nothing evicted
+    store.put(10, 1, 100, 0.0, math.inf)
+    assert store.bytes == 500 and store.units(0, 0.0) == 0 and store.units(10, 0.0) == 1
