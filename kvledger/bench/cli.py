@@ -26,6 +26,7 @@ BENCHES = {
     "replay": "kvledger.bench.replay",       # live trace replay per routing policy vs the simulator's prediction
     "mount": "kvledger.bench.mount_bench",   # cluster block ledger on a local folder vs a JuiceFS volume
     "chaos": "kvledger.bench.chaos",         # the cluster on JuiceFS under faults, every reply checked
+    "whatif": "kvledger.bench.whatif_bench",  # kvledger whatif's prediction vs a live rerun, per changed setting
 }
 
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvledger.bench.sim_store import SimBlockStore, StatePool
+from kvledger.bench.sim_store import DevicePool, SimBlockStore, StatePool
 from kvledger.bench.trace import TraceRequest
 from kvledger.core import HitKind, ModelSpec, decide_hit, decode_replica_positions, decode_store_position
 from kvledger.core import prefill_store_positions, snapshot_candidates
@@ -60,6 +60,8 @@ class SimConfig:
     ttl_s: Mapping[str, float] | None = None
     routing: str = "match"
     engine_policy: str = "cache-aware"   # `match` only: which engine computes (the live router's policy)
+    device_blocks: int = 0         # per prefill engine: its device KV pool, a prefix cache in front of the store
+                                   # (sim_store.DevicePool; a hit is raised to what it holds); 0: not modelled
     swa: str = "memory"
     swa_period: int = 4            # periodic:N — blocks between stored snapshots
     state_slots: int = 4096        # memory — snapshots one engine's host pool holds
@@ -74,6 +76,7 @@ class SimConfig:
         assert self.prefill_tps > 0 and self.fetch_bytes_per_s > 0 and self.decode_tps > 0
         assert self.routing in ROUTINGS and self.swa in SWA_STRATEGIES and self.swa_period > 0
         assert self.capacity_bytes >= 0 and self.time_scale > 0 and 0 < self.low_watermark <= 1
+        assert self.device_blocks >= 0
         assert self.engine_policy in ENGINE_POLICIES
         assert self.routing == "match" or self.engine_policy == "cache-aware", "local caches route by their own rule"
 
@@ -145,12 +148,13 @@ def _ids_hit(r: TraceRequest, hit_tokens: int) -> float:
 class _Decision:
     """A hit decision plus where its snapshot is (`snap_key` in the pool of `holder`, or on storage)."""
 
-    __slots__ = ("hit_tokens", "recompute_from", "kind", "l1", "swa_bytes", "holder", "snap_key")
+    __slots__ = ("hit_tokens", "recompute_from", "kind", "l1", "swa_bytes", "holder", "snap_key", "on_device")
 
     def __init__(self, hit_tokens: int, recompute_from: int, kind: str, l1: int, swa_bytes: int = 0,
                  holder: int | None = None, snap_key: tuple | None = None) -> None:
         self.hit_tokens, self.recompute_from, self.kind, self.l1 = hit_tokens, recompute_from, kind, l1
         self.swa_bytes, self.holder, self.snap_key = swa_bytes, holder, snap_key
+        self.on_device = 0   # of the reused blocks, those the serving engine's device pool holds (not fetched)
 
 
 class Simulator:
@@ -169,6 +173,8 @@ class Simulator:
         self.busy = [0.0] * n
         self.queued: list[list[float]] = [[] for _ in range(n)]   # least-loaded: when each engine's prefills end
         self.served = [0] * n                                       # requests each prefill engine computed
+        self.devices = [DevicePool(cfg.device_blocks) for _ in range(n)] if cfg.device_blocks and not cfg.ideal else []
+        self.taken: dict[int, int] = {}                             # request → device blocks it took, until its end
         self.turn = 0                                               # round-robin's next engine
         self.decoding = [0] * m
         self.rng = random.Random(cfg.seed)
@@ -212,9 +218,13 @@ class Simulator:
         up to L1 for one that resumes exactly, rule 3′). Only the highest reachable one can decide (a
         snapshot at L1, else the latest q < L1), so the search stops there. `l1` stays the blocks' L1 (what
         the CHECK refreshes), also when an exact resume starts earlier."""
+        store = self.stores[engine if self.cfg.local else 0]
+        return self._decide_blocks(r, self._cached_blocks(r, store, now), engine, store, now)
+
+    def _decide_blocks(self, r: TraceRequest, cached: int, engine: int, store: SimBlockStore, now: float
+                       ) -> _Decision:
+        """The hit of r with `cached` leading blocks in hand (`_decide`)."""
         cfg, spec = self.cfg, self.spec
-        store = self.stores[engine if cfg.local else 0]
-        cached = self._cached_blocks(r, store, now)
         replay = cfg.replay or cfg.swa == "zero"
         found: dict[int, tuple[int, int | None, tuple | None]] = {}
         for pos in reversed(snapshot_candidates(r.input_length, cached, spec, replay=replay)):
@@ -252,7 +262,7 @@ class Simulator:
         """(fetch seconds, compute seconds, bytes fetched) of r on `engine` under decision d.
         A snapshot in the serving engine's own pool costs nothing to use; elsewhere it is pulled."""
         cfg = self.cfg
-        nbytes = d.hit_tokens // self.B * self.spec.block_bytes()
+        nbytes = max(d.hit_tokens // self.B - d.on_device, 0) * self.spec.block_bytes()
         if d.holder is None or d.holder != engine:
             nbytes += d.swa_bytes
         fetch = cfg.fetch_latency_s + nbytes / cfg.fetch_bytes_per_s if nbytes else 0.0
@@ -294,6 +304,30 @@ class Simulator:
             first = r.hash_ids[0] if r.hash_ids else r.input_length
             return max(range(n), key=lambda i: (_rendezvous(first, i), -i))
         return min(range(n), key=lambda i: (wait[i] + sum(self._service(r, self._local_holder(d, i), i)[:2]), i))
+
+    def _with_device(self, r: TraceRequest, engine: int, d: _Decision, now: float) -> _Decision:
+        """The engine's device pool may hold more leading blocks than the store: the hit is raised to them, as
+        engine/loader.py does (`_with_device_cache`); either way its blocks there are not fetched."""
+        device = self.devices[engine].cache
+        held = self._cached_blocks(r, device, now)
+        reach = d.hit_tokens if d.kind in ("snapshot", "miss") else d.l1   # the decision's block_hit_tokens
+        if held * self.B > reach:
+            store = self.stores[engine if self.cfg.local else 0]
+            better = self._decide_blocks(r, held, engine, store, now)
+            if better.hit_tokens > d.hit_tokens:
+                d = better
+        d.on_device = min(held, -(-d.hit_tokens // self.B))
+        for h in reversed(r.hash_ids[: -(-d.hit_tokens // r.block_tokens)]):
+            device.touch(h, now, math.inf)
+        return d
+
+    def _admit(self, r: TraceRequest, engine: int, d: _Decision) -> int:
+        """Blocks r takes from the engine's device pool at admission (prompt + output, + 1 if windowed, less
+        the reused ones it already holds: engine/loader.py `blocks_needed`)."""
+        need = -(-(r.input_length + r.output_length) // self.B) + (1 if self.spec.has_swa else 0)
+        taken = max(need - d.on_device, 0)
+        self.devices[engine].take(taken)
+        return taken
 
     def _local_holder(self, d: _Decision, engine: int) -> _Decision:
         """d with `engine` as the holder when its own pool has the snapshot too (no pull needed)."""
@@ -357,6 +391,14 @@ class Simulator:
             qs = [q for q in decode_replica_positions(r.input_length, total, self.spec) if q % step == 0]
             self._store_snapshots(r, prefill_engine, now, qs, store)
 
+    def _keep_on_device(self, r: TraceRequest, engine: int, ids: Sequence[int], now: float) -> None:
+        """These full blocks of r become findable in the engine's device pool (tail first, as the store puts)."""
+        per = r.block_tokens // self.B
+        for k in range(len(ids) - 1, -1, -1):
+            units = r.block_len(k) // self.B if ids is r.hash_ids else per
+            if units:
+                self.devices[engine].keep(ids[k], units, now)
+
     def _arrive_ideal(self, r: TraceRequest) -> _Decision:
         found = 0
         for h in r.hash_ids:
@@ -386,6 +428,9 @@ class Simulator:
                     e = min(range(cfg.prefill_engines), key=lambda k: (self.busy[k], k))
                 else:
                     e, d = self._route(r, now)
+                    if self.devices:
+                        d = self._with_device(r, e, d, now)
+                        self.taken[i] = self._admit(r, e, d)
                     self._touch_reused(r, self.stores[e if cfg.local else 0], d, now)
                 fetch, compute, nbytes = self._service(r, d, e)
                 start = max(now, self.busy[e])
@@ -409,6 +454,8 @@ class Simulator:
             elif kind == _PREFILL_DONE:
                 if not cfg.ideal:
                     self._write_prompt(r, a, now)
+                if self.devices:
+                    self._keep_on_device(r, a, r.hash_ids, now)
                 m = min(range(cfg.decode_engines), key=lambda k: (self.decoding[k], k))
                 self.decoding[m] += 1
                 heapq.heappush(events, (now + r.output_length / cfg.decode_tps, _DECODE_DONE, i, a, m))
@@ -416,6 +463,9 @@ class Simulator:
                 self.decoding[b] -= 1
                 if not cfg.ideal:
                     self._write_decode(r, engine_of[i], b, now)
+                if self.devices:
+                    self._keep_on_device(r, engine_of[i], r.output_hash_ids, now)
+                    self.devices[engine_of[i]].give_back(self.taken.pop(i))
             res.makespan_s = now
         res.evicted_bytes = sum(s.evicted_bytes for s in self.stores)
         res.expired_bytes = sum(s.expired_bytes for s in self.stores)

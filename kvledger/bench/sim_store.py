@@ -79,6 +79,15 @@ class SimBlockStore:
             self._drop(oldest)
         return key in self._entries
 
+    def resize(self, capacity: float) -> None:
+        """A new capacity; least recently used entries are evicted down to it (not down to the low watermark)."""
+        assert capacity >= 0
+        self.capacity = capacity
+        while self.bytes > capacity:
+            oldest = next(iter(self._entries))
+            self.evicted_bytes += self._entries[oldest][1]
+            self._drop(oldest)
+
     def expire(self, now: float) -> None:
         """Drop every entry whose expiry has passed (keeps `bytes` exact for the size-over-time series)."""
         heap = self._expiries
@@ -126,3 +135,32 @@ class StatePool:
         self._keys.move_to_end(key)
         while len(self._keys) > self.slots:
             self._keys.popitem(last=False)
+
+
+class DevicePool:
+    """One engine's device KV pool, which is also its prefix cache in front of the store (engine/block_pool.py).
+
+    `blocks` in all (128-token blocks). The blocks its unfinished requests took at admission are `held`;
+    the rest keep keyed blocks (a prompt's full blocks once its prefill ends, the output's at its end) in
+    least-recently-used order, evicted when an admission needs room. No TTL: the device keeps what it
+    computed as long as nothing else needs the space. (A keyed block still in use is not protected from
+    eviction here, as it is on the engine: an approximation while requests run.)"""
+
+    def __init__(self, blocks: int) -> None:
+        assert blocks > 0
+        self.blocks = blocks
+        self.held = 0
+        self.cache = SimBlockStore(blocks)
+
+    def take(self, n: int) -> None:
+        """An admission takes `n` blocks: keyed blocks are evicted, least recently used first, to make room."""
+        self.held += n
+        self.cache.resize(max(self.blocks - self.held, 0))
+
+    def give_back(self, n: int) -> None:
+        self.held = max(self.held - n, 0)
+        self.cache.resize(max(self.blocks - self.held, 0))
+
+    def keep(self, key: Hashable, units: int, now: float) -> None:
+        """`key`'s `units` blocks are now findable on the device (refreshed if they were)."""
+        self.cache.put(key, units, units, now, math.inf)

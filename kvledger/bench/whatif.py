@@ -13,8 +13,9 @@ the live server measured over the same window.
      CHECK, the engine's step granularity: what the simulator does not model), added to every row's TTFT.
 3. The server as it ran ("as recorded"): its model, engine count (distinct engines in the window), store
    capacity (with the live store's eviction low watermark), TTL classes (seconds), routing policy, one shared
-   store (`match`), snapshots in host memory. Its prediction beside the live figures shows the model's error
-   on this very window.
+   store (`match`), snapshots in host memory, and each engine's device pool (its prefix cache in front of
+   the store, which serves what the store lost as long as it holds it: `server.json`'s `device_blocks`).
+   Its prediction beside the live figures shows the model's error on this very window.
 4. Each row changes one setting of that: the capacity, the TTL classes, the routing policy (the live router's
    four over the shared store, with at least 2 engines; and the simulator's per-engine local caches), the SWA
    strategy (models with sliding-window layers). Rates in [0, 1], times in seconds, sizes in bytes.
@@ -37,6 +38,7 @@ from kvledger.bench.whatif_trace import Recorded, live_figures, ttl_seconds
 from kvledger.core import ModelSpec
 
 LIVE_LOW_WATERMARK = 0.9        # the embedded store evicts down to this share of its capacity (LmdbStore's default)
+ENGINE_KV_BYTES = 512 << 20     # an engine's device KV pool when the server names none (engine.py DEFAULT_KV_BYTES)
 ASSUMED_FETCH_BPS = 10e9        # only when nothing in the window was fetched from the store (said in the report)
 ASSUMED_DECODE_TPS = 30.0
 CAPACITY_SHARES = (0.5, 0.25, 0.125)   # default capacity rows: shares of the store's peak as recorded
@@ -111,13 +113,18 @@ def base_config(recorded: Recorded, spec: ModelSpec, cal: Calibration, decode_en
     engines = max(len(live_figures(recorded.trace.requests)["engines"]), 1)
     capacity = server.get("store_capacity_bytes")
     policy = server.get("routing") if server.get("mode") == "cluster" else "cache-aware"
+    device = server.get("device_blocks")
+    if not isinstance(device, int) or device < 1:   # a cluster's engines: their default pool
+        context = server.get("max_model_len")
+        floor = -(-context // spec.block_size) + 2 if isinstance(context, int) and context > 0 else 0
+        device = max(ENGINE_KV_BYTES // spec.block_bytes(), floor)
     return SimConfig(spec=spec, prefill_engines=engines, decode_engines=decode_engines,
                      prefill_tps=cal.prefill_tokens_per_s, fetch_bytes_per_s=cal.fetch_bytes_per_s,
                      decode_tps=cal.decode_tokens_per_s,
                      capacity_bytes=float(capacity) if isinstance(capacity, (int, float)) else math.inf,
                      low_watermark=LIVE_LOW_WATERMARK, ttl_s=ttl_seconds(server), routing="match",
                      engine_policy=policy if policy in ENGINE_POLICIES else "cache-aware",
-                     replay=bool(server.get("replay", False)))
+                     replay=bool(server.get("replay", False)), device_blocks=device)
 
 
 def default_changes(base: SimConfig, peak_bytes: int, span_s: float, capacities: Sequence[float] = (),
@@ -202,5 +209,5 @@ def _assumptions(base: SimConfig) -> dict[str, Any]:
             "capacity_bytes": None if math.isinf(base.capacity_bytes) else base.capacity_bytes,
             "low_watermark": base.low_watermark, "ttl_s": base.ttl_s, "routing": base.routing,
             "engine_policy": base.engine_policy, "swa": base.swa, "state_slots": base.state_slots,
-            "replay": base.replay, "service_model": "FIFO per prefill engine; fetch then compute; compute linear in "
-                                                    "tokens (sim_core)"}
+            "replay": base.replay, "device_blocks_per_engine": base.device_blocks,
+            "service_model": "FIFO per prefill engine; fetch then compute; compute linear in tokens (sim_core)"}

@@ -70,7 +70,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     trace_args(p)
     grace_arg(p)
     p.set_defaults(func=cmd_serve, no_cache=False, max_num_seqs=8, checkpoint_every=0, store_capacity=None,
-                   ttl_classes=DEFAULT_TTL_CLASSES, gc_interval_s=0.0)
+                   ttl_classes=DEFAULT_TTL_CLASSES, gc_interval_s=0.0, kv_cache_bytes=None)
 
 
 def store_args(p: argparse.ArgumentParser) -> None:
@@ -83,6 +83,9 @@ def store_args(p: argparse.ArgumentParser) -> None:
                    "named keeps its default) or one duration for every class (default %(default)s)")
     p.add_argument("--gc-interval-s", type=float, default=60.0, help="expired blocks are removed (and the capacity "
                    "enforced) this often while serving; 0: only at puts past the capacity (default %(default)s)")
+    p.add_argument("--kv-cache-bytes", default=None, metavar="SIZE", help="the engine's device KV pool (1G, 20M), "
+                   "which is also its device prefix cache in front of the block ledger; at least one request of "
+                   "--max-prompt-tokens + --max-tokens-limit tokens (default: the engine's, 512 MiB)")
 
 
 def trace_args(p: argparse.ArgumentParser) -> None:
@@ -106,8 +109,9 @@ def trace_settings(args: argparse.Namespace) -> Any:
     return TraceSettings(not args.no_trace, args.trace_file_bytes, args.trace_files, args.trace_dir)
 
 
-def store_limits(args: argparse.Namespace) -> tuple[int | None, dict[str, float]]:
-    """(capacity bytes or None, TTL seconds per class) of the store flags; CliError for a bad one."""
+def store_limits(args: argparse.Namespace) -> tuple[int | None, dict[str, float], int | None]:
+    """(capacity bytes or None, TTL seconds per class, device pool bytes or None) of the store flags; CliError
+    for a bad one."""
     from kvledger.entrypoint.config import parse_ttl_classes
     from kvledger.util.units import parse_size
 
@@ -126,7 +130,16 @@ def store_limits(args: argparse.Namespace) -> tuple[int | None, dict[str, float]
         raise CliError(f"--ttl-classes: {e}") from None
     if args.gc_interval_s < 0:
         raise CliError("--gc-interval-s must be >= 0")
-    return capacity, ttl
+    kv = None
+    if args.kv_cache_bytes is not None:
+        try:
+            size = parse_size(args.kv_cache_bytes)
+        except ValueError as e:
+            raise CliError(f"--kv-cache-bytes: {e}") from None
+        if not 1 <= size < float("inf"):
+            raise CliError("--kv-cache-bytes must be a finite size of at least one byte")
+        kv = int(size)
+    return capacity, ttl, kv
 
 
 def grace_arg(p: argparse.ArgumentParser) -> None:
@@ -199,7 +212,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
             token = load_token(args.token_file)
         except ValueError as e:
             raise CliError(str(e)) from None
-    capacity, ttl_classes = store_limits(args)
+    capacity, ttl_classes, kv_cache_bytes = store_limits(args)
     trace = trace_settings(args)
     data_dir = writable_dir(args.data_dir or default_data_dir(), "--data-dir")
     # before the model load: a busy port fails at once
@@ -213,7 +226,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
                          max_prompt_tokens=args.max_prompt_tokens, max_tokens_limit=args.max_tokens_limit,
                          redis_url=args.redis_url, cluster_token=token, routing=args.routing,
                          status_every_s=args.status_interval_s, checkpoint_every=every, ttl_classes=ttl_classes,
-                         store_capacity_bytes=capacity, gc_interval_s=args.gc_interval_s, trace=trace)
+                         store_capacity_bytes=capacity, gc_interval_s=args.gc_interval_s, trace=trace,
+                         kv_cache_bytes=kv_cache_bytes)
     mode = "serve" if args.redis_url is None else "entrypoint"
     state, code = None, EXIT_INTERRUPTED   # until the server ran to its end: close as fast as after a Ctrl-C
     try:

@@ -88,6 +88,7 @@ class ServeConfig:
     ttl_classes: Mapping[str, float] | None = None   # TTL seconds per class (None: the store's, 3 and 7 days)
     store_capacity_bytes: int | None = None   # embedded block ledger: LRU eviction past this (None: unlimited)
     gc_interval_s: float = 60.0            # embedded: expired blocks removed this often while serving (0: never)
+    kv_cache_bytes: int | None = None      # embedded: the engine's device KV pool (None: the engine's default)
     trace: TraceSettings = field(default_factory=TraceSettings)
     # cluster mode (`kvledger entrypoint`): no engine here; Redis holds the index, the directory and
     # the engine registry, and the engines are reached with the cluster token
@@ -102,6 +103,16 @@ class ServeConfig:
         assert self.body_timeout_s > 0
         assert self.store_capacity_bytes is None or (self.store_capacity_bytes > 0 and self.redis_url is None)
         assert self.gc_interval_s >= 0
+
+    def device_pool(self) -> dict[str, int]:
+        """The embedded engine's device pool arguments: `kv_cache_bytes` when set, with the longest request this
+        server's limits admit (prompt + output), so a pool smaller than the model's context can hold one."""
+        if self.kv_cache_bytes is None:
+            return {}
+        out = {"kv_cache_bytes": self.kv_cache_bytes}
+        if self.max_prompt_tokens is not None and self.max_tokens_limit is not None:
+            out["max_seq_tokens"] = self.max_prompt_tokens + self.max_tokens_limit
+        return out
 
     @property
     def trace_folder(self) -> Path:

@@ -49,7 +49,7 @@ class ServerState:
         self.max_token_bytes = longest_token_bytes(self.tokenizer) if self.tokenizer is not None else 0
         self.metrics = ServeMetrics(self.store_stats, lambda: self.block_ledger.store.counters.as_dict())
         self.activity = Activity()
-        self.trace = open_recorder(config, self.spec, self.policy)   # the server's own trace (whatif reads it)
+        self.trace = open_recorder(self)   # the server's own trace (`kvledger whatif` reads it)
         self.upkeep: PeriodicGc | None = None  # embedded: expired blocks removed while serving
         self.in_flight: dict[str, int] = {}   # tenant label → requests admitted and not finished
         self.engine: EngineClient | None = None
@@ -74,7 +74,8 @@ class ServerState:
         engine = Engine(self.entry, block_ledger=self.block_ledger if cache else None,
                         state_ledger=self.state_ledger if cache else None,
                         device=self.config.device, max_num_seqs=self.config.max_num_seqs,
-                        replay=self.config.replay, checkpoint_every=self.config.checkpoint_every)
+                        replay=self.config.replay, checkpoint_every=self.config.checkpoint_every,
+                        **self.config.device_pool())
         self._engine_core = engine
         self.max_model_len = engine.max_model_len
         self.eos_token_ids = tuple(engine.eos_token_ids)

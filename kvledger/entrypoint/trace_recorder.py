@@ -28,7 +28,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -74,8 +74,11 @@ class TraceRecorder:
     `flush` waits for the queued lines; `close` stops the writer. `enabled` falls to False on the first
     OSError; `written` and `dropped` count lines."""
 
-    def __init__(self, folder: Path, settings: TraceSettings, spec: ModelSpec, server: Mapping[str, Any]) -> None:
+    def __init__(self, folder: Path, settings: TraceSettings, spec: ModelSpec, server: Mapping[str, Any],
+                 late: Callable[[], Mapping[str, Any]] | None = None) -> None:
+        """`server`: written to server.json at once; `late()`: added to it before the first line is written."""
         self.folder, self.settings, self.spec = Path(folder), settings, spec
+        self._server, self._late = dict(server), late
         self.enabled = settings.enabled
         self.written = self.dropped = 0
         self._queue: queue.Queue[Finished | None] = queue.Queue(QUEUE_MAX)
@@ -83,7 +86,7 @@ class TraceRecorder:
         self._size = 0
         self._thread: threading.Thread | None = None
         if self.enabled:
-            self._guard(self._open, server)
+            self._guard(self._open)
         if self.enabled:
             self._thread = threading.Thread(target=self._run, name="trace-recorder", daemon=True)
             self._thread.start()
@@ -142,16 +145,23 @@ class TraceRecorder:
                     os.close(self._fd)
                 self._fd = None
 
-    def _open(self, server: Mapping[str, Any]) -> None:
+    def _open(self) -> None:
         self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-        tmp = self.folder / f".{SETTINGS}.tmp"
-        tmp.write_text(json.dumps({**server, "block_tokens": self.spec.block_size, "started_at": time.time()},
-                                  indent=1) + "\n")
-        os.replace(tmp, self.folder / SETTINGS)
+        self._server.update(block_tokens=self.spec.block_size, started_at=time.time())
+        self._write_settings()
         self._fd = os.open(rotated(self.folder, 0), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         self._size = os.fstat(self._fd).st_size
 
+    def _write_settings(self) -> None:
+        tmp = self.folder / f".{SETTINGS}.tmp"
+        tmp.write_text(json.dumps(self._server, indent=1) + "\n")
+        os.replace(tmp, self.folder / SETTINGS)
+
     def _write(self, line: bytes) -> None:
+        if self._late is not None:   # the engine is loaded by now: what only it knows
+            self._server.update(self._late())
+            self._late = None
+            self._write_settings()
         if len(line) > self.settings.file_bytes:
             self.dropped += 1
             return
@@ -231,12 +241,20 @@ def trace_request(state: Any, prep: Any, out: Any, usage: Any, ttft_s: float | N
         log.warning("trace recording is off: %s: %s", type(e).__name__, e)
 
 
-def open_recorder(config: Any, spec: ModelSpec, policy: Any) -> TraceRecorder:
-    """The recorder of a server started with `config` (a ServeConfig), with what a what-if needs to know of
-    it in `server.json` (units: seconds, bytes)."""
+def open_recorder(state: Any) -> TraceRecorder:
+    """The recorder of a server (a ServerState, being built), with what a what-if needs to know of it in
+    `server.json` (units: seconds, bytes, blocks); what only the loaded engine knows (`device_blocks`: its
+    device prefix cache, embedded; `max_model_len`) is added when the first line is written."""
+    config, spec, policy = state.config, state.spec, state.policy
     server = {"model": config.model, "mode": "embedded" if config.redis_url is None else "cluster",
               "block_bytes": spec.block_bytes(), "ttl_s": dict(policy.classes), "default_class": policy.default_class,
               "store_capacity_bytes": config.store_capacity_bytes, "routing": config.routing,
               "replay": config.replay, "checkpoint_every": config.checkpoint_every,
-              "max_num_seqs": config.max_num_seqs}
-    return TraceRecorder(config.trace_folder, config.trace, spec, server)
+              "max_num_seqs": config.max_num_seqs, "kv_cache_bytes": config.kv_cache_bytes}
+
+    def engine_facts() -> dict[str, Any]:
+        core = getattr(state, "_engine_core", None)
+        pool = getattr(core, "pool", None)
+        return {"max_model_len": state.max_model_len, "device_blocks": None if pool is None else pool.total}
+
+    return TraceRecorder(config.trace_folder, config.trace, spec, server, engine_facts)

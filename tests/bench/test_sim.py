@@ -184,3 +184,17 @@ def test_capacity_evicts_down_to_the_low_watermark():
     assert store.bytes == 1000 and len(store) == 10          # at the capacity: nothing evicted
     store.put(10, 1, 100, 0.0, math.inf)
     assert store.bytes == 500 and store.units(0, 0.0) == 0 and store.units(10, 0.0) == 1
+
+
+def test_the_device_pool_serves_what_the_store_lost_and_holds_only_its_size():
+    """engine/loader.py raises a hit to what the engine's device prefix cache holds: an expired or evicted store
+    block still hits while the device keeps it (no TTL there), until admissions of other requests need its room."""
+    again = [TraceRequest(0.0, 1000, 1, tuple(range(1, 8)), 128), TraceRequest(100.0, 1000, 1, tuple(range(1, 8)), 128)]
+    expired = SimConfig(spec=SMOL, ttl_s={"agent": 10.0, "chatbot": 10.0})
+    assert simulate(again, expired).hit_tokens == 0
+    on_device = simulate(again, replace(expired, device_blocks=64))
+    assert on_device.hit_tokens == 896 and on_device.fetch_bytes == 0   # 7 blocks from the device, none fetched
+    others = [TraceRequest(1.0 + k, 1000, 1, tuple(range(100 * k, 100 * k + 8)), 128) for k in range(1, 6)]
+    crowded = sorted(again + others, key=lambda r: r.arrival_s)
+    assert simulate(crowded, replace(expired, device_blocks=24)).hit_tokens == 0   # 5 × 8 blocks pushed it out
+    assert simulate(crowded, replace(expired, device_blocks=64)).hit_tokens == 896

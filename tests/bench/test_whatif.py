@@ -15,7 +15,8 @@ from kvledger.core import ModelSpec
 
 SMOL = ModelSpec.preset("smollm2-135m")
 SERVER = {"model": "smollm2-135m", "mode": "embedded", "ttl_s": {"agent": 3600.0, "chatbot": 3600.0},
-          "store_capacity_bytes": None, "routing": "cache-aware", "replay": False, "block_tokens": 128}
+          "store_capacity_bytes": None, "routing": "cache-aware", "replay": False, "block_tokens": 128,
+          "device_blocks": 3}   # a device pool too small to hold a conversation: the store decides
 
 
 def _requests(n: int = 40, start: float = 1_800_000_000.0) -> list[TraceRequest]:
@@ -59,12 +60,15 @@ def test_the_recorded_window_calibrates_the_simulator_and_it_agrees_with_itself(
     assert report["assumptions"]["low_watermark"] == LIVE_LOW_WATERMARK
 
 
-def test_the_live_low_watermark_is_the_embedded_stores():
+def test_the_live_low_watermark_and_device_pool_are_the_servers():
     import inspect
 
+    from kvledger.bench.whatif import ENGINE_KV_BYTES
+    from kvledger.engine.engine import DEFAULT_KV_BYTES
     from kvledger.store.lmdb_store import LmdbStore
 
     assert inspect.signature(LmdbStore.__init__).parameters["low_watermark"].default == LIVE_LOW_WATERMARK
+    assert ENGINE_KV_BYTES == DEFAULT_KV_BYTES
 
 
 def test_json_is_one_object_and_out_writes_the_chart(run_cli, tmp_path):
