@@ -40,7 +40,7 @@ ROUTINGS = ("match", "affinity", "random")
 # under `match`, how the entrypoint picks among the engines (the live router's policies, entrypoint/router.py)
 ENGINE_POLICIES = ("cache-aware", "round-robin", "least-loaded", "prefix-affinity")
 SWA_STRATEGIES = ("memory", "full", "periodic", "zero")
-_PREFILL_DONE, _DECODE_DONE, _ARRIVAL = 0, 1, 2  # at equal times, writes land before arrivals
+_PREFILL_DONE, _DECODE_DONE, _ARRIVAL, _START = 0, 1, 2, 3  # at equal times, writes land before arrivals
 
 
 @dataclass(frozen=True, slots=True)
@@ -411,12 +411,21 @@ class Simulator:
         return _Decision(hit, hit, HitKind.FULL.value if hit else HitKind.MISS.value, hit)
 
     def run(self) -> SimResult:
+        """Events in time order; at equal times prefill writes, then decode writes, then arrivals, then starts.
+
+        Without a device pool a request's decision and service are fixed at its arrival (it starts when its
+        engine's FIFO queue reaches it). With one (`device_blocks`), the store's decision is still made at
+        arrival (the CHECK, before routing), but the engine raises it to what its device pool holds when the
+        request starts (admission, engine/loader.py): requests wait in a queue per engine for that moment."""
         cfg, res = self.cfg, self.res
         events: list[tuple[float, int, int, int, int]] = []
         for i, r in enumerate(self.reqs):
             events.append((r.arrival_s * cfg.time_scale, _ARRIVAL, i, 0, 0))
         heapq.heapify(events)
         engine_of = [0] * len(self.reqs)
+        ttft = [0.0] * len(self.reqs)
+        waiting: list[list[tuple[int, _Decision, float]]] = [[] for _ in range(cfg.prefill_engines)]
+        running = [False] * cfg.prefill_engines
         while events:
             now, kind, i, a, b = heapq.heappop(events)
             r = self.reqs[i]
@@ -428,34 +437,43 @@ class Simulator:
                     e = min(range(cfg.prefill_engines), key=lambda k: (self.busy[k], k))
                 else:
                     e, d = self._route(r, now)
-                    if self.devices:
-                        d = self._with_device(r, e, d, now)
-                        self.taken[i] = self._admit(r, e, d)
                     self._touch_reused(r, self.stores[e if cfg.local else 0], d, now)
                 fetch, compute, nbytes = self._service(r, d, e)
                 start = max(now, self.busy[e])
-                self.busy[e] = done = start + fetch + compute
+                self.busy[e] = done = start + fetch + compute   # with a device pool: an estimate, for routing
                 self.served[e] += 1
                 if cfg.engine_policy == "least-loaded":
                     self.queued[e].append(done)
                 engine_of[i] = e
-                res.busy_s += fetch + compute
-                res.requests += 1
-                res.block_refs += len(r.hash_ids)
-                res.block_hits += _ids_hit(r, d.hit_tokens)
-                res.prompt_tokens += r.input_length
-                res.hit_tokens += d.hit_tokens
-                res.computed_tokens += r.input_length - d.recompute_from
-                res.fetch_bytes += nbytes
-                res.kinds[d.kind] += 1
-                res.ttft_s.append(done - now)
                 res.store_series.append((now, sum(s.bytes for s in self.stores)))
+                if self.devices:
+                    waiting[e].append((i, d, now))
+                    if not running[e]:
+                        running[e] = True
+                        heapq.heappush(events, (now, _START, waiting[e][0][0], e, 0))
+                    continue
+                self._account(r, d, fetch, compute, nbytes)
+                ttft[i] = done - now
                 heapq.heappush(events, (done, _PREFILL_DONE, i, e, 0))
+            elif kind == _START:
+                j, d, arrived = waiting[a].pop(0)
+                assert j == i
+                d = self._with_device(r, a, d, now)
+                self.taken[i] = self._admit(r, a, d)
+                fetch, compute, nbytes = self._service(r, d, a)
+                self._account(r, d, fetch, compute, nbytes)
+                done = now + fetch + compute
+                ttft[i] = done - arrived
+                heapq.heappush(events, (done, _PREFILL_DONE, i, a, 0))
             elif kind == _PREFILL_DONE:
                 if not cfg.ideal:
                     self._write_prompt(r, a, now)
                 if self.devices:
                     self._keep_on_device(r, a, r.hash_ids, now)
+                    if waiting[a]:
+                        heapq.heappush(events, (now, _START, waiting[a][0][0], a, 0))
+                    else:
+                        running[a] = False
                 m = min(range(cfg.decode_engines), key=lambda k: (self.decoding[k], k))
                 self.decoding[m] += 1
                 heapq.heappush(events, (now + r.output_length / cfg.decode_tps, _DECODE_DONE, i, a, m))
@@ -467,10 +485,24 @@ class Simulator:
                     self._keep_on_device(r, engine_of[i], r.output_hash_ids, now)
                     self.devices[engine_of[i]].give_back(self.taken.pop(i))
             res.makespan_s = now
+        res.ttft_s = ttft
         res.evicted_bytes = sum(s.evicted_bytes for s in self.stores)
         res.expired_bytes = sum(s.expired_bytes for s in self.stores)
         res.state_pool_bytes = sum(len(p) for p in self.pools) * self.snapshot_bytes
         return res
+
+    def _account(self, r: TraceRequest, d: _Decision, fetch: float, compute: float, nbytes: float) -> None:
+        """A request's figures, once its decision is final."""
+        res = self.res
+        res.busy_s += fetch + compute
+        res.requests += 1
+        res.block_refs += len(r.hash_ids)
+        res.block_hits += _ids_hit(r, d.hit_tokens)
+        res.prompt_tokens += r.input_length
+        res.hit_tokens += d.hit_tokens
+        res.computed_tokens += r.input_length - d.recompute_from
+        res.fetch_bytes += nbytes
+        res.kinds[d.kind] += 1
 
 
 def simulate(requests: Sequence[TraceRequest], cfg: SimConfig) -> SimResult:

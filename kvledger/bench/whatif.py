@@ -3,9 +3,13 @@ the live server measured over the same window.
 
 1. The window: the recorded requests (`whatif_trace.load_recorded`), their live figures (cached tokens, TTFT).
 2. Calibration, from the recorded per-request timings (never assumed when the window measured it):
-   - prefill tokens/s: computed prompt tokens (prompt − cached) per busy second of each engine, where an
-     engine is busy from a request's arrival to its first token (the union of those intervals;
-     `replay_report.busy_prefill_rate`, the live replay's own measure);
+   - prefill tokens/s: the engine's marginal rate, 1 / the slope of TTFT against computed prompt tokens
+     (prompt − cached) over the requests that found no other in flight (least squares; its intercept is the
+     fixed cost of a request: HTTP, tokenizing, CHECK, a step). The simulator's engines compute at that
+     rate. Too few such requests (< 5, or computed lengths spanning < 256 tokens): computed tokens per busy
+     second of each engine, busy from a request's arrival to its first token (the union of those
+     intervals; `replay_report.busy_prefill_rate`, the live replay's measure, which counts the fixed costs
+     as work and so runs the simulated engines slower than the live ones batch);
    - fetch bytes/s: the block bytes of the cached tokens of requests that fetched, per second their fetcher
      took (`live.fetch_s`: store → host, the server's `kvledger_fetch_seconds`);
    - decode tokens/s: the median over requests of (output − 1) / (first → last token);
@@ -88,7 +92,11 @@ def calibrate(requests: Sequence[TraceRequest], spec: ModelSpec) -> Calibration:
     outcomes = [ReplayOutcome(i, r.input_length, r.live.cached_tokens, engine=r.live.engine, ttft_s=r.live.ttft_s,
                               sent_at=r.arrival_s) for i, r in enumerate(live)]
     tps, _ = busy_prefill_rate(outcomes)
-    if tps is not None:
+    fitted = marginal_prefill_rate(live)
+    if fitted is not None:
+        tps, tps_source = fitted[0], (f"recorded timings: 1 / slope of TTFT vs computed tokens over {fitted[2]} "
+                                      f"requests alone in flight (intercept {fitted[1] * 1e3:.0f} ms)")
+    elif tps is not None:
         tps_source = "recorded timings: computed prompt tokens per busy second of each engine (arrival → first token)"
     else:
         tps, tps_source = spec.prefill_tokens_per_s or 1000.0, "the model's preset (nothing computed in the window)"
@@ -105,6 +113,25 @@ def calibrate(requests: Sequence[TraceRequest], spec: ModelSpec) -> Calibration:
     else:
         decode, decode_source = ASSUMED_DECODE_TPS, "assumed (no request decoded more than one token)"
     return Calibration(tps, tps_source, fetch, fetch_source, decode, decode_source)
+
+
+def marginal_prefill_rate(live: Sequence[TraceRequest]) -> tuple[float, float, int] | None:
+    """(tokens/s, intercept s, requests used) of the least-squares line TTFT = a + computed / rate over the
+    requests (sorted, with live TTFTs) that arrived while no earlier one was before its first token; None when
+    fewer than 5, their computed lengths span under 256 tokens, or the slope is not positive."""
+    alone, busy_until = [], -math.inf
+    for r in live:
+        if r.arrival_s >= busy_until:
+            alone.append((r.input_length - r.live.cached_tokens, r.live.ttft_s))
+        busy_until = max(busy_until, r.arrival_s + r.live.ttft_s)
+    xs = [x for x, _ in alone]
+    if len(alone) < 5 or max(xs) - min(xs) < 256:
+        return None
+    mx, my = statistics.fmean(xs), statistics.fmean(y for _, y in alone)
+    slope = sum((x - mx) * (y - my) for x, y in alone) / sum((x - mx) ** 2 for x in xs)
+    if slope <= 0:
+        return None
+    return 1.0 / slope, max(my - slope * mx, 0.0), len(alone)
 
 
 def base_config(recorded: Recorded, spec: ModelSpec, cal: Calibration, decode_engines: int = 1) -> SimConfig:

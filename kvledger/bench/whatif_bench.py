@@ -1,7 +1,9 @@
 """`kvledger bench whatif`: the what-if's prediction against a live rerun, one changed setting at a time.
 
 1. A workload (scaled as `bench replay` scales it) is sent open loop to a fresh `kvledger serve`, which
-   records its own trace (the baseline).
+   records its own trace (the baseline). Its engine's device pool is small (`--device-blocks`, through
+   `serve --kv-cache-bytes`), as a GPU's is beside its store, so the block ledger, not the device prefix
+   cache, keeps most of what later requests find (the what-if models both).
 2. `kvledger whatif` (bench/whatif.py) on that trace predicts the token hit rate for each changed setting:
    a smaller store (`--store-capacity`), a shorter TTL (`--ttl-classes`, seconds), and another routing
    policy (`kvledger up --both N --routing POLICY`: N engines over the shared store).
@@ -26,7 +28,7 @@ HELP = "the what-if's prediction against a live rerun, for a smaller capacity, a
 EXAMPLES = ("kvledger bench whatif --json",
             "kvledger bench whatif --sessions 6 --duration 20 --settings capacity,ttl --json")
 SETTINGS = ("capacity", "ttl", "routing")
-AUTO_CAPACITY_SHARE = 0.2    # --capacity auto: this share of the baseline's store peak (as the simulator sees it)
+AUTO_CAPACITY_SHARE = 0.3    # --capacity auto: this share of the baseline's store peak (as the simulator sees it)
 AUTO_TTL_SHARE = 1 / 30      # --ttl auto: this share of the baseline window's span
 VOCAB = 32_000               # token ids are drawn below the smallest vocabulary of the presets (tiny-v4's)
 
@@ -37,14 +39,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from kvledger.engine.models import registry
 
     p.add_argument("--workload", choices=WORKLOADS, default="chat", help="the generated workload")
-    p.add_argument("--sessions", type=int, default=8, help="workload sessions")
+    p.add_argument("--sessions", type=int, default=40, help="workload sessions")
     p.add_argument("--seed", type=int, default=0, help="workload seed")
     p.add_argument("--model", default="tiny-v4", choices=registry.NAMES, help="the servers' model")
-    p.add_argument("--length-scale", type=float, default=0.25, help="factor on every length (as bench replay)")
+    p.add_argument("--length-scale", type=float, default=0.5, help="factor on every length (as bench replay)")
     p.add_argument("--max-prompt-tokens", type=int, default=1024, help="context cap (rounded down to 128s)")
     p.add_argument("--max-tokens", type=int, default=4, help="cap on generated tokens per request")
     p.add_argument("--max-requests", type=int, default=400, help="the first N requests by arrival")
-    p.add_argument("--duration", type=float, default=120.0, help="seconds the arrivals are compressed into")
+    p.add_argument("--duration", type=float, default=150.0, help="seconds the arrivals are compressed into")
+    p.add_argument("--device-blocks", type=int, default=24, help="the serve runs' device pool in blocks (serve "
+                   "--kv-cache-bytes; at least one request of --max-prompt-tokens + --max-tokens)")
     p.add_argument("--max-inflight", type=int, default=16, help="requests in flight at once")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds one request may take")
     p.add_argument("--settings", default=",".join(SETTINGS), help="which changed settings to run live, of "
@@ -60,7 +64,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def check(args: argparse.Namespace) -> list[str]:
     """The settings to run; CliError for a bad flag."""
-    for name in ("sessions", "max_tokens", "max_requests", "max_inflight", "engines"):
+    for name in ("sessions", "max_tokens", "max_requests", "max_inflight", "engines", "device_blocks"):
         if getattr(args, name) < 1:
             raise CliError(f"--{name.replace('_', '-')} must be >= 1")
     for name in ("length_scale", "duration", "timeout", "tolerance"):
@@ -124,13 +128,16 @@ def live(args: argparse.Namespace, requests: list[Any], url: str, label: str) ->
 
 
 def serve_run(args: argparse.Namespace, requests: list[Any], folder: Path, label: str, *flags: str) -> dict[str, Any]:
-    """One fresh `kvledger serve` with `flags`, driven by the requests."""
+    """One fresh `kvledger serve` with `flags` and the small device pool, driven by the requests."""
+    from kvledger.core import ModelSpec
     from kvledger.util.serve_process import ServeProcess
 
-    server = ServeProcess(folder, "--max-concurrent-per-key", "256", *flags, model=args.model)
+    pool = ("--kv-cache-bytes", str(args.device_blocks * ModelSpec.preset(args.model).block_bytes()),
+            "--max-prompt-tokens", str(args.max_prompt_tokens), "--max-tokens-limit", str(args.max_tokens))
+    server = ServeProcess(folder, "--max-concurrent-per-key", "256", *pool, *flags, model=args.model)
     try:
         server.start()
-        return {"server": " ".join(["kvledger serve", *flags]), **live(args, requests, server.url, label)}
+        return {"server": " ".join(["kvledger serve", *pool, *flags]), **live(args, requests, server.url, label)}
     finally:
         server.stop()
 
@@ -147,7 +154,7 @@ def cluster_run(args: argparse.Namespace, requests: list[Any], folder: Path, lab
 def changes(args: argparse.Namespace, chosen: list[str], recorded: Any, spec: Any) -> dict[str, Any]:
     """Per chosen setting: its what-if Change and the live server's flags (auto values from the baseline)."""
     from kvledger.bench.sim_core import simulate
-    from kvledger.bench.whatif import Change, base_config, calibrate
+    from kvledger.bench.whatif import ENGINE_KV_BYTES, Change, base_config, calibrate
     from kvledger.bench.whatif_trace import live_figures
 
     out: dict[str, Any] = {}
@@ -164,10 +171,12 @@ def changes(args: argparse.Namespace, chosen: list[str], recorded: Any, spec: An
                                                           * AUTO_TTL_SHARE, 1) or 1.0
         out["ttl"] = (Change("ttl", f"{ttl:g} s, every class", {"ttl_s": {"agent": ttl, "chatbot": ttl}}),
                       ("--ttl-classes", f"{ttl:g}s"), ttl)
-    if "routing" in chosen:
+    if "routing" in chosen:   # `up`'s engines keep their default device pool
         setting = f"{args.routing}, {args.engines} engines, shared store"
+        device = max(ENGINE_KV_BYTES // spec.block_bytes(), 1)
         out["routing"] = (Change("routing", setting, {"routing": "match", "engine_policy": args.routing,
-                                                      "prefill_engines": args.engines}), (), args.routing)
+                                                      "prefill_engines": args.engines, "device_blocks": device}),
+                          (), args.routing)
     return out
 
 
@@ -188,6 +197,8 @@ def run(args: argparse.Namespace) -> None:
             recorded = load_recorded(root / "baseline")
         except TraceError as e:
             raise CliError(f"the baseline recorded no trace: {e}") from None
+        if args.out:   # every run's own recorded trace, for `kvledger whatif --trace DIR/NAME`
+            _keep_traces(root, Path(args.out))
         planned = changes(args, chosen, recorded, spec)
         report = whatif(recorded, spec, [c for c, _, _ in planned.values()])
         predicted = {row["setting"]: row for row in report["rows"]}
@@ -195,6 +206,8 @@ def run(args: argparse.Namespace) -> None:
         for name, (change, flags, value) in planned.items():
             run_live = (cluster_run(args, requests, root / name, name) if name == "routing"
                         else serve_run(args, requests, root / name, name, *flags))
+            if args.out:
+                _keep_traces(root, Path(args.out))
             row = predicted[change.setting]
             gap = run_live["token_hit_rate"] - row["token_hit_rate"]
             results.append({"setting": name, "value": value, "what_if": change.setting,
@@ -221,6 +234,14 @@ def run(args: argparse.Namespace) -> None:
         emit_json(out)
     else:
         _table(out)
+
+
+def _keep_traces(root: Path, out: Path) -> None:
+    """Copy each run's trace folder (`<run>/trace`) to `out/<run>-trace`."""
+    import shutil
+
+    for folder in sorted(root.glob("*/trace")):
+        shutil.copytree(folder, out / f"{folder.parent.name}-trace", dirs_exist_ok=True)
 
 
 def _table(out: dict[str, Any]) -> None:

@@ -132,3 +132,19 @@ def test_help_has_defaults_and_an_example(run_cli):
     p = run_cli("whatif", "--help")
     assert p.returncode == 0 and "example" in p.stdout and "kvledger whatif --trace" in p.stdout
     assert "(default: 1/2, 1/4, 1/8 of the peak as recorded, and unlimited)" in " ".join(p.stdout.split())
+
+
+def test_the_prefill_rate_is_fitted_on_requests_alone_in_flight():
+    """TTFT = 80 ms + computed / 4000 for a request alone; one queued behind another waits longer, which the
+    fit must not read as a slower engine."""
+    from kvledger.bench.whatif import marginal_prefill_rate
+
+    def req(t: float, computed: int, ttft: float) -> TraceRequest:
+        return TraceRequest(t, computed, 1, (), 128, live=LiveFigures(0, ttft))
+
+    alone = [req(10.0 * k, 128 * (k + 1), 0.08 + 128 * (k + 1) / 4000) for k in range(8)]
+    queued = [req(10.0 * k + 0.01, 512, 5.0) for k in range(8)]   # each arrives while the one before computes
+    rate, intercept, used = marginal_prefill_rate(sorted(alone + queued, key=lambda r: r.arrival_s))
+    assert rate == pytest.approx(4000) and intercept == pytest.approx(0.08) and used == 8
+    assert marginal_prefill_rate(alone[:4]) is None                                   # too few to fit
+    assert calibrate(alone[:4], SMOL).prefill_source.startswith("recorded timings: computed prompt tokens per busy")
