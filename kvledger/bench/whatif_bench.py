@@ -29,7 +29,7 @@ EXAMPLES = ("kvledger bench whatif --json",
             "kvledger bench whatif --sessions 6 --duration 20 --settings capacity,ttl --json")
 SETTINGS = ("capacity", "ttl", "routing")
 AUTO_CAPACITY_SHARE = 0.3    # --capacity auto: this share of the baseline's store peak (as the simulator sees it)
-AUTO_TTL_SHARE = 1 / 30      # --ttl auto: this share of the baseline window's span
+AUTO_TTL_SHARE = 1 / 50      # --ttl auto: this share of the baseline window's span
 VOCAB = 32_000               # token ids are drawn below the smallest vocabulary of the presets (tiny-v4's)
 
 
