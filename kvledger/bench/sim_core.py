@@ -35,6 +35,7 @@ from kvledger.bench.trace import TraceRequest
 from kvledger.core import HitKind, ModelSpec, decide_hit, decode_replica_positions, decode_store_position
 from kvledger.core import prefill_store_positions, snapshot_candidates
 from kvledger.core.plan import PUBLISHED_PREFILL_TOKENS_PER_S
+from kvledger.store.lmdb_store import REFRESH_GRAIN_S
 
 ROUTINGS = ("match", "affinity", "random")
 # under `match`, how the entrypoint picks among the engines (the live router's policies, entrypoint/router.py)
@@ -57,6 +58,10 @@ class SimConfig:
     decode_tps: float = 30.0
     capacity_bytes: float = math.inf
     low_watermark: float = 1.0     # past the capacity, eviction goes down to this share of it (the live store: 0.9)
+    segments: bool = False         # the live store's unit: the blocks one write adds are evicted together, a hit
+                                   # on one refreshes them all (LmdbStore's segment), and a CHECK refreshes every
+                                   # leading block it found (past the hit cap too), a chain tail at most once per
+                                   # REFRESH_GRAIN_S; False: each id alone
     ttl_s: Mapping[str, float] | None = None
     routing: str = "match"
     engine_policy: str = "cache-aware"   # `match` only: which engine computes (the live router's policy)
@@ -148,13 +153,14 @@ def _ids_hit(r: TraceRequest, hit_tokens: int) -> float:
 class _Decision:
     """A hit decision plus where its snapshot is (`snap_key` in the pool of `holder`, or on storage)."""
 
-    __slots__ = ("hit_tokens", "recompute_from", "kind", "l1", "swa_bytes", "holder", "snap_key", "on_device")
+    __slots__ = ("hit_tokens", "recompute_from", "kind", "l1", "swa_bytes", "holder", "snap_key", "on_device", "cached")
 
     def __init__(self, hit_tokens: int, recompute_from: int, kind: str, l1: int, swa_bytes: int = 0,
                  holder: int | None = None, snap_key: tuple | None = None) -> None:
         self.hit_tokens, self.recompute_from, self.kind, self.l1 = hit_tokens, recompute_from, kind, l1
         self.swa_bytes, self.holder, self.snap_key = swa_bytes, holder, snap_key
         self.on_device = 0   # of the reused blocks, those the serving engine's device pool holds (not fetched)
+        self.cached = 0      # leading blocks the store held at the CHECK (what it refreshed, with `segments`)
 
 
 class Simulator:
@@ -175,6 +181,8 @@ class Simulator:
         self.served = [0] * n                                       # requests each prefill engine computed
         self.devices = [DevicePool(cfg.device_blocks) for _ in range(n)] if cfg.device_blocks and not cfg.ideal else []
         self.taken: dict[int, int] = {}                             # request → device blocks it took, until its end
+        self.reused_on_device: dict[int, int] = {}                  # request → its reused blocks already there
+        self.walked: dict[int, float] = {}                          # `segments`: chain tail → its last refresh
         self.turn = 0                                               # round-robin's next engine
         self.decoding = [0] * m
         self.rng = random.Random(cfg.seed)
@@ -234,9 +242,10 @@ class Simulator:
                 break
         d = decide_hit(r.input_length, cached, found.keys(), spec, replay=replay)
         l1 = min(min(cached, r.input_length // self.B) * self.B, d.cap)
-        if d.swa_hit:
-            return _Decision(d.hit_tokens, d.recompute_from, d.kind.value, l1, *found[d.hit_tokens])
-        return _Decision(d.hit_tokens, d.recompute_from, d.kind.value, l1)
+        out = (_Decision(d.hit_tokens, d.recompute_from, d.kind.value, l1, *found[d.hit_tokens]) if d.swa_hit
+               else _Decision(d.hit_tokens, d.recompute_from, d.kind.value, l1))
+        out.cached = cached
+        return out
 
     def _snapshot(self, r: TraceRequest, pos: int, engine: int, store: SimBlockStore, now: float
                   ) -> tuple[int, int | None, tuple | None] | None:
@@ -333,12 +342,22 @@ class Simulator:
         """d with `engine` as the holder when its own pool has the snapshot too (no pull needed)."""
         if d.holder is None or d.holder == engine or d.snap_key not in self.pools[engine]:
             return d
-        return _Decision(d.hit_tokens, d.recompute_from, d.kind, d.l1, d.swa_bytes, engine, d.snap_key)
+        out = _Decision(d.hit_tokens, d.recompute_from, d.kind, d.l1, d.swa_bytes, engine, d.snap_key)
+        out.cached = d.cached
+        return out
 
     def _touch_reused(self, r: TraceRequest, store: SimBlockStore, d: _Decision, now: float) -> None:
-        """A hit renews what it reuses: its blocks (tail first) and its snapshot."""
+        """A hit renews what it reuses: its blocks (tail first) and its snapshot. With `segments`, as the live
+        CHECK does: every leading block the store held, past the hit cap too (and their segments whole)."""
         ttl = self._ttl(r)
-        for h in reversed(r.hash_ids[: -(-d.l1 // r.block_tokens)]):
+        upto = d.cached * self.B if self.cfg.segments else d.l1
+        ids = r.hash_ids[: -(-upto // r.block_tokens)]
+        if ids and self.cfg.segments:   # the live CHECK walks a chain tail at most once per REFRESH_GRAIN_S
+            if now - self.walked.get(ids[-1], -math.inf) < REFRESH_GRAIN_S:
+                ids = ()
+            else:
+                self.walked[ids[-1]] = now
+        for h in reversed(ids):
             store.touch(h, now, ttl)
         if d.snap_key is not None:
             if d.holder is not None:
@@ -353,7 +372,11 @@ class Simulator:
         for i in range(len(r.hash_ids) - 1, -1, -1):
             units = r.block_len(i) // B
             if units:
-                store.put(r.hash_ids[i], units, units * self.unit_bytes, now, ttl)
+                store.put(r.hash_ids[i], units, units * self.unit_bytes, now, ttl, self._segment(r, "prompt"))
+
+    def _segment(self, r: TraceRequest, part: str) -> tuple | None:
+        """The group the blocks r's `part` write adds join (None: each its own; `SimConfig.segments`)."""
+        return (part, id(r)) if self.cfg.segments else None
 
     def _prefill_positions(self, r: TraceRequest) -> list[int]:
         positions = prefill_store_positions(r.input_length, self.spec)
@@ -379,7 +402,7 @@ class Simulator:
         cfg = self.cfg
         store, ttl, per = self.stores[prefill_engine if cfg.local else 0], self._ttl(r), r.block_tokens // self.B
         for h in reversed(r.output_hash_ids):
-            store.put(h, per, per * self.unit_bytes, now, ttl)
+            store.put(h, per, per * self.unit_bytes, now, ttl, self._segment(r, "decode"))
         self.res.decode_blocks_written += len(r.output_hash_ids) * per
         total = r.input_length + r.output_length
         if cfg.swa == "memory":
@@ -460,6 +483,7 @@ class Simulator:
                 assert j == i
                 d = self._with_device(r, a, d, now)
                 self.taken[i] = self._admit(r, a, d)
+                self.reused_on_device[i] = d.on_device
                 fetch, compute, nbytes = self._service(r, d, a)
                 self._account(r, d, fetch, compute, nbytes)
                 done = now + fetch + compute
@@ -468,7 +492,10 @@ class Simulator:
             elif kind == _PREFILL_DONE:
                 if not cfg.ideal:
                     self._write_prompt(r, a, now)
-                if self.devices:
+                if self.devices:   # its new full blocks stop being merely taken: they are kept, findable
+                    moved = min(self.taken[i], max(r.input_length // self.B - self.reused_on_device.pop(i), 0))
+                    self.taken[i] -= moved
+                    self.devices[a].give_back(moved)
                     self._keep_on_device(r, a, r.hash_ids, now)
                     if waiting[a]:
                         heapq.heappush(events, (now, _START, waiting[a][0][0], a, 0))

@@ -16,7 +16,8 @@ the live server measured over the same window.
    - TTFT overhead: the median of live TTFT − simulated TTFT over the window as recorded (HTTP, tokenizing,
      CHECK, the engine's step granularity: what the simulator does not model), added to every row's TTFT.
 3. The server as it ran ("as recorded"): its model, engine count (distinct engines in the window), store
-   capacity (with the live store's eviction low watermark), TTL classes (seconds), routing policy, one shared
+   capacity (with the live store's eviction low watermark and unit, the segment one write adds), TTL classes
+   (seconds), routing policy, one shared
    store (`match`), snapshots in host memory, and each engine's device pool (its prefix cache in front of
    the store, which serves what the store lost as long as it holds it: `server.json`'s `device_blocks`).
    Its prediction beside the live figures shows the model's error on this very window.
@@ -149,7 +150,7 @@ def base_config(recorded: Recorded, spec: ModelSpec, cal: Calibration, decode_en
                      prefill_tps=cal.prefill_tokens_per_s, fetch_bytes_per_s=cal.fetch_bytes_per_s,
                      decode_tps=cal.decode_tokens_per_s,
                      capacity_bytes=float(capacity) if isinstance(capacity, (int, float)) else math.inf,
-                     low_watermark=LIVE_LOW_WATERMARK, ttl_s=ttl_seconds(server), routing="match",
+                     low_watermark=LIVE_LOW_WATERMARK, segments=True, ttl_s=ttl_seconds(server), routing="match",
                      engine_policy=policy if policy in ENGINE_POLICIES else "cache-aware",
                      replay=bool(server.get("replay", False)), device_blocks=device)
 

@@ -198,3 +198,18 @@ def test_the_device_pool_serves_what_the_store_lost_and_holds_only_its_size():
     crowded = sorted(again + others, key=lambda r: r.arrival_s)
     assert simulate(crowded, replace(expired, device_blocks=24)).hit_tokens == 0   # 5 × 8 blocks pushed it out
     assert simulate(crowded, replace(expired, device_blocks=64)).hit_tokens == 896
+
+
+def test_segments_are_evicted_and_refreshed_whole():
+    """The live store's unit (LmdbStore): the blocks one write added go together, and a hit on one renews all."""
+    from kvledger.bench.sim_store import SimBlockStore
+
+    store = SimBlockStore(500)
+    for k in (1, 2, 3):
+        store.put(k, 1, 100, 0.0, 10.0, group="first write")
+    store.put(4, 1, 100, 1.0, 10.0, group="second write")
+    store.touch(3, 5.0, 10.0)                        # a hit on one block renews its segment, whole
+    assert [store.units(k, 12.0) for k in (1, 2, 3, 4)] == [1, 1, 1, 0]
+    for k in (5, 6, 7):
+        store.put(k, 1, 100, 12.0, 10.0)             # the third: 600 > 500, the least recently used segment goes whole
+    assert [store.units(k, 12.0) for k in (1, 2, 3, 5, 6, 7)] == [0, 0, 0, 1, 1, 1] and store.bytes == 300
