@@ -25,8 +25,8 @@ from typing import Any
 from kvledger.util.output import CliError
 
 HELP = "the what-if's prediction against a live rerun, for a smaller capacity, a shorter TTL, another routing"
-EXAMPLES = ("kvledger bench whatif --json",
-            "kvledger bench whatif --sessions 6 --duration 20 --settings capacity,ttl --json")
+EXAMPLES = ("kvledger bench whatif --record docs/results   # about 10 min: the run docs/simulator.md quotes",
+            "kvledger bench whatif --sessions 16 --duration 15 --ttl 2s --settings capacity,ttl --json   # a minute")
 SETTINGS = ("capacity", "ttl", "routing")
 AUTO_CAPACITY_SHARE = 0.3    # --capacity auto: this share of the baseline's store peak (as the simulator sees it)
 AUTO_TTL_SHARE = 1 / 50      # --ttl auto: this share of the baseline window's span
