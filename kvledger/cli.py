@@ -20,7 +20,7 @@ from kvledger.util.output import (EXIT_INTERRUPTED, CliError, HelpFormatter, emi
 EXIT_USAGE = 2
 # Command groups that live with their packages; each module has `register(subparsers)`.
 COMMAND_GROUPS = ("kvledger.store.cli", "kvledger.bench.cli", "kvledger.entrypoint.cli", "kvledger.entrypoint.up",
-                  "kvledger.engine.cli")
+                  "kvledger.engine.cli", "kvledger.bench.whatif_cli")
 # Commands that write the ledgers, Redis's dump, logs or the cluster token: what they (and every child they
 # start) create is the user's alone (files 0600, folders 0700), whatever umask they were started with.
 PRIVATE_COMMANDS = frozenset({"serve", "entrypoint", "engine", "up", "store"})

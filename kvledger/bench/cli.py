@@ -27,6 +27,7 @@ BENCHES = {
     "mount": "kvledger.bench.mount_bench",   # cluster block ledger on a local folder vs a JuiceFS volume
     "chaos": "kvledger.bench.chaos",         # the cluster on JuiceFS under faults, every reply checked
     "misses": "kvledger.bench.misses_bench", # miss attribution: the CHECK with it on vs off, the sample's memory
+    "whatif": "kvledger.bench.whatif_bench",  # kvledger whatif's prediction vs a live rerun, per changed setting
 }
 
 

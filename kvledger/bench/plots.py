@@ -121,3 +121,25 @@ def sweep_chart(path: Path, report: Mapping[str, Any]) -> None:
     ax.legend(fontsize=7, loc="upper right" if report["sweep"] != "capacity" else "lower right",
               ncol=3 if report["sweep"] != "capacity" else 1)
     _save(fig, path)
+
+
+def whatif_chart(path: Path, report: Mapping[str, Any]) -> None:
+    """`kvledger whatif`: the predicted token hit rate of each row (bars, one colour per changed setting) beside
+    what the live server measured over the window (solid line) and the simulator's figure as recorded (dashed)."""
+    plt = _plt()
+    rows = report["rows"]
+    kinds = list(dict.fromkeys(r["change"] for r in rows))
+    fig, ax = plt.subplots(figsize=(7.5, 0.9 + 0.28 * max(len(rows), 1)))
+    y = np.arange(len(rows))[::-1]
+    for k, kind in enumerate(kinds):
+        idx = [i for i, r in enumerate(rows) if r["change"] == kind]
+        ax.barh(y[idx], [rows[i]["token_hit_rate"] for i in idx], color=f"C{k}", label=kind)
+    ax.set_yticks(y, [r["setting"] for r in rows], fontsize=7)
+    ax.axvline(report["live"]["token_hit_rate"], color="black", label="live (measured)")
+    ax.axvline(report["as_recorded"]["token_hit_rate"], color="gray", ls="--", label="as recorded (simulated)")
+    ax.set_xlim(0, 1)
+    ax.set_xlabel("token hit rate")
+    ax.set_title(f"what if: {report['requests']} requests over {report['span_s']:.0f} s", fontsize=9)
+    ax.grid(alpha=0.3, axis="x")
+    ax.legend(fontsize=7, loc="lower right")
+    _save(fig, path)

@@ -20,6 +20,7 @@ from kvledger.bench.trace import DEFAULT_TRACE, TTL_CLASSES, Trace, TraceError, 
 from kvledger.bench.workloads import WORKLOADS, generate
 from kvledger.core import ModelSpec
 from kvledger.core.plan import DEFAULT_TTL_DAYS, PUBLISHED_PREFILL_TOKENS_PER_S
+from kvledger.util import units
 from kvledger.util.output import CliError, dumps_strict, emit_json, loads_strict
 
 HELP = "cluster simulator: hit rate, TTFT and store size vs TTL, capacity, routing, SWA strategy"
@@ -27,18 +28,14 @@ EXAMPLES = (  # `--help`'s epilog
     "kvledger bench sim",
     "kvledger bench sim --workload chat --sweep swa --sweep-capacity 2G",
 )
-_UNITS = {"": 1, "B": 1, "K": 1e3, "KB": 1e3, "M": 1e6, "MB": 1e6, "G": 1e9, "GB": 1e9, "T": 1e12, "TB": 1e12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
 
 def parse_size(text: str, flag: str = "--capacity") -> float:
-    """'8G', '500MB', '1.5TiB', '123' (bytes) or 'inf' → bytes (decimal units unless …iB)."""
-    if text.strip().lower() in ("inf", "unlimited", "none"):
-        return math.inf
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
-    if not m or m.group(2).upper() not in _UNITS:
-        raise CliError(f"{flag}: expected a size such as 8G, 500MB, 1TiB or inf, got {text!r}")
-    return float(m.group(1)) * _UNITS[m.group(2).upper()]
+    """'8G', '500MB', '1.5TiB', '123' (bytes) or 'inf' → bytes (decimal units unless …iB; util/units.py)."""
+    try:
+        return units.parse_size(text)
+    except ValueError as e:
+        raise CliError(f"{flag}: {e}") from None
 
 
 def parse_ttl(text: str) -> dict[str, float] | None:

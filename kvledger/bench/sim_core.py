@@ -20,23 +20,28 @@ Model (units: seconds, tokens, bytes):
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import math
 import random
+import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvledger.bench.sim_store import SimBlockStore, StatePool
+from kvledger.bench.sim_store import DevicePool, SimBlockStore, StatePool
 from kvledger.bench.trace import TraceRequest
 from kvledger.core import HitKind, ModelSpec, decide_hit, decode_replica_positions, decode_store_position
-from kvledger.core import prefill_store_positions
+from kvledger.core import prefill_store_positions, snapshot_candidates
 from kvledger.core.plan import PUBLISHED_PREFILL_TOKENS_PER_S
+from kvledger.store.lmdb_store import REFRESH_GRAIN_S
 
 ROUTINGS = ("match", "affinity", "random")
+# under `match`, how the entrypoint picks among the engines (the live router's policies, entrypoint/router.py)
+ENGINE_POLICIES = ("cache-aware", "round-robin", "least-loaded", "prefix-affinity")
 SWA_STRATEGIES = ("memory", "full", "periodic", "zero")
-_PREFILL_DONE, _DECODE_DONE, _ARRIVAL = 0, 1, 2  # at equal times, writes land before arrivals
+_PREFILL_DONE, _DECODE_DONE, _ARRIVAL, _START = 0, 1, 2, 3  # at equal times, writes land before arrivals
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,8 +57,16 @@ class SimConfig:
     fetch_latency_s: float = 1e-3
     decode_tps: float = 30.0
     capacity_bytes: float = math.inf
+    low_watermark: float = 1.0     # past the capacity, eviction goes down to this share of it (the live store: 0.9)
+    segments: bool = False         # the live store's unit: the blocks one write adds are evicted together, a hit
+                                   # on one refreshes them all (LmdbStore's segment), and a CHECK refreshes every
+                                   # leading block it found (past the hit cap too), a chain tail at most once per
+                                   # REFRESH_GRAIN_S; False: each id alone
     ttl_s: Mapping[str, float] | None = None
     routing: str = "match"
+    engine_policy: str = "cache-aware"   # `match` only: which engine computes (the live router's policy)
+    device_blocks: int = 0         # per prefill engine: its device KV pool, a prefix cache in front of the store
+                                   # (sim_store.DevicePool; a hit is raised to what it holds); 0: not modelled
     swa: str = "memory"
     swa_period: int = 4            # periodic:N — blocks between stored snapshots
     state_slots: int = 4096        # memory — snapshots one engine's host pool holds
@@ -67,7 +80,10 @@ class SimConfig:
         assert self.prefill_engines > 0 and self.decode_engines > 0
         assert self.prefill_tps > 0 and self.fetch_bytes_per_s > 0 and self.decode_tps > 0
         assert self.routing in ROUTINGS and self.swa in SWA_STRATEGIES and self.swa_period > 0
-        assert self.capacity_bytes >= 0 and self.time_scale > 0
+        assert self.capacity_bytes >= 0 and self.time_scale > 0 and 0 < self.low_watermark <= 1
+        assert self.device_blocks >= 0
+        assert self.engine_policy in ENGINE_POLICIES
+        assert self.routing == "match" or self.engine_policy == "cache-aware", "local caches route by their own rule"
 
     @property
     def local(self) -> bool:
@@ -118,6 +134,12 @@ def reuse_ceiling(requests: Sequence[TraceRequest]) -> float:
     return repeats / refs if refs else 0.0
 
 
+def _rendezvous(first_id: int, engine: int) -> bytes:
+    """prefix-affinity's score of an engine for a prefix (the highest wins): a hash of both, the same in
+    every process."""
+    return hashlib.blake2b(struct.pack("<qq", first_id & (2**63 - 1), engine), digest_size=8).digest()
+
+
 def _ids_hit(r: TraceRequest, hit_tokens: int) -> float:
     """How many of r's ids lie in [0, hit_tokens), counting a cut id by its covered share."""
     bt = r.block_tokens
@@ -131,12 +153,14 @@ def _ids_hit(r: TraceRequest, hit_tokens: int) -> float:
 class _Decision:
     """A hit decision plus where its snapshot is (`snap_key` in the pool of `holder`, or on storage)."""
 
-    __slots__ = ("hit_tokens", "recompute_from", "kind", "l1", "swa_bytes", "holder", "snap_key")
+    __slots__ = ("hit_tokens", "recompute_from", "kind", "l1", "swa_bytes", "holder", "snap_key", "on_device", "cached")
 
     def __init__(self, hit_tokens: int, recompute_from: int, kind: str, l1: int, swa_bytes: int = 0,
                  holder: int | None = None, snap_key: tuple | None = None) -> None:
         self.hit_tokens, self.recompute_from, self.kind, self.l1 = hit_tokens, recompute_from, kind, l1
         self.swa_bytes, self.holder, self.snap_key = swa_bytes, holder, snap_key
+        self.on_device = 0   # of the reused blocks, those the serving engine's device pool holds (not fetched)
+        self.cached = 0      # leading blocks the store held at the CHECK (what it refreshed, with `segments`)
 
 
 class Simulator:
@@ -150,9 +174,16 @@ class Simulator:
                 raise ValueError(f"request blocks of {r.block_tokens} tokens are not whole {self.B}-token blocks")
         n, m = cfg.prefill_engines, cfg.decode_engines
         per_store = cfg.capacity_bytes / n if cfg.local else cfg.capacity_bytes
-        self.stores = [SimBlockStore(per_store) for _ in range(n if cfg.local else 1)]
+        self.stores = [SimBlockStore(per_store, cfg.low_watermark) for _ in range(n if cfg.local else 1)]
         self.pools = [StatePool(cfg.state_slots) for _ in range(n + m)]
         self.busy = [0.0] * n
+        self.queued: list[list[float]] = [[] for _ in range(n)]   # least-loaded: when each engine's prefills end
+        self.served = [0] * n                                       # requests each prefill engine computed
+        self.devices = [DevicePool(cfg.device_blocks) for _ in range(n)] if cfg.device_blocks and not cfg.ideal else []
+        self.taken: dict[int, int] = {}                             # request → device blocks it took, until its end
+        self.reused_on_device: dict[int, int] = {}                  # request → its reused blocks already there
+        self.walked: dict[int, float] = {}                          # `segments`: chain tail → its last refresh
+        self.turn = 0                                               # round-robin's next engine
         self.decoding = [0] * m
         self.rng = random.Random(cfg.seed)
         self.swa_block_bytes = spec.swa_stored_layers * self.B * spec.swa_bytes_per_token if spec.has_swa else 0
@@ -190,19 +221,31 @@ class Simulator:
         return blocks
 
     def _decide(self, r: TraceRequest, engine: int, now: float) -> _Decision:
+        """The hit of r on `engine`: `decide_hit` over the cached blocks and the snapshots reachable at the
+        positions it may use (`snapshot_candidates`: L1 alone for a model that falls back, every boundary
+        up to L1 for one that resumes exactly, rule 3′). Only the highest reachable one can decide (a
+        snapshot at L1, else the latest q < L1), so the search stops there. `l1` stays the blocks' L1 (what
+        the CHECK refreshes), also when an exact resume starts earlier."""
+        store = self.stores[engine if self.cfg.local else 0]
+        return self._decide_blocks(r, self._cached_blocks(r, store, now), engine, store, now)
+
+    def _decide_blocks(self, r: TraceRequest, cached: int, engine: int, store: SimBlockStore, now: float
+                       ) -> _Decision:
+        """The hit of r with `cached` leading blocks in hand (`_decide`)."""
         cfg, spec = self.cfg, self.spec
-        store = self.stores[engine if cfg.local else 0]
-        cached = self._cached_blocks(r, store, now)
         replay = cfg.replay or cfg.swa == "zero"
-        d = decide_hit(r.input_length, cached, (), spec, replay=replay)
-        l1 = d.block_hit_tokens
-        if d.kind in (HitKind.FALLBACK, HitKind.REPLAY):
-            found = self._snapshot(r, l1, engine, store, now)
-            if found is not None:
-                d = decide_hit(r.input_length, cached, (l1,), spec)
-                assert d.swa_hit
-                return _Decision(d.hit_tokens, d.recompute_from, d.kind.value, l1, *found)
-        return _Decision(d.hit_tokens, d.recompute_from, d.kind.value, l1)
+        found: dict[int, tuple[int, int | None, tuple | None]] = {}
+        for pos in reversed(snapshot_candidates(r.input_length, cached, spec, replay=replay)):
+            where = self._snapshot(r, pos, engine, store, now)
+            if where is not None:
+                found[pos] = where
+                break
+        d = decide_hit(r.input_length, cached, found.keys(), spec, replay=replay)
+        l1 = min(min(cached, r.input_length // self.B) * self.B, d.cap)
+        out = (_Decision(d.hit_tokens, d.recompute_from, d.kind.value, l1, *found[d.hit_tokens]) if d.swa_hit
+               else _Decision(d.hit_tokens, d.recompute_from, d.kind.value, l1))
+        out.cached = cached
+        return out
 
     def _snapshot(self, r: TraceRequest, pos: int, engine: int, store: SimBlockStore, now: float
                   ) -> tuple[int, int | None, tuple | None] | None:
@@ -228,7 +271,7 @@ class Simulator:
         """(fetch seconds, compute seconds, bytes fetched) of r on `engine` under decision d.
         A snapshot in the serving engine's own pool costs nothing to use; elsewhere it is pulled."""
         cfg = self.cfg
-        nbytes = d.hit_tokens // self.B * self.spec.block_bytes()
+        nbytes = max(d.hit_tokens // self.B - d.on_device, 0) * self.spec.block_bytes()
         if d.holder is None or d.holder != engine:
             nbytes += d.swa_bytes
         fetch = cfg.fetch_latency_s + nbytes / cfg.fetch_bytes_per_s if nbytes else 0.0
@@ -244,7 +287,7 @@ class Simulator:
             return e, self._decide(r, e, now)
         if cfg.routing == "match":
             d = self._decide(r, 0, now)
-            e = min(range(n), key=lambda i: (wait[i] + sum(self._service(r, self._local_holder(d, i), i)[:2]), i))
+            e = self._pick(r, d, now, wait)
             return e, self._local_holder(d, e)
         decisions = [self._decide(r, e, now) for e in range(n)]
         best = max(range(n), key=lambda i: (decisions[i].hit_tokens, -wait[i], -i))
@@ -253,16 +296,68 @@ class Simulator:
             best = idle
         return best, decisions[best]
 
+    def _pick(self, r: TraceRequest, d: _Decision, now: float, wait: list[float]) -> int:
+        """The engine `match` sends r to, by `engine_policy` (entrypoint/router.py's table): cache-aware = the
+        least queueing + service; round-robin = the next in turn; least-loaded = the fewest prefills admitted
+        and not done; prefix-affinity = a rendezvous hash of the first block's id (every engine when r has no
+        full block: a hash of its length). Ties go to the lowest index."""
+        n, policy = self.cfg.prefill_engines, self.cfg.engine_policy
+        if policy == "round-robin":
+            self.turn += 1
+            return (self.turn - 1) % n
+        if policy == "least-loaded":
+            for q in self.queued:
+                q[:] = [t for t in q if t > now]
+            return min(range(n), key=lambda i: (len(self.queued[i]), i))
+        if policy == "prefix-affinity":
+            first = r.hash_ids[0] if r.hash_ids else r.input_length
+            return max(range(n), key=lambda i: (_rendezvous(first, i), -i))
+        return min(range(n), key=lambda i: (wait[i] + sum(self._service(r, self._local_holder(d, i), i)[:2]), i))
+
+    def _with_device(self, r: TraceRequest, engine: int, d: _Decision, now: float) -> _Decision:
+        """The engine's device pool may hold more leading blocks than the store: the hit is raised to them, as
+        engine/loader.py does (`_with_device_cache`); either way its blocks there are not fetched."""
+        device = self.devices[engine].cache
+        held = self._cached_blocks(r, device, now)
+        reach = d.hit_tokens if d.kind in ("snapshot", "miss") else d.l1   # the decision's block_hit_tokens
+        if held * self.B > reach:
+            store = self.stores[engine if self.cfg.local else 0]
+            better = self._decide_blocks(r, held, engine, store, now)
+            if better.hit_tokens > d.hit_tokens:
+                d = better
+        d.on_device = min(held, -(-d.hit_tokens // self.B))
+        for h in reversed(r.hash_ids[: -(-d.hit_tokens // r.block_tokens)]):
+            device.touch(h, now, math.inf)
+        return d
+
+    def _admit(self, r: TraceRequest, engine: int, d: _Decision) -> int:
+        """Blocks r takes from the engine's device pool at admission (prompt + output, + 1 if windowed, less
+        the reused ones it already holds: engine/loader.py `blocks_needed`)."""
+        need = -(-(r.input_length + r.output_length) // self.B) + (1 if self.spec.has_swa else 0)
+        taken = max(need - d.on_device, 0)
+        self.devices[engine].take(taken)
+        return taken
+
     def _local_holder(self, d: _Decision, engine: int) -> _Decision:
         """d with `engine` as the holder when its own pool has the snapshot too (no pull needed)."""
         if d.holder is None or d.holder == engine or d.snap_key not in self.pools[engine]:
             return d
-        return _Decision(d.hit_tokens, d.recompute_from, d.kind, d.l1, d.swa_bytes, engine, d.snap_key)
+        out = _Decision(d.hit_tokens, d.recompute_from, d.kind, d.l1, d.swa_bytes, engine, d.snap_key)
+        out.cached = d.cached
+        return out
 
     def _touch_reused(self, r: TraceRequest, store: SimBlockStore, d: _Decision, now: float) -> None:
-        """A hit renews what it reuses: its blocks (tail first) and its snapshot."""
+        """A hit renews what it reuses: its blocks (tail first) and its snapshot. With `segments`, as the live
+        CHECK does: every leading block the store held, past the hit cap too (and their segments whole)."""
         ttl = self._ttl(r)
-        for h in reversed(r.hash_ids[: -(-d.l1 // r.block_tokens)]):
+        upto = d.cached * self.B if self.cfg.segments else d.l1
+        ids = r.hash_ids[: -(-upto // r.block_tokens)]
+        if ids and self.cfg.segments:   # the live CHECK walks a chain tail at most once per REFRESH_GRAIN_S
+            if now - self.walked.get(ids[-1], -math.inf) < REFRESH_GRAIN_S:
+                ids = ()
+            else:
+                self.walked[ids[-1]] = now
+        for h in reversed(ids):
             store.touch(h, now, ttl)
         if d.snap_key is not None:
             if d.holder is not None:
@@ -277,7 +372,11 @@ class Simulator:
         for i in range(len(r.hash_ids) - 1, -1, -1):
             units = r.block_len(i) // B
             if units:
-                store.put(r.hash_ids[i], units, units * self.unit_bytes, now, ttl)
+                store.put(r.hash_ids[i], units, units * self.unit_bytes, now, ttl, self._segment(r, "prompt"))
+
+    def _segment(self, r: TraceRequest, part: str) -> tuple | None:
+        """The group the blocks r's `part` write adds join (None: each its own; `SimConfig.segments`)."""
+        return (part, id(r)) if self.cfg.segments else None
 
     def _prefill_positions(self, r: TraceRequest) -> list[int]:
         positions = prefill_store_positions(r.input_length, self.spec)
@@ -303,7 +402,7 @@ class Simulator:
         cfg = self.cfg
         store, ttl, per = self.stores[prefill_engine if cfg.local else 0], self._ttl(r), r.block_tokens // self.B
         for h in reversed(r.output_hash_ids):
-            store.put(h, per, per * self.unit_bytes, now, ttl)
+            store.put(h, per, per * self.unit_bytes, now, ttl, self._segment(r, "decode"))
         self.res.decode_blocks_written += len(r.output_hash_ids) * per
         total = r.input_length + r.output_length
         if cfg.swa == "memory":
@@ -314,6 +413,14 @@ class Simulator:
             step = cfg.swa_period * self.B
             qs = [q for q in decode_replica_positions(r.input_length, total, self.spec) if q % step == 0]
             self._store_snapshots(r, prefill_engine, now, qs, store)
+
+    def _keep_on_device(self, r: TraceRequest, engine: int, ids: Sequence[int], now: float) -> None:
+        """These full blocks of r become findable in the engine's device pool (tail first, as the store puts)."""
+        per = r.block_tokens // self.B
+        for k in range(len(ids) - 1, -1, -1):
+            units = r.block_len(k) // self.B if ids is r.hash_ids else per
+            if units:
+                self.devices[engine].keep(ids[k], units, now)
 
     def _arrive_ideal(self, r: TraceRequest) -> _Decision:
         found = 0
@@ -327,12 +434,21 @@ class Simulator:
         return _Decision(hit, hit, HitKind.FULL.value if hit else HitKind.MISS.value, hit)
 
     def run(self) -> SimResult:
+        """Events in time order; at equal times prefill writes, then decode writes, then arrivals, then starts.
+
+        Without a device pool a request's decision and service are fixed at its arrival (it starts when its
+        engine's FIFO queue reaches it). With one (`device_blocks`), the store's decision is still made at
+        arrival (the CHECK, before routing), but the engine raises it to what its device pool holds when the
+        request starts (admission, engine/loader.py): requests wait in a queue per engine for that moment."""
         cfg, res = self.cfg, self.res
         events: list[tuple[float, int, int, int, int]] = []
         for i, r in enumerate(self.reqs):
             events.append((r.arrival_s * cfg.time_scale, _ARRIVAL, i, 0, 0))
         heapq.heapify(events)
         engine_of = [0] * len(self.reqs)
+        ttft = [0.0] * len(self.reqs)
+        waiting: list[list[tuple[int, _Decision, float]]] = [[] for _ in range(cfg.prefill_engines)]
+        running = [False] * cfg.prefill_engines
         while events:
             now, kind, i, a, b = heapq.heappop(events)
             r = self.reqs[i]
@@ -347,23 +463,44 @@ class Simulator:
                     self._touch_reused(r, self.stores[e if cfg.local else 0], d, now)
                 fetch, compute, nbytes = self._service(r, d, e)
                 start = max(now, self.busy[e])
-                self.busy[e] = done = start + fetch + compute
+                self.busy[e] = done = start + fetch + compute   # with a device pool: an estimate, for routing
+                self.served[e] += 1
+                if cfg.engine_policy == "least-loaded":
+                    self.queued[e].append(done)
                 engine_of[i] = e
-                res.busy_s += fetch + compute
-                res.requests += 1
-                res.block_refs += len(r.hash_ids)
-                res.block_hits += _ids_hit(r, d.hit_tokens)
-                res.prompt_tokens += r.input_length
-                res.hit_tokens += d.hit_tokens
-                res.computed_tokens += r.input_length - d.recompute_from
-                res.fetch_bytes += nbytes
-                res.kinds[d.kind] += 1
-                res.ttft_s.append(done - now)
                 res.store_series.append((now, sum(s.bytes for s in self.stores)))
+                if self.devices:
+                    waiting[e].append((i, d, now))
+                    if not running[e]:
+                        running[e] = True
+                        heapq.heappush(events, (now, _START, waiting[e][0][0], e, 0))
+                    continue
+                self._account(r, d, fetch, compute, nbytes)
+                ttft[i] = done - now
                 heapq.heappush(events, (done, _PREFILL_DONE, i, e, 0))
+            elif kind == _START:
+                j, d, arrived = waiting[a].pop(0)
+                assert j == i
+                d = self._with_device(r, a, d, now)
+                self.taken[i] = self._admit(r, a, d)
+                self.reused_on_device[i] = d.on_device
+                fetch, compute, nbytes = self._service(r, d, a)
+                self._account(r, d, fetch, compute, nbytes)
+                done = now + fetch + compute
+                ttft[i] = done - arrived
+                heapq.heappush(events, (done, _PREFILL_DONE, i, a, 0))
             elif kind == _PREFILL_DONE:
                 if not cfg.ideal:
                     self._write_prompt(r, a, now)
+                if self.devices:   # its new full blocks stop being merely taken: they are kept, findable
+                    moved = min(self.taken[i], max(r.input_length // self.B - self.reused_on_device.pop(i), 0))
+                    self.taken[i] -= moved
+                    self.devices[a].give_back(moved)
+                    self._keep_on_device(r, a, r.hash_ids, now)
+                    if waiting[a]:
+                        heapq.heappush(events, (now, _START, waiting[a][0][0], a, 0))
+                    else:
+                        running[a] = False
                 m = min(range(cfg.decode_engines), key=lambda k: (self.decoding[k], k))
                 self.decoding[m] += 1
                 heapq.heappush(events, (now + r.output_length / cfg.decode_tps, _DECODE_DONE, i, a, m))
@@ -371,11 +508,28 @@ class Simulator:
                 self.decoding[b] -= 1
                 if not cfg.ideal:
                     self._write_decode(r, engine_of[i], b, now)
+                if self.devices:
+                    self._keep_on_device(r, engine_of[i], r.output_hash_ids, now)
+                    self.devices[engine_of[i]].give_back(self.taken.pop(i))
             res.makespan_s = now
+        res.ttft_s = ttft
         res.evicted_bytes = sum(s.evicted_bytes for s in self.stores)
         res.expired_bytes = sum(s.expired_bytes for s in self.stores)
         res.state_pool_bytes = sum(len(p) for p in self.pools) * self.snapshot_bytes
         return res
+
+    def _account(self, r: TraceRequest, d: _Decision, fetch: float, compute: float, nbytes: float) -> None:
+        """A request's figures, once its decision is final."""
+        res = self.res
+        res.busy_s += fetch + compute
+        res.requests += 1
+        res.block_refs += len(r.hash_ids)
+        res.block_hits += _ids_hit(r, d.hit_tokens)
+        res.prompt_tokens += r.input_length
+        res.hit_tokens += d.hit_tokens
+        res.computed_tokens += r.input_length - d.recompute_from
+        res.fetch_bytes += nbytes
+        res.kinds[d.kind] += 1
 
 
 def simulate(requests: Sequence[TraceRequest], cfg: SimConfig) -> SimResult:

@@ -13,21 +13,27 @@ from collections.abc import Hashable
 
 
 class SimBlockStore:
-    """Entries (a block, or a snapshot kept on storage) with a size, a unit count and an expiry.
+    """Entries (a block, or a snapshot kept on storage) with a size, a unit count and an expiry, in groups.
 
-    Invariants: `bytes` == the sum of live entries' sizes <= `capacity` after every `put`;
+    Invariants: `bytes` == the sum of live entries' sizes <= `capacity` after every `put` (a put past it
+    evicts down to `low_watermark` × capacity, as the live store does);
     an entry is gone once `now >= expiry`; a touch (hit or rewrite) renews the expiry
-    (TTL refreshed on a hit) and makes the entry most recently used; eviction takes the least
-    recently used first. Units: how many 128-token blocks an entry holds (its usable prefix).
+    (TTL refreshed on a hit) and makes its group most recently used; eviction takes the least
+    recently used group first, whole. A group is one entry unless `put` names another: the live
+    store's segment (the blocks one write added), which it evicts whole and whose blocks a hit on any
+    of them refreshes together (their expiry only moves forward). Units: how many 128-token blocks an
+    entry holds (its usable prefix).
     """
 
-    def __init__(self, capacity: float = math.inf) -> None:
-        assert capacity >= 0
+    def __init__(self, capacity: float = math.inf, low_watermark: float = 1.0) -> None:
+        assert capacity >= 0 and 0 < low_watermark <= 1
         self.capacity = capacity
+        self.low_watermark = low_watermark
         self.bytes = 0
         self.evicted_bytes = 0
         self.expired_bytes = 0
-        self._entries: OrderedDict[Hashable, list] = OrderedDict()  # key -> [units, size, expiry]
+        self._entries: dict[Hashable, list] = {}   # key -> [units, size, expiry, group]
+        self._groups: OrderedDict[Hashable, dict[Hashable, None]] = OrderedDict()   # least recently used first
         self._expiries: list[tuple[float, int, Hashable]] = []
         self._seq = 0
 
@@ -48,11 +54,11 @@ class SimBlockStore:
         entry = self._entries.get(key)
         if entry is None:
             return
-        self._entries.move_to_end(key)
-        self._set_expiry(key, entry, now + ttl)
+        self._refresh(key, entry, now + ttl)
 
-    def put(self, key: Hashable, units: int, size: int, now: float, ttl: float) -> bool:
-        """Store or refresh `key`; evict LRU entries to fit. False when it cannot fit at all."""
+    def put(self, key: Hashable, units: int, size: int, now: float, ttl: float, group: Hashable = None) -> bool:
+        """Store or refresh `key` (a new one joins `group`, default: its own); evict LRU groups to fit. False when
+        it cannot fit at all."""
         assert units > 0 and size > 0
         if size > self.capacity:
             return False
@@ -61,19 +67,25 @@ class SimBlockStore:
             if units > entry[0]:
                 self.bytes += size - entry[1]
                 entry[0], entry[1] = units, size
-            self._entries.move_to_end(key)
         else:
             if entry is not None:
                 self._drop(key, expired=True)
-            entry = [units, size, math.inf]
+            g = key if group is None else group
+            entry = [units, size, math.inf, g]
             self._entries[key] = entry
+            self._groups.setdefault(g, {})[key] = None
             self.bytes += size
-        self._set_expiry(key, entry, now + ttl)
-        while self.bytes > self.capacity:
-            oldest = next(iter(self._entries))
-            self.evicted_bytes += self._entries[oldest][1]
-            self._drop(oldest)
+        self._refresh(key, entry, now + ttl)
+        if self.bytes <= self.capacity:
+            return True
+        self._evict_to(self.capacity * self.low_watermark)
         return key in self._entries
+
+    def resize(self, capacity: float) -> None:
+        """A new capacity; least recently used groups are evicted down to it (not down to the low watermark)."""
+        assert capacity >= 0
+        self.capacity = capacity
+        self._evict_to(capacity)
 
     def expire(self, now: float) -> None:
         """Drop every entry whose expiry has passed (keeps `bytes` exact for the size-over-time series)."""
@@ -84,6 +96,24 @@ class SimBlockStore:
             if entry is not None and entry[2] == expiry:
                 self._drop(key, expired=True)
 
+    def _refresh(self, key: Hashable, entry: list, expiry: float) -> None:
+        """`key` expires at `expiry`, the rest of its group no sooner; the group becomes the most recently used."""
+        group = entry[3]
+        self._groups.move_to_end(group)
+        self._set_expiry(key, entry, expiry)
+        if group != key:
+            for other in self._groups[group]:
+                e = self._entries[other]
+                if other != key and e[2] < expiry:
+                    self._set_expiry(other, e, expiry)
+
+    def _evict_to(self, limit: float) -> None:
+        while self.bytes > limit:
+            _, keys = next(iter(self._groups.items()))
+            for key in list(keys):
+                self.evicted_bytes += self._entries[key][1]
+                self._drop(key)
+
     def _set_expiry(self, key: Hashable, entry: list, expiry: float) -> None:
         entry[2] = expiry
         if expiry != math.inf:
@@ -91,7 +121,11 @@ class SimBlockStore:
             heapq.heappush(self._expiries, (expiry, self._seq, key))
 
     def _drop(self, key: Hashable, expired: bool = False) -> None:
-        size = self._entries.pop(key)[1]
+        units, size, _, group = self._entries.pop(key)
+        members = self._groups[group]
+        del members[key]
+        if not members:
+            del self._groups[group]
         self.bytes -= size
         if expired:
             self.expired_bytes += size
@@ -122,3 +156,33 @@ class StatePool:
         self._keys.move_to_end(key)
         while len(self._keys) > self.slots:
             self._keys.popitem(last=False)
+
+
+class DevicePool:
+    """One engine's device KV pool, which is also its prefix cache in front of the store (engine/block_pool.py).
+
+    `blocks` in all (128-token blocks). The blocks its unfinished requests took at admission are `held`
+    until they are keyed (a prompt's full blocks once its prefill ends: `give_back` them, then `keep`)
+    or released (the rest, at the request's end); the others keep keyed blocks in least-recently-used
+    order, evicted when an admission needs room. No TTL: the device keeps what it
+    computed as long as nothing else needs the space. (A keyed block still in use is not protected from
+    eviction here, as it is on the engine: an approximation while requests run.)"""
+
+    def __init__(self, blocks: int) -> None:
+        assert blocks > 0
+        self.blocks = blocks
+        self.held = 0
+        self.cache = SimBlockStore(blocks)
+
+    def take(self, n: int) -> None:
+        """An admission takes `n` blocks: keyed blocks are evicted, least recently used first, to make room."""
+        self.held += n
+        self.cache.resize(max(self.blocks - self.held, 0))
+
+    def give_back(self, n: int) -> None:
+        self.held = max(self.held - n, 0)
+        self.cache.resize(max(self.blocks - self.held, 0))
+
+    def keep(self, key: Hashable, units: int, now: float) -> None:
+        """`key`'s `units` blocks are now findable on the device (refreshed if they were)."""
+        self.cache.put(key, units, units, now, math.inf)

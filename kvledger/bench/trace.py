@@ -4,7 +4,14 @@ A Mooncake trace is JSONL, one request per line: `timestamp` (ms since the trace
 `input_length`, `output_length` (tokens) and `hash_ids`, the content ids of the prompt's
 512-token blocks (identical ids = identical prefix up to the end of that block; the last id
 may name a partial block). Lines may carry the extra keys this module writes for generated
-workloads (`block_tokens`, `output_hash_ids`, `ttl_class`, `session`, `segments`).
+workloads (`block_tokens`, `output_hash_ids`, `ttl_class`, `session`, `segments`), and the `live`
+object a server's own recorded trace adds (`LiveFigures`: what the live server measured for that
+request).
+
+Damage. `read_trace` stops at the first bad line with `TraceError` naming it (a file given by
+hand: a mistake to fix). With `damage="stop"` (a trace a server recorded, which a crash or a full
+disk may have cut mid-line) it keeps the requests before the bad line and says where it stopped in
+`Trace.damage`.
 """
 
 from __future__ import annotations
@@ -27,12 +34,40 @@ class TraceError(ValueError):
     """A trace file that cannot be read; the message names the file and line."""
 
 
+class DamagedLine(TraceError):
+    """One line of a trace that cannot be read (the lines before it can): the message names the file and line."""
+
+
 @dataclass(frozen=True, slots=True)
 class TraceSegment:
     """A run of `length` tokens whose ids are a pure function of `seed` (see workloads.segment_tokens)."""
 
     seed: int
     length: int
+
+
+@dataclass(frozen=True, slots=True)
+class LiveFigures:
+    """What the live server measured for a request it recorded (the `live` object of a recorded line).
+
+    Units: tokens, bytes, seconds. `cached_tokens` are the prompt tokens it reported as cached
+    (`usage.prompt_tokens_details.cached_tokens`); `ttft_s` runs from the request's arrival at the
+    server to its first token (None: no token came); `engine` served its prefill (None: unknown);
+    `fetch_bytes`/`fetch_s` are what its fetcher read from the store and how long that took (a hit
+    from the device prefix cache reads nothing); `decode_s` runs from the first token to the last."""
+
+    cached_tokens: int = 0
+    ttft_s: float | None = None
+    engine: str | None = None
+    hit_kind: str = ""
+    fetch_bytes: int = 0
+    fetch_s: float | None = None
+    decode_s: float | None = None
+
+    def to_json(self) -> dict:
+        return {"cached_tokens": self.cached_tokens, "ttft_s": self.ttft_s, "engine": self.engine,
+                "hit_kind": self.hit_kind, "fetch_bytes": self.fetch_bytes, "fetch_s": self.fetch_s,
+                "decode_s": self.decode_s}
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +90,7 @@ class TraceRequest:
     ttl_class: str = "chatbot"
     session: int = -1
     segments: tuple[TraceSegment, ...] = field(default=(), repr=False)
+    live: LiveFigures | None = None   # a recorded trace's: what the live server measured
 
     def __post_init__(self) -> None:
         assert self.arrival_s >= 0 and self.input_length >= 0 and self.output_length >= 0
@@ -81,6 +117,8 @@ class TraceRequest:
             out["session"] = self.session
         if self.segments:
             out["segments"] = [[s.seed, s.length] for s in self.segments]
+        if self.live is not None:
+            out["live"] = self.live.to_json()
         return out
 
 
@@ -90,6 +128,7 @@ class Trace:
 
     requests: tuple[TraceRequest, ...]
     source: str
+    damage: str | None = None   # `damage="stop"`: where and why reading stopped early (None: read whole)
 
     def __post_init__(self) -> None:
         assert all(a.arrival_s <= b.arrival_s for a, b in zip(self.requests, self.requests[1:]))
@@ -167,32 +206,85 @@ def parse_line(line: str, where: str) -> TraceRequest:
     session = obj.get("session", -1)
     if isinstance(session, bool) or not isinstance(session, int) or session < -1:
         raise TraceError(f"{where}: 'session' must be an integer >= -1")
+    live = _live(obj["live"], length, where) if obj.get("live") is not None else None
     return TraceRequest(ts / 1000.0, length, out, ids, bt, _ids(obj, "output_hash_ids", where, False), ttl_class,
-                   session, segments)
+                        session, segments, live)
+
+
+def _seconds(obj: dict, key: str, where: str) -> float | None:
+    value = obj.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise TraceError(f"{where}: 'live.{key}' must be a non-negative number of seconds or null, got {value!r}")
+    return float(value)
+
+
+def _live(obj: object, input_length: int, where: str) -> LiveFigures:
+    if not isinstance(obj, dict):
+        raise TraceError(f"{where}: 'live' must be a JSON object")
+    cached = _int(obj, "cached_tokens", f"{where}: live", required=False)   # ≤ MAX_TOKENS
+    if cached > input_length:
+        raise TraceError(f"{where}: 'live.cached_tokens' is {cached}, more than the {input_length} prompt tokens")
+    engine, kind = obj.get("engine"), obj.get("hit_kind", "")
+    if (engine is not None and not isinstance(engine, str)) or not isinstance(kind, str):
+        raise TraceError(f"{where}: 'live.engine' and 'live.hit_kind' must be strings")
+    fetched = obj.get("fetch_bytes") or 0
+    if isinstance(fetched, bool) or not isinstance(fetched, int) or not 0 <= fetched < 2**63:
+        raise TraceError(f"{where}: 'live.fetch_bytes' must be a non-negative integer, got {fetched!r}")
+    return LiveFigures(cached, _seconds(obj, "ttft_s", where), engine, kind, fetched,
+                       _seconds(obj, "fetch_s", where), _seconds(obj, "decode_s", where))
 
 
 def iter_lines(path: Path) -> Iterator[tuple[int, str]]:
+    """(line number, text) of each non-blank line; `TraceError` naming the file, or the line that is not
+    UTF-8 (the lines before it have been yielded)."""
     try:
-        with open(path, encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
+        with open(path, "rb") as f:
+            for n, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError:
+                    raise DamagedLine(f"{path}:{n}: not UTF-8 text") from None
                 if line.strip():
                     yield n, line
     except OSError as e:
         raise TraceError(f"{path}: cannot read ({e.strerror or e})") from None
-    except UnicodeDecodeError:
-        raise TraceError(f"{path}: not UTF-8 text") from None
 
 
-def read_trace(path: str | Path) -> Trace:
-    """Read a Mooncake-format JSONL trace; `TraceError` names the first bad line."""
+def read_requests(path: str | Path, *, damage: str = "error") -> tuple[list[TraceRequest], str | None]:
+    """The requests of one JSONL file in file order, and where reading stopped early (None: nowhere).
+
+    `damage="error"`: the first bad line raises `TraceError` naming it. `damage="stop"`: the requests
+    before it are kept, and the second value names the line and what is wrong with it. A file that
+    cannot be opened raises either way."""
+    assert damage in ("error", "stop")
     path = Path(path)
     if path.is_dir():
         raise TraceError(f"{path}: is a directory")
-    requests = [parse_line(line, f"{path}:{n}") for n, line in iter_lines(path)]
+    requests: list[TraceRequest] = []
+    try:
+        for n, line in iter_lines(path):
+            try:
+                requests.append(parse_line(line, f"{path}:{n}"))
+            except TraceError as e:
+                raise DamagedLine(str(e)) from None
+    except DamagedLine as e:
+        if damage == "error":
+            raise
+        return requests, str(e)
+    return requests, None
+
+
+def read_trace(path: str | Path, *, damage: str = "error") -> Trace:
+    """Read a Mooncake-format JSONL trace; `TraceError` names the first bad line, or with `damage="stop"`
+    the requests before it are kept (`Trace.damage` says where it stopped). No request at all is an error."""
+    path = Path(path)
+    requests, stopped = read_requests(path, damage=damage)
     if not requests:
-        raise TraceError(f"{path}: no requests")
+        raise TraceError(f"{stopped}" if stopped else f"{path}: no requests")
     requests.sort(key=lambda r: r.arrival_s)  # stable: ties keep file order
-    return Trace(tuple(requests), str(path))
+    return Trace(tuple(requests), str(path), stopped)
 
 
 def write_trace(requests: Iterable[TraceRequest], path: str | Path) -> None:

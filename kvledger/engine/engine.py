@@ -44,10 +44,12 @@ class Engine:
     def __init__(self, model: str | ModelEntry, *, block_ledger: object | None, state_ledger: object | None = None,
                  device: str = "cpu", max_num_seqs: int = 8, max_num_batched_tokens: int = 4096,
                  replay: bool = False, fetcher: str = "process", kv_cache_bytes: int = DEFAULT_KV_BYTES,
-                 fetch_timeout_s: float = 10.0, checkpoint_every: int = 0) -> None:
+                 fetch_timeout_s: float = 10.0, checkpoint_every: int = 0, max_seq_tokens: int | None = None) -> None:
         """`checkpoint_every`: rule 4′'s periodic checkpointing, a snapshot every that many prompt tokens
         during prefill (a multiple of B; 0: only rule 4's, at the prompt's end); the `periodic:N` state
-        strategy's N (`Strategy.checkpoint_every`)."""
+        strategy's N (`Strategy.checkpoint_every`). The device pool holds `kv_cache_bytes` of blocks, and at
+        least one request of `max_seq_tokens` prompt + output tokens (default: the model's context; a server
+        whose limits refuse longer requests may give less, so that a small pool can be asked for)."""
         if fetcher not in ("process", "none"):
             raise ValueError("fetcher must be 'process' (its own process) or 'none' (no ledger reads)")
         self.model = (resolve(model) if isinstance(model, str) else model).load(device)
@@ -57,7 +59,8 @@ class Engine:
         self.max_model_len = self.model.max_model_len
         self.eos_token_ids = tuple(self.model.eos_token_ids)
         block_bytes = self.spec.block_bytes()
-        num_blocks = max(kv_cache_bytes // block_bytes, -(-self.max_model_len // self.spec.block_size) + 2)
+        longest = self.max_model_len if max_seq_tokens is None else min(max_seq_tokens, self.max_model_len)
+        num_blocks = max(kv_cache_bytes // block_bytes, -(-longest // self.spec.block_size) + 2)
         num_slots = max_num_seqs if self.spec.has_swa else 0
         self.model.allocate(num_blocks, num_slots)
         self.pool = BlockPool(num_blocks)

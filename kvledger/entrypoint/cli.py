@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from kvledger.entrypoint.body_limit import BODY_TIMEOUT_S
-from kvledger.entrypoint.config import MAX_TOKENS_LIMIT, OPEN_PER_KEY, per_key_default
+from kvledger.entrypoint.config import (DEFAULT_TTL_CLASSES, MAX_TOKENS_LIMIT, OPEN_PER_KEY, TRACE_FILE_BYTES,
+                                        TRACE_FILES, per_key_default)
 from kvledger.entrypoint.router import POLICIES
 from kvledger.util.http_server import HEADER_TIMEOUT_S, MAX_CONNECTIONS
 from kvledger.util.output import EXIT_INTERRUPTED, CliError
@@ -47,6 +48,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-cache", action="store_true", help="compute every prompt in full (a baseline)")
     p.add_argument("--max-num-seqs", type=int, default=8, help="requests the engine batches at once")
     add_checkpoint_arg(p)
+    store_args(p)
+    trace_args(p)
     grace_arg(p)
     p.set_defaults(func=cmd_serve, redis_url=None, token_file=None, routing="cache-aware", listen_fd=None)
 
@@ -64,8 +67,79 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--token-file", type=Path, default=None, help="the cluster token (or $KVLEDGER_CLUSTER_TOKEN)")
     p.add_argument("--routing", default="cache-aware", choices=POLICIES, help="how prefill engines are chosen")
     p.add_argument("--listen-fd", type=int, default=None, help=argparse.SUPPRESS)  # `kvledger up`'s bound socket
+    trace_args(p)
     grace_arg(p)
-    p.set_defaults(func=cmd_serve, no_cache=False, max_num_seqs=8, checkpoint_every=0)
+    p.set_defaults(func=cmd_serve, no_cache=False, max_num_seqs=8, checkpoint_every=0, store_capacity=None,
+                   ttl_classes=DEFAULT_TTL_CLASSES, gc_interval_s=0.0, kv_cache_bytes=None)
+
+
+def store_args(p: argparse.ArgumentParser) -> None:
+    """The embedded block ledger's limits: its size and its TTL classes (what a what-if varies)."""
+    p.add_argument("--store-capacity", default=None, metavar="SIZE", help="the block ledger's size limit (8G, 500MB, "
+                   "1TiB): a put past it evicts the least recently hit blocks, tails first, down to 90%% of it "
+                   "(default: none, the disk's)")
+    p.add_argument("--ttl-classes", default=DEFAULT_TTL_CLASSES, metavar="SPEC", help="how long a block lives after "
+                   "its last write or hit, per TTL class: agent=30s,chatbot=2h (units ms, s, m, h, d; a class not "
+                   "named keeps its default) or one duration for every class (default %(default)s)")
+    p.add_argument("--gc-interval-s", type=float, default=60.0, help="expired blocks are removed (and the capacity "
+                   "enforced) this often while serving; 0: only at puts past the capacity (default %(default)s)")
+    p.add_argument("--kv-cache-bytes", default=None, metavar="SIZE", help="the engine's device KV pool (1G, 20M), "
+                   "which is also its device prefix cache in front of the block ledger; at least one request of "
+                   "--max-prompt-tokens + --max-tokens-limit tokens (default: the engine's, 512 MiB)")
+
+
+def trace_args(p: argparse.ArgumentParser) -> None:
+    """The server's own trace (entrypoint/trace_recorder.py), which `kvledger whatif` reads."""
+    p.add_argument("--no-trace", action="store_true", help="do not record the server's own trace: one Mooncake-format "
+                   "line per finished request (hashes of its blocks, never tokens; its cached tokens and TTFT) in "
+                   "DATA_DIR/trace/requests.jsonl, which `kvledger whatif --trace DATA_DIR` reads")
+    p.add_argument("--trace-file-bytes", type=int, default=TRACE_FILE_BYTES, help="the trace file is rotated "
+                   "before a line would take it past this size (default %(default)s = 32 MiB)")
+    p.add_argument("--trace-files", type=int, default=TRACE_FILES, help="rotated trace files kept beside the "
+                   "current one: at most (N + 1) x --trace-file-bytes on disk (default %(default)s)")
+    p.add_argument("--trace-dir", type=Path, default=None, help="where the trace goes (default: DATA_DIR/trace)")
+
+
+def trace_settings(args: argparse.Namespace) -> Any:
+    """The TraceSettings of the trace flags; CliError for a bad one."""
+    from kvledger.entrypoint.config import TraceSettings
+
+    if args.trace_file_bytes < 1024 or args.trace_files < 0:
+        raise CliError("--trace-file-bytes must be >= 1024 and --trace-files >= 0")
+    return TraceSettings(not args.no_trace, args.trace_file_bytes, args.trace_files, args.trace_dir)
+
+
+def store_limits(args: argparse.Namespace) -> tuple[int | None, dict[str, float], int | None]:
+    """(capacity bytes or None, TTL seconds per class, device pool bytes or None) of the store flags; CliError
+    for a bad one."""
+    from kvledger.entrypoint.config import parse_ttl_classes
+    from kvledger.util.units import parse_size
+
+    capacity = None
+    if args.store_capacity is not None:
+        try:
+            size = parse_size(args.store_capacity)
+        except ValueError as e:
+            raise CliError(f"--store-capacity: {e}") from None
+        if size < 1:
+            raise CliError("--store-capacity must be at least one byte (or inf)")
+        capacity = None if size == float("inf") else int(size)
+    try:
+        ttl = parse_ttl_classes(args.ttl_classes)
+    except ValueError as e:
+        raise CliError(f"--ttl-classes: {e}") from None
+    if args.gc_interval_s < 0:
+        raise CliError("--gc-interval-s must be >= 0")
+    kv = None
+    if args.kv_cache_bytes is not None:
+        try:
+            size = parse_size(args.kv_cache_bytes)
+        except ValueError as e:
+            raise CliError(f"--kv-cache-bytes: {e}") from None
+        if not 1 <= size < float("inf"):
+            raise CliError("--kv-cache-bytes must be a finite size of at least one byte")
+        kv = int(size)
+    return capacity, ttl, kv
 
 
 def grace_arg(p: argparse.ArgumentParser) -> None:
@@ -138,6 +212,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
             token = load_token(args.token_file)
         except ValueError as e:
             raise CliError(str(e)) from None
+    capacity, ttl_classes, kv_cache_bytes = store_limits(args)
+    trace = trace_settings(args)
     data_dir = writable_dir(args.data_dir or default_data_dir(), "--data-dir")
     # before the model load: a busy port fails at once
     sock = listen(args.host, args.port) if args.listen_fd is None else adopt(args.listen_fd)
@@ -149,7 +225,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
                          max_concurrent_per_key=per_key, max_num_seqs=args.max_num_seqs,
                          max_prompt_tokens=args.max_prompt_tokens, max_tokens_limit=args.max_tokens_limit,
                          redis_url=args.redis_url, cluster_token=token, routing=args.routing,
-                         status_every_s=args.status_interval_s, checkpoint_every=every)
+                         status_every_s=args.status_interval_s, checkpoint_every=every, ttl_classes=ttl_classes,
+                         store_capacity_bytes=capacity, gc_interval_s=args.gc_interval_s, trace=trace,
+                         kv_cache_bytes=kv_cache_bytes)
     mode = "serve" if args.redis_url is None else "entrypoint"
     state, code = None, EXIT_INTERRUPTED   # until the server ran to its end: close as fast as after a Ctrl-C
     try:

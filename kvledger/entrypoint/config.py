@@ -5,14 +5,19 @@ A light module (no engine, no torch): the CLIs read its defaults for `--help` be
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvledger.engine.models import registry
 from kvledger.entrypoint.body_limit import BODY_TIMEOUT_S
+from kvledger.store.ttl import DEFAULT_CLASSES
 from kvledger.util.paths import default_data_dir
+from kvledger.util.units import format_duration, parse_duration
 
 MIB = 1 << 20
+TRACE_FILE_BYTES = 32 * MIB   # default --trace-file-bytes: one trace file is rotated before it passes this
+TRACE_FILES = 4               # default --trace-files: rotated files kept beside the current one
 MAX_TOKENS_LIMIT = 4096   # default --max-tokens-limit: tokens one request may generate (minutes of a batch slot)
 OPEN_PER_KEY = 16         # default --max-concurrent-per-key without --api-keys: every caller is one tenant
 
@@ -24,6 +29,39 @@ def per_key_default(max_num_seqs: int, keyed: bool) -> int:
     tenant, with no other to starve: OPEN_PER_KEY."""
     return max(1, max_num_seqs // 2) if keyed else OPEN_PER_KEY
 
+
+
+def parse_ttl_classes(text: str) -> dict[str, float]:
+    """`--ttl-classes`: 'agent=30s,chatbot=2m' (durations with units; a class not named keeps its default) or
+    '45s' (every class) → TTL seconds of every class. ValueError naming what is wrong."""
+    out = dict(DEFAULT_CLASSES)
+    if "=" not in text:
+        return dict.fromkeys(out, parse_duration(text))
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, _, value = part.partition("=")
+        if name.strip() not in out:
+            raise ValueError(f"unknown TTL class {name.strip()!r}; known: {', '.join(sorted(out))}")
+        out[name.strip()] = parse_duration(value)
+    return out
+
+
+DEFAULT_TTL_CLASSES = ",".join(f"{k}={format_duration(v)}" for k, v in DEFAULT_CLASSES.items())   # agent=3d,...
+
+
+@dataclass(frozen=True, slots=True)
+class TraceSettings:
+    """The server's own trace (entrypoint/trace_recorder.py). On by default. On disk at most
+    (files + 1) × file_bytes: the current file and `files` rotated ones, each rotated before a line
+    would take it past `file_bytes` (a single line longer than that is dropped). `folder` None: the
+    data directory's `trace/`."""
+
+    enabled: bool = True
+    file_bytes: int = TRACE_FILE_BYTES
+    files: int = TRACE_FILES
+    folder: Path | None = None
+
+    def __post_init__(self) -> None:
+        assert self.file_bytes > 0 and self.files >= 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +85,11 @@ class ServeConfig:
     device: str = "cpu"
     replay: bool = False
     checkpoint_every: int = 0              # rule 4′: a snapshot every this many prompt tokens (0: none)
+    ttl_classes: Mapping[str, float] | None = None   # TTL seconds per class (None: the store's, 3 and 7 days)
+    store_capacity_bytes: int | None = None   # embedded block ledger: LRU eviction past this (None: unlimited)
+    gc_interval_s: float = 60.0            # embedded: expired blocks removed this often while serving (0: never)
+    kv_cache_bytes: int | None = None      # embedded: the engine's device KV pool (None: the engine's default)
+    trace: TraceSettings = field(default_factory=TraceSettings)
     # cluster mode (`kvledger entrypoint`): no engine here; Redis holds the index, the directory and
     # the engine registry, and the engines are reached with the cluster token
     redis_url: str | None = None
@@ -58,3 +101,20 @@ class ServeConfig:
         assert (self.redis_url is None) == (self.cluster_token is None), "the cluster mode needs both"
         assert self.max_body_bytes > 0 and self.max_concurrent_per_key > 0 and self.default_max_tokens > 0
         assert self.body_timeout_s > 0
+        assert self.store_capacity_bytes is None or (self.store_capacity_bytes > 0 and self.redis_url is None)
+        assert self.gc_interval_s >= 0
+
+    def device_pool(self) -> dict[str, int]:
+        """The embedded engine's device pool arguments: `kv_cache_bytes` when set, with the longest request this
+        server's limits admit (prompt + output), so a pool smaller than the model's context can hold one."""
+        if self.kv_cache_bytes is None:
+            return {}
+        out = {"kv_cache_bytes": self.kv_cache_bytes}
+        if self.max_prompt_tokens is not None and self.max_tokens_limit is not None:
+            out["max_seq_tokens"] = self.max_prompt_tokens + self.max_tokens_limit
+        return out
+
+    @property
+    def trace_folder(self) -> Path:
+        """Where the server's own trace goes (`TraceSettings.folder`, else `<data_dir>/trace`)."""
+        return self.trace.folder or Path(self.data_dir) / "trace"

@@ -28,6 +28,7 @@ from kvledger.entrypoint.misses import FirstAbsent
 from kvledger.entrypoint.prepare import Prepared
 from kvledger.entrypoint.protocol import LegDetails, Usage
 from kvledger.entrypoint.server_state import ServerState
+from kvledger.entrypoint.trace_recorder import trace_request
 
 log = logging.getLogger("kvledger.serve")
 CLIENT_GONE = "client_disconnected"   # the error kind counted for a request whose client hung up
@@ -195,6 +196,7 @@ def record(state: ServerState, prep: Prepared, out: Outcome) -> None:
     _record_misses(state, prep, out, cached)
     state.activity.record(RequestRecord(time.time(), prep.request_id, ns, prep.endpoint, usage.prompt_tokens,
                                         cached, usage.completion_tokens, kind, ttft, out.finish_reason))
+    trace_request(state, prep, out, usage, ttft)
 
 
 def _record_misses(state: ServerState, prep: Prepared, out: Outcome, cached: int) -> None:

@@ -11,7 +11,7 @@ concurrent requests of one key (429). A client that hangs up ends its request: a
 Starlette, a non-streamed request by `_while_connected`; either way the engine's stream is closed, which
 aborts the request in the engine (embedded) or closes the leg's connection (cluster: the engine aborts it).
 
-The operator endpoints (`/metrics`, `/dashboard/*`) name every namespace and show every tenant's
+The operator endpoints (`/metrics`, `/dashboard/*`, `/whatif`) name every namespace and show every tenant's
 last requests: with a key file they need an operator key (`auth.may_operate`).
 """
 
@@ -31,7 +31,7 @@ from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvledger.entrypoint import dashboard
+from kvledger.entrypoint import dashboard, whatif_endpoint
 from kvledger.entrypoint.activity import status_line
 from kvledger.entrypoint.auth import Tenant, authenticate, may_operate
 from kvledger.entrypoint.body_limit import BodyLimit
@@ -245,6 +245,11 @@ def _operator_routes(app: FastAPI) -> None:
     @app.post("/dashboard/diff", responses=OPERATOR_ERRORS, tags=["operator"])
     async def diff(request: Request, body: DiffRequest, _: Operator) -> JSONResponse:
         return JSONResponse(await asyncio.to_thread(dashboard.diff, _state(request), body))
+
+    @app.get("/whatif", responses=OPERATOR_ERRORS, tags=["operator"])
+    async def whatif(request: Request, _: Operator) -> JSONResponse:
+        """`kvledger whatif` on this server's own trace (query: capacity, ttl, routing, last, prefill_engines)."""
+        return JSONResponse(await whatif_endpoint.answer(_state(request), request.query_params.multi_items()))
 
 
 def _error_handlers(app: FastAPI, state: ServerState) -> None:

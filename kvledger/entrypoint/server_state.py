@@ -21,6 +21,8 @@ from kvledger.entrypoint.config import ServeConfig
 from kvledger.entrypoint.metrics import ServeMetrics
 from kvledger.entrypoint.misses import MissBook
 from kvledger.entrypoint.remote import RemoteEngines
+from kvledger.entrypoint.store_upkeep import PeriodicGc
+from kvledger.entrypoint.trace_recorder import open_recorder
 from kvledger.store.ttl import TtlPolicy
 
 INTERRUPT_GRACE_S = 1.0   # Ctrl-C: an engine step still running after this long is left to the exit
@@ -36,13 +38,14 @@ class ServerState:
         self.model = self.entry.name   # served under: /v1/models, the `model` field
         self.created = int(time.time())
         self.spec = self.entry.spec
-        self.policy = TtlPolicy()
+        self.policy = TtlPolicy(classes=config.ttl_classes) if config.ttl_classes else TtlPolicy()
         self.keys: dict[str, Tenant] | None = (load_keys(config.api_keys, set(self.policy.classes))
                                                if config.api_keys is not None else None)
         self.tokenizer, self.chat_template = self.entry.text()   # before the ledgers: a bad model opens nothing
         part = Part.EMBEDDED if config.redis_url is None else Part.ENTRYPOINT
         self.ledgers = open_ledgers(self.spec, config.data_dir, part, redis_url=config.redis_url,
-                                    token=config.cluster_token, policy=self.policy)
+                                    token=config.cluster_token, policy=self.policy,
+                                    capacity_bytes=config.store_capacity_bytes)
         self.block_ledger, self.state_ledger = self.ledgers.block, self.ledgers.state
         self.max_token_bytes = longest_token_bytes(self.tokenizer) if self.tokenizer is not None else 0
         self.metrics = ServeMetrics(self.store_stats, lambda: self.block_ledger.store.counters.as_dict())
@@ -50,6 +53,8 @@ class ServerState:
         tok = self.tokenizer   # spans are shown as text where there is a tokenizer, as token ids otherwise
         self.misses = MissBook(self.spec.block_size,   # why prompts miss (misses.py)
                                decode=None if tok is None else lambda ids: tok.decode(ids, skip_special_tokens=False))
+        self.trace = open_recorder(self)   # the server's own trace (`kvledger whatif` reads it)
+        self.upkeep: PeriodicGc | None = None  # embedded: expired blocks removed while serving
         self.in_flight: dict[str, int] = {}   # tenant label → requests admitted and not finished
         self.engine: EngineClient | None = None
         self._engine_core: Any = None          # the loaded embedded engine, before its loop starts
@@ -73,7 +78,8 @@ class ServerState:
         engine = Engine(self.entry, block_ledger=self.block_ledger if cache else None,
                         state_ledger=self.state_ledger if cache else None,
                         device=self.config.device, max_num_seqs=self.config.max_num_seqs,
-                        replay=self.config.replay, checkpoint_every=self.config.checkpoint_every)
+                        replay=self.config.replay, checkpoint_every=self.config.checkpoint_every,
+                        **self.config.device_pool())
         self._engine_core = engine
         self.max_model_len = engine.max_model_len
         self.eos_token_ids = tuple(engine.eos_token_ids)
@@ -90,6 +96,8 @@ class ServerState:
             return self._start_remote(loop)
         self.load_engine()
         assert self._engine_core is not None
+        if self.config.gc_interval_s > 0:
+            self.upkeep = PeriodicGc(self.block_ledger, self.config.gc_interval_s).start()
         self.engine = AsyncEngine(self._engine_core)
         self.engine.start(loop)
         return self.engine
@@ -150,6 +158,9 @@ class ServerState:
         if self._closed:
             return
         self._closed = True
+        self.trace.close()
+        if self.upkeep is not None:
+            self.upkeep.stop()
         if self.engine is not None:
             if not self.engine.close(INTERRUPT_GRACE_S if self.interrupted else None):
                 return

@@ -95,7 +95,7 @@ class Child:
 
 def register(sub: argparse._SubParsersAction) -> None:
     from kvledger.engine.models.registry import add_checkpoint_arg
-    from kvledger.entrypoint.cli import http_args
+    from kvledger.entrypoint.cli import http_args, trace_args
     from kvledger.util.paths import default_data_dir
     from kvledger.entrypoint.router import POLICIES
     from kvledger.util.output import examples
@@ -126,6 +126,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--routing", default="cache-aware", choices=POLICIES, help="how prefill engines are chosen")
     p.add_argument("--max-num-seqs", type=int, default=8, help="requests each engine batches at once")
     add_checkpoint_arg(p)
+    trace_args(p)   # the entrypoint's; its default folder is <data-dir>/trace (not a JuiceFS mount's)
     p.add_argument("--grace-s", type=float, default=GRACE_S, help="on a stop: seconds the entrypoint's open requests "
                    "and the engines' hand-offs get before they are cut (default %(default)s)")
     p.set_defaults(func=cmd_up)
@@ -133,7 +134,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def cmd_up(args: argparse.Namespace) -> None:
     from kvledger.engine.models.registry import NAMES, cli_checkpoint, cli_resolve
-    from kvledger.entrypoint.cli import is_loopback
+    from kvledger.entrypoint.cli import is_loopback, trace_settings
     from kvledger.util.paths import default_data_dir
 
     if min(args.prefill, args.decode, args.both) < 0 or args.prefill + args.both == 0:
@@ -158,6 +159,7 @@ def cmd_up(args: argparse.Namespace) -> None:
     for flag in ("header_timeout_s", "body_timeout_s", "max_connections"):   # the entrypoint's, checked here first
         if getattr(args, flag) <= 0:
             raise CliError(f"--{flag.replace('_', '-')} must be > 0")
+    trace_settings(args)
     data = (args.data_dir or default_data_dir().with_name("cluster")).resolve()
     cluster = Cluster(args, data)
     code = cluster.run()
@@ -334,6 +336,8 @@ class Cluster:
         for flag in ("api_keys", "max_prompt_tokens", "max_tokens_limit"):
             if getattr(a, flag) is not None:
                 front += [f"--{flag.replace('_', '-')}", str(getattr(a, flag))]
+        front += ["--trace-dir", str(a.trace_dir or self.data / "trace"), "--trace-file-bytes",
+                  str(a.trace_file_bytes), "--trace-files", str(a.trace_files), *(["--no-trace"] if a.no_trace else [])]
         children.append(Child("entrypoint", front, self.logs / "entrypoint.log", pass_fds=(fd,)))
         return children
 

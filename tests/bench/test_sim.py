@@ -63,6 +63,25 @@ def test_snapshot_at_l1_is_used_when_stored_there():
     assert simulate(reqs, SimConfig(spec=V4, state_slots=0)).kinds["fallback"] == 1
 
 
+TINY = ModelSpec.preset("tiny-v4")   # windowed, not trained for the fallback: rule 3′ (exact resume)
+
+
+def test_a_model_that_resumes_exactly_hits_at_the_latest_snapshot():
+    """Rule 3′ (tiny-v4, Gemma 3): without a snapshot at L1 the hit is the latest snapshot q < L1 whose blocks
+    are all present, as `decide_hit` decides it with every candidate position (it was 0 before: the simulator
+    asked `decide_hit` with no snapshot, which for such a model is a miss)."""
+    reqs = _pair()   # A (2048 tokens) stores its snapshots at c = 1792 and p = 1920; B's L1 = 2048
+    stored = set(prefill_store_positions(2048, TINY))
+    expect = decide_hit(4096, 16, stored, TINY)
+    res = simulate(reqs, SimConfig(spec=TINY))
+    assert expect.kind.value == "snapshot" and expect.hit_tokens == 1920
+    assert res.hit_tokens == expect.hit_tokens and res.kinds["snapshot"] == 1
+    assert res.computed_tokens == 2048 + 4096 - 1920
+    assert simulate(reqs, SimConfig(spec=TINY, state_slots=0)).hit_tokens == 0   # no snapshot anywhere: a miss
+    assert simulate(reqs, SimConfig(spec=TINY, swa="full")).hit_tokens == decide_hit(4096, 16, {2048}, TINY).hit_tokens
+    assert simulate(reqs, SimConfig(spec=TINY, replay=True)).kinds["replay"] == 1
+
+
 def test_cap_and_full_attention_model():
     same = [TraceRequest(0.0, 2048, 0, (1, 2, 3, 4)), TraceRequest(100.0, 2048, 0, (1, 2, 3, 4))]
     cap = decide_hit(2048, 16, set(), V4).cap  # 1792: the last 134 tokens (and the block around them) are computed
@@ -134,3 +153,63 @@ def test_longer_ttl_never_lowers_the_hit_rate(head):
              for d in (0.25, 1, 3, 7)]
     assert rates == sorted(rates) and rates[0] < rates[-1]
     assert rates[-1] <= simulate(head, cfg).block_hit_rate
+
+
+def test_engine_policies_of_the_live_router_over_the_shared_store():
+    """`match` with the live router's policies: the hit rate is the shared store's whichever engine computes;
+    the policy moves only where the work queues (round-robin alternates, prefix-affinity keeps a prefix on one
+    engine, least-loaded avoids the busy one)."""
+    from kvledger.bench.sim_core import ENGINE_POLICIES, Simulator
+
+    reqs = [TraceRequest(float(i), 1024, 1, (1, 2, 3, 4 + i % 3, 100 + i), 128) for i in range(30)]  # 1 s apart
+    one_engine = simulate(reqs, SimConfig(spec=SMOL, prefill_engines=1)).hit_tokens
+    engines_of = {}
+    for policy in ENGINE_POLICIES:
+        sim = Simulator(reqs, SimConfig(spec=SMOL, prefill_engines=3, engine_policy=policy))
+        assert sim.run().hit_tokens == one_engine > 0, policy
+        engines_of[policy] = sim.served
+    assert engines_of["round-robin"] == [10, 10, 10]
+    assert sorted(engines_of["prefix-affinity"]) == [0, 0, 30]    # one first block: one engine
+    assert engines_of["least-loaded"] == engines_of["cache-aware"] == [30, 0, 0]   # idle engines, ties → lowest
+    with pytest.raises(AssertionError):
+        SimConfig(spec=SMOL, routing="random", engine_policy="round-robin")
+
+
+def test_capacity_evicts_down_to_the_low_watermark():
+    from kvledger.bench.sim_store import SimBlockStore
+
+    store = SimBlockStore(1000, low_watermark=0.5)
+    for k in range(10):
+        store.put(k, 1, 100, 0.0, math.inf)
+    assert store.bytes == 1000 and len(store) == 10          # at the capacity: nothing evicted
+    store.put(10, 1, 100, 0.0, math.inf)
+    assert store.bytes == 500 and store.units(0, 0.0) == 0 and store.units(10, 0.0) == 1
+
+
+def test_the_device_pool_serves_what_the_store_lost_and_holds_only_its_size():
+    """engine/loader.py raises a hit to what the engine's device prefix cache holds: an expired or evicted store
+    block still hits while the device keeps it (no TTL there), until admissions of other requests need its room."""
+    again = [TraceRequest(0.0, 1000, 1, tuple(range(1, 8)), 128), TraceRequest(100.0, 1000, 1, tuple(range(1, 8)), 128)]
+    expired = SimConfig(spec=SMOL, ttl_s={"agent": 10.0, "chatbot": 10.0})
+    assert simulate(again, expired).hit_tokens == 0
+    on_device = simulate(again, replace(expired, device_blocks=64))
+    assert on_device.hit_tokens == 896 and on_device.fetch_bytes == 0   # 7 blocks from the device, none fetched
+    others = [TraceRequest(1.0 + k, 1000, 1, tuple(range(100 * k, 100 * k + 8)), 128) for k in range(1, 6)]
+    crowded = sorted(again + others, key=lambda r: r.arrival_s)
+    assert simulate(crowded, replace(expired, device_blocks=24)).hit_tokens == 0   # 5 × 8 blocks pushed it out
+    assert simulate(crowded, replace(expired, device_blocks=64)).hit_tokens == 896
+
+
+def test_segments_are_evicted_and_refreshed_whole():
+    """The live store's unit (LmdbStore): the blocks one write added go together, and a hit on one renews all."""
+    from kvledger.bench.sim_store import SimBlockStore
+
+    store = SimBlockStore(500)
+    for k in (1, 2, 3):
+        store.put(k, 1, 100, 0.0, 10.0, group="first write")
+    store.put(4, 1, 100, 1.0, 10.0, group="second write")
+    store.touch(3, 5.0, 10.0)                        # a hit on one block renews its segment, whole
+    assert [store.units(k, 12.0) for k in (1, 2, 3, 4)] == [1, 1, 1, 0]
+    for k in (5, 6, 7):
+        store.put(k, 1, 100, 12.0, 10.0)             # the third: 600 > 500, the least recently used segment goes whole
+    assert [store.units(k, 12.0) for k in (1, 2, 3, 5, 6, 7)] == [0, 0, 0, 1, 1, 1] and store.bytes == 300

@@ -57,3 +57,48 @@ def test_write_read_round_trip(tmp_path):
     reqs = [TraceRequest(0.5, 700, 3, (1, 2)), TraceRequest(1.25, 300, 9, (7, 8, 9), 128, (10,), "agent", 4)]
     write_trace(reqs, tmp_path / "w.jsonl")
     assert list(read_trace(tmp_path / "w.jsonl").requests) == reqs
+
+
+# --- recorded traces: the live figures, and reading up to the damage ------------------------------
+
+def _line(ts: float, ids: list[int], **extra) -> str:
+    return json.dumps({"timestamp": ts, "input_length": 128 * len(ids) + 5, "output_length": 2, "hash_ids": ids,
+                       "block_tokens": 128, **extra}) + "\n"
+
+
+def test_live_figures_round_trip_and_are_checked(tmp_path):
+    from kvledger.bench.trace import LiveFigures
+
+    live = LiveFigures(cached_tokens=128, ttft_s=0.25, engine="serve", hit_kind="snapshot", fetch_bytes=3 << 30,
+                       fetch_s=0.01, decode_s=None)
+    reqs = [TraceRequest(1.0, 300, 2, (5, 6), 128, live=live), TraceRequest(2.0, 300, 2, (5, 7), 128)]
+    write_trace(reqs, tmp_path / "w.jsonl")
+    assert list(read_trace(tmp_path / "w.jsonl").requests) == reqs
+    bad = tmp_path / "bad.jsonl"
+    for live_obj, message in (({"cached_tokens": 999}, "more than the 261 prompt tokens"),
+                              ({"ttft_s": -1}, "'live.ttft_s'"), ([], "'live' must be a JSON object"),
+                              ({"engine": 3}, "strings"), ({"fetch_bytes": 1.5}, "'live.fetch_bytes'")):
+        bad.write_text(_line(0, [1, 2], live=live_obj))
+        with pytest.raises(TraceError, match=message):
+            read_trace(bad)
+
+
+@pytest.mark.parametrize("damage, message", [
+    ('{"timestamp": 3, "input_length": 13', "not JSON"),             # a line cut by a crash mid-write
+    ("\x00\x00\x00\x00", "not JSON"),                                 # zeros a crash left in the file
+    (b"\xff\xfe garbage\n", "not UTF-8 text"),
+    ('{"timestamp": 3, "input_length": 10, "output_length": 1}\n', "missing key 'hash_ids'"),
+])
+def test_a_damaged_trace_is_read_up_to_the_damage(tmp_path, damage, message):
+    path = tmp_path / "requests.jsonl"
+    head = (_line(1000, [1, 2]) + _line(2000, [1, 3])).encode()
+    tail = damage if isinstance(damage, bytes) else damage.encode()
+    path.write_bytes(head + tail + _line(4000, [9]).encode())
+    with pytest.raises(TraceError, match=f"{path}:3: {message}"):
+        read_trace(path)                                   # a file given by hand: the mistake is an error
+    trace = read_trace(path, damage="stop")
+    assert [r.hash_ids for r in trace.requests] == [(1, 2), (1, 3)]
+    assert trace.damage.startswith(f"{path}:3: {message}")
+    path.write_bytes(tail)
+    with pytest.raises(TraceError, match=f"{path}:1: {message}"):   # nothing before the damage: nothing to read
+        read_trace(path, damage="stop")

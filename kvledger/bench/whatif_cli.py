@@ -1,0 +1,164 @@
+"""`kvledger whatif --trace DATA_DIR`: the simulator on a server's own recorded trace, with other capacities, TTL
+classes, routing policies and SWA strategies, beside what the live server measured over the same window
+(bench/whatif.py says how it is calibrated). The server's `GET /whatif` answers the same JSON.
+
+Bad input is one line and exit 2: a missing or empty trace, a bad size, duration or policy. A damaged line
+(a crash or a full disk cut the file) is a warning on stderr naming it; the requests before it are used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from kvledger.util.output import CliError, emit_json, examples
+
+HELP = "the simulator on the server's own recorded traffic: hit rate and TTFT with other settings, beside the live"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from kvledger.bench.sim_core import ENGINE_POLICIES
+    from kvledger.core import ModelSpec
+
+    p = sub.add_parser("whatif", help=HELP, description=(__doc__ or HELP).strip().split("\n\n")[0],
+                       epilog=examples("kvledger whatif --trace ~/.local/share/kvledger/data",
+                                       "kvledger whatif --trace /var/lib/kvledger --capacity 2G --ttl 1h "
+                                       "--routing round-robin --prefill-engines 4 --json",
+                                       "kvledger whatif --trace DATA_DIR --out whatif/   # + whatif.json, whatif.png"))
+    p.add_argument("--trace", required=True, metavar="PATH", help="a server's --data-dir, its trace folder, or one "
+                   "recorded JSONL file")
+    p.add_argument("--last", type=int, default=None, metavar="N", help="only the last N requests (default: all)")
+    p.add_argument("--model", default=None, help=f"one of: {', '.join(ModelSpec.presets())} (default: the server's, "
+                   "from its trace folder's server.json)")
+    p.add_argument("--capacity", action="append", default=[], metavar="SIZE", help="a store capacity to try (8G, "
+                   "500MB, inf); repeat for more (default: 1/2, 1/4, 1/8 of the peak as recorded, and unlimited)")
+    p.add_argument("--ttl", action="append", default=[], metavar="SPEC", help="TTL classes to try: one duration for "
+                   "every class (30s, 2h, 7d) or agent=30s,chatbot=2h (a class not named keeps the server's); repeat "
+                   "for more (default: 1/2, 1/8, 1/32 of the window's span)")
+    p.add_argument("--routing", action="append", default=[], choices=ENGINE_POLICIES, help="a routing policy of the "
+                   "live router to try over the shared store; repeat for more (default: all four, and the "
+                   "simulator's per-engine local caches)")
+    p.add_argument("--prefill-engines", type=int, default=None, metavar="N", help="engines of the routing rows "
+                   "(default: the window's, at least 2)")
+    p.add_argument("--decode-engines", type=int, default=1, metavar="M", help="decode engines simulated")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--out", metavar="DIR", help="write whatif.json and the chart whatif.png into DIR")
+    p.set_defaults(func=run)
+
+
+def report_of(args: argparse.Namespace) -> dict[str, Any]:
+    """The what-if report of the parsed arguments; CliError (one line) for bad input."""
+    from kvledger.bench.trace import TraceError
+    from kvledger.bench.whatif import whatif
+    from kvledger.bench.whatif_trace import load_recorded, ttl_seconds
+
+    if args.last is not None and args.last < 1:
+        raise CliError("--last must be >= 1")
+    for flag in ("prefill_engines", "decode_engines"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            raise CliError(f"--{flag.replace('_', '-')} must be >= 1")
+    capacities = [_capacity(text) for text in args.capacity]
+    try:
+        recorded = load_recorded(args.trace, args.last)
+    except TraceError as e:
+        raise CliError(str(e)) from None
+    spec = _spec(args.model or recorded.server.get("model"), recorded.trace.source)
+    bad = {r.block_tokens for r in recorded.trace.requests if r.block_tokens % spec.block_size}
+    if bad:
+        raise CliError(f"{args.trace}: blocks of {min(bad)} tokens are not whole {spec.block_size}-token blocks of "
+                       f"{spec.name}")
+    server_ttl = ttl_seconds(recorded.server) or {"agent": 3 * 86_400.0, "chatbot": 7 * 86_400.0}
+    ttls = [_ttl(text, server_ttl) for text in args.ttl]
+    for warning in recorded.warnings:
+        print(f"kvledger whatif: warning: {warning}", file=sys.stderr, flush=True)
+    return whatif(recorded, spec, capacities=capacities, ttls=ttls, routings=args.routing,
+                  engines=args.prefill_engines, decode_engines=args.decode_engines)
+
+
+def _spec(name: Any, source: str) -> Any:
+    from kvledger.core import ModelSpec
+
+    if not isinstance(name, str):
+        raise CliError(f"{source}: the trace folder names no model (no server.json): give --model")
+    try:
+        return ModelSpec.preset(name)
+    except ValueError as e:
+        raise CliError(f"--model: {e}") from None
+
+
+def _capacity(text: str) -> float:
+    from kvledger.util.units import parse_size
+
+    try:
+        size = parse_size(text)
+    except ValueError as e:
+        raise CliError(f"--capacity: {e}") from None
+    if size <= 0:
+        raise CliError("--capacity must be > 0")
+    return size
+
+
+def _ttl(text: str, server: dict[str, float]) -> dict[str, float]:
+    from kvledger.util.units import parse_duration
+
+    try:
+        if "=" not in text:
+            return dict.fromkeys(server, parse_duration(text))
+        out = dict(server)
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            name, _, value = part.partition("=")
+            if name.strip() not in out:
+                raise ValueError(f"unknown TTL class {name.strip()!r}; known: {', '.join(sorted(out))}")
+            out[name.strip()] = parse_duration(value)
+        return out
+    except ValueError as e:
+        raise CliError(f"--ttl: {e}") from None
+
+
+def run(args: argparse.Namespace) -> None:
+    report = report_of(args)
+    if args.out:
+        from kvledger.bench import plots
+        from kvledger.util.output import dumps_strict
+
+        out = Path(args.out)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "whatif.json").write_text(dumps_strict(report, indent=1) + "\n")
+        except OSError as e:
+            raise CliError(f"--out {out}: {e.strerror or e}") from None
+        plots.whatif_chart(out / "whatif.png", report)
+    if args.json:
+        emit_json(report)
+    else:
+        table(report)
+
+
+def _cell(value: Any, digits: str = ".3f") -> str:
+    return "—" if value is None else format(value, digits)
+
+
+def table(report: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    cal, live, rec = report["calibration"], report["live"], report["as_recorded"]
+    console = Console(width=130)
+    console.print(f"[bold]{report['source']}[/]: {report['requests']} requests over {report['span_s']:.0f} s "
+                  f"(reuse ceiling {report['reuse_ceiling']:.3f}); model {report['assumptions']['model']}, "
+                  f"{report['assumptions']['prefill_engines']} prefill engine(s)")
+    console.print(f"calibration: prefill {cal['prefill_tokens_per_s']:.0f} tok/s ({cal['prefill_source']}); fetch "
+                  f"{cal['fetch_bytes_per_s'] / 1e9:.3g} GB/s ({cal['fetch_source']}); TTFT overhead "
+                  f"{cal['ttft_overhead_s'] * 1e3:.1f} ms")
+    t = Table(show_header=True)
+    for col in ("what", "setting", "token hit rate", "Δ vs as recorded", "block hit rate", "TTFT p50 (s)",
+                "TTFT p99 (s)"):
+        t.add_column(col, justify="left" if col in ("what", "setting") else "right")
+    t.add_row("live (measured)", "the same window", _cell(live["token_hit_rate"]), "",
+              _cell(live["block_hit_rate"]), _cell(live["ttft_p50_s"], ".3g"), _cell(live["ttft_p99_s"], ".3g"))
+    for r in (rec, *report["rows"]):
+        t.add_row(r["change"], r["setting"], _cell(r["token_hit_rate"]), _cell(r["token_hit_rate_change"], "+.3f"),
+                  _cell(r["block_hit_rate"]), _cell(r["ttft_p50_s"], ".3g"), _cell(r["ttft_p99_s"], ".3g"))
+    console.print(t)
