@@ -128,9 +128,10 @@ class MissBook:
 
     def _nearest(self, namespace: str, tokens: np.ndarray, keys: list[bytes], blocks: int
                  ) -> tuple[int, np.ndarray | None, float]:
-        """(t, prompt, alike): the sampled prompt that shares the longest prefix with `tokens` among those that
-        share its first `blocks` blocks, the length of that prefix (t >= blocks · B), and the share of the block
-        holding t where the two agree position by position; (0, None, 0) when none. Blocks the sample holds past
+        """(t, prompt, alike): among the sampled prompts that share the first `blocks` blocks of `tokens`, the one
+        agreeing with it on most positions of the next block (a same-length edit agrees everywhere else; a
+        longer common prefix followed by shifted text does not), where the two first differ (t >= blocks · B),
+        and the share of the block where they agree; (0, None, 0) when none. Blocks the sample holds past
         the index's (written moments ago, or still being written) are followed down the trie."""
         b = self.b
         with self._lock:
@@ -144,15 +145,15 @@ class MissBook:
             others = [space.prompts[i].tokens for i in ids]
         start = blocks * b
         mine = np.asarray(tokens[start:start + b], dtype=np.uint32)
-        best, best_t, alike = None, start, 0.0
-        for other in others:
+        best, best_t, best_same = None, start, -1
+        for other in others:   # the nearest: most tokens of the block in common, position by position
             theirs = other[start:start + b]
             n = min(len(mine), len(theirs))
             differ = np.flatnonzero(mine[:n] != theirs[:n])
-            t = start + (int(differ[0]) if differ.size else n)
-            if best is None or t > best_t:
-                best, best_t, alike = other, t, 1.0 - differ.size / max(n, 1)
-        return best_t, best, alike
+            same = n - differ.size
+            if same > best_same:
+                best, best_t, best_same = other, start + (int(differ[0]) if differ.size else n), same
+        return best_t, best, max(best_same, 0) / max(min(len(mine), b), 1)
 
     def add(self, namespace: str, tokens: np.ndarray, keys: list[bytes]) -> None:
         """The prompt joins its namespace's sample (the oldest prompts give way beyond the caps)."""

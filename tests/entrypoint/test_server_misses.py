@@ -8,7 +8,8 @@ import numpy as np
 
 from kvledger.core import ModelSpec, chain_keys
 from tests.engine.helpers import flip_byte_of_block
-from tests.entrypoint.conftest import ALPHA, BETA, OPERATOR
+from tests.entrypoint.conftest import ALPHA, BETA, OPERATOR, OPS
+from tests.entrypoint.page_dom import page_misses
 from tests.entrypoint.metrics_text import metric
 
 MODEL = "smollm2-135m"
@@ -41,7 +42,7 @@ def counter(server, **labels: str) -> float:
     return metric(server.get("/metrics", OPERATOR)[1].decode(), "kvledger_prompt_miss_tokens_total", **labels)
 
 
-def test_cold_diverged_and_tail_with_their_counts_and_sites(open_server):
+def test_cold_diverged_and_tail_with_their_counts_and_sites(open_server, tmp_path):
     server = open_server
     a = ids(300, 1)                               # 2 blocks under the cap (256), a tail of 44
     cold_before = counter(server, namespace="alpha", cause="cold")
@@ -66,8 +67,11 @@ def test_cold_diverged_and_tail_with_their_counts_and_sites(open_server):
     beta = misses(server, BETA)
     assert [t["namespace"] for t in beta] == ["beta"] and beta[0]["top_divergences"] == []
     assert "alpha" not in str(beta)
-    # the operator sees both
-    assert {"alpha", "beta"} <= {t["namespace"] for t in misses(server, "sk-ops-5555555555")}
+    # the operator sees both, and so does the page
+    assert {"alpha", "beta"} <= {t["namespace"] for t in misses(server, OPS)}
+    table, _ = page_misses(server.url, tmp_path / "profile", OPS)
+    ours = next(t for t in misses(server, OPS) if t["namespace"] == "alpha")["miss_tokens"]
+    assert {c: n for c, n in table["alpha"].items() if n} == ours and ours["cold"] and ours["diverged"] and ours["tail"]
 
 
 def test_a_text_prompt_shows_the_varying_span_as_text(open_server):
@@ -80,7 +84,7 @@ def test_a_text_prompt_shows_the_varying_span_as_text(open_server):
     assert set(miss["causes"]) == {"diverged", "tail"}
 
 
-def test_a_block_that_fails_to_load_is_load_failed(shared_server):
+def test_a_block_that_fails_to_load_is_load_failed(shared_server, tmp_path):
     """After a restart (empty device cache), a block the CHECK promises fails its checksum when fetched."""
     server = shared_server.server
     a = ids(300, 5)
@@ -92,3 +96,46 @@ def test_a_block_that_fails_to_load_is_load_failed(shared_server):
     assert usage["prompt_tokens_details"]["cached_tokens"] == 128
     assert usage["kvledger"]["miss"]["causes"] == {"load_failed": 128, "tail": 44}
     assert counter(server, namespace="alpha", cause="load_failed") == 128
+    table, bars = page_misses(server.url, tmp_path / "profile", OPS)
+    assert table["alpha"]["load_failed"] == 128 and ("load_failed", 128) in bars
+
+
+def _filler(server, n: int, seed: int) -> None:
+    """Requests of other prompts, so the engine's device prefix cache (at its smallest) lets the first go."""
+    for i in range(n):
+        ask(server, ids(300, seed + i), explain=False)
+
+
+def test_an_expired_block_and_an_evicted_one_are_named_by_their_tombstones(tmp_path):
+    """A 3 s TTL: P's blocks expire, and once the device cache has let them go too, P again misses them as
+    `expired`. A store of 4 blocks: P's blocks are evicted by the next prompts' puts, then `evicted`."""
+    from kvledger.util.serve_process import ServeProcess
+
+    small = ("--kv-cache-bytes", "1", "--max-prompt-tokens", "320", "--max-tokens-limit", "8")
+    server = ServeProcess(tmp_path / "ttl", *small, "--ttl-classes", "3s", "--gc-interval-s", "0.5").start()
+    try:
+        p = ids(300, 40)
+        assert ask(server, p, explain=False)["prompt_tokens_details"]["cached_tokens"] == 0
+        import time
+
+        time.sleep(3.5)
+        _filler(server, 3, 50)
+        usage = ask(server, p)
+        assert usage["kvledger"]["miss"]["causes"] == {"expired": 256, "tail": 44}, usage
+        assert counter(server, namespace="default", cause="expired") == 256
+        table, bars = page_misses(server.url, tmp_path / "profile-ttl")
+        assert table["default"]["expired"] == 256 and ("expired", 256) in bars
+    finally:
+        server.stop()
+    server = ServeProcess(tmp_path / "capacity", *small, "--store-capacity", str(4 * SPEC.block_bytes())).start()
+    try:
+        p = ids(300, 60)
+        ask(server, p, explain=False)
+        _filler(server, 3, 70)                    # 6 more blocks into a store of 4: P's, least recently hit, go
+        usage = ask(server, p)
+        assert usage["kvledger"]["miss"]["causes"] == {"evicted": 256, "tail": 44}, usage
+        assert counter(server, namespace="default", cause="evicted") == 256
+        table, bars = page_misses(server.url, tmp_path / "profile-capacity")
+        assert table["default"]["evicted"] == 256 and ("evicted", 256) in bars
+    finally:
+        server.stop()

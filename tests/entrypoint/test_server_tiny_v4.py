@@ -12,6 +12,7 @@ from kvledger.store.ledger import BlockLedger, blocks_dir
 from kvledger.util.serve_process import ServeProcess
 from tests.engine.helpers import flip_byte_of_block
 from tests.entrypoint.metrics_text import metric
+from tests.entrypoint.page_dom import page_misses
 
 SWA_RESERVE = 134   # W + K: the last 134 prompt tokens are always computed (DESIGN.md rule 3)
 
@@ -151,5 +152,7 @@ def test_blocks_without_their_window_are_snapshot_missing(tmp_path):
         assert miss["causes"] == {"snapshot_missing": 640, "diverged": 128, "tail": 232}
         assert miss["divergence"]["position"] == 700
         assert metric(_metrics(server), "kvledger_prompt_miss_tokens_total", cause="snapshot_missing") == 640
+        table, bars = page_misses(server.url, tmp_path / "profile")
+        assert table["default"]["snapshot_missing"] == 640 and ("snapshot_missing", 640) in bars
     finally:
         server.stop()
