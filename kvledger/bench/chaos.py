@@ -44,6 +44,8 @@ PROBE_EVERY_S = 1.0
 PROBE_TOKENS = 600
 SHORT_HOLD = 0.5        # --short: holds (SIGSTOP, a full volume, a read-only folder) at this fraction
 WARMUP_S = 10.0         # load before the first fault: prefixes get cached, so faults hit a warm cluster
+SHORT_WARMUP_S = 5.0    # --short: enough for every conversation's first turns to be stored
+SHORT_SETTLE_S = 1.0    # --short's default --settle-s
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -54,8 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--clients", type=int, default=3, help="concurrent conversations (default %(default)s)")
     p.add_argument("--recovery-limit-s", type=float, default=120.0, help="a trial not back within this long "
                    "needs a manual restart (default %(default)s)")
-    p.add_argument("--settle-s", type=float, default=3.0, help="load between one trial's recovery and the next "
-                   "fault (default %(default)s)")
+    p.add_argument("--settle-s", type=float, default=None, help="load between one trial's recovery and the next "
+                   f"fault (default 3.0; {SHORT_SETTLE_S} with --short)")
     p.add_argument("--data-dir", type=Path, default=None, help="the cluster's data dir (default: a temp dir, "
                    "removed after)")
     p.add_argument("--seed", type=int, default=1, help="the load's and the faults' random seed")
@@ -65,6 +67,8 @@ def run(args: argparse.Namespace) -> int:
     kinds = [k.strip() for k in args.faults.split(",") if k.strip()]
     if not kinds or any(k not in FAULTS for k in kinds):
         raise CliError(f"--faults: each of {', '.join(FAULTS)}")
+    if args.settle_s is None:
+        args.settle_s = SHORT_SETTLE_S if args.short else 3.0
     if args.trials < 1 or args.clients < 1 or args.recovery_limit_s <= 0 or args.settle_s < 0:
         raise CliError("--trials and --clients must be >= 1, --recovery-limit-s > 0, --settle-s >= 0")
     from kvledger.util.juicefs import fuse_unavailable
@@ -76,13 +80,14 @@ def run(args: argparse.Namespace) -> int:
     tmp = None if args.data_dir else tempfile.mkdtemp(prefix="kvledger-chaos-")
     data = Path(args.data_dir or tmp)
     try:
-        result = Chaos(data, args.clients, args.seed, args.recovery_limit_s, args.settle_s).run(
-            [(k, t) for k in kinds for t in range(trials)], scale)
+        chaos = Chaos(data, args.clients, args.seed, args.recovery_limit_s, args.settle_s,
+                      SHORT_WARMUP_S if args.short else WARMUP_S)
+        result = chaos.run([(k, t) for k in kinds for t in range(trials)], scale)
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
     result["config"] = {"faults": kinds, "trials": trials, "clients": args.clients, "short": args.short,
-                        "hold_scale": scale}
+                        "hold_scale": scale, "warmup_s": chaos.warmup_s, "settle_s": args.settle_s}
     if args.json:
         emit_json(result)
     else:
@@ -98,9 +103,10 @@ def cluster_args() -> list[str]:
 
 
 class Chaos:
-    def __init__(self, data: Path, clients: int, seed: int, recovery_limit_s: float, settle_s: float) -> None:
+    def __init__(self, data: Path, clients: int, seed: int, recovery_limit_s: float, settle_s: float,
+                 warmup_s: float = WARMUP_S) -> None:
         self.data, self.clients, self.seed = data, clients, seed
-        self.limit_s, self.settle_s = recovery_limit_s, settle_s
+        self.limit_s, self.settle_s, self.warmup_s = recovery_limit_s, settle_s, warmup_s
         self.rng = random.Random(seed)
         self.fault = ""                 # the fault in effect: what each sample is tagged with
         self.trials: list[dict[str, Any]] = []
@@ -117,7 +123,7 @@ class Chaos:
         cluster = self._start_cluster()
         load = Load(cluster.url, self.clients, self.seed, lambda: self.fault).start()
         try:
-            time.sleep(WARMUP_S)
+            time.sleep(self.warmup_s)
             for kind, trial in plan:
                 self.trials.append(self._trial(load, kind, trial, scale))
                 time.sleep(self.settle_s)

@@ -224,7 +224,10 @@ def test_when_every_connection_is_busy_a_client_backs_off_and_gets_in(served):
     try:
         time.sleep(0.1)
         with StateClient(TOKEN) as c:
-            assert c.pull(server.address, bytes([1]) * 16, 0.2) is None and c.stats["busy"] == 1
+            assert c.pull(server.address, bytes([1]) * 16, 0.2) is None and server.stats.busy >= 1
+            # answered BUSY, it backs off and retries until the deadline: the last try ends BUSY,
+            # or, on a loaded machine, runs out of time in the middle of its handshake
+            assert c.stats["busy"] + c.stats["timeout"] == 1 and c.stats["hit"] == 0
             t0 = time.monotonic()  # the busy ones time out after io_timeout_s (0.5 s): then it gets in
             assert c.pull(server.address, bytes([1]) * 16, 3.0) == data[1]
             assert 0.2 < time.monotonic() - t0 < 2.0
