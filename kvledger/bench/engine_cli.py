@@ -4,6 +4,7 @@ count, the checkpoint period, and running `measure` into one JSON object or a ta
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -11,8 +12,16 @@ from kvledger.util.output import CliError, emit_json
 
 
 def add_threads_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch intra-op threads on CPU (default %(default)s: a loaded machine spins on more)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch intra-op threads on CPU (default 0: the cores this process may run on, as "
+                        "`kvledger serve` uses; 1 on a machine loaded by other jobs, where more threads spin)")
+
+
+def torch_threads(requested: int) -> int:
+    """The thread count --threads asks for: `requested`, or with 0 the CPUs this process may run on."""
+    if requested < 0:
+        raise CliError(f"--threads must be >= 0, got {requested}")
+    return requested or len(os.sched_getaffinity(0))
 
 
 def add_period_arg(p: argparse.ArgumentParser) -> None:
@@ -31,12 +40,12 @@ def run_measure(args: argparse.Namespace, measure: Callable[[], dict[str, Any]],
     or its table; the result."""
     import torch
 
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(torch_threads(args.threads))
     try:
         result = measure()
     except ValueError as e:
         raise CliError(str(e)) from None
+    result["threads"] = torch.get_num_threads()
     if args.json:
         emit_json(result)
     else:

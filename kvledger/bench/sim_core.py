@@ -271,7 +271,7 @@ class Simulator:
         """(fetch seconds, compute seconds, bytes fetched) of r on `engine` under decision d.
         A snapshot in the serving engine's own pool costs nothing to use; elsewhere it is pulled."""
         cfg = self.cfg
-        nbytes = max(d.hit_tokens // self.B - d.on_device, 0) * self.spec.block_bytes()
+        nbytes = max(-(-d.hit_tokens // self.B) - d.on_device, 0) * self.spec.block_bytes()   # blocks spanned
         if d.holder is None or d.holder != engine:
             nbytes += d.swa_bytes
         fetch = cfg.fetch_latency_s + nbytes / cfg.fetch_bytes_per_s if nbytes else 0.0

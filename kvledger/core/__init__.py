@@ -4,6 +4,8 @@ from kvledger.core.diff import PromptDiff, diff_prompts
 from kvledger.core.hit import (
     HitDecision,
     HitKind,
+    blocks_spanned,
+    cap_blocks,
     check_decision,
     checkpoint_positions,
     decide_hit,
@@ -22,8 +24,8 @@ from kvledger.core.spec import DEFAULT_MODEL, LayerKind, ModelSpec
 
 __all__ = [
     "DEFAULT_MODEL", "FORMAT_VERSION", "KEY_BYTES", "CapacityPlan", "HitDecision", "HitKind", "LayerKind", "Link",
-    "ModelSpec", "PromptDiff", "Traffic", "break_even_tokens", "chain_keys", "check_decision", "checkpoint_positions",
-    "decide_hit", "decode_replica_positions", "decode_store_position", "diff_prompts", "exact_replay", "extend_chain",
-    "hit_cap", "plan", "prefill_store_positions", "resumes_exactly", "root_key", "salted_namespace",
-    "snapshot_candidates", "tenant_of", "token_bytes",
+    "ModelSpec", "PromptDiff", "Traffic", "blocks_spanned", "break_even_tokens", "cap_blocks", "chain_keys",
+    "check_decision", "checkpoint_positions", "decide_hit", "decode_replica_positions", "decode_store_position",
+    "diff_prompts", "exact_replay", "extend_chain", "hit_cap", "plan", "prefill_store_positions", "resumes_exactly",
+    "root_key", "salted_namespace", "snapshot_candidates", "tenant_of", "token_bytes",
 ]

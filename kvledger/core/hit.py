@@ -28,8 +28,8 @@ class HitKind(StrEnum):
 class HitDecision:
     """What a request reuses and where computation starts.
 
-    Invariants: 0 <= hit_tokens <= block_hit_tokens <= cap; all three are multiples of B, except a cap of
-    L − 1 under `own_last_block` (`hit_cap`), which the other two may equal;
+    Invariants: 0 <= hit_tokens <= block_hit_tokens <= cap; all three are multiples of B, except for a
+    full-attention model's cap of L − 1 (`hit_cap`: a prompt of whole blocks), which the other two may equal;
     recompute_from <= hit_tokens; block KV in [0, reused_block_tokens) is reused, never recomputed;
     truncate_from is None or equals recompute_from (> 0). A replay with truncate_from None is the
     exact replay of rule 3′ (`exact_replay`).
@@ -68,21 +68,35 @@ def _check_count(name: str, n: object) -> None:
         raise ValueError(f"{name} must be >= 0, got {n}")
 
 
-def hit_cap(prompt_len: int, spec: ModelSpec, *, own_last_block: bool = False) -> int:
-    """⌊(L − R) / B⌋ · B, floored at 0: the last R prompt tokens are always computed.
+def hit_cap(prompt_len: int, spec: ModelSpec) -> int:
+    """The most prompt tokens a hit can reuse; the tokens after it are computed.
 
-    `own_last_block` (full-attention models only): the engine owns the device block the last prompt
-    token falls in (it is shared with no other request yet, as in vLLM's connector), so that block may be
-    loaded whole and one slot rewritten: the cap is L − 1, not block-aligned. It differs from rule 3's
-    cap only for a prompt of whole blocks. Worked example, B = 128, L = 4096, all 32 blocks cached:
-    rule 3's cap ⌊4095/128⌋·128 = 3968 loads 31 blocks and computes 128 tokens; this cap, 4095, loads
-    all 32 and computes 1. At L = 4000 both are 3968 (the tail after the last whole block is in no block)."""
+    A windowed model: ⌊(L − R) / B⌋ · B, floored at 0 (its windows need the last R tokens computed).
+    A full-attention model: min(L − 1, ⌊L / B⌋ · B), floored at 0. Only its last token must be computed (for
+    the logits), and the engine owns the device block that token falls in (the reference engine copies a
+    block shared through its prefix cache before writing it; vLLM's connector loads into the request's own
+    block), so a prompt of whole blocks, all present, loads its last block whole and rewrites one slot.
+    Worked example, B = 128, L = 4096, all 32 blocks cached: a block-aligned cap, ⌊4095/128⌋·128 = 3968,
+    loads 31 blocks and computes 128 tokens; this one, 4095, loads all 32 and computes 1. At L = 4000 both
+    are 3968 (the tail after the last whole block is in no block)."""
     _check_count("prompt_len", prompt_len)
     b = spec.block_size
-    if own_last_block:
-        assert not spec.has_swa, "a windowed model computes its last R tokens (its windows need them)"
-        return max(prompt_len - 1, 0)
+    if not spec.has_swa:
+        return max(min(prompt_len - 1, prompt_len // b * b), 0)
     return max((prompt_len - spec.reserve_tokens) // b * b, 0)
+
+
+def blocks_spanned(tokens: int, spec: ModelSpec) -> int:
+    """⌈tokens / B⌉: the leading blocks that positions [0, tokens) touch. Of a hit's `reused_block_tokens`,
+    the blocks whose KV the request takes (the last one only in part at a full-attention hit of L − 1)."""
+    assert tokens >= 0
+    return -(-tokens // spec.block_size)
+
+
+def cap_blocks(prompt_len: int, spec: ModelSpec) -> int:
+    """The most leading blocks any hit of this prompt takes, ⌈hit_cap / B⌉ (never more than the prompt's
+    L // B whole blocks). Full attention, L = 4096: 32; L = 4000: 31."""
+    return blocks_spanned(hit_cap(prompt_len, spec), spec)
 
 
 def decide_hit(
@@ -92,7 +106,6 @@ def decide_hit(
     spec: ModelSpec,
     *,
     replay: bool = False,
-    own_last_block: bool = False,
 ) -> HitDecision:
     """Rules 3 and 3′. `cached_blocks`: leading blocks the block ledger holds (may exceed the cap);
     `swa_snapshots`: positions that hold a snapshot for this prefix (`snapshot_candidates` says which
@@ -108,12 +121,11 @@ def decide_hit(
         |                                         | snapshot q < L1, or MISS |       | (or 0)   |
 
     An exact resume at q < L1 computes [q, L) through every layer: it is the snapshot hit of the
-    prefix [0, q), so L1 is lowered to q (`block_hit_tokens` = q).
-
-    `own_last_block`: the cap of `hit_cap(..., own_last_block=True)`, L − 1 (full-attention models)."""
+    prefix [0, q), so L1 is lowered to q (`block_hit_tokens` = q). A full-attention model's hit is
+    min(cached · B, L − 1) (`hit_cap`)."""
     _check_count("cached_blocks", cached_blocks)
     b = spec.block_size
-    cap = hit_cap(prompt_len, spec, own_last_block=own_last_block)
+    cap = hit_cap(prompt_len, spec)
     l1 = min(min(cached_blocks, prompt_len // b) * b, cap)   # a partial block has no key: never cached
     if l1 == 0:
         return HitDecision(HitKind.MISS, 0, 0, False, 0, None, cap)
@@ -140,11 +152,11 @@ def check_decision(d: HitDecision, prompt_len: int, spec: ModelSpec) -> None:
     to it, O(1) and without the CHECK's inputs (so without hashing or looking anything up again)."""
     b = spec.block_size
     hit, l1, start, s = d.hit_tokens, d.block_hit_tokens, d.recompute_from, d.truncate_from
-    owned = not spec.has_swa and d.cap == max(prompt_len - 1, 0)   # `own_last_block`
+    at_cap = not spec.has_swa and hit == l1 == start == d.cap   # a full-attention hit may end at L − 1
     problems = [
-        (d.cap != hit_cap(prompt_len, spec) and not owned, f"its cap {d.cap} is not this prompt's"),
+        (d.cap != hit_cap(prompt_len, spec), f"its cap {d.cap} is not this prompt's"),
         (not 0 <= start <= hit <= l1 <= d.cap, "needs 0 <= recompute_from <= hit <= L1 <= cap"),
-        (not owned and (hit % b or l1 % b or start % b), f"positions are multiples of B = {b}"),
+        (not at_cap and (hit % b or l1 % b or start % b), f"positions are multiples of B = {b}"),
         (s is not None and not 0 < s == start, "a truncation starts where computation does"),
         (d.swa_hit != (d.kind is HitKind.SNAPSHOT), "swa_hit says whether a snapshot is used"),
         (d.kind is HitKind.MISS and l1, "a miss reuses nothing"),

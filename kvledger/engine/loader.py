@@ -6,11 +6,16 @@ Admitting a sequence with decision d (from the entrypoint's CHECK):
     |------------------------|-------------------------------------------------------------------|
     | slot                   | a state slot (SWA models); the snapshot at L1 via                 |
     |                        |   `StateLedger.fetch_into` → `Model.import_window` (SNAPSHOT only) |
-    | blocks [0, hit/B)      | leading ones found in the device pool by chain key; the rest are  |
+    | blocks [0, ⌈hit/B⌉)    | leading ones found in the device pool by chain key; the rest are  |
     |                        |   fetched from the block ledger by the fetcher process            |
-    | blocks [hit/B, end)    | fresh blocks for the computed part and the decode                 |
+    | blocks [⌈hit/B⌉, end)  | fresh blocks for the computed part and the decode                 |
     | once fetched           | swap-in (layer by layer, during the first forward), then compute  |
     |                        |   from d.recompute_from                                           |
+
+A full-attention hit of L − 1 (a prompt of whole blocks, all present: `core.hit_cap`) takes the last
+block whole and computes one token into it. That block is the request's own: fetched into a fresh block,
+or, found in the device prefix cache, copied into one first (copy on write), so a shared block is never
+written.
 
 A fault lowers the decision and never fails the request (rule 8): a snapshot that does not
 arrive, or a block that does not arrive intact (missing, corrupt, fetcher dead or hung) →
@@ -27,7 +32,8 @@ from __future__ import annotations
 from collections import Counter
 
 
-from kvledger.core import HitDecision, decide_hit, exact_replay, resumes_exactly, snapshot_candidates
+from kvledger.core import (HitDecision, blocks_spanned, cap_blocks, decide_hit, exact_replay, resumes_exactly,
+                           snapshot_candidates)
 from kvledger.engine.block_pool import BlockPool
 from kvledger.engine.fetcher import Fetcher
 from kvledger.engine.models.base import Model
@@ -61,15 +67,18 @@ class HitLoader:
         if self.device_hits:
             seq.decision = self._with_device_cache(seq)
         decision = self._snapshot(seq, slot)
-        b = self.spec.block_size
-        hit_blocks = decision.reused_block_tokens // b
+        hit_blocks = blocks_spanned(decision.reused_block_tokens, self.spec)
         on_device = self.pool.lookup(seq.keys[:hit_blocks])
-        need = self.blocks_needed(seq) - len(on_device)
+        # a hit ending inside its last block writes that block: one found on the device is copied first
+        copy_last = decision.reused_block_tokens % self.spec.block_size != 0 and len(on_device) == hit_blocks
+        need = self.blocks_needed(seq) - len(on_device) + copy_last
         if self.pool.num_free() < need:
             self.pool.free(on_device)
             self.slots.release(slot)
             return False
         seq.block_table = on_device + self.pool.allocate(need)
+        if copy_last:
+            self._copy_on_write(seq, hit_blocks - 1)
         seq.slot, seq.device_hit_blocks, seq.decision = slot, len(on_device), decision
         missing = seq.keys[len(on_device):hit_blocks]
         if missing and self.fetcher is not None:
@@ -89,8 +98,8 @@ class HitLoader:
         computed whose write to the block ledger is still queued. Taking them reads no KV from anywhere,
         so the decision is raised to them (the snapshot, for windowed models, looked up as the CHECK does)."""
         d, b = seq.decision, self.spec.block_size
-        held = self.pool.cached_prefix(seq.keys[:max(d.cap, 0) // b])
-        if held * b <= d.block_hit_tokens:
+        held = self.pool.cached_prefix(seq.keys[:cap_blocks(seq.prompt_len, self.spec)])
+        if min(held * b, d.cap) <= d.block_hit_tokens:
             return d
         snapshots: set[int] = set()
         if self.spec.has_swa and self.state_ledger is not None:
@@ -133,11 +142,19 @@ class HitLoader:
         if job.intact < job.n:
             decision = self._lower(seq, dev + job.intact, "block")
             self._unshare(seq, decision.reused_block_tokens)  # block KV is written from there on
-        take = max(decision.reused_block_tokens // self.spec.block_size - dev, 0)
+        take = max(blocks_spanned(decision.reused_block_tokens, self.spec) - dev, 0)
         self._start(seq, decision)
         if take == 0:
             return None
         return SwapItem(self.fetcher.view(job)[:take], seq.block_table[dev:dev + take])
+
+    def _copy_on_write(self, seq: Sequence, i: int) -> None:
+        """Block i of `seq`, from the device prefix cache, becomes a copy of its own (the last block allocated
+        for it goes there): the request writes into the copy, the shared one stays as it is."""
+        shared, own = seq.block_table[i], seq.block_table.pop()
+        self.model.copy_block(shared, own)
+        self.pool.free([shared])
+        seq.block_table[i] = own
 
     def _unshare(self, seq: Sequence, written_from: int) -> None:
         """Blocks from the device prefix cache whose block KV a lowered decision rewrites → the spare.
@@ -156,7 +173,7 @@ class HitLoader:
         seq.cached_tokens = d.hit_tokens
         seq.keep_blocks_until = d.reused_block_tokens if d.replay else 0
         seq.truncate_from = d.truncate_from
-        seq.stored_blocks = d.reused_block_tokens // self.spec.block_size  # put_chain skips blocks already stored
+        seq.stored_blocks = blocks_spanned(d.reused_block_tokens, self.spec)  # put_chain skips blocks already stored
         seq.status = SequenceStatus.RUNNING
 
     def release(self, seq: Sequence) -> None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvledger.core import HitDecision, decide_hit, hit_cap, salted_namespace
+from kvledger.core import HitDecision, blocks_spanned, cap_blocks, decide_hit, salted_namespace
 from kvledger.engine.api import EngineRequest, SamplingParams
 from kvledger.entrypoint.auth import Tenant
 from kvledger.engine.models.chat_template import ChatTemplateError
@@ -74,8 +74,8 @@ async def prepare(state: ServerState, tenant: Tenant, body: SamplingFields, endp
     sampling = sampling_params(state, body, len(tokens))
     namespace = salted_namespace(tenant.namespace, body.cache_salt)
     keys, decision, found = await asyncio.to_thread(_check, state, tokens, namespace, tenant.ttl_class)
-    cap_blocks = max(hit_cap(len(tokens), state.spec), 0) // state.spec.block_size
-    absent = cap_blocks - min(decision.block_hit_tokens // state.spec.block_size, cap_blocks)
+    most = cap_blocks(len(tokens), state.spec)
+    absent = most - min(blocks_spanned(decision.block_hit_tokens, state.spec), most)
     prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
     req = EngineRequest(f"{prefix}-{uuid.uuid4().hex}", tokens, keys, decision, sampling, namespace,
                         tenant.ttl_class)

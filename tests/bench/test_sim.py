@@ -87,7 +87,7 @@ def test_cap_and_full_attention_model():
     cap = decide_hit(2048, 16, set(), V4).cap  # 1792: the last 134 tokens (and the block around them) are computed
     full = simulate(same, SimConfig(spec=V4, swa="full"))
     assert full.hit_tokens == decide_hit(2048, 16, {cap}, V4).hit_tokens == cap
-    assert simulate(same, SimConfig(spec=SMOL)).hit_tokens == 1920  # ⌊(L − 1)/128⌋·128
+    assert simulate(same, SimConfig(spec=SMOL)).hit_tokens == 2047  # full attention: L − 1, every block present
     assert simulate(same, SimConfig(spec=V4, ideal=True)).hit_tokens == 2048  # no cap
 
 

@@ -12,7 +12,8 @@ from kvledger import (
 )
 from dataclasses import replace
 
-from kvledger.core import check_decision, checkpoint_positions, exact_replay, hit_cap, snapshot_candidates
+from kvledger.core import (blocks_spanned, cap_blocks, check_decision, checkpoint_positions, exact_replay, hit_cap,
+                           snapshot_candidates)
 
 V4 = ModelSpec.preset("deepseek-v4.1-flash")
 TINY = ModelSpec.preset("tiny-v4")
@@ -66,30 +67,30 @@ def test_full_attention_needs_no_snapshot():
 
 
 
-@pytest.mark.parametrize("L, cached, rule3, owned", [
-    (4096, 32, 3968, 4095),   # hit_cap's worked example: a prompt of whole blocks, all cached
-    (4000, 31, 3968, 3968),   # the tail after the last whole block is in no block: the caps agree
-    (4096, 10, 1280, 1280),   # blocks run out first: the cap does not matter
+@pytest.mark.parametrize("L, cached, hit, blocks", [
+    (4096, 32, 4095, 32),   # hit_cap's worked example: a prompt of whole blocks, all cached: one token computed
+    (4096, 31, 3968, 31),   # its last block absent: block-aligned
+    (4000, 31, 3968, 31),   # the tail after the last whole block is in no block
+    (4096, 10, 1280, 10),   # blocks run out first: the cap does not matter
     (1, 0, 0, 0),
-    (129, 1, 128, 128),
+    (129, 1, 128, 1),
 ])
-def test_the_owned_last_block_cap(L, cached, rule3, owned):
-    assert decide_hit(L, cached, (), LLAMA).hit_tokens == rule3
-    d = decide_hit(L, cached, (), LLAMA, own_last_block=True)
-    assert d.hit_tokens == d.block_hit_tokens == d.recompute_from == owned and d.cap == max(L - 1, 0)
+def test_a_full_attention_hit_ends_at_l_minus_1_when_every_block_is_present(L, cached, hit, blocks):
+    d = decide_hit(L, cached, (), LLAMA)
+    assert d.hit_tokens == d.block_hit_tokens == d.recompute_from == hit
+    assert d.cap == hit_cap(L, LLAMA) == max(min(L - 1, L // B * B), 0)
+    assert blocks_spanned(d.reused_block_tokens, LLAMA) == blocks and cap_blocks(L, LLAMA) == L // B
 
 
 @given(lengths, blocks)
-def test_the_owned_cap_only_adds_the_last_block_of_whole_block_prompts(L, cached):
-    plain = decide_hit(L, cached, (), LLAMA).hit_tokens
-    owned = decide_hit(L, cached, (), LLAMA, own_last_block=True).hit_tokens
-    assert owned == min(min(cached, L // B) * B, max(L - 1, 0))
-    assert owned == plain or (L % B == 0 and cached * B >= L and owned == L - 1 == plain + B - 1)
+def test_the_l_minus_1_cap_only_adds_the_last_block_of_whole_block_prompts(L, cached):
+    hit = decide_hit(L, cached, (), LLAMA).hit_tokens
+    aligned = min(min(cached, L // B) * B, max(L - 1, 0) // B * B)   # a block-aligned cap's hit
+    assert hit == aligned or (L % B == 0 and cached * B >= L and hit == L - 1 == aligned + B - 1)
 
 
-def test_the_owned_cap_is_for_full_attention_models():
-    with pytest.raises(AssertionError):
-        decide_hit(4096, 32, (), TINY, own_last_block=True)
+def test_a_windowed_model_computes_its_last_r_tokens():
+    assert decide_hit(4096, 32, (), TINY).block_hit_tokens % B == 0 and hit_cap(4096, TINY) % B == 0
 
 def test_fallback_to_zero_is_not_a_truncation():
     d = decide_hit(400, 1, set(), V4)
@@ -105,18 +106,23 @@ def test_negative_inputs_are_refused():
 
 # --- invariants --------------------------------------------------------------------
 
+def _cap(L: int, spec: ModelSpec) -> int:
+    """Rule 3's cap: a windowed model computes its last R tokens; a full-attention one only its last token."""
+    return max((L - spec.reserve_tokens) // B * B if spec.has_swa else min(L - 1, L // B * B), 0)
+
+
 def _l1(L: int, cached: int, spec: ModelSpec) -> int:
-    return min(cached * B, max((L - spec.reserve_tokens) // B * B, 0))
+    return min(cached * B, _cap(L, spec))
 
 
 @given(lengths, blocks, positions, specs, st.booleans())
 def test_hit_invariants(L, cached, snaps, spec, replay):
     d = decide_hit(L, cached, snaps, spec, replay=replay)
-    cap = max((L - spec.reserve_tokens) // B * B, 0)
     l1 = _l1(L, cached, spec)
-    assert d.cap == cap
+    assert d.cap == _cap(L, spec)
     assert 0 <= d.hit_tokens <= d.block_hit_tokens <= l1
-    assert d.hit_tokens % B == 0 and d.block_hit_tokens % B == 0
+    at_l_minus_1 = not spec.has_swa and d.hit_tokens == d.block_hit_tokens == L - 1   # a prompt of whole blocks
+    assert (d.hit_tokens % B == 0 and d.block_hit_tokens % B == 0) or at_l_minus_1
     assert d.hit_tokens <= cached * B
     assert d.recompute_from <= d.hit_tokens < L or (d.hit_tokens == 0 and d.recompute_from == 0)
     assert d.truncate_from is None or (d.truncate_from == d.recompute_from > 0)
@@ -275,8 +281,7 @@ def test_every_decision_passes_the_engines_check(L, cached, snaps, spec, replay)
     check_decision(decide_hit(L, cached, snaps, spec, replay=replay), L, spec)
     if spec.has_swa:
         check_decision(exact_replay(L, cached, spec), L, spec)
-    else:
-        check_decision(decide_hit(L, cached, snaps, spec, own_last_block=True), L, spec)
+
 
 
 @pytest.mark.parametrize("change", [

@@ -65,7 +65,7 @@ def test_prefill_is_priced_at_the_models_own_rate():
 def test_a_model_without_sliding_windows_has_no_snapshot_and_no_rings():
     p = plan(SMOL, 2048)
     assert not p.has_swa and (p.swa_snapshot_bytes, p.inference_ring, p.kvstore_ring) == (None, None, None)
-    assert p.reserve_tokens == 1 and p.hit_eligible_tokens == 1920
+    assert p.reserve_tokens == 1 and p.hit_eligible_tokens == 2047   # L − 1: every block present
     v4 = plan(V4, 2048)
     assert v4.has_swa and (v4.swa_snapshot_bytes, v4.inference_ring, v4.kvstore_ring) == (1_415_040, 134, 396)
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from kvledger.core import HitKind
+from kvledger.entrypoint.check import check_prompt
 from tests.engine.helpers import drain, prompt, run_request
 
 PROMPT = prompt(500)
@@ -162,3 +163,59 @@ def test_device_cache_raises_a_stale_check(cold, smollm2, ledger):
     got, usage = drain(smollm2)
     assert usage.cached_tokens == 384 == usage.device_cached_tokens and usage.hit_kind == "full"
     assert got == out
+
+
+WHOLE = prompt(4 * B, seed=7)   # a prompt of whole blocks: a hit reuses all 4 and computes its last token alone
+
+
+@pytest.fixture(scope="module")
+def cold_whole(smollm2, ledger):
+    out, usage, decision = run_request(smollm2, ledger, WHOLE, request_id="whole-cold", max_tokens=16)
+    assert decision.kind is HitKind.MISS and usage.computed_prompt_tokens == 4 * B
+    return out, smollm2.first_logits["whole-cold"]
+
+
+def test_a_hit_on_every_block_from_the_ledger_computes_one_token(cold_whole, smollm2, ledger):
+    """Rule 3's full-attention cap, L − 1: the 4th block is fetched whole into a block the request owns and
+    the last token's slot is rewritten; the answer is the cold one within float32 rounding."""
+    out, logits = cold_whole
+    smollm2.clear_device_cache()
+    got, usage, decision = run_request(smollm2, ledger, WHOLE, request_id="whole-ledger", max_tokens=16)
+    assert decision.kind is HitKind.FULL and decision.hit_tokens == usage.cached_tokens == 4 * B - 1
+    assert usage.computed_prompt_tokens == 1 and usage.device_cached_tokens == 0
+    assert usage.fetch_bytes == 4 * smollm2.spec.block_bytes()
+    assert _rel_err(smollm2.first_logits["whole-ledger"], logits) <= 1e-4 and got == out
+
+
+def test_a_hit_on_a_shared_device_block_writes_a_copy_of_it(cold_whole, smollm2, ledger):
+    """Two requests at once take the 4 blocks from the device prefix cache: each writes its last token into a
+    copy of the 4th block of its own (copy on write), so the cached block keeps the bytes it was found with."""
+    import numpy as np
+
+    from kvledger.core import chain_keys
+    from kvledger.engine.api import EngineRequest, SamplingParams
+
+    out, _ = cold_whole
+    run_request(smollm2, ledger, WHOLE, request_id="whole-warm", max_tokens=1)   # the 4 blocks on the device
+    keys = chain_keys(np.asarray(WHOLE, dtype=np.uint32), smollm2.spec)
+    shared = smollm2.pool.by_key[keys[3]]
+    before = [c.blocks_u8()[shared].clone() for c in smollm2.model.caches]
+    for rid in ("whole-a", "whole-b"):
+        _, decision = check_prompt(WHOLE, smollm2.spec, block_ledger=ledger, state_ledger=None)
+        smollm2.add_request(EngineRequest(rid, WHOLE, keys, decision, SamplingParams(max_tokens=16, ignore_eos=True)))
+    got: dict[str, list[int]] = {"whole-a": [], "whole-b": []}
+    tables = {}
+    while smollm2.has_unfinished():
+        for event in smollm2.step():
+            got[event.request_id] += event.token_ids
+            if event.usage is not None and not event.finished:   # the first token: the prompt's hit
+                assert event.usage.cached_tokens == event.usage.device_cached_tokens == 4 * B - 1
+                assert event.usage.computed_prompt_tokens == 1
+        for seq in smollm2.scheduler.running:
+            tables.setdefault(seq.request_id, list(seq.block_table[:4]))
+    smollm2.check_integrity()
+    assert tables["whole-a"][:3] == tables["whole-b"][:3]                   # blocks only read: shared
+    assert len({tables["whole-a"][3], tables["whole-b"][3], shared}) == 3   # the written one: a copy each
+    assert all(bytes(c.blocks_u8()[shared]) == bytes(b) for c, b in zip(smollm2.model.caches, before))
+    assert smollm2.pool.by_key[keys[3]] == shared
+    assert got == {"whole-a": out, "whole-b": out}   # each the cold answer

@@ -187,6 +187,15 @@ class Model(nn.Module, ABC):
         assert sum(sizes) == self.spec.block_bytes(), f"{self.spec.name}: layer block bytes disagree with the spec"
         return sizes
 
+    def copy_block(self, src: int, dst: int) -> None:
+        """Block `dst` ← block `src` in every layer that keeps block KV: the copy on write of a block shared
+        through the device prefix cache, before a request rewrites a slot of it."""
+        assert src != dst
+        for cache in self.caches:
+            if cache.block_bytes:
+                u8 = cache.blocks_u8()
+                u8[dst].copy_(u8[src])
+
     def snapshot_layers(self) -> list[int]:
         """Layers whose window a snapshot keeps, in order (their window_bytes sum to the snapshot size)."""
         layers = [i for i, c in enumerate(self.caches) if c.window_bytes > 0]

@@ -4,13 +4,12 @@ A thin adapter: the hit comes from the block ledger's metadata (`exists`, no KV 
 read); keys are `core.chain_keys` of the request's token ids in the request's namespace
 (its `cache_salt`).
 
-The hit is core's rule with the owned-last-block cap (`core.hit_cap(..., own_last_block=True)`):
-every leading block present, less the last prompt token, which vLLM must compute for its
-logits: min(cached · B, L − 1). It differs from DESIGN rule 3's full-attention cap
-⌊(L − 1)/B⌋ · B only for a prompt of whole blocks that are all present: the last block is
-then loaded whole and vLLM computes one token into it, rewriting that token's slot, instead
-of recomputing all B tokens (the block is this request's own vLLM block, shared with nobody
-yet). A 4,096-token hit of SmolLM2 under
+The hit is core's rule (`core.hit_cap`): for a full-attention model every leading block present,
+less the last prompt token, which vLLM must compute for its logits: min(cached · B, L − 1). It
+differs from a block-aligned cap ⌊(L − 1)/B⌋ · B only for a prompt of whole blocks that are all
+present: the last block is then loaded whole and vLLM computes one token into it, rewriting that
+token's slot, instead of recomputing all B tokens (the block is this request's own vLLM block,
+shared with nobody yet). A 4,096-token hit of SmolLM2 under
 vLLM's CPU build took ~2.7 s with the block-aligned cap, nearly all of it those 128
 tokens, and ~0.16 s with this one (docs/vllm.md).
 
@@ -147,7 +146,7 @@ class SchedulerSide:
         keys = extend_chain(root_key(self.spec, namespace_of(request.cache_salt)), prompt, self.block)
         cached = self._leading(keys)
         if self.state is None:
-            hit = decide_hit(len(prompt), cached, (), self.spec, own_last_block=True).hit_tokens
+            hit = decide_hit(len(prompt), cached, (), self.spec).hit_tokens
         else:
             hit = decide_hit(len(prompt), cached, self._snapshots(len(prompt), cached, keys), self.spec).hit_tokens
             self.checked[request.request_id] = (num_computed_tokens, hit)
