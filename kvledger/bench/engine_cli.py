@@ -13,7 +13,7 @@ from kvledger.util.output import CliError, emit_json
 
 def add_threads_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=0,
-                   help="torch intra-op threads on CPU (default 0: the cores this process may run on, as "
+                   help="torch intra-op threads on CPU (default %(default)s: the cores this process may run on, as "
                         "`kvledger serve` uses; 1 on a machine loaded by other jobs, where more threads spin)")
 
 
