@@ -16,9 +16,10 @@ from kvledger.core.hit import (
     prefill_store_positions,
     resumes_exactly,
     snapshot_candidates,
+    with_tail,
 )
 from kvledger.core.keys import (FORMAT_VERSION, KEY_BYTES, chain_keys, extend_chain, root_key, salted_namespace,
-                                tenant_of, token_bytes)
+                                tail_key, tenant_of, token_bytes)
 from kvledger.core.plan import CapacityPlan, Link, Traffic, break_even_tokens, plan
 from kvledger.core.spec import DEFAULT_MODEL, LayerKind, ModelSpec
 
@@ -27,5 +28,5 @@ __all__ = [
     "ModelSpec", "PromptDiff", "Traffic", "blocks_spanned", "break_even_tokens", "cap_blocks", "chain_keys",
     "check_decision", "checkpoint_positions", "decide_hit", "decode_replica_positions", "decode_store_position",
     "diff_prompts", "exact_replay", "extend_chain", "hit_cap", "plan", "prefill_store_positions", "resumes_exactly",
-    "root_key", "salted_namespace", "snapshot_candidates", "tenant_of", "token_bytes",
+    "root_key", "salted_namespace", "snapshot_candidates", "tail_key", "tenant_of", "token_bytes", "with_tail",
 ]

@@ -29,7 +29,8 @@ class HitDecision:
     """What a request reuses and where computation starts.
 
     Invariants: 0 <= hit_tokens <= block_hit_tokens <= cap; all three are multiples of B, except for a
-    full-attention model's cap of L − 1 (`hit_cap`: a prompt of whole blocks), which the other two may equal;
+    full-attention model's cap of L − 1 (`hit_cap`: a prompt of whole blocks; `with_tail`: a tail handed over),
+    which the other two may equal;
     recompute_from <= hit_tokens; block KV in [0, reused_block_tokens) is reused, never recomputed;
     truncate_from is None or equals recompute_from (> 0). A replay with truncate_from None is the
     exact replay of rule 3′ (`exact_replay`).
@@ -153,8 +154,9 @@ def check_decision(d: HitDecision, prompt_len: int, spec: ModelSpec) -> None:
     b = spec.block_size
     hit, l1, start, s = d.hit_tokens, d.block_hit_tokens, d.recompute_from, d.truncate_from
     at_cap = not spec.has_swa and hit == l1 == start == d.cap   # a full-attention hit may end at L − 1
+    handed = at_cap and d.kind is HitKind.FULL and hit == prompt_len - 1   # `with_tail`: its cap is L − 1
     problems = [
-        (d.cap != hit_cap(prompt_len, spec), f"its cap {d.cap} is not this prompt's"),
+        (d.cap != hit_cap(prompt_len, spec) and not handed, f"its cap {d.cap} is not this prompt's"),
         (not 0 <= start <= hit <= l1 <= d.cap, "needs 0 <= recompute_from <= hit <= L1 <= cap"),
         (not at_cap and (hit % b or l1 % b or start % b), f"positions are multiples of B = {b}"),
         (s is not None and not 0 < s == start, "a truncation starts where computation does"),
@@ -173,6 +175,22 @@ def check_decision(d: HitDecision, prompt_len: int, spec: ModelSpec) -> None:
     for bad, why in problems:
         if bad:
             raise ValueError(f"decision {d} is not one core.decide_hit makes for this prompt: {why}")
+
+def with_tail(d: HitDecision, prompt_len: int, spec: ModelSpec) -> HitDecision | None:
+    """`d` raised to L − 1 by a handed-over tail (P/D): the KV of the prompt's positions after its last whole
+    block, [⌊(L − 1)/B⌋·B, L − 1), computed by another engine and sent to this one, which then computes only
+    the last token. A full-attention model only (a windowed one would need the window at L − 1 too), and only
+    when `d` reuses every whole block before that tail. None when the tail cannot raise `d`: a windowed model,
+    a block missing, or nothing between the last whole block and L − 1 (`hit_cap` already reaches L − 1).
+
+    Example, B = 128: the prefill engine computed a 300-token prompt and stored blocks 0 and 1; the decode leg
+    has L = 301 (the prompt and the first output token) and d.hit_tokens = 256. The tail is [256, 300), and
+    the raised hit is 300 with cap 300 (`hit_cap` says 256: the tail is in no block)."""
+    b, last = spec.block_size, prompt_len - 1
+    if spec.has_swa or last % b == 0 or d.hit_tokens != last // b * b or d.kind not in (HitKind.FULL, HitKind.MISS):
+        return None
+    return HitDecision(HitKind.FULL, last, last, False, last, None, last)
+
 
 def resumes_exactly(spec: ModelSpec, *, replay: bool = False) -> bool:
     """Rule 3′: a windowed model that, without a snapshot at L1, resumes exactly rather than approximately

@@ -137,6 +137,14 @@ def extend_chain_py(parent: bytes, raw: bytes, step: int) -> list[bytes]:
     return keys
 
 
+def tail_key(parent: bytes, tokens: Sequence[int] | Any) -> bytes:
+    """The name of a prompt's partial last block (a P/D hand-off, never a ledger block): H over a tag, the
+    chain key of the whole blocks before it (`parent`; the namespace's `root_key` when there are none) and
+    its tokens. The tag keeps it apart from every chain key, whatever the tail's length."""
+    assert len(parent) == KEY_BYTES
+    return hashlib.sha256(b"kvledger/tail\0" + parent + token_bytes(tokens)).digest()[:KEY_BYTES]
+
+
 def chain_keys(tokens: Sequence[int] | Any, spec: ModelSpec, namespace: str = "default") -> list[bytes]:
     """One 16-byte key per full block of `tokens` (rule 1), salted by model and namespace (rule 2)."""
     return extend_chain(root_key(spec, namespace), tokens, spec.block_size)

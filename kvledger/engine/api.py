@@ -58,6 +58,8 @@ class EngineRequest:
     sampling: SamplingParams
     namespace: str = "default"
     ttl_class: str | None = None
+    keep_tail: bool = False      # a P/D prefill leg: keep the prompt's partial last block for the decode engine
+    tail_kv: bytes | None = None  # a P/D decode leg: that block, handed over (`core.with_tail` raised the decision)
 
 
 def check_request_keys(req: EngineRequest, tokens: np.ndarray, spec: ModelSpec) -> None:
@@ -81,6 +83,8 @@ class Leg:
     kind: str      # "whole" | "prefill" | "decode" | "continue"
     engine: str
     start: int     # output tokens the client had when the leg began
+    cached_tokens: int | None = None           # of the leg's tokens (prompt + output[:start]), those it reused,
+    computed_prompt_tokens: int | None = None  # and those it ran through the model (None: it never reported)
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,7 +22,7 @@ import time
 import numpy as np
 import torch
 
-from kvledger.core import ModelSpec, check_decision, checkpoint_positions
+from kvledger.core import ModelSpec, check_decision, checkpoint_positions, hit_cap, root_key, tail_key
 from kvledger.engine.api import EngineRequest, RequestUsage, TokenEvent, check_request_keys
 from kvledger.engine.block_pool import BlockPool
 from kvledger.engine.fetcher import Fetcher
@@ -34,6 +34,7 @@ from kvledger.engine.scheduler import Scheduler
 from kvledger.engine.sequence import Sequence, SequenceStatus
 from kvledger.engine.state_slots import StateSlots
 from kvledger.engine.swapin import SwapItem
+from kvledger.engine.tails import TailStore
 from kvledger.engine.writer import LedgerWriter
 
 DEFAULT_KV_BYTES = 512 << 20
@@ -72,6 +73,7 @@ class Engine:
         self.loader = HitLoader(self.model, self.pool, self.slots, self.fetcher, state_ledger, replay=replay,
                                 device_hits=block_ledger is not None)
         self.writer = LedgerWriter(self.model, block_ledger, state_ledger, self.slots)
+        self.tails = TailStore()   # P/D: prompt tails kept for the decode engine (keep_tail)
         self.scheduler = Scheduler(max_num_seqs, max_num_batched_tokens)
         self.runner = ModelRunner(self.model)
         self.orphans: list = []  # fetch jobs of aborted sequences, retired when they end
@@ -95,6 +97,8 @@ class Engine:
             raise ValueError(f"request {req.request_id!r} is already running")
         check_request_keys(req, tokens, self.spec)
         check_decision(req.decision, tokens.size, self.spec)
+        if req.tail_kv is not None or req.decision.hit_tokens > hit_cap(tokens.size, self.spec):
+            self._check_tail(req, tokens.size)
         seq = Sequence.from_request(req)
         seq.checkpoints = checkpoint_positions(seq.prompt_len, self.spec, self.checkpoint_every)
         if self.loader.blocks_needed(seq) > self.pool.total:
@@ -221,6 +225,8 @@ class Engine:
             self.writer.store_blocks(seq, seq.prompt_len // b)
             self.writer.store_prefill_snapshots(seq)
             self._cache_blocks(seq)
+            if seq.request.keep_tail:
+                self._keep_tail(seq)
         elif self.spec.has_swa and seq.computed % b == 0:
             self.slots.copy_replica(self.model, seq.slot, seq.computed)
         if was_prefill and self.record_logits:
@@ -235,6 +241,29 @@ class Engine:
             self._finish(seq, reason, store=True)
         usage = self._usage(seq) if first or reason else None
         return TokenEvent(seq.request_id, (token,), reason is not None, reason, usage)
+
+    def _check_tail(self, req: EngineRequest, prompt_len: int) -> None:
+        """ValueError unless the request's hit past `hit_cap` comes with its tail: a decision `core.with_tail`
+        made (hit L − 1) and one block of KV."""
+        d = req.decision
+        if req.tail_kv is None:
+            raise ValueError("a hit past the prompt's cap needs its tail handed over with it")
+        if d.hit_tokens != prompt_len - 1 or d.hit_tokens <= hit_cap(prompt_len, self.spec):
+            raise ValueError("a tail handed over comes with the hit core.with_tail makes (L − 1)")
+        if len(req.tail_kv) != self.spec.block_bytes():
+            raise ValueError(f"a tail handed over is one block: {self.spec.block_bytes()} bytes")
+
+    def _keep_tail(self, seq: Sequence) -> None:
+        """P/D: the block the prompt ends in, kept for the decode engine by `core.tail_key` (engine/tails.py).
+        Nothing to keep for a prompt of whole blocks, a windowed model (`core.with_tail`) or a sequence that
+        is not exact (rule 9)."""
+        b, n = self.spec.block_size, seq.prompt_len
+        if n % b == 0 or self.spec.has_swa or not seq.exact:
+            return
+        whole = n // b
+        parent = seq.keys[whole - 1] if whole else root_key(self.spec, seq.request.namespace)
+        kv = self.writer.export_blocks([seq.block_table[whole]])
+        self.tails.put(tail_key(parent, seq.tokens[whole * b:n]), kv.tobytes())
 
     def _retire_fetch(self, seq: Sequence) -> None:
         """The fetched blocks are on the device (or not needed): free the staging."""

@@ -15,7 +15,9 @@ Admitting a sequence with decision d (from the entrypoint's CHECK):
 A full-attention hit of L − 1 (a prompt of whole blocks, all present: `core.hit_cap`) takes the last
 block whole and computes one token into it. That block is the request's own: fetched into a fresh block,
 or, found in the device prefix cache, copied into one first (copy on write), so a shared block is never
-written.
+written. A P/D decode leg whose prefill engine handed over the prompt's tail (`core.with_tail`,
+`EngineRequest.tail_kv`) also computes one token: its whole blocks come as above, and the tail is
+written into the fresh block after them (`handed_tail`); that block is in no ledger until it fills.
 
 A fault lowers the decision and never fails the request (rule 8): a snapshot that does not
 arrive, or a block that does not arrive intact (missing, corrupt, fetcher dead or hung) →
@@ -31,9 +33,10 @@ from __future__ import annotations
 
 from collections import Counter
 
+import torch
 
-from kvledger.core import (HitDecision, blocks_spanned, cap_blocks, decide_hit, exact_replay, resumes_exactly,
-                           snapshot_candidates)
+from kvledger.core import (HitDecision, blocks_spanned, cap_blocks, decide_hit, exact_replay, hit_cap,
+                           resumes_exactly, snapshot_candidates)
 from kvledger.engine.block_pool import BlockPool
 from kvledger.engine.fetcher import Fetcher
 from kvledger.engine.models.base import Model
@@ -67,10 +70,12 @@ class HitLoader:
         if self.device_hits:
             seq.decision = self._with_device_cache(seq)
         decision = self._snapshot(seq, slot)
-        hit_blocks = blocks_spanned(decision.reused_block_tokens, self.spec)
+        seq.handed_tail = seq.request.tail_kv is not None and decision.hit_tokens > hit_cap(seq.prompt_len, self.spec)
+        hit_blocks = blocks_spanned(decision.reused_block_tokens, self.spec) - seq.handed_tail   # ledger blocks
         on_device = self.pool.lookup(seq.keys[:hit_blocks])
         # a hit ending inside its last block writes that block: one found on the device is copied first
-        copy_last = decision.reused_block_tokens % self.spec.block_size != 0 and len(on_device) == hit_blocks
+        partial = decision.reused_block_tokens % self.spec.block_size != 0 and not seq.handed_tail
+        copy_last = partial and len(on_device) == hit_blocks
         need = self.blocks_needed(seq) - len(on_device) + copy_last
         if self.pool.num_free() < need:
             self.pool.free(on_device)
@@ -79,6 +84,9 @@ class HitLoader:
         seq.block_table = on_device + self.pool.allocate(need)
         if copy_last:
             self._copy_on_write(seq, hit_blocks - 1)
+        if seq.handed_tail:   # the block after the ledger blocks is the request's own: the tail goes in
+            tail = torch.frombuffer(bytearray(seq.request.tail_kv), dtype=torch.uint8)
+            self.model.import_block(seq.block_table[hit_blocks], tail)
         seq.slot, seq.device_hit_blocks, seq.decision = slot, len(on_device), decision
         missing = seq.keys[len(on_device):hit_blocks]
         if missing and self.fetcher is not None:
@@ -142,7 +150,7 @@ class HitLoader:
         if job.intact < job.n:
             decision = self._lower(seq, dev + job.intact, "block")
             self._unshare(seq, decision.reused_block_tokens)  # block KV is written from there on
-        take = max(blocks_spanned(decision.reused_block_tokens, self.spec) - dev, 0)
+        take = max(self._ledger_blocks(seq, decision) - dev, 0)
         self._start(seq, decision)
         if take == 0:
             return None
@@ -173,8 +181,14 @@ class HitLoader:
         seq.cached_tokens = d.hit_tokens
         seq.keep_blocks_until = d.reused_block_tokens if d.replay else 0
         seq.truncate_from = d.truncate_from
-        seq.stored_blocks = blocks_spanned(d.reused_block_tokens, self.spec)  # put_chain skips blocks already stored
+        seq.stored_blocks = self._ledger_blocks(seq, d)  # put_chain skips blocks already stored
         seq.status = SequenceStatus.RUNNING
+
+    def _ledger_blocks(self, seq: Sequence, d: HitDecision) -> int:
+        """The leading blocks of hit `d` that come from the ledgers (or the device cache): every block it spans,
+        but for a tail handed over (P/D), which is in no ledger."""
+        spanned = blocks_spanned(d.reused_block_tokens, self.spec)
+        return spanned - 1 if seq.handed_tail and d.hit_tokens > hit_cap(seq.prompt_len, self.spec) else spanned
 
     def release(self, seq: Sequence) -> None:
         """Give back blocks and slot (the fetch job, if any, is the engine's to retire)."""

@@ -25,20 +25,24 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import httpx
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from kvledger.core import root_key, tail_key, with_tail
 from kvledger.engine.api import EngineRequest
 from kvledger.engine.async_engine import AsyncEngine
 from kvledger.engine.client import EngineFailed, EngineRejected
 from kvledger.engine.engine_registry import DEFAULT_TTL_S, EngineInfo, Heartbeat, Registry
-from kvledger.engine.session import H_MAC, H_SEQ, H_SESSION, SESSION_PATH, SessionTable
-from kvledger.state.auth import derive_keys
+from kvledger.engine.session import H_MAC, H_SEQ, H_SESSION, SESSION_PATH, ProofFailed, SessionClient, SessionTable
 from kvledger.engine.wire import KEEPALIVE_S, GenerateBody, WireEvent
+from kvledger.state.auth import derive_keys
 
 log = logging.getLogger("kvledger.cluster")
 WAIT_STORED_S = 10.0   # a prefill leg's end waits this long at most for its blocks to be on the block ledger
+TAIL_PATH = "/engine/v1/tail/"
+TAIL_PULL_S = 2.0      # a decode leg waits this long at most for its tail; then it recomputes it
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +90,9 @@ class EngineProcess:
         self.loading = False     # inside `start`: a stop signal raises StartupInterrupted there
         self.abandoned = False   # a stop signal came before the start finished: it does not (go on)
         self.prefill_left: dict[str, int] = {}   # request id → prompt tokens not yet computed
+        self.tail_sessions = SessionClient(config.token)   # this engine calling others (a P/D tail)
+        self.tail_client: httpx.AsyncClient | None = None
+        self.tail_pulls: dict[str, int] = {}     # outcome → pulls (a decode leg's tail: took, absent, failed)
 
     def start(self, url: str) -> None:
         """Load the model (seconds), start the step loop, then register (from the event loop)."""
@@ -141,9 +148,41 @@ class EngineProcess:
             self.engine.close()
         self.ledgers.close()
 
+    async def pull_tail(self, body: GenerateBody, req: EngineRequest) -> EngineRequest:
+        """A P/D decode leg: `req` with the tail its prefill engine kept (`body.tail_from`) and the decision
+        raised to compute one token (`core.with_tail`), or `req` as it came when the tail is absent, late
+        (TAIL_PULL_S), unproven or of the wrong size: then the leg recomputes the tail (rule 8)."""
+        raised = with_tail(req.decision, len(body.tokens), self.spec)
+        if body.tail_from is None or raised is None:
+            return req
+        b, last = self.spec.block_size, len(body.tokens) - 1
+        whole = last // b
+        parent = req.keys[whole - 1] if whole else root_key(self.spec, req.namespace)
+        path = TAIL_PATH + tail_key(parent, body.tokens[whole * b:last]).hex()
+        url, outcome, kv = body.tail_from, "failed", None
+        try:
+            async with asyncio.timeout(TAIL_PULL_S):
+                if self.tail_client is None:
+                    self.tail_client = httpx.AsyncClient(timeout=TAIL_PULL_S)
+                sent = await self.tail_sessions.headers(self.tail_client, url, "GET", path, b"")
+                r = await self.tail_client.get(url + path, headers=sent)
+            if r.status_code == 401:
+                self.tail_sessions.forget(url)
+            if r.status_code == 404:
+                outcome = "absent"
+            elif (r.status_code == 200 and len(r.content) == self.spec.block_bytes()
+                  and self.tail_sessions.reply_ok(url, sent, path, r.content, r.headers.get(H_MAC))):
+                outcome, kv = "took", r.content
+        except (TimeoutError, httpx.HTTPError, ProofFailed) as e:
+            log.warning("%s: no tail from %s (%s: %s); this leg recomputes it", req.request_id, url[:200],
+                        type(e).__name__, e)
+        self.tail_pulls[outcome] = self.tail_pulls.get(outcome, 0) + 1
+        return req if kv is None else replace(req, decision=raised, tail_kv=kv)
+
     async def stream(self, body: GenerateBody, req: EngineRequest) -> AsyncIterator[bytes]:
         """The NDJSON lines of one leg: events, keepalives while computing, a last finished line."""
         assert self.engine is not None
+        req = await self.pull_tail(body, req)
         self.prefill_left[req.request_id] = len(body.tokens) - req.decision.hit_tokens
         events = self.engine.generate(req)
         try:
@@ -218,6 +257,8 @@ def build_engine_app(proc: EngineProcess, url: str) -> FastAPI:
         try:
             yield
         finally:
+            if proc.tail_client is not None:
+                await proc.tail_client.aclose()
             await asyncio.to_thread(proc.close)
 
     app = FastAPI(title="kvledger engine", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
@@ -264,6 +305,21 @@ def build_engine_app(proc: EngineProcess, url: str) -> FastAPI:
         except ValueError as e:
             return JSONResponse({"error": {"message": str(e), "type": "invalid_request_error"}}, status_code=400)
         return StreamingResponse(proc.stream(body, req), media_type="application/x-ndjson")
+
+    @app.get(TAIL_PATH + "{key}")
+    async def tail(key: str, request: Request) -> Response:
+        """A P/D tail this engine kept, taken (engine/tails.py), with its reply MAC (engine/session.py)."""
+        kv = None
+        if len(key) == 32 and all(c in "0123456789abcdef" for c in key) and proc.engine is not None:
+            kv = proc.engine.engine.tails.take(bytes.fromhex(key))
+        if kv is None:
+            return JSONResponse({"error": {"message": "no such tail", "type": "not_found"}}, status_code=404)
+        h = request.headers
+        tag = sessions.reply_mac(h[H_SESSION], int(h[H_SEQ]), request.url.path, kv)
+        if tag is None:
+            return JSONResponse({"error": {"message": "session_unknown", "type": "authentication_error"}},
+                                status_code=401)
+        return Response(kv, media_type="application/octet-stream", headers={H_MAC: tag})
 
     @app.get("/engine/v1/health")
     async def health() -> JSONResponse:

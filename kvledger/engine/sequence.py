@@ -58,6 +58,7 @@ class Sequence:
     finish_reason: str | None = None
     checkpoints: tuple[int, ...] = ()      # rule 4′: prefill positions a chunk ends at, to snapshot there
     prompt_forwarded: int = 0              # prompt positions run through the forward (computed_prompt_tokens)
+    handed_tail: bool = False              # the hit's last block is a tail handed over (P/D), not a ledger block
 
     def prefill_chunk(self, budget: int) -> int:
         """Prompt tokens the next prefill chunk computes: the rest of the prompt within `budget`, ending at the

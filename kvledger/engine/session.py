@@ -13,7 +13,9 @@ sends it a prompt, and every request is bound to a session and a fresh sequence 
 K is the cluster token's engine key (`state/auth.py`); S never travels, and only a holder of the
 token can compute it, so a valid MAC proves the caller too. The token itself is never sent: an
 address that Redis names (the registry can be written by anyone who reaches Redis) learns nothing
-from us but nonces. Replies are not MACed: the internal API belongs on a private network (README).
+from us but nonces. Replies are not MACed (the internal API belongs on a private network, README),
+but for one whose bytes the caller computes with, a P/D tail's KV: X-Kvledger-Mac on the reply is
+HMAC(S, "REPLY" | path | n | SHA-256(reply body)) (`SessionTable.reply_mac`, `SessionClient.reply_ok`).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ MAX_PENDING = 256      # sessions opened and not yet used: an unauthenticated ca
 MAX_VERIFIED = 1024    # sessions that carried a valid MAC (entrypoints): never evicted by pending ones
 IDLE_S = 600.0         # a session unused this long is forgotten (the caller opens a new one)
 REPLAY_WINDOW = 4096   # sequence numbers this far below the highest seen are refused (no record kept)
+REPLY = "REPLY"        # the "method" of a reply's MAC: no request's MAC is ever a reply's
 
 
 class ProofFailed(Exception):
@@ -110,6 +113,13 @@ class SessionTable:
             self.verified.move_to_end(sid)
         return None
 
+    def reply_mac(self, sid: str, seq: int, path: str, body: bytes) -> str | None:
+        """The MAC of a reply to request `seq` of session `sid` (checked already): a reply the caller must trust
+        (a P/D tail's KV) proves it comes from a holder of the token. None when the session is gone."""
+        with self._lock:
+            s = self.verified.get(sid)
+        return None if s is None else request_mac(s.key, REPLY, path, seq, body)
+
     def _evict_idle(self, now: float) -> None:
         for sid in [k for k, v in self.verified.items() if now - v.used > IDLE_S]:
             del self.verified[sid]
@@ -143,6 +153,13 @@ class SessionClient:
                     s = self.sessions[url] = await self._open(client, url)
         s.seq += 1
         return {H_SESSION: s.sid, H_SEQ: str(s.seq), H_MAC: request_mac(s.key, method, path, s.seq, body)}
+
+    def reply_ok(self, url: str, sent: dict[str, str], path: str, body: bytes, tag: str | None) -> bool:
+        """Whether `tag` is the engine's MAC of reply `body` to the request sent with headers `sent`."""
+        s = self.sessions.get(url)
+        if s is None or tag is None or sent.get(H_SESSION) != s.sid:
+            return False
+        return hmac.compare_digest(tag.encode(), request_mac(s.key, REPLY, path, int(sent[H_SEQ]), body).encode())
 
     def forget(self, url: str) -> None:
         self.sessions.pop(url, None)

@@ -2,6 +2,7 @@
 
     POST /engine/v1/generate   body: GenerateBody            → NDJSON stream of WireEvent lines
     GET  /engine/v1/health     → {"status": ok/unhealthy/down, "engine", "role", "fault", "running"}
+    GET  /engine/v1/tail/{key} → a P/D tail's KV (one block, octets), its reply MACed; 404 when not held
 
 A stream is one `WireEvent` per line; an empty line is a keepalive (sent every
 `KEEPALIVE_S` while the engine computes), so a reader's timeout tells a hung engine from a
@@ -97,18 +98,22 @@ class GenerateBody(BaseModel):
     ttl_class: str | None = None
     sampling: WireSampling
     wait_stored: bool = False    # hold the last event until this engine's writes are on the ledgers
+    keep_tail: bool = False      # a P/D prefill leg: keep the prompt's partial last block (engine/tails.py)
+    tail_from: Annotated[str, Field(pattern=r"^https?://[^\s]{1,200}$")] | None = None   # a P/D decode leg:
+                                 # the URL of the engine that kept the tail of `tokens` but the last
 
     @classmethod
-    def of(cls, req: EngineRequest, *, wait_stored: bool = False) -> GenerateBody:
+    def of(cls, req: EngineRequest, *, wait_stored: bool = False, tail_from: str | None = None) -> GenerateBody:
         return cls(request_id=req.request_id, tokens=[int(t) for t in req.tokens], keys=[k.hex() for k in req.keys],
                    decision=WireDecision.of(req.decision), namespace=req.namespace, ttl_class=req.ttl_class,
-                   sampling=WireSampling.of(req.sampling), wait_stored=wait_stored)
+                   sampling=WireSampling.of(req.sampling), wait_stored=wait_stored, keep_tail=req.keep_tail,
+                   tail_from=tail_from)
 
     def engine_request(self, spec: ModelSpec) -> EngineRequest:
         """The request this body names; `ValueError` when its keys or decision cannot be this prompt's."""
         tokens = np.asarray(self.tokens, dtype=np.uint32)
         req = EngineRequest(self.request_id, tokens, [bytes.fromhex(k) for k in self.keys], self.decision.decision(),
-                            self.sampling.params(), self.namespace, self.ttl_class)
+                            self.sampling.params(), self.namespace, self.ttl_class, keep_tail=self.keep_tail)
         check_request_keys(req, tokens, spec)
         check_decision(req.decision, tokens.size, spec)
         return req

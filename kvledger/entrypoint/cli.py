@@ -51,7 +51,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     store_args(p)
     trace_args(p)
     grace_arg(p)
-    p.set_defaults(func=cmd_serve, redis_url=None, token_file=None, routing="cache-aware", listen_fd=None)
+    p.set_defaults(func=cmd_serve, redis_url=None, token_file=None, routing="cache-aware", listen_fd=None,
+                   no_tail_handoff=False)
 
     p = sub.add_parser("entrypoint", help="a cluster's HTTP front: tokenizer, CHECK, router (no model weights)",
                        description="A cluster's HTTP front (the same API as serve): tokenizer, CHECK on the shared "
@@ -66,6 +67,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--data-dir", type=Path, required=True, help="the shared store folder (blocks under it)")
     p.add_argument("--token-file", type=Path, default=None, help="the cluster token (or $KVLEDGER_CLUSTER_TOKEN)")
     p.add_argument("--routing", default="cache-aware", choices=POLICIES, help="how prefill engines are chosen")
+    p.add_argument("--no-tail-handoff", action="store_true", help="in P/D, let the decode leg recompute the prompt's "
+                   "partial last block instead of pulling it from the prefill engine (a baseline)")
     p.add_argument("--listen-fd", type=int, default=None, help=argparse.SUPPRESS)  # `kvledger up`'s bound socket
     trace_args(p)
     grace_arg(p)
@@ -225,6 +228,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
                          max_concurrent_per_key=per_key, max_num_seqs=args.max_num_seqs,
                          max_prompt_tokens=args.max_prompt_tokens, max_tokens_limit=args.max_tokens_limit,
                          redis_url=args.redis_url, cluster_token=token, routing=args.routing,
+                         tail_handoff=not args.no_tail_handoff,
                          status_every_s=args.status_interval_s, checkpoint_every=every, ttl_classes=ttl_classes,
                          store_capacity_bytes=capacity, gc_interval_s=args.gc_interval_s, trace=trace,
                          kv_cache_bytes=kv_cache_bytes)

@@ -95,6 +95,7 @@ class ServeConfig:
     redis_url: str | None = None
     cluster_token: str | None = field(default=None, repr=False)
     routing: str = "cache-aware"
+    tail_handoff: bool = True              # P/D: the decode leg pulls the prompt's tail from the prefill engine
 
     def __post_init__(self) -> None:
         registry.resolve(self.model)   # ModelError (a ValueError) names what is served

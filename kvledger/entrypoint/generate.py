@@ -164,7 +164,8 @@ def usage_of(prep: Prepared, out: Outcome) -> Usage:
     if u is None:
         return Usage.of(prep.prompt_tokens, 0, len(out.token_ids))
     cached = min(u.cached_tokens, prep.prompt_tokens)
-    legs = [LegDetails(kind=leg.kind, engine=leg.engine, start=leg.start) for leg in u.legs] or None
+    legs = [LegDetails(kind=leg.kind, engine=leg.engine, start=leg.start, cached_tokens=leg.cached_tokens,
+                       computed_prompt_tokens=leg.computed_prompt_tokens) for leg in u.legs] or None
     return Usage.of(prep.prompt_tokens, cached, len(out.token_ids), hit_kind=u.hit_kind,
                     device_cached=min(u.device_cached_tokens, cached), computed=u.computed_prompt_tokens,
                     engine=u.engine, legs=legs, miss=out.miss)

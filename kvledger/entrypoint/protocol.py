@@ -147,11 +147,14 @@ class PromptTokensDetails(BaseModel):
 
 
 class LegDetails(BaseModel):
-    """One engine leg of a cluster request: `start` output tokens came before it (engine.api.Leg)."""
+    """One engine leg of a cluster request: `start` output tokens came before it (engine.api.Leg); what it reused
+    of the tokens it was given (prompt + output so far) and what it ran through the model, once it reported."""
 
     kind: str
     engine: str
     start: int
+    cached_tokens: int | None = None
+    computed_prompt_tokens: int | None = None
 
 
 class CacheDetails(BaseModel):

@@ -15,7 +15,10 @@ each one `POST /engine/v1/generate` on one engine (wire.py):
 
 Every leg after the first is CHECKed again (rule 5) on prompt + output: the blocks the previous
 leg stored hit, and only the tail is recomputed (less than one block for full-attention models;
-at most R + B tokens for windowed ones). The client sees one stream: tokens are passed on as they
+at most R + B tokens for windowed ones). A decode leg after a prefill leg of a full-attention model
+recomputes not even that: the prefill engine keeps the prompt's partial last block (`keep_tail`) and
+the decode engine pulls it from there (`tail_from`, engine/process.py), so it computes one token; a
+tail it cannot get is recomputed. The client sees one stream: tokens are passed on as they
 come, none is repeated (a continuation starts after the last token the client got) and none is
 lost (greedy decoding continues exactly; a seeded sampler is re-seeded per leg).
 """
@@ -59,8 +62,12 @@ class RemoteEngines:
     def __init__(self, registry: Registry, router: Router, token: str, check: CheckFn, spec: ModelSpec, *,
                  poll_s: float = 0.5, read_timeout_s: float = LEG_IDLE_S,
                  on_members: Callable[[list[EngineInfo]], None] | None = None,
-                 on_leg: Callable[[str, str, RequestUsage | None], None] | None = None) -> None:
+                 on_leg: Callable[[str, str, RequestUsage | None], None] | None = None,
+                 tail_handoff: bool = True) -> None:
+        """`tail_handoff`: in P/D, the prefill engine keeps the prompt's partial last block and the decode engine
+        pulls it, so the decode leg computes one token, not the tail (full-attention models; engine/tails.py)."""
         self.registry, self.router, self.check, self.spec = registry, router, check, spec
+        self.tail_handoff = tail_handoff
         self.sessions = SessionClient(token)   # the token is never sent: each engine proves it first
         self.untrusted: dict[str, float] = {}  # engine id → monotonic time it failed the token proof
         self.disagreeing: set[str] = set()     # engine ids left out for serving other limits (logged once)
@@ -145,6 +152,7 @@ class RemoteEngines:
         phase = "prefill" if budget > 1 and self._disaggregated() else "whole"
         kind = phase   # what this leg is, for the metrics: whole | prefill | decode | continue
         legs: list[Leg] = []   # for the client's usage: where each leg began
+        tail_from: str | None = None   # the prefill engine that kept the prompt's tail for the decode leg
         for leg in range(1, MAX_LEGS + 1):
             if leg > 1:   # the keys so far are kept: only the output's new blocks are hashed
                 tokens = np.asarray(prompt + output, dtype=np.uint32)
@@ -156,9 +164,10 @@ class RemoteEngines:
             engine = await self._pick(phase, prompt + output, decision, req, failed)
             legs.append(Leg(kind, engine.engine_id, len(output)))
             sampling = replace(req.sampling, max_tokens=1 if phase == "prefill" else left)
+            keep_tail = phase == "prefill" and self.tail_handoff and not self.spec.has_swa
             body = GenerateBody.of(replace(req, request_id=f"{req.request_id}.{leg}", tokens=prompt + output,
-                                           keys=keys, decision=decision, sampling=sampling),
-                                   wait_stored=phase == "prefill")
+                                           keys=keys, decision=decision, sampling=sampling, keep_tail=keep_tail),
+                                   wait_stored=phase == "prefill", tail_from=tail_from if kind == "decode" else None)
             reason, leg_usage = None, None
             events = self._leg(engine, body, decision.hit_tokens, leg == 1 and not output)
             try:
@@ -171,7 +180,7 @@ class RemoteEngines:
                     done = reason in ("stop", "length") and (phase != "prefill" or reason == "stop"
                                                              or len(output) >= budget)
                     if done:
-                        self.on_leg(kind, engine.engine_id, leg_usage)
+                        self._leg_ended(legs, kind, engine, leg_usage)
                         yield TokenEvent(req.request_id, ev.token_ids, True, reason,
                                          self._usage(first, prompt, output, legs))
                         return
@@ -184,13 +193,21 @@ class RemoteEngines:
                             engine.engine_id, e)
             finally:
                 await events.aclose()
-            self.on_leg(kind, engine.engine_id, leg_usage)
+            self._leg_ended(legs, kind, engine, leg_usage)
             if reason == "length" and phase == "prefill":
                 phase = kind = "decode"
+                tail_from = engine.url if keep_tail else None
             else:   # handed off, aborted or broken: continue on another engine
                 failed.add(engine.engine_id)
                 kind = "continue"
         raise EngineFailed(f"the request did not finish within {MAX_LEGS} engine legs")
+
+    def _leg_ended(self, legs: list[Leg], kind: str, engine: EngineInfo, usage: RequestUsage | None) -> None:
+        """The last leg ended: the metrics, and its own counts on its record (the client's usage shows them)."""
+        self.on_leg(kind, engine.engine_id, usage)
+        if usage is not None:
+            legs[-1] = replace(legs[-1], cached_tokens=usage.cached_tokens,
+                               computed_prompt_tokens=usage.computed_prompt_tokens)
 
     def _usage(self, first: RequestUsage | None, prompt: list[int], output: list[int], legs: list[Leg]
                ) -> RequestUsage:

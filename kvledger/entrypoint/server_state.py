@@ -127,7 +127,7 @@ class ServerState:
         registry = Registry.from_url(self.config.redis_url, derive_keys(self.config.cluster_token).registry)
         self.engine = RemoteEngines(registry, Router(self.config.routing),
                                     self.config.cluster_token, check, self.spec, on_members=self._members,
-                                    on_leg=self.metrics.leg)
+                                    on_leg=self.metrics.leg, tail_handoff=self.config.tail_handoff)
         self.engine.start(loop)
         return self.engine
 

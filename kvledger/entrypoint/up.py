@@ -124,6 +124,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--juicefs-capacity-gib", type=int, default=0, metavar="GIB", help="with --juicefs: the volume's "
                    "hard quota (a full volume fails puts: misses, never errors) (default %(default)s: none)")
     p.add_argument("--routing", default="cache-aware", choices=POLICIES, help="how prefill engines are chosen")
+    p.add_argument("--no-tail-handoff", action="store_true", help="in P/D, let the decode leg recompute the prompt's "
+                   "partial last block instead of pulling it from the prefill engine (a baseline)")
     p.add_argument("--max-num-seqs", type=int, default=8, help="requests each engine batches at once")
     add_checkpoint_arg(p)
     trace_args(p)   # the entrypoint's; its default folder is <data-dir>/trace (not a JuiceFS mount's)
@@ -332,7 +334,8 @@ class Cluster:
                  "--routing", a.routing, "--data-dir", str(dirs[-1]), *common, "--max-concurrent-per-key",
                  str(a.max_concurrent_per_key or per_key_default(a.max_num_seqs, a.api_keys is not None)),
                  "--max-body-bytes", str(a.max_body_bytes), "--header-timeout-s", str(a.header_timeout_s),
-                 "--body-timeout-s", str(a.body_timeout_s), "--max-connections", str(a.max_connections)]
+                 "--body-timeout-s", str(a.body_timeout_s), "--max-connections", str(a.max_connections),
+                 *(["--no-tail-handoff"] if a.no_tail_handoff else [])]
         for flag in ("api_keys", "max_prompt_tokens", "max_tokens_limit"):
             if getattr(a, flag) is not None:
                 front += [f"--{flag.replace('_', '-')}", str(getattr(a, flag))]

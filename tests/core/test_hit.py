@@ -13,7 +13,7 @@ from kvledger import (
 from dataclasses import replace
 
 from kvledger.core import (blocks_spanned, cap_blocks, check_decision, checkpoint_positions, exact_replay, hit_cap,
-                           snapshot_candidates)
+                           snapshot_candidates, with_tail)
 
 V4 = ModelSpec.preset("deepseek-v4.1-flash")
 TINY = ModelSpec.preset("tiny-v4")
@@ -379,3 +379,32 @@ def test_a_shared_document_resumes_at_most_one_period_back(la, shared, extra, ev
     l1 = min(common * B, hit_cap(lb, GEMMA))
     if every:
         assert d.hit_tokens >= l1 - every
+
+
+# --- a tail handed over (P/D) ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("prompt_len", "hit", "raised"), [
+    (301, 256, 300),    # blocks 0, 1 and the tail [256, 300): the last token alone is computed
+    (50, 0, 49),        # no whole block: the tail is the prompt but its last token
+    (257, 256, None),   # L − 1 = 256 is a block boundary: nothing between, hit_cap already says 256
+    (301, 128, None),   # block 1 missing: the tail cannot be placed
+    (129, 128, None),   # the same as 257 at one block
+])
+def test_a_tail_raises_a_full_attention_hit_to_the_last_token(prompt_len, hit, raised):
+    spec = LLAMA
+    d = decide_hit(prompt_len, hit // spec.block_size, set(), spec)
+    got = with_tail(d, prompt_len, spec)
+    if raised is None:
+        assert got is None
+        return
+    assert (got.kind, got.hit_tokens, got.block_hit_tokens, got.recompute_from, got.cap) == (
+        HitKind.FULL, raised, raised, raised, raised)
+    check_decision(got, prompt_len, spec)   # the engine takes it
+    with pytest.raises(ValueError, match="cap"):
+        check_decision(got, prompt_len + 1, spec)   # for another length it is not a decision of this prompt
+
+
+def test_a_windowed_model_takes_no_tail():
+    spec = V4
+    assert with_tail(decide_hit(1000, 7, set(), spec), 1000, spec) is None

@@ -69,3 +69,23 @@ def test_unauthenticated_session_requests_cannot_evict_a_working_session():
     for _ in range(5000):
         table.open(auth.nonce().hex())
     assert table.check(*signed(s, 2)) is None
+
+
+def test_a_reply_mac_proves_the_reply_and_binds_it_to_its_request():
+    """A P/D tail's KV comes back MACed: the caller takes it only with the MAC of that reply to that request."""
+    from kvledger.engine.session import H_MAC, H_SEQ, H_SESSION
+
+    table, client = SessionTable(TOKEN), SessionClient(TOKEN)
+    url, path = "http://127.0.0.1:1", "/engine/v1/tail/" + "ab" * 16
+    client.sessions[url] = s = opened(table, client)
+    s.seq = 6
+    sent = {H_SESSION: s.sid, H_SEQ: "7", H_MAC: request_mac(s.key, "GET", path, 7, b"")}
+    assert table.check(sent[H_SESSION], "7", sent[H_MAC], "GET", path, b"") is None
+    kv = os.urandom(4096)
+    tag = table.reply_mac(s.sid, 7, path, kv)
+    assert client.reply_ok(url, sent, path, kv, tag)
+    assert not client.reply_ok(url, sent, path, kv[:-1] + bytes([kv[-1] ^ 1]), tag)   # other bytes
+    assert not client.reply_ok(url, sent | {H_SEQ: "8"}, path, kv, tag)                 # another request's
+    assert not client.reply_ok(url, sent, path, kv, sent[H_MAC])                        # a request MAC is not one
+    assert not client.reply_ok(url, sent, path, kv, None)
+    assert table.reply_mac("no-such-session", 7, path, kv) is None

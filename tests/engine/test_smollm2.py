@@ -219,3 +219,68 @@ def test_a_hit_on_a_shared_device_block_writes_a_copy_of_it(cold_whole, smollm2,
     assert all(bytes(c.blocks_u8()[shared]) == bytes(b) for c, b in zip(smollm2.model.caches, before))
     assert smollm2.pool.by_key[keys[3]] == shared
     assert got == {"whole-a": out, "whole-b": out}   # each the cold answer
+
+
+def _tail_leg(smollm2, ledger, tokens, rid, *, tail_kv=None, max_tokens=31):
+    """A P/D decode leg over `tokens` (prompt + first output token): the CHECK's decision, raised by the tail
+    when one is given; (output, usage of the first event)."""
+    from kvledger.core import with_tail
+    from kvledger.engine.api import EngineRequest, SamplingParams
+
+    keys, decision = check_prompt(tokens, smollm2.spec, block_ledger=ledger, state_ledger=None)
+    if tail_kv is not None:
+        decision = with_tail(decision, len(tokens), smollm2.spec)
+    smollm2.add_request(EngineRequest(rid, tokens, keys, decision, SamplingParams(max_tokens=max_tokens,
+                                                                                   ignore_eos=True), tail_kv=tail_kv))
+    out, first = [], None
+    while smollm2.has_unfinished():
+        for event in smollm2.step():
+            out += event.token_ids
+            first = first or event.usage
+    smollm2.check_integrity()
+    return out, first
+
+
+def test_a_prefill_leg_hands_its_tail_over_and_the_decode_leg_computes_one_token(cold, smollm2, ledger):
+    """P/D: the prefill leg keeps the block its 500-token prompt ends in ([384, 500)); the decode leg over
+    prompt + first token takes blocks 0–2 from the ledger and that tail, computes one token, and continues
+    with the cold answer. Without the tail it computes the 117 tokens after block 2."""
+    import numpy as np
+
+    from kvledger.core import chain_keys, tail_key
+    from kvledger.engine.api import EngineRequest, SamplingParams
+
+    out, _ = cold
+    smollm2.clear_device_cache()
+    keys, decision = check_prompt(PROMPT, smollm2.spec, block_ledger=ledger, state_ledger=None)
+    smollm2.add_request(EngineRequest("pd-prefill", PROMPT, keys, decision, SamplingParams(max_tokens=1),
+                                      keep_tail=True))
+    first, _ = drain(smollm2)
+    assert first == out[:1]
+    key = tail_key(chain_keys(np.asarray(PROMPT, dtype=np.uint32), smollm2.spec)[2], PROMPT[384:])
+    tail = smollm2.tails.take(key)
+    assert tail is not None and len(tail) == smollm2.spec.block_bytes() and smollm2.tails.take(key) is None
+
+    smollm2.clear_device_cache()
+    got, usage = _tail_leg(smollm2, ledger, PROMPT + first, "pd-decode", tail_kv=tail)
+    assert usage.cached_tokens == 500 and usage.computed_prompt_tokens == 1 and usage.hit_kind == "full"
+    assert first + got == out
+
+    smollm2.clear_device_cache()
+    got, usage = _tail_leg(smollm2, ledger, PROMPT + first, "pd-no-tail")
+    assert usage.cached_tokens == 384 and usage.computed_prompt_tokens == 117 and first + got == out
+
+
+def test_a_hit_past_the_cap_needs_its_tail(cold, smollm2, ledger):
+    from kvledger.core import with_tail
+    from kvledger.engine.api import EngineRequest, SamplingParams
+
+    out, _ = cold
+    tokens = PROMPT + out[:1]
+    keys, decision = check_prompt(tokens, smollm2.spec, block_ledger=ledger, state_ledger=None)
+    raised, sp = with_tail(decision, len(tokens), smollm2.spec), SamplingParams(max_tokens=2)
+    with pytest.raises(ValueError, match="tail"):
+        smollm2.add_request(EngineRequest("no-tail", tokens, keys, raised, sp))
+    with pytest.raises(ValueError, match="one block"):
+        smollm2.add_request(EngineRequest("short-tail", tokens, keys, raised, sp, tail_kv=b"\0" * 100))
+    assert not smollm2.has_unfinished()

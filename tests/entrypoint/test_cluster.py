@@ -71,6 +71,25 @@ def test_prefill_on_one_engine_hits_on_the_other_through_the_decode_engine(clust
     assert second.usage.completion_tokens == reference.usage.completion_tokens
 
 
+def test_the_decode_leg_takes_the_prompts_tail_from_the_prefill_engine_and_computes_one_token(cluster, single):
+    """P/D hand-off of the tail: the prefill leg keeps the block its prompt ends in; the decode leg pulls it from
+    that engine (a session of its own, the reply MACed) and computes only the first output token, where it used
+    to recompute everything after the prompt's last whole block. The answer is the single process's."""
+    reference = chat(single.url, "Where is book 3?", max_tokens=8)
+    got = chat(cluster.url, "Where is book 3?", max_tokens=8)
+    n = got.usage.prompt_tokens
+    assert n % BLOCK, "the prompt must end inside a block for a tail to exist"
+    prefill, decode = got.usage.model_dump()["kvledger"]["legs"]
+    assert (prefill["kind"], decode["kind"]) == ("prefill", "decode")
+    assert prefill["computed_prompt_tokens"] == n - prefill["cached_tokens"]
+    assert decode["cached_tokens"] == n and decode["computed_prompt_tokens"] == 1   # prompt + 1 token, 1 computed
+    assert got.choices[0].message.content == reference.choices[0].message.content
+    status, _ = cluster.engine_get(prefill["engine"], "/engine/v1/tail/" + "00" * 16)
+    assert status == 404   # taken once (and an unknown key is a 404, never a 5xx)
+    status, _ = request(cluster.members[prefill["engine"]].url + "/engine/v1/tail/" + "00" * 16)
+    assert status == 401   # the internal API's session, as every other path
+
+
 def test_stream_through_the_cluster_matches_single_process(cluster, single):
     kw = {"stream": True, "stream_options": {"include_usage": True}}
     parts = list(chat(cluster.url, "Where is book 40?", max_tokens=12, **kw))

@@ -196,6 +196,17 @@ class Model(nn.Module, ABC):
                 u8 = cache.blocks_u8()
                 u8[dst].copy_(u8[src])
 
+    def import_block(self, block: int, data: torch.Tensor) -> None:
+        """Block `block` ← `data` (uint8 [spec.block_bytes()], each layer's block bytes in layer order, as
+        `LedgerWriter.export_blocks` lays a block out): a prompt's tail handed over by another engine (P/D)."""
+        assert data.dtype == torch.uint8 and data.numel() == self.spec.block_bytes()
+        ids = torch.tensor([block], dtype=torch.long, device=self.device)
+        off = 0
+        for cache in self.caches:
+            if cache.block_bytes:
+                cache.write_blocks(ids, data[off:off + cache.block_bytes].view(1, -1).to(self.device))
+                off += cache.block_bytes
+
     def snapshot_layers(self) -> list[int]:
         """Layers whose window a snapshot keeps, in order (their window_bytes sum to the snapshot size)."""
         layers = [i for i, c in enumerate(self.caches) if c.window_bytes > 0]
