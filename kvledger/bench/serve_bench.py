@@ -12,6 +12,9 @@ Two servers run the same workload one after the other, each on a fresh data dire
 with the cache, one with `--no-cache` (CHECK skipped, every prompt computed in full). Cold and
 warm requests are told apart by the cache run (cached tokens 0 or > 0); the no-cache run's
 figures are for the same requests.
+
+`--against vllm` runs another comparison instead: `kvledger serve` against `vllm serve` under vLLM's own
+client (serve_vllm.py).
 """
 
 from __future__ import annotations
@@ -27,8 +30,10 @@ from typing import Any
 
 import numpy as np
 
+from kvledger.bench.serve_vllm import add_against_arguments, run_against_vllm
+
 HELP = "kvledger serve under concurrent multi-turn chats, side by side with --no-cache"
-EXAMPLES = ("kvledger bench serve --json",)  # `--help`'s epilog
+EXAMPLES = ("kvledger bench serve --json", "kvledger bench serve --against vllm --record docs/results")
 MODES = ("cache", "no_cache")
 
 
@@ -42,6 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--length-scale", type=float, default=0.25, help="factor on every workload length")
     p.add_argument("--reply-tokens", type=int, default=8, help="cap on generated tokens per turn")
     p.add_argument("--seed", type=int, default=0, help="workload seed")
+    add_against_arguments(p)
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,9 +140,11 @@ def summarize(turns: list[Turn], wall_s: float, warm: set[tuple[int, int]]) -> d
     return out
 
 
-def run(args: argparse.Namespace) -> None:
+def run(args: argparse.Namespace) -> int | None:
     from kvledger.util.output import CliError, emit_json
 
+    if args.against == "vllm":
+        return run_against_vllm(args)
     for name in ("sessions", "concurrency", "max_turns", "reply_tokens"):
         if getattr(args, name) <= 0:
             raise CliError(f"--{name.replace('_', '-')} must be > 0")
