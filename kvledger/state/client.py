@@ -23,9 +23,11 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import xxhash
+
 from kvledger.core import KEY_BYTES
 from kvledger.state import auth
-from kvledger.state.pool import checksum
+from kvledger.state.pool import running_checksum
 from kvledger.state.handshake import Refused, open_session, recv_exact
 from kvledger.state.handshake import settimeout as _settimeout
 from kvledger.state.wire import (RESPONSE_BYTES, Op, ProtocolError, PullResponse, PullStatus, pack_request,
@@ -195,13 +197,15 @@ class StateClient:
             if resp.length > out.nbytes or early > resp.length:
                 raise _Fault("too_big" if resp.length > out.nbytes else "protocol")
             buf, dest = None, out[:resp.length]
+        digest = running_checksum()   # fed as the bytes arrive: hashed while the rest is still on its way
+        digest.update(dest[:early])
         try:
-            _recv_into(sock, dest[early:], deadline)
+            _recv_into(sock, dest[early:], deadline, digest)
         except TimeoutError:
             raise _Fault("timeout") from None
         except OSError:
             raise _Fault("reset") from None
-        if checksum(dest) != resp.checksum:
+        if digest.intdigest() != resp.checksum:
             raise _Fault("corrupt")
         return buf, Pulled(resp.length, resp.position)
 
@@ -287,14 +291,17 @@ def _backoff(wait: float, deadline: float) -> bool:
     return True
 
 
-def _recv_into(sock: socket.socket, dest: memoryview, deadline: float, retry_on_eof: bool = False) -> None:
-    """Fill `dest` from `sock` before `deadline`: TimeoutError, or _Fault("eof") when the peer closes."""
+def _recv_into(sock: socket.socket, dest: memoryview, deadline: float, digest: xxhash.xxh3_64 | None = None) -> None:
+    """Fill `dest` from `sock` before `deadline`, feeding each piece to `digest` (when given) as it lands:
+    TimeoutError, or _Fault("eof") when the peer closes."""
     got, n = 0, dest.nbytes
     while got < n:
         _settimeout(sock, deadline)
         k = sock.recv_into(dest[got:], n - got)
         if k == 0:
-            raise _Fault("eof", retry=retry_on_eof and got == 0)
+            raise _Fault("eof")
+        if digest is not None:
+            digest.update(dest[got:got + k])
         got += k
 
 
