@@ -29,8 +29,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from contextlib import suppress
 from pathlib import Path
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import xxhash
 
@@ -45,10 +44,9 @@ Outcome = int | str   # a read's outcome: the size read, or "corrupt" | "truncat
 log = logging.getLogger("kvledger.store")
 
 
-@dataclass(frozen=True, slots=True)
-class Location:
+class Location(NamedTuple):
     """Where a block's bytes are: `size` bytes at byte `offset` of segment file `name` (relative to the
-    segments folder), hashing to `xxh` (xxh3-64)."""
+    segments folder), hashing to `xxh` (xxh3-64). A tuple: one is made per block read."""
 
     name: str
     offset: int
