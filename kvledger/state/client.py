@@ -49,7 +49,7 @@ class _Conn:
     """An authenticated connection: requests carry `seq` and a MAC under `session`."""
 
     sock: socket.socket
-    session: bytes
+    session: auth.Keyed
     seq: int = 0
     pending: bytes = b""  # the handshake's proof, sent together with the first request
 
@@ -253,7 +253,7 @@ class StateClient:
             raise _Fault(r.cause) from None  # "auth": it does not know the token, so it is told nothing more
         except OSError:
             raise _Fault("reset") from None
-        return _Conn(sock, session, pending=proof)
+        return _Conn(sock, auth.Keyed(session), pending=proof)
 
     def _checkin(self, address: str, conn: _Conn) -> None:
         with self._lock:
@@ -264,7 +264,7 @@ class StateClient:
         conn.sock.close()
 
 
-def _answer(head: bytearray, session: bytes, key: bytes, seq: int, extra: bool) -> PullResponse:
+def _answer(head: bytearray, session: auth.Keyed, key: bytes, seq: int, extra: bool) -> PullResponse:
     """The checked answer header to request `seq` for `key` (OK or MISS); _Fault otherwise.
     `extra`: payload bytes already arrived behind the header."""
     try:

@@ -190,7 +190,7 @@ class StateServer:
                 self._authed.pop(sock, None)
             sock.close()
 
-    def _handshake(self, sock: socket.socket) -> bytes | None:
+    def _handshake(self, sock: socket.socket) -> auth.Keyed | None:
         """The session key once the peer proved the token within `handshake_timeout_s`; None
         (after answering DENIED, or closing unanswered a frame that does not parse) otherwise."""
         try:
@@ -205,7 +205,7 @@ class StateServer:
             self._refuse(sock, pack_response(None, PullStatus.DENIED, 0, _NO_KEY))
             return None
         self._count("authenticated")
-        return session
+        return auth.Keyed(session)
 
     def _admit(self, conn: _Conn) -> bool:
         """Count an authenticated connection; at the cap, close the least recently used idle one."""
@@ -223,7 +223,7 @@ class StateServer:
             self._authed[conn.sock] = conn
             return True
 
-    def _answer_busy(self, sock: socket.socket, session: bytes) -> None:
+    def _answer_busy(self, sock: socket.socket, session: auth.Keyed) -> None:
         """Answer the request that came with the proof BUSY (authenticated), then close."""
         try:
             req = unpack_request(recv_exact(sock, REQUEST_BYTES, time.monotonic() + self.handshake_timeout_s), session)
@@ -248,7 +248,7 @@ class StateServer:
                     break
                 drained += n
 
-    def _one_request(self, conn: _Conn, session: bytes, seq: int, head: bytearray) -> bool:
+    def _one_request(self, conn: _Conn, session: auth.Keyed, seq: int, head: bytearray) -> bool:
         """Answer request `seq`; False when the connection should close. Socket errors propagate."""
         sock, view = conn.sock, memoryview(head)
         conn.idle_since = time.monotonic()
@@ -281,7 +281,7 @@ class StateServer:
         assert req.op is Op.GET
         return self._send_snapshot(sock, session, req.seq, req.key)
 
-    def _send_snapshot(self, sock: socket.socket, session: bytes, seq: int, key: bytes) -> bool:
+    def _send_snapshot(self, sock: socket.socket, session: auth.Keyed, seq: int, key: bytes) -> bool:
         pinned = self.pool.pin(key)
         if pinned is None:
             self._count("misses")
