@@ -8,7 +8,7 @@ import time
 import pytest
 
 from kvledger.state.client import StateClient, parse_address
-from kvledger.state.pool import SlotPool
+from kvledger.state.pool import SlotPool, checksum
 from kvledger.state import auth
 from kvledger.state.wire import (
     CHALLENGE_BYTES,
@@ -334,6 +334,67 @@ def test_a_corrupted_transfer_is_a_miss():
         with StateClient(TOKEN) as c:
             assert c.pull(f"127.0.0.1:{bad.getsockname()[1]}", key) is None
             assert c.stats["corrupt"] == 1
+
+
+def _lying_holder(listener: socket.socket, key: bytes, data: bytes, announced: int, pieces: int) -> None:
+    """A holder that knows the token and answers one GET with `data` under the checksum `announced`, sent in
+    `pieces` pieces with pauses between them (so the client reads and checks it across many receives)."""
+    conn, _ = listener.accept()
+    hk = auth.derive_keys(TOKEN).handshake
+    cn, sn = recv_exact(conn, HELLO_BYTES)[8:], os.urandom(32)
+    conn.sendall(pack_challenge(sn, auth.server_proof(hk, cn, sn)))
+    recv_exact(conn, PROOF_BYTES + REQUEST_BYTES)
+    session = auth.session_key(hk, cn, sn)
+    conn.sendall(pack_response(session, PullStatus.OK, 0, key, len(data), 128, announced))
+    step = -(-len(data) // pieces)
+    for i in range(0, len(data), step):
+        conn.sendall(data[i:i + step])
+        time.sleep(0.01)
+    time.sleep(0.5)
+    conn.close()
+
+
+@pytest.mark.parametrize("flip", [None, 0, 77_777, SIZE - 1])   # intact; a byte changed in the first, a middle
+def test_a_snapshot_arriving_in_pieces_is_checked_across_all_of_them(flip):   # and the last piece
+    """The client checksums each piece as it lands: intact bytes in any pieces are a hit, byte for byte; one
+    changed byte anywhere is a miss ("corrupt")."""
+    key, data = b"\x05" * 16, os.urandom(SIZE)
+    sent = bytearray(data)
+    if flip is not None:
+        sent[flip] ^= 0xFF
+    with socket.create_server(("127.0.0.1", 0)) as holder:
+        threading.Thread(target=_lying_holder, args=(holder, key, bytes(sent), checksum(data), 13),
+                         daemon=True).start()
+        with StateClient(TOKEN) as c:
+            out = bytearray(SIZE + 100)
+            got = c.pull_into(f"127.0.0.1:{holder.getsockname()[1]}", key, out, PULL_S)
+            if flip is None:
+                assert got is not None and got.size == SIZE and out[:SIZE] == data and c.stats["hit"] == 1
+            else:
+                assert got is None and c.stats["corrupt"] == 1
+
+
+def test_bytes_that_change_in_the_slot_while_it_is_sent_are_a_miss():
+    """A slot whose bytes change after the server pinned it (a writer that broke the pin, broken memory) is sent
+    with the checksum taken at `put`: the puller's check catches it (a miss, never the changed bytes)."""
+    with SlotPool(SIZE, 2) as pool:
+        key, data = b"\x06" * 16, os.urandom(SIZE)
+        pool.put(key, 128, data)
+        real_pin = pool.pin
+
+        def pin_then_change(k: bytes):
+            pinned = real_pin(k)
+            pinned.view[SIZE // 2] ^= 0xFF   # in place, in the shared segment the server sends from
+            return pinned
+
+        pool.pin = pin_then_change
+        server = StateServer(pool, TOKEN).start()
+        try:
+            with StateClient(TOKEN) as c:
+                assert c.pull(server.address, key, PULL_S) is None
+                assert c.stats["corrupt"] == 1 and server.stats.served == 1
+        finally:
+            server.stop()
 
 
 def test_module_level_pull(served):
