@@ -28,7 +28,8 @@ import xxhash
 from kvledger.core import KEY_BYTES
 from kvledger.state import auth
 from kvledger.state.pool import running_checksum
-from kvledger.state.handshake import Refused, open_session, recv_exact
+from kvledger.state.handshake import (Refused, after_handshake, open_session, recv_exact, recv_some, recvmsg_some,
+                                      send_all)
 from kvledger.state.handshake import settimeout as _settimeout
 from kvledger.state.wire import (RESPONSE_BYTES, Op, ProtocolError, PullResponse, PullStatus, pack_request,
                                      unpack_response)
@@ -171,10 +172,9 @@ class StateClient:
         sock = conn.sock
         seq, frame = conn.request(Op.GET, key)
         try:
-            _settimeout(sock, deadline)
-            sock.sendall(frame)
+            send_all(sock, [frame], deadline)
             # one scatter read takes the header and, usually, the first part of the payload
-            got = sock.recvmsg_into([head, out] if out is not None else [head])[0]
+            got = recvmsg_some(sock, [head, out] if out is not None else [head], deadline)
             if got == 0:
                 raise _Fault("eof", retry=reused)
             if got < RESPONSE_BYTES:
@@ -253,6 +253,7 @@ class StateClient:
             raise _Fault(r.cause) from None  # "auth": it does not know the token, so it is told nothing more
         except OSError:
             raise _Fault("reset") from None
+        after_handshake(sock)
         return _Conn(sock, auth.Keyed(session), pending=proof)
 
     def _checkin(self, address: str, conn: _Conn) -> None:
@@ -296,8 +297,7 @@ def _recv_into(sock: socket.socket, dest: memoryview, deadline: float, digest: x
     TimeoutError, or _Fault("eof") when the peer closes."""
     got, n = 0, dest.nbytes
     while got < n:
-        _settimeout(sock, deadline)
-        k = sock.recv_into(dest[got:], n - got)
+        k = recv_some(sock, dest[got:], deadline)
         if k == 0:
             raise _Fault("eof")
         if digest is not None:
