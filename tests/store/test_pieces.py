@@ -21,7 +21,8 @@ PIECE = 3 * BLOCK   # 3 blocks a piece: a segment is 4 pieces, the last one shor
 
 @pytest.fixture(autouse=True)
 def small_pieces(monkeypatch):
-    monkeypatch.setattr(sf, "PIECE_BYTES", PIECE)
+    monkeypatch.setattr(sf, "READ_PIECE_BYTES", PIECE)
+    monkeypatch.setattr(sf, "WRITE_PIECE_BYTES", PIECE)
 
 
 def _write(keys, blocks, start=0, parent=bytes(16)) -> ChainWrite:
@@ -30,9 +31,9 @@ def _write(keys, blocks, start=0, parent=bytes(16)) -> ChainWrite:
 
 def test_pieces_cover_every_buffer_once_in_order():
     views = [memoryview(bytes(BLOCK))] * N
-    spans = sf.pieces(views)
+    spans = sf.pieces(views, PIECE)
     assert spans == [(0, 3), (3, 6), (6, 9), (9, 10)]
-    assert sf.pieces(views, 10**9) == [(0, N)] and sf.pieces([]) == []
+    assert sf.pieces(views, 10**9) == [(0, N)] and sf.pieces([], PIECE) == []
     assert all(hi - lo <= sf.IOV_MAX for lo, hi in sf.pieces([memoryview(b"x")] * 3000, 10**9))
 
 
