@@ -15,8 +15,9 @@ method raises `OSError` on a fault; the store decides what a fault means (a miss
 
 Why pieces: the xxh3-64 of every block costs about half as much CPU as the copy between the page cache and the
 caller (measured: docs/store.md, "Store I/O against plain I/O"). A hash holds the GIL; a preadv or pwritev does
-not. So a helper thread moves piece k + 1 (read) or k - 1 (write) while the calling thread hashes piece k: on a
-machine with a second core the hashing costs no wall time. A run of one piece never leaves the calling thread.
+not. So a helper thread moves piece k + 1 (read) or k - 1 (write) while the calling thread hashes piece k: with a
+second core free the hashing costs no wall time, and a read piece small enough for one core's L2 is hashed from the
+cache its copy just filled. A run of one piece never leaves the calling thread.
 
 Read outcomes: the size read; "corrupt" (checksum mismatch), "truncated" (a short read), "missing" (no such
 file), "unreadable" (any other OSError: EIO, ENOTCONN, ESTALE...). What each means is the store's to say
