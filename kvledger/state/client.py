@@ -23,10 +23,13 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import xxhash
+
 from kvledger.core import KEY_BYTES
 from kvledger.state import auth
-from kvledger.state.pool import checksum
-from kvledger.state.handshake import Refused, open_session, recv_exact
+from kvledger.state.pool import running_checksum
+from kvledger.state.handshake import (Refused, after_handshake, open_session, recv_exact, recv_some, recvmsg_some,
+                                      send_all)
 from kvledger.state.handshake import settimeout as _settimeout
 from kvledger.state.wire import (RESPONSE_BYTES, Op, ProtocolError, PullResponse, PullStatus, pack_request,
                                      unpack_response)
@@ -47,7 +50,7 @@ class _Conn:
     """An authenticated connection: requests carry `seq` and a MAC under `session`."""
 
     sock: socket.socket
-    session: bytes
+    session: auth.Keyed
     seq: int = 0
     pending: bytes = b""  # the handshake's proof, sent together with the first request
 
@@ -169,10 +172,9 @@ class StateClient:
         sock = conn.sock
         seq, frame = conn.request(Op.GET, key)
         try:
-            _settimeout(sock, deadline)
-            sock.sendall(frame)
+            send_all(sock, [frame], deadline)
             # one scatter read takes the header and, usually, the first part of the payload
-            got = sock.recvmsg_into([head, out] if out is not None else [head])[0]
+            got = recvmsg_some(sock, [head, out] if out is not None else [head], deadline)
             if got == 0:
                 raise _Fault("eof", retry=reused)
             if got < RESPONSE_BYTES:
@@ -195,13 +197,15 @@ class StateClient:
             if resp.length > out.nbytes or early > resp.length:
                 raise _Fault("too_big" if resp.length > out.nbytes else "protocol")
             buf, dest = None, out[:resp.length]
+        digest = running_checksum()   # fed as the bytes arrive: hashed while the rest is still on its way
+        digest.update(dest[:early])
         try:
-            _recv_into(sock, dest[early:], deadline)
+            _recv_into(sock, dest[early:], deadline, digest)
         except TimeoutError:
             raise _Fault("timeout") from None
         except OSError:
             raise _Fault("reset") from None
-        if checksum(dest) != resp.checksum:
+        if digest.intdigest() != resp.checksum:
             raise _Fault("corrupt")
         return buf, Pulled(resp.length, resp.position)
 
@@ -249,7 +253,8 @@ class StateClient:
             raise _Fault(r.cause) from None  # "auth": it does not know the token, so it is told nothing more
         except OSError:
             raise _Fault("reset") from None
-        return _Conn(sock, session, pending=proof)
+        after_handshake(sock)
+        return _Conn(sock, auth.Keyed(session), pending=proof)
 
     def _checkin(self, address: str, conn: _Conn) -> None:
         with self._lock:
@@ -260,7 +265,7 @@ class StateClient:
         conn.sock.close()
 
 
-def _answer(head: bytearray, session: bytes, key: bytes, seq: int, extra: bool) -> PullResponse:
+def _answer(head: bytearray, session: auth.Keyed, key: bytes, seq: int, extra: bool) -> PullResponse:
     """The checked answer header to request `seq` for `key` (OK or MISS); _Fault otherwise.
     `extra`: payload bytes already arrived behind the header."""
     try:
@@ -287,14 +292,16 @@ def _backoff(wait: float, deadline: float) -> bool:
     return True
 
 
-def _recv_into(sock: socket.socket, dest: memoryview, deadline: float, retry_on_eof: bool = False) -> None:
-    """Fill `dest` from `sock` before `deadline`: TimeoutError, or _Fault("eof") when the peer closes."""
+def _recv_into(sock: socket.socket, dest: memoryview, deadline: float, digest: xxhash.xxh3_64 | None = None) -> None:
+    """Fill `dest` from `sock` before `deadline`, feeding each piece to `digest` (when given) as it lands:
+    TimeoutError, or _Fault("eof") when the peer closes."""
     got, n = 0, dest.nbytes
     while got < n:
-        _settimeout(sock, deadline)
-        k = sock.recv_into(dest[got:], n - got)
+        k = recv_some(sock, dest[got:], deadline)
         if k == 0:
-            raise _Fault("eof", retry=retry_on_eof and got == 0)
+            raise _Fault("eof")
+        if digest is not None:
+            digest.update(dest[got:got + k])
         got += k
 
 

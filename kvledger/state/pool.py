@@ -43,6 +43,12 @@ def checksum(data: bytes | bytearray | memoryview) -> int:
     return xxhash.xxh3_64_intdigest(data)
 
 
+def running_checksum() -> xxhash.xxh3_64:
+    """`checksum` fed piece by piece (`update`, then `intdigest()`): the same value for the same bytes, so a
+    puller checks each piece as it arrives instead of the whole snapshot after the last one."""
+    return xxhash.xxh3_64()
+
+
 def attach(name: str) -> shared_memory.SharedMemory:
     """Map the segment of a pool created by another process, without owning it: this process's
     exit leaves it in place. Close the result with `.close()`, never `.unlink()`."""

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from kvledger.core import KEY_BYTES
 from kvledger.state import auth
 from kvledger.state.pool import SlotPool
-from kvledger.state.handshake import Refused, accept_session, recv_exact
+from kvledger.state.handshake import Refused, accept_session, after_handshake, recv_exact, recv_some, send_all
 from kvledger.state.wire import REQUEST_BYTES, Op, ProtocolError, PullStatus, pack_response, unpack_request
 
 ACCEPT_POLL_S = 0.1
@@ -177,6 +177,7 @@ class StateServer:
             if not self._admit(conn):
                 self._answer_busy(sock, session)
                 return
+            after_handshake(sock)
             head, seq = bytearray(REQUEST_BYTES), 0
             while not self._stop.is_set() and self._one_request(conn, session, seq, head):
                 seq += 1
@@ -190,7 +191,7 @@ class StateServer:
                 self._authed.pop(sock, None)
             sock.close()
 
-    def _handshake(self, sock: socket.socket) -> bytes | None:
+    def _handshake(self, sock: socket.socket) -> auth.Keyed | None:
         """The session key once the peer proved the token within `handshake_timeout_s`; None
         (after answering DENIED, or closing unanswered a frame that does not parse) otherwise."""
         try:
@@ -205,7 +206,7 @@ class StateServer:
             self._refuse(sock, pack_response(None, PullStatus.DENIED, 0, _NO_KEY))
             return None
         self._count("authenticated")
-        return session
+        return auth.Keyed(session)
 
     def _admit(self, conn: _Conn) -> bool:
         """Count an authenticated connection; at the cap, close the least recently used idle one."""
@@ -223,7 +224,7 @@ class StateServer:
             self._authed[conn.sock] = conn
             return True
 
-    def _answer_busy(self, sock: socket.socket, session: bytes) -> None:
+    def _answer_busy(self, sock: socket.socket, session: auth.Keyed) -> None:
         """Answer the request that came with the proof BUSY (authenticated), then close."""
         try:
             req = unpack_request(recv_exact(sock, REQUEST_BYTES, time.monotonic() + self.handshake_timeout_s), session)
@@ -248,13 +249,12 @@ class StateServer:
                     break
                 drained += n
 
-    def _one_request(self, conn: _Conn, session: bytes, seq: int, head: bytearray) -> bool:
+    def _one_request(self, conn: _Conn, session: auth.Keyed, seq: int, head: bytearray) -> bool:
         """Answer request `seq`; False when the connection should close. Socket errors propagate."""
         sock, view = conn.sock, memoryview(head)
         conn.idle_since = time.monotonic()
-        sock.settimeout(self.idle_timeout_s)
         try:
-            got = sock.recv_into(view)
+            got = recv_some(sock, view, conn.idle_since + self.idle_timeout_s, ready=False)
         except TimeoutError:
             return False  # an idle kept-alive connection: close it quietly
         conn.idle_since = None
@@ -262,12 +262,10 @@ class StateServer:
             return False
         deadline = time.monotonic() + self.io_timeout_s  # a stalled request counts as a timeout
         while got < REQUEST_BYTES:
-            sock.settimeout(max(deadline - time.monotonic(), 1e-3))
-            n = sock.recv_into(view[got:])
+            n = recv_some(sock, view[got:], deadline)
             if n == 0:
                 return False
             got += n
-        sock.settimeout(self.io_timeout_s)  # sendall: the total time to send one answer
         try:
             req = unpack_request(head, session)
         except ProtocolError:
@@ -276,26 +274,21 @@ class StateServer:
             self._count("bad")
             return False
         if req.op is Op.PING:
-            sock.sendall(pack_response(session, PullStatus.OK, seq, req.key))
+            send_all(sock, [pack_response(session, PullStatus.OK, seq, req.key)], time.monotonic() + self.io_timeout_s)
             return True
         assert req.op is Op.GET
         return self._send_snapshot(sock, session, req.seq, req.key)
 
-    def _send_snapshot(self, sock: socket.socket, session: bytes, seq: int, key: bytes) -> bool:
+    def _send_snapshot(self, sock: socket.socket, session: auth.Keyed, seq: int, key: bytes) -> bool:
+        deadline = time.monotonic() + self.io_timeout_s  # the total time to send one answer
         pinned = self.pool.pin(key)
         if pinned is None:
             self._count("misses")
-            sock.sendall(pack_response(session, PullStatus.MISS, seq, key))
+            send_all(sock, [pack_response(session, PullStatus.MISS, seq, key)], deadline)
             return True
         try:
             frame = pack_response(session, PullStatus.OK, seq, key, pinned.size, pinned.position, pinned.checksum)
-            # one syscall for header + snapshot in the common case; the rest from where it stopped
-            sent = sock.sendmsg([frame, pinned.view])
-            if sent < len(frame):
-                sock.sendall(frame[sent:])
-                sent = len(frame)
-            if sent < len(frame) + pinned.size:
-                sock.sendall(pinned.view[sent - len(frame):])
+            send_all(sock, [frame, pinned.view], deadline)  # one sendmsg in the common case; the rest as room comes
         finally:
             with contextlib.suppress(BufferError):  # a slice of it still referenced after a failed send
                 pinned.view.release()

@@ -14,13 +14,14 @@ each answered in order. Keys are from `auth.py` (K = the token's handshake key, 
                         | position u64 | checksum u64 | mac 32 B, then `length` payload bytes
                                                        mac = HMAC(S, bytes 0..39 | request key)
 
-S = HMAC(K, "session" | cn | sn), one per connection. The client checks the server's proof
-before it sends its own, so a server without the token learns only a random nonce. `seq`
-counts the connection's requests from 0: a request or answer that is replayed, reordered or
-injected fails its MAC or its seq. The answer's MAC binds its header and `checksum` (xxh3-64
-of the payload, computed once when the snapshot was stored) to the session and the key; the
-payload itself is checked against that checksum (MACing 1.4 MB per pull would cost more than
-the copy). A DENIED answer (wrong proof) carries a zero MAC: there is no shared session.
+S = HMAC(K, "session" | cn | sn), one per connection (each side keys it once: `auth.Keyed`).
+The client checks the server's proof before it sends its own, so a server without the token
+learns only a random nonce. `seq` counts the connection's requests from 0: a request or answer
+that is replayed, reordered or injected fails its MAC or its seq. The answer's MAC binds its
+header and `checksum` (xxh3-64 of the payload, computed once when the snapshot was stored) to
+the session and the key; the payload itself is checked against that checksum (MACing 1.4 MB
+per pull would cost more than the copy). A DENIED answer (wrong proof) carries a zero MAC:
+there is no shared session.
 
 All integers little-endian. `length` above `MAX_PAYLOAD` is refused before a byte of it is
 read. No pickle, no code-executing format: a frame is parsed by `struct` and nothing else.
@@ -33,7 +34,7 @@ from enum import IntEnum
 from typing import NamedTuple
 
 from kvledger.core import KEY_BYTES
-from kvledger.state.auth import MAC_BYTES, NONCE_BYTES, mac, same
+from kvledger.state.auth import MAC_BYTES, NONCE_BYTES, Keyed, mac, same
 
 MAGIC_HELLO = b"KVLH"
 MAGIC_CHALLENGE = b"KVLC"
@@ -66,6 +67,10 @@ class PullStatus(IntEnum):
     DENIED = 2   # wrong proof; the server closes the connection
     BAD = 3      # malformed frame, bad MAC or seq; the server closes the connection
     BUSY = 4     # authenticated, but every connection slot is busy: back off, retry on a new connection
+
+
+_OPS = {int(op): op for op in Op}
+_STATUSES = {int(status): status for status in PullStatus}
 
 
 class ProtocolError(ValueError):
@@ -139,28 +144,28 @@ def unpack_proof(frame: bytes | bytearray | memoryview) -> bytes:
 
 # --- requests and answers --------------------------------------------------------------
 
-def pack_request(session: bytes, op: Op, seq: int, key: bytes = bytes(KEY_BYTES)) -> bytes:
+def pack_request(session: bytes | Keyed, op: Op, seq: int, key: bytes = bytes(KEY_BYTES)) -> bytes:
     assert len(key) == KEY_BYTES and 0 <= seq < 2**64
     head = _REQUEST_HEAD.pack(MAGIC_REQUEST, VERSION, int(op), 0, seq, key)
     return head + mac(session, head)
 
 
-def unpack_request(frame: bytes | bytearray | memoryview, session: bytes) -> PullRequest:
+def unpack_request(frame: bytes | bytearray | memoryview, session: bytes | Keyed) -> PullRequest:
     """Parse and authenticate a 64-byte request; `ProtocolError` for anything else."""
     if len(frame) != REQUEST_BYTES:
         raise ProtocolError(f"request is {len(frame)} B, expected {REQUEST_BYTES}")
-    head = bytes(frame[:_REQUEST_HEAD.size])
-    magic, version, op, _, seq, key = _REQUEST_HEAD.unpack(head)
+    magic, version, op, _, seq, key = _REQUEST_HEAD.unpack_from(frame)
     _check_magic(magic, version, MAGIC_REQUEST)
-    if not same(frame[_REQUEST_HEAD.size:], mac(session, head)):
+    view = memoryview(frame)
+    if not same(view[_REQUEST_HEAD.size:], mac(session, view[:_REQUEST_HEAD.size])):
         raise ProtocolError("bad request MAC")
-    try:
-        return PullRequest(Op(op), seq, key)
-    except ValueError:
-        raise ProtocolError(f"unknown op {op}") from None
+    known = _OPS.get(op)
+    if known is None:
+        raise ProtocolError(f"unknown op {op}")
+    return PullRequest(known, seq, key)
 
 
-def pack_response(session: bytes | None, status: PullStatus, seq: int, key: bytes, length: int = 0,
+def pack_response(session: bytes | Keyed | None, status: PullStatus, seq: int, key: bytes, length: int = 0,
                   position: int = 0, checksum: int = 0) -> bytes:
     """An answer to request `seq` for `key`; `session` None (no MAC) only for DENIED."""
     assert 0 <= length <= MAX_PAYLOAD and (status is PullStatus.OK or length == 0)
@@ -169,20 +174,19 @@ def pack_response(session: bytes | None, status: PullStatus, seq: int, key: byte
     return head + (mac(session, head, key) if session is not None else _ZERO_MAC)
 
 
-def unpack_response(frame: bytes | bytearray | memoryview, session: bytes | None, key: bytes) -> PullResponse:
+def unpack_response(frame: bytes | bytearray | memoryview, session: bytes | Keyed | None, key: bytes) -> PullResponse:
     """Parse a 72-byte answer to a request for `key`; its MAC is checked unless it is DENIED
     (which ends the connection either way) or `session` is None. `ProtocolError` otherwise."""
     if len(frame) != RESPONSE_BYTES:
         raise ProtocolError(f"response is {len(frame)} B, expected {RESPONSE_BYTES}")
-    head = bytes(frame[:_RESPONSE_HEAD.size])
-    magic, version, status, _, seq, length, position, checksum = _RESPONSE_HEAD.unpack(head)
+    magic, version, code, _, seq, length, position, checksum = _RESPONSE_HEAD.unpack_from(frame)
     _check_magic(magic, version, MAGIC_RESPONSE)
-    try:
-        status = PullStatus(status)
-    except ValueError:
-        raise ProtocolError(f"unknown status {status}") from None
+    status = _STATUSES.get(code)
+    if status is None:
+        raise ProtocolError(f"unknown status {code}")
+    view = memoryview(frame)
     if status is not PullStatus.DENIED and session is not None and \
-            not same(frame[_RESPONSE_HEAD.size:], mac(session, head, key)):
+            not same(view[_RESPONSE_HEAD.size:], mac(session, view[:_RESPONSE_HEAD.size], key)):
         raise ProtocolError("bad response MAC")
     if length > MAX_PAYLOAD or (status is not PullStatus.OK and length):
         raise ProtocolError(f"absurd length {length} for status {status.name}")

@@ -138,6 +138,18 @@ class LmdbStore:
             return None
         return rec
 
+    def _live_many(self, txn: lmdb.Transaction, keys: Sequence[bytes], now: float,
+                   cache: dict[int, float]) -> list[BlockRec | None]:
+        """`_live` of each key, looked up in one C-level call."""
+        with txn.cursor(db=self.index.blocks) as cur:
+            found = dict(cur.getmulti(keys))
+        recs: list[BlockRec | None] = []
+        for k in keys:
+            raw = found.get(k)
+            rec = None if raw is None else BlockRec(*BLOCK.unpack(raw))
+            recs.append(rec if rec is not None and self._expiry(txn, rec.seg, cache) >= now else None)
+        return recs
+
     def match(self, keys: Sequence[bytes], ttl_s: float) -> int:
         """Leading blocks present and unexpired (binary search, chain_check.py); notes their refresh."""
         return self._check(keys, ttl_s, False).blocks
@@ -286,9 +298,9 @@ class LmdbStore:
         try:
             with self.index.env.begin() as txn:
                 cache: dict[int, float] = {}
-                recs = [self._live(txn, k, now, cache) for k in keys]
-                paths = {r.seg: s.path.removeprefix(SEGMENTS) for r in recs
-                         if r is not None and (s := self.index.seg(txn, r.seg))}
+                recs = self._live_many(txn, keys, now, cache)
+                paths = {seg_id: s.path.removeprefix(SEGMENTS) for seg_id in {r.seg for r in recs if r is not None}
+                         if (s := self.index.seg(txn, seg_id))}   # once per segment, not once per block
             self.index.touched(len(keys))
         except lmdb.Error as e:
             log.warning("read of %s failed: %s", self.root, e)

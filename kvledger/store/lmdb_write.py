@@ -1,6 +1,7 @@
 """The write path of an `LmdbStore`: a segment file made durable, then indexed in one write transaction.
 
-    Writer.write_segment   the blocks of one put → tmp/.tmp-TAG (writev, fsync) → rename to segments/XX/TAG.kvs
+    Writer.write_segment   the blocks of one put → tmp/.tmp-TAG (segment_files.write_segment, fsync) → rename to
+                           segments/XX/TAG.kvs
     Writer.index_rows      in a write transaction: the segment's record, and a record for each block that no
                            other writer indexed meanwhile (a key indexed and unexpired is skipped: written once)
     Writer.index_segment   both in one transaction of its own; files left unnamed are unlinked after the commit
@@ -23,7 +24,7 @@ import lmdb
 from kvledger.store import segment as seg_format
 from kvledger.store.backend import ChainWrite, stored_name
 from kvledger.store.lmdb_index import BLOCK, BLOCK_TAIL, SEG_LE, BlockRec, LmdbIndex, SegRec
-from kvledger.store.segment_files import HOST, writev_all
+from kvledger.store.segment_files import HOST, write_segment
 
 ExpiryOf = Callable[[lmdb.Transaction, int, dict[int, float]], float]  # (txn, segment id, cache) → expiry (s)
 
@@ -62,13 +63,12 @@ class Writer:
     def write_segment(self, write: ChainWrite, sel: Sequence[int], views: Sequence[memoryview],
                       now: float) -> tuple[str, list[tuple], int]:
         """Write, fsync and rename one segment file; (relative path, entry rows, file size)."""
-        meta, rows, size = seg_format.encode_chain(write, sel, views, now)
         tag = f"{HOST}-{os.getpid()}-{secrets.token_hex(6)}"
         rel = f"segments/{tag[-2:]}/{tag}{seg_format.SUFFIX}"
         tmp = self.root / "tmp" / f".tmp-{tag}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            writev_all(fd, [memoryview(meta), *views])
+            rows, size = write_segment(fd, write, sel, views, now)
             if self.fsync:
                 os.fsync(fd)
             final = self.root / rel

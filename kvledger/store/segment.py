@@ -77,17 +77,24 @@ def encode_meta(namespace: str, ttl_class: str, ttl_s: float, created: float,
     return bytes(buf)
 
 
-def encode_chain(write: ChainWrite, sel: Sequence[int], views: Sequence[memoryview], now: float
-                 ) -> tuple[bytes, list[tuple[bytes, bytes, int, int, int, int]], int]:
-    """One segment of the blocks `sel` of `write` (in chain order, their bytes `views`), written at `now`: its
-    metadata prefix, its ENTRY rows (key, parent, chain position, size, xxh3-64, offset) and its file size.
-    The one encoder of a segment for every store that writes them (LMDB's and the shared mount's)."""
-    ns, cl = stored_name(write.namespace), stored_name(write.ttl_class)
-    offset = Layout.of(len(sel), len(ns), len(cl)).data_off
+def data_offset(write: ChainWrite, n: int) -> int:
+    """Where the first block's bytes start in a segment of `n` blocks of `write` (`Layout.data_off`)."""
+    return Layout.of(n, len(stored_name(write.namespace)), len(stored_name(write.ttl_class))).data_off
+
+
+def encode_chain(write: ChainWrite, sel: Sequence[int], views: Sequence[memoryview], now: float,
+                 xxhs: Sequence[int] | None = None) -> tuple[bytes, list[tuple[bytes, bytes, int, int, int, int]], int]:
+    """One segment of the blocks `sel` of `write` (in chain order, their bytes `views`, their xxh3-64 `xxhs` when
+    the caller hashed them already), written at `now`: its metadata prefix, its ENTRY rows (key, parent, chain
+    position, size, xxh3-64, offset) and its file size. The one encoder of a segment for every store that writes
+    them (LMDB's and the shared mount's)."""
+    offset = data_offset(write, len(sel))
+    if xxhs is None:
+        xxhs = [xxhash.xxh3_64_intdigest(v) for v in views]
     rows = []
-    for i, v in zip(sel, views):
+    for i, v, xxh in zip(sel, views, xxhs):
         parent = write.keys[i - 1] if i > 0 else write.parent
-        rows.append((write.keys[i], parent, write.start_pos + i, v.nbytes, xxhash.xxh3_64_intdigest(v), offset))
+        rows.append((write.keys[i], parent, write.start_pos + i, v.nbytes, xxh, offset))
         offset += v.nbytes
     meta = encode_meta(write.namespace, write.ttl_class, write.ttl_s, now, rows, [now + write.ttl_s] * len(rows))
     return meta, rows, offset

@@ -53,8 +53,7 @@ class SharedFiles:
     def write(self, write: ChainWrite, sel: Sequence[int], views: Sequence[memoryview], now: float) -> list[Location]:
         """One segment holding the blocks `sel` of `write` (in chain order), whole and renamed in; their
         locations."""
-        meta, rows, _ = sg.encode_chain(write, sel, views, now)
-        name = self.files.write(meta, list(views))
+        name, rows = self.files.write(write, sel, views, now)
         return [Location(name, off, size, xxh) for _, _, _, size, xxh, off in rows]
 
     def read(self, located: Sequence[tuple[int, Location]], bufs: Sequence[Buffer]) -> list[Outcome]:

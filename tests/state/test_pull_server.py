@@ -8,7 +8,7 @@ import time
 import pytest
 
 from kvledger.state.client import StateClient, parse_address
-from kvledger.state.pool import SlotPool
+from kvledger.state.pool import SlotPool, checksum
 from kvledger.state import auth
 from kvledger.state.wire import (
     CHALLENGE_BYTES,
@@ -178,6 +178,54 @@ def test_a_stalled_handshake_times_out_without_blocking_others(served):
     assert server.stats.timeouts == 1
 
 
+def _wait_for(cond, seconds: float = 5.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return cond()
+
+
+def test_an_idle_connection_and_a_stalled_request_are_closed_at_their_deadlines(served):
+    """After the handshake: a kept-alive connection with no request is closed after `idle_timeout_s` (quietly);
+    one whose request stops after its first bytes after `io_timeout_s` (a timeout)."""
+    server, _, data = served
+    for stall, limit, timeouts in ((b"", server.idle_timeout_s, 0), (b"KVLS\x02", server.io_timeout_s, 1)):
+        with socket.create_connection(parse_address(server.address), timeout=10) as s:
+            session, proof = handshake(s, TOKEN)
+            s.sendall(proof + pack_request(session, Op.GET, 0, bytes([1]) * 16))
+            resp = unpack_response(recv_exact(s, RESPONSE_BYTES), session, bytes([1]) * 16)
+            assert resp.status is PullStatus.OK and recv_exact(s, resp.length) == data[1]
+            t0 = time.monotonic()
+            s.sendall(stall)
+            assert recv_all(s) == b""   # closed by the server
+            assert limit - 0.2 < time.monotonic() - t0 < limit + 2
+        assert _wait_for(lambda want=timeouts: server.stats.timeouts == want)
+
+
+def test_a_reader_that_stops_reading_is_cut_at_the_answer_deadline():
+    """An answer that cannot be sent within `io_timeout_s` (the reader stopped reading) ends the connection,
+    counted as a timeout, and unpins the slot."""
+    with SlotPool(SIZE * 8, 1) as pool:   # 11 MB: more than the socket buffers hold
+        key = b"\x01" * 16
+        pool.put(key, 128, os.urandom(SIZE * 8))
+        server = StateServer(pool, TOKEN, io_timeout_s=0.5).start()
+        try:
+            s = socket.socket()
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.settimeout(10)
+            s.connect(parse_address(server.address))
+            session, proof = handshake(s, TOKEN)
+            t0 = time.monotonic()
+            s.sendall(proof + pack_request(session, Op.GET, 0, key))
+            assert unpack_response(recv_exact(s, RESPONSE_BYTES), session, key).status is PullStatus.OK
+            assert _wait_for(lambda: server.stats.timeouts == 1)   # and then it reads nothing more
+            assert 0.4 < time.monotonic() - t0 < 5
+            assert pool.pinned_count() == 0 and server.stats.served == 0
+            s.close()
+        finally:
+            server.stop()
+
+
 def test_idle_unauthenticated_connections_do_not_block_pulls(served):
     """Three times `max_connections` silent connections: a pull is served at once, they are cut."""
     server, _, data = served
@@ -334,6 +382,67 @@ def test_a_corrupted_transfer_is_a_miss():
         with StateClient(TOKEN) as c:
             assert c.pull(f"127.0.0.1:{bad.getsockname()[1]}", key) is None
             assert c.stats["corrupt"] == 1
+
+
+def _lying_holder(listener: socket.socket, key: bytes, data: bytes, announced: int, pieces: int) -> None:
+    """A holder that knows the token and answers one GET with `data` under the checksum `announced`, sent in
+    `pieces` pieces with pauses between them (so the client reads and checks it across many receives)."""
+    conn, _ = listener.accept()
+    hk = auth.derive_keys(TOKEN).handshake
+    cn, sn = recv_exact(conn, HELLO_BYTES)[8:], os.urandom(32)
+    conn.sendall(pack_challenge(sn, auth.server_proof(hk, cn, sn)))
+    recv_exact(conn, PROOF_BYTES + REQUEST_BYTES)
+    session = auth.session_key(hk, cn, sn)
+    conn.sendall(pack_response(session, PullStatus.OK, 0, key, len(data), 128, announced))
+    step = -(-len(data) // pieces)
+    for i in range(0, len(data), step):
+        conn.sendall(data[i:i + step])
+        time.sleep(0.01)
+    time.sleep(0.5)
+    conn.close()
+
+
+@pytest.mark.parametrize("flip", [None, 0, 77_777, SIZE - 1])   # intact; a byte changed in the first, a middle
+def test_a_snapshot_arriving_in_pieces_is_checked_across_all_of_them(flip):   # and the last piece
+    """The client checksums each piece as it lands: intact bytes in any pieces are a hit, byte for byte; one
+    changed byte anywhere is a miss ("corrupt")."""
+    key, data = b"\x05" * 16, os.urandom(SIZE)
+    sent = bytearray(data)
+    if flip is not None:
+        sent[flip] ^= 0xFF
+    with socket.create_server(("127.0.0.1", 0)) as holder:
+        threading.Thread(target=_lying_holder, args=(holder, key, bytes(sent), checksum(data), 13),
+                         daemon=True).start()
+        with StateClient(TOKEN) as c:
+            out = bytearray(SIZE + 100)
+            got = c.pull_into(f"127.0.0.1:{holder.getsockname()[1]}", key, out, PULL_S)
+            if flip is None:
+                assert got is not None and got.size == SIZE and out[:SIZE] == data and c.stats["hit"] == 1
+            else:
+                assert got is None and c.stats["corrupt"] == 1
+
+
+def test_bytes_that_change_in_the_slot_while_it_is_sent_are_a_miss():
+    """A slot whose bytes change after the server pinned it (a writer that broke the pin, broken memory) is sent
+    with the checksum taken at `put`: the puller's check catches it (a miss, never the changed bytes)."""
+    with SlotPool(SIZE, 2) as pool:
+        key, data = b"\x06" * 16, os.urandom(SIZE)
+        pool.put(key, 128, data)
+        real_pin = pool.pin
+
+        def pin_then_change(k: bytes):
+            pinned = real_pin(k)
+            pinned.view[SIZE // 2] ^= 0xFF   # in place, in the shared segment the server sends from
+            return pinned
+
+        pool.pin = pin_then_change
+        server = StateServer(pool, TOKEN).start()
+        try:
+            with StateClient(TOKEN) as c:
+                assert c.pull(server.address, key, PULL_S) is None
+                assert c.stats["corrupt"] == 1 and c.stats["hit"] == 0
+        finally:
+            server.stop()
 
 
 def test_module_level_pull(served):

@@ -99,3 +99,30 @@ def test_random_bytes_parse_or_raise_protocol_error_only(raw):
             pass
         else:
             assert raw[:3] == b"KVL"
+
+
+@pytest.mark.parametrize("key_len", [0, 1, 16, 32, 63, 64, 65, 200])
+def test_a_keyed_session_macs_exactly_as_hmac_sha256(key_len):
+    """`auth.Keyed` is RFC 2104 HMAC-SHA256 with its pads hashed once: the same MAC as `hmac.digest` for any key
+    (shorter, equal to and longer than SHA-256's 64-byte block) and any split of the message."""
+    import hmac
+    import os
+
+    key = os.urandom(key_len)
+    keyed = auth.Keyed(key)
+    for msg in (b"", b"x", os.urandom(40), os.urandom(1000)):
+        want = hmac.digest(key, msg, "sha256")
+        assert keyed.mac(msg) == want == auth.mac(keyed, msg[:3], msg[3:]) == auth.mac(key, msg)
+        assert keyed.mac(msg[:7], memoryview(msg)[7:]) == want
+    assert repr(keyed) == "Keyed(<secret>)"
+
+
+def test_frames_under_a_keyed_session_are_the_same_bytes():
+    keyed = auth.Keyed(S)
+    assert pack_request(keyed, Op.GET, 7, K) == pack_request(S, Op.GET, 7, K)
+    frame = pack_response(keyed, PullStatus.OK, 7, K, 10, 128, 99)
+    assert frame == pack_response(S, PullStatus.OK, 7, K, 10, 128, 99)
+    assert unpack_request(bytearray(pack_request(S, Op.PING, 3, K)), keyed).seq == 3
+    assert unpack_response(memoryview(frame), keyed, K).checksum == 99
+    with pytest.raises(ProtocolError, match="MAC"):
+        unpack_response(frame, auth.Keyed(bytes(32)), K)
