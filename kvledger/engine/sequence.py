@@ -83,6 +83,7 @@ class Sequence:
         return n if stop is None else min(n, stop - self.computed)
 
     def _stops(self) -> tuple[int, ...]:
+        """Positions a prefill chunk ends at, ascending (`prefill_chunk`)."""
         if len(self.tokens) == self.prompt_len:
             return self.checkpoints
         b = self.block_size
