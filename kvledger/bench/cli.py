@@ -18,6 +18,7 @@ BENCHES = {
     "sim": "kvledger.bench.sim",             # cluster simulator driven by a trace
     "serve": "kvledger.bench.serve_bench",   # kvledger serve under multi-turn chats vs --no-cache
     "ttft": "kvledger.bench.ttft_bench",     # reference engine: TTFT cold vs each hit kind
+    "preempt": "kvledger.bench.preempt_bench",   # reference engine at 2× oversubscription: preemption vs reserve
     "accuracy": "kvledger.bench.hit_accuracy",   # each hit kind's greedy tokens and logits vs cold, real text
     "rag": "kvledger.bench.rag_bench",       # a shared document and many questions, per snapshot strategy
     "vllm": "kvledger.integrations.vllm.bench",  # TTFT under vLLM: kvledger's connector vs ExampleConnector

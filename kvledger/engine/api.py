@@ -111,6 +111,8 @@ class RequestUsage:
                                    # derived from the decision): cached + computed = prompt for an exact hit,
                                    # so a usage that claims more reuse than happened shows
     legs: tuple[Leg, ...] = ()     # the cluster's engine legs of the request, in order (empty in one process)
+    preemptions: int = 0           # times the engine preempted it (recompute); its answer is the unpreempted one
+    recomputed_tokens: int = 0     # positions computed again after preemptions (never in computed_prompt_tokens)
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,10 +7,13 @@
         for event in engine.step(): ...
 
 Single-threaded: `add_request`, `step`, `abort` and `close` come from one thread. One step
-collects finished fetches, schedules (decode first, then prefill chunks, then admissions), runs
-one forward (swap-in of fresh hits overlapped), samples, and writes back what rule 4 and rule 7
-ask. A failure after the forward (sampling, write-back) ends only the sequence it belongs to, with
-finish_reason "error"; the batch's others go on. Invariant when idle: every device block is free or
+collects finished fetches, schedules (blocks for each running sequence's next token, preempting the
+most recently admitted when the pool has none; then decode, prefill chunks, admissions), runs one
+forward (swap-in of fresh hits overlapped), samples, and writes back what rule 4 and rule 7 ask. A
+preempted sequence keeps its tokens, generator and usage, and is recomputed when readmitted
+(loader.py's resume table; `preemption=False` reserves prompt + max_tokens up front instead). A failure
+after the forward (sampling, write-back) ends only the sequence it belongs to, with finish_reason
+"error"; the batch's others go on. Invariant when idle: every device block is free or
 cached (`check_integrity`).
 """
 
@@ -45,12 +48,15 @@ class Engine:
     def __init__(self, model: str | ModelEntry, *, block_ledger: object | None, state_ledger: object | None = None,
                  device: str = "cpu", max_num_seqs: int = 8, max_num_batched_tokens: int = 4096,
                  replay: bool = False, fetcher: str = "process", kv_cache_bytes: int = DEFAULT_KV_BYTES,
-                 fetch_timeout_s: float = 10.0, checkpoint_every: int = 0, max_seq_tokens: int | None = None) -> None:
+                 fetch_timeout_s: float = 10.0, checkpoint_every: int = 0, max_seq_tokens: int | None = None,
+                 preemption: bool = True) -> None:
         """`checkpoint_every`: rule 4′'s periodic checkpointing, a snapshot every that many prompt tokens
         during prefill (a multiple of B; 0: only rule 4's, at the prompt's end); the `periodic:N` state
         strategy's N (`Strategy.checkpoint_every`). The device pool holds `kv_cache_bytes` of blocks, and at
         least one request of `max_seq_tokens` prompt + output tokens (default: the model's context; a server
-        whose limits refuse longer requests may give less, so that a small pool can be asked for)."""
+        whose limits refuse longer requests may give less, so that a small pool can be asked for). `preemption`:
+        admission reserves the prompt and a sequence takes blocks as it decodes, preempted by recompute when the
+        pool runs out (True); or every request reserves prompt + max_tokens up front and none is preempted."""
         if fetcher not in ("process", "none"):
             raise ValueError("fetcher must be 'process' (its own process) or 'none' (no ledger reads)")
         self.model = (resolve(model) if isinstance(model, str) else model).load(device)
@@ -71,13 +77,14 @@ class Engine:
             staging = -(-self.max_model_len // self.spec.block_size)
             self.fetcher = Fetcher(block_ledger, block_bytes, staging, timeout_s=fetch_timeout_s)
         self.loader = HitLoader(self.model, self.pool, self.slots, self.fetcher, state_ledger, replay=replay,
-                                device_hits=block_ledger is not None)
+                                device_hits=block_ledger is not None, preemption=preemption)
         self.writer = LedgerWriter(self.model, block_ledger, state_ledger, self.slots)
         self.tails = TailStore()   # P/D: prompt tails kept for the decode engine (keep_tail)
         self.scheduler = Scheduler(max_num_seqs, max_num_batched_tokens)
         self.runner = ModelRunner(self.model)
         self.orphans: list = []  # fetch jobs of aborted sequences, retired when they end
         self.last_cost = StepCost()
+        self.preemptions = 0                  # sequences preempted so far (kvledger_engine_preemptions_total)
         self.pending: list[TokenEvent] = []  # events owed to the next step (aborts)
         self.record_logits = False            # tests and bench: keep each request's first-token logits
         self.first_logits: dict[str, torch.Tensor] = {}
@@ -101,8 +108,9 @@ class Engine:
             self._check_tail(req, tokens.size)
         seq = Sequence.from_request(req)
         seq.checkpoints = checkpoint_positions(seq.prompt_len, self.spec, self.checkpoint_every)
-        if self.loader.blocks_needed(seq) > self.pool.total:
-            raise ValueError(f"prompt + max_tokens needs {self.loader.blocks_needed(seq)} blocks; "
+        seq.block_size = self.spec.block_size
+        if self.loader.lifetime_blocks(seq) > self.pool.total:
+            raise ValueError(f"prompt + max_tokens needs {self.loader.lifetime_blocks(seq)} blocks; "
                              f"the device pool has {self.pool.total}")
         seq.generator = make_generator(req.sampling)
         self.scheduler.add(seq)
@@ -110,7 +118,9 @@ class Engine:
     def step(self) -> list[TokenEvent]:
         events, self.pending = self.pending, []
         swaps = self._collect_fetches()
-        batch = self.scheduler.schedule(self.loader.admit)
+        reserve = self.loader.reserve if self.loader.preemption else None
+        batch = self.scheduler.schedule(self.loader.admit, reserve, self._preempt)
+        swaps = [(seq, item) for seq, item in swaps if seq.status is SequenceStatus.RUNNING]  # not preempted
         if not batch and not swaps:
             if self.fetcher is not None and any(s.status is SequenceStatus.LOADING for s in self.scheduler.running):
                 self.fetcher.poll(0.05)
@@ -211,29 +221,42 @@ class Engine:
             return TokenEvent(seq.request_id, (), True, "error", self._usage(seq))
 
     def _advance(self, seq: Sequence, n: int, logits: torch.Tensor, cost: StepCost) -> TokenEvent | None:
-        was_prefill = seq.in_prefill
+        """Positions [computed, computed + n) are computed: write back what they complete, and sample when they
+        reach the last token. Writes of a resume happen only past `high_water` (the first pass made the others)."""
+        start, seen = seq.computed, seq.high_water
         seq.computed += n
-        if was_prefill:
-            seq.prompt_forwarded += n
+        self._count_forward(seq, start, seen)
+        if start < seq.prompt_len:
             seq.add_time("compute_s", cost.forward_s)
-        if seq.in_prefill:
-            if seq.computed in seq.checkpoints:
-                self.writer.store_checkpoint(seq, seq.computed)
-            return None
+        if seq.computed in seq.checkpoints and seq.computed > seen:
+            self.writer.store_checkpoint(seq, seq.computed)
         b = self.spec.block_size
-        if was_prefill:
+        if start < seq.prompt_len <= seq.computed:
             self.writer.store_blocks(seq, seq.prompt_len // b)
-            self.writer.store_prefill_snapshots(seq)
+            if seq.prompt_len > seen:
+                self.writer.store_prefill_snapshots(seq)
             self._cache_blocks(seq)
-            if seq.request.keep_tail:
+            if seq.request.keep_tail and seq.prompt_len > seen:
                 self._keep_tail(seq)
-        elif self.spec.has_swa and seq.computed % b == 0:
+        elif self.spec.has_swa and seq.computed % b == 0 and seq.computed > seq.prompt_len:
             self.slots.copy_replica(self.model, seq.slot, seq.computed)
-        if was_prefill and self.record_logits:
+        if seq.computed < len(seq.tokens):
+            return None
+        return self._sample(seq, logits)
+
+    def _count_forward(self, seq: Sequence, start: int, seen: int) -> None:
+        """Prompt positions forwarded for the first time → prompt_forwarded; positions below the high-water
+        mark forwarded again (a resume) → recomputed."""
+        seq.prompt_forwarded += max(0, min(seq.computed, seq.prompt_len) - max(start, seen))
+        seq.recomputed += max(0, min(seq.computed, seen) - start)
+        seq.high_water = max(seen, seq.computed)
+
+    def _sample(self, seq: Sequence, logits: torch.Tensor) -> TokenEvent:
+        first = seq.first_token_at is None
+        if first and self.record_logits:
             self.first_logits[seq.request_id] = logits.clone()
         token = sample_one(logits, seq.sampling, seq.tokens, seq.generator)
         seq.tokens.append(token)
-        first = seq.first_token_at is None
         if first:
             seq.first_token_at = time.perf_counter()
         reason = self._stop_reason(seq, token)
@@ -294,20 +317,40 @@ class Engine:
             self.writer.store_blocks(seq, seq.computed // self.spec.block_size)
             self.writer.store_replica(seq)
             self._cache_blocks(seq)
-        if seq.fetch_job is not None:
-            if seq.fetch_job.done:
-                self.fetcher.release(seq.fetch_job)
-            else:
-                self.orphans.append(seq.fetch_job)
-            seq.fetch_job = None
+        self._drop_fetch(seq)
         if seq.block_table:
             self.loader.release(seq)
         seq.status = SequenceStatus.FINISHED
         self.scheduler.remove(seq)
+
+    def _drop_fetch(self, seq: Sequence) -> None:
+        """The sequence no longer waits for its fetch: free the staging now, or when the job ends (orphans)."""
+        if seq.fetch_job is None:
+            return
+        if seq.fetch_job.done:
+            self.fetcher.release(seq.fetch_job)
+        else:
+            self.orphans.append(seq.fetch_job)
+        seq.fetch_job = None
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Preemption by recompute (the scheduler chose `seq` and requeues it): its full blocks computed so far stay
+        findable in the device prefix cache, as at a normal end (an inexact one's: only those it reused, rule 9);
+        blocks, slot and fetch are given back; tokens, generator and usage are kept. Nothing is cached before its
+        first forward (a LOADING sequence's blocks were never swapped in)."""
+        if seq.high_water > 0 and seq.block_table:
+            self._cache_blocks(seq)
+        self._drop_fetch(seq)
+        if seq.block_table or seq.slot >= 0:
+            self.loader.release(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.preemptions += 1
+        self.preemptions += 1
 
     def _usage(self, seq: Sequence) -> RequestUsage:
         ttft = seq.first_token_at - seq.arrival if seq.first_token_at is not None else None
         device = min(seq.device_hit_blocks * self.spec.block_size, seq.cached_tokens)
         return RequestUsage(seq.prompt_len, seq.cached_tokens, len(seq.output), seq.decision.kind.value, ttft,
                             dict(seq.timings), device, fetch_bytes=seq.fetch_bytes,
-                            fetch_misses=dict(seq.fetch_misses), computed_prompt_tokens=seq.prompt_forwarded)
+                            fetch_misses=dict(seq.fetch_misses), computed_prompt_tokens=seq.prompt_forwarded,
+                            preemptions=seq.preemptions, recomputed_tokens=seq.recomputed)

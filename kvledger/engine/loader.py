@@ -27,11 +27,44 @@ model that takes it, an exact replay from 0 over those blocks for every other wi
 actually reused. A windowed model keeps one spare block per sequence: if a lowered fallback must
 recompute a block shared through the device prefix cache, the sequence takes the spare instead
 of writing into the shared one (an exact replay rewrites none).
+
+Blocks reserved at admission (`blocks_needed`), + 1 spare for a windowed model:
+
+    | policy                   | blocks                             | later                                 |
+    |--------------------------|------------------------------------|---------------------------------------|
+    | preemption (default)     | ⌈(len(tokens) + 1) / B⌉: the prompt | `reserve` takes one more when the next |
+    |                          |   (or prompt + output) and the     |   token starts a block; the scheduler |
+    |                          |   first decode step                |   preempts when the pool has none     |
+    | no preemption            | ⌈(prompt + max_tokens) / B⌉        | nothing (all reserved up front)       |
+
+Both capped at the context. A request whose prompt + max_tokens alone exceed the pool is refused at
+`Engine.add_request` under both.
+
+Readmitting a preempted sequence of n = len(tokens) tokens (`_resume`): only exact paths, only blocks the
+device prefix cache still holds (nothing is fetched), and the decision, `cached_tokens` and
+`device_hit_blocks` of its first admission stay as they were (a resume's reuse is no prompt cache hit):
+
+    | the sequence               | held leading blocks looked up | resumes at                             |
+    |----------------------------|-------------------------------|----------------------------------------|
+    | exact, full attention      | keys[:(n − 1) // B] (output   | h·B, computing [h·B, n)                |
+    |                            |   blocks too)                 |                                        |
+    | exact, windowed            | keys[:cap_blocks(L)]          | q: the latest snapshot ≤ h·B the state |
+    |                            |   (the prompt's only: the     |   ledger holds, blocks [0, q) held;    |
+    |                            |   window of a later position  |   none (or it does not arrive): the    |
+    |                            |   is not stored whole)        |   exact replay of [0, n) over the held |
+    |                            |                               |   blocks (`core.exact_replay`)         |
+    | not exact (a fallback or   | those its decision reused     | its own decision again, the same       |
+    |   a bounded replay first)  |                               |   truncation (what an unpreempted run  |
+    |                            |                               |   computes); some gone: from 0, exact  |
+
+Rule 3's fallback is never taken on a resume. The resume's chunks end at the prompt's end (rule 4's
+windows) and at the last block boundary in the output (the decode replica), as a first run's did.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
 
 import torch
 
@@ -45,21 +78,57 @@ from kvledger.engine.state_slots import StateSlots
 from kvledger.engine.swapin import SwapItem
 
 
+@dataclass(frozen=True, slots=True)
+class ResumePoint:
+    """Where a preempted sequence resumes (module docstring's resume table): its first `blocks` blocks are held
+    device blocks, block KV below `keep_until` is read and never written, computation restarts at `start`.
+    Invariant: start <= blocks · B, and keep_until <= blocks · B."""
+
+    start: int
+    blocks: int
+    keep_until: int = 0
+    truncate_from: int | None = None
+
+
 class HitLoader:
     def __init__(self, model: Model, pool: BlockPool, slots: StateSlots, fetcher: Fetcher | None,
-                 state_ledger: object | None, *, replay: bool, device_hits: bool = True) -> None:
+                 state_ledger: object | None, *, replay: bool, device_hits: bool = True,
+                 preemption: bool = True) -> None:
         self.model, self.spec, self.pool, self.slots = model, model.spec, pool, slots
         self.fetcher, self.state_ledger, self.replay = fetcher, state_ledger, replay
         self.device_hits = device_hits   # False: a no-cache baseline, every prompt computed as decided
+        self.preemption = preemption     # False: reserve prompt + max_tokens at admission (the old policy)
         self.faults: Counter[str] = Counter()
 
-    def blocks_needed(self, seq: Sequence) -> int:
-        """Blocks reserved at admission: prompt + max_tokens (capped at the context), + 1 spare if windowed."""
+    def lifetime_blocks(self, seq: Sequence) -> int:
+        """Blocks of the whole request: prompt + max_tokens (capped at the context), + 1 spare if windowed."""
         tokens = min(seq.prompt_len + seq.sampling.max_tokens, self.model.max_model_len)
-        return -(-tokens // self.spec.block_size) + (1 if self.spec.has_swa else 0)
+        return blocks_spanned(tokens, self.spec) + (1 if self.spec.has_swa else 0)
+
+    def blocks_needed(self, seq: Sequence) -> int:
+        """Blocks reserved at admission (module docstring): the tokens so far and the next step's, with
+        preemption; the whole request's without."""
+        if not self.preemption:
+            return self.lifetime_blocks(seq)
+        tokens = min(len(seq.tokens) + 1, seq.prompt_len + seq.sampling.max_tokens, self.model.max_model_len)
+        return blocks_spanned(tokens, self.spec) + (1 if self.spec.has_swa else 0)
+
+    def reserve(self, seq: Sequence) -> bool:
+        """Blocks for what the sequence's next step computes, [computed, len(tokens)): one more from the pool
+        when its next token starts a new block; False (nothing taken) when the pool has none free."""
+        need = blocks_spanned(len(seq.tokens), self.spec) - len(seq.block_table)
+        if need <= 0:
+            return True
+        if self.pool.num_free() < need:
+            return False
+        seq.block_table.extend(self.pool.allocate(need))
+        return True
 
     def admit(self, seq: Sequence) -> bool:
-        """Allocate and start loading; False (nothing held) when blocks, slot or staging are short."""
+        """Allocate and start loading (a preempted sequence: resume); False (nothing held) when blocks, slot or
+        staging are short."""
+        if seq.high_water > 0:
+            return self._resume(seq)
         if self.pool.num_free() < self.blocks_needed(seq):
             return False
         slot = -1
@@ -120,15 +189,91 @@ class HitLoader:
         d = seq.decision
         if not d.swa_hit:
             return d
-        key = seq.keys[d.block_hit_tokens // self.spec.block_size - 1]
+        if not self._import_snapshot(seq.keys[d.block_hit_tokens // self.spec.block_size - 1], slot,
+                                     d.block_hit_tokens):
+            return self._lower(seq, d.block_hit_tokens // self.spec.block_size, "snapshot")
+        return d
+
+    def _import_snapshot(self, key: bytes, slot: int, position: int) -> bool:
+        """The state ledger's snapshot of chain key `key` into `slot`'s window at `position`; whether it arrived
+        whole."""
         buf = self.slots.staging
         got = None
         if self.state_ledger is not None:
             got = self.state_ledger.fetch_into(key, memoryview(buf.numpy()))
         if got != buf.numel():
-            return self._lower(seq, d.block_hit_tokens // self.spec.block_size, "snapshot")
-        self.model.import_window(slot, d.block_hit_tokens, buf.to(self.model.device))
-        return d
+            return False
+        self.model.import_window(slot, position, buf.to(self.model.device))
+        return True
+
+    # --- resume after a preemption (module docstring's resume table) ---------------------
+
+    def _resume(self, seq: Sequence) -> bool:
+        """Readmit a preempted sequence at its `ResumePoint`; False (nothing held) when blocks or slot are short."""
+        need = self.blocks_needed(seq)
+        if self.pool.num_free() < need:
+            return False
+        slot = -1
+        if self.spec.has_swa:
+            slot = self.slots.allocate()
+            if slot is None:
+                return False
+        held = self.pool.lookup(self._resume_keys(seq))
+        point = self._resume_point(seq, slot, len(held))
+        self.pool.free(held[point.blocks:])
+        held = held[:point.blocks]
+        if self.pool.num_free() < need - len(held):
+            self.pool.free(held)
+            self.slots.release(slot)
+            return False
+        seq.block_table = held + self.pool.allocate(need - len(held))
+        seq.slot, seq.computed = slot, point.start
+        seq.keep_blocks_until, seq.truncate_from = point.keep_until, point.truncate_from
+        seq.status = SequenceStatus.RUNNING
+        return True
+
+    def _resume_keys(self, seq: Sequence) -> list[bytes]:
+        """The chain keys of the leading blocks a resume may take from the device (resume table)."""
+        if not seq.exact:
+            return seq.keys[:blocks_spanned(seq.decision.reused_block_tokens, self.spec)]
+        if self.spec.has_swa:
+            return seq.keys[:cap_blocks(seq.prompt_len, self.spec)]
+        return seq.keys[:(len(seq.tokens) - 1) // self.spec.block_size]
+
+    def _resume_point(self, seq: Sequence, slot: int, held: int) -> ResumePoint:
+        """Where to resume with `held` leading blocks on the device: an exact path only (resume table)."""
+        b = self.spec.block_size
+        if not seq.exact:
+            return self._resume_inexact(seq, held)
+        if not self.spec.has_swa:
+            return ResumePoint(held * b, held)
+        q = self._resume_snapshot(seq, slot, held * b)
+        if q:
+            return ResumePoint(q, q // b)
+        d = exact_replay(seq.prompt_len, held, self.spec)
+        return ResumePoint(d.recompute_from, held, keep_until=d.reused_block_tokens)
+
+    def _resume_snapshot(self, seq: Sequence, slot: int, l1: int) -> int:
+        """The latest snapshot position q <= l1 of this prompt that the state ledger holds, imported into `slot`;
+        0 when there is none or it does not arrive (the resume replays exactly instead)."""
+        if self.state_ledger is None or l1 == 0:
+            return 0
+        b = self.spec.block_size
+        q = max(self.state_ledger.positions(seq.keys, at=range(b, l1 + 1, b)), default=0)
+        if q and self._import_snapshot(seq.keys[q // b - 1], slot, q):
+            return q
+        if q:
+            self.faults["resume_snapshot"] += 1
+        return 0
+
+    def _resume_inexact(self, seq: Sequence, held: int) -> ResumePoint:
+        """A sequence that was not exact from its start: its own decision again (the same truncation) when the
+        device still holds the blocks it reused; otherwise an exact recompute from 0 (counted as a fault)."""
+        d = seq.decision
+        if held == blocks_spanned(d.reused_block_tokens, self.spec):
+            return ResumePoint(d.recompute_from, held, d.reused_block_tokens if d.replay else 0, d.truncate_from)
+        self.faults["resume_lost"] += 1
+        return ResumePoint(0, 0)
 
     def _lower(self, seq: Sequence, blocks: int, cause: str) -> HitDecision:
         """A fault: decide again with only `blocks` leading blocks in hand and no snapshot (rule 8). A model that

@@ -7,7 +7,15 @@ admitted from the waiting queue while `max_num_seqs` and the token budget
 holds its place but computes nothing until they arrive; prefills of others go on meanwhile.
 
 Admission asks the engine (`admit`), which allocates the blocks, the slot and starts the fetch;
-it answers False when the resources are not there, and the queue waits. The waiting queue is fair
+it answers False when the resources are not there, and the queue waits.
+
+Preemption by recompute (as vLLM v1's scheduler does it, FCFS policy): before the batch is built, each
+running sequence, in admission order, gets the blocks its next step computes (`reserve`). When the pool
+has none, the most recently admitted running sequence is preempted (LIFO; it may be the one asking,
+and then it waits too): `preempt` gives back its blocks and slot, and it goes to the FRONT of its
+tenant's FIFO, so it is readmitted before that tenant's newer requests. A step that preempted admits
+nobody. The oldest running sequence is never preempted while another runs, and alone it fits the pool
+(the engine refuses any request that does not), so it always progresses: no livelock. The waiting queue is fair
 across tenants (`FairQueue`): one FIFO per tenant, served in turn, so one tenant's flood of waiting
 requests delays another's by at most one admission per tenant ahead of it, never by the whole flood.
 """
@@ -33,6 +41,10 @@ class FairQueue:
 
     def append(self, seq: Sequence) -> None:
         self._fifos.setdefault(tenant_of(seq.request.namespace), deque()).append(seq)
+
+    def appendleft(self, seq: Sequence) -> None:
+        """At the front of its tenant's FIFO (a preempted sequence); the tenant's turn is unchanged (or last, new)."""
+        self._fifos.setdefault(tenant_of(seq.request.namespace), deque()).appendleft(seq)
 
     def peek(self) -> Sequence | None:
         """The next sequence to admit (None: none waits)."""
@@ -78,8 +90,11 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self, admit: Callable[[Sequence], bool]) -> list[tuple[Sequence, int]]:
-        """(sequence, tokens to compute) for this step; empty when nothing can run now."""
+    def schedule(self, admit: Callable[[Sequence], bool], reserve: Callable[[Sequence], bool] | None = None,
+                 preempt: Callable[[Sequence], None] | None = None) -> list[tuple[Sequence, int]]:
+        """(sequence, tokens to compute) for this step; empty when nothing can run now. Without `reserve`,
+        admission reserved everything and nothing is preempted."""
+        preempted = self._reserve(reserve, preempt) if reserve is not None else False
         budget = self.max_num_batched_tokens
         batch: list[tuple[Sequence, int]] = []
         for seq in self.running:
@@ -91,7 +106,7 @@ class Scheduler:
                 n = seq.prefill_chunk(budget)
                 batch.append((seq, n))
                 budget -= n
-        while (seq := self.waiting.peek()) is not None and len(self.running) < self.max_num_seqs:
+        while not preempted and (seq := self.waiting.peek()) is not None and len(self.running) < self.max_num_seqs:
             if not admit(seq):   # the resources are not there: it waits, and its turn with it
                 break
             self.waiting.pop()
@@ -101,6 +116,25 @@ class Scheduler:
                 batch.append((seq, n))
                 budget -= n
         return batch
+
+    def _reserve(self, reserve: Callable[[Sequence], bool], preempt: Callable[[Sequence], None] | None) -> bool:
+        """Blocks for every running sequence's next step, oldest first, preempting LIFO (module docstring);
+        whether any sequence was preempted. Sequences already served are never the victim: it is always the
+        last of `running`, and the loop stops when the one asking is preempted."""
+        assert preempt is not None, "a scheduler that reserves must be able to preempt"
+        preempted = False
+        i = 0
+        while i < len(self.running):
+            seq = self.running[i]
+            while seq.status is SequenceStatus.RUNNING and not reserve(seq):
+                victim = self.running.pop()
+                preempt(victim)
+                self.waiting.appendleft(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            i += 1
+        return preempted
 
     def remove(self, seq: Sequence) -> None:
         if seq in self.running:

@@ -7,10 +7,18 @@ Positions of a sequence of `len(tokens)` tokens (prompt + output so far):
     | [0, cached_tokens)             | reused: device prefix cache, or fetched from the block ledger |
     | [recompute_from, computed)     | computed by this engine (recompute_from <= cached_tokens)    |
     | [computed, len(tokens))        | still to compute (the last token of a decoding sequence)     |
+    | [0, high_water)                | computed at least once, by this or an earlier admission      |
 
-Invariants: computed <= len(tokens); len(block_table) * B >= computed (blocks for prompt +
-max_tokens are reserved at admission); the block table's first `device_hit_blocks` blocks came
-from the device prefix cache and hold the blocks of `keys[:device_hit_blocks]`.
+Preemption by recompute (the scheduler's, LIFO) releases blocks and slot and puts the sequence back in
+the waiting queue with its tokens, generator and usage; readmitted, it computes [resume point,
+len(tokens)) as a prefill (`HitLoader`'s resume table) and decodes on. Positions below `high_water`
+computed again are counted in `recomputed`, never in `prompt_forwarded`.
+
+Invariants: computed <= len(tokens); len(block_table) * B >= computed, and >= len(tokens) for a RUNNING
+sequence once the scheduler reserved its step (admission reserves the prompt + 1 token, or, without
+preemption, prompt + max_tokens); the block table's first `device_hit_blocks` blocks came from the device
+prefix cache and hold the blocks of `keys[:device_hit_blocks]` (on a first admission; a resume's own
+device blocks are not counted there, its reuse is no prompt cache hit).
 """
 
 from __future__ import annotations
@@ -57,20 +65,37 @@ class Sequence:
     fetch_misses: dict[str, int] = field(default_factory=dict)   # cause → blocks the fetch missed
     finish_reason: str | None = None
     checkpoints: tuple[int, ...] = ()      # rule 4′: prefill positions a chunk ends at, to snapshot there
-    prompt_forwarded: int = 0              # prompt positions run through the forward (computed_prompt_tokens)
+    block_size: int = 0                    # B (the engine sets it; 0: a resume chunk does not stop at the replica)
+    prompt_forwarded: int = 0              # prompt positions run through the forward (computed_prompt_tokens),
+                                           # each counted once: a resume's second pass counts in `recomputed`
+    high_water: int = 0                    # positions [0, this) were computed at least once (0: no forward yet)
+    recomputed: int = 0                    # positions below high_water computed again after a preemption
+    preemptions: int = 0                   # times the scheduler preempted this sequence (RequestUsage.preemptions)
     handed_tail: bool = False              # the hit's last block is a tail handed over (P/D), not a ledger block
 
     def prefill_chunk(self, budget: int) -> int:
-        """Prompt tokens the next prefill chunk computes: the rest of the prompt within `budget`, ending at the
-        next checkpoint, if any (mid-prefill, the window ring holds only the latest window)."""
-        n = min(self.prompt_len - self.computed, budget)
-        stop = next((x for x in self.checkpoints if x > self.computed), None)
+        """Tokens the next prefill chunk computes: the rest of [computed, len(tokens)) within `budget`, ending at
+        the next stop, if any (mid-prefill, the window ring holds only the latest window). Stops: the
+        checkpoints, and for a resume (len(tokens) > prompt_len) the prompt's end (rule 4's windows are taken
+        there) and the last block boundary in the output (the decode replica is taken there)."""
+        n = min(len(self.tokens) - self.computed, budget)
+        stop = next((x for x in self._stops() if x > self.computed), None)
         return n if stop is None else min(n, stop - self.computed)
+
+    def _stops(self) -> tuple[int, ...]:
+        """Positions a prefill chunk ends at, ascending (`prefill_chunk`)."""
+        if len(self.tokens) == self.prompt_len:
+            return self.checkpoints
+        b = self.block_size
+        last_boundary = (len(self.tokens) - 1) // b * b if b else 0
+        tail = (last_boundary,) if last_boundary > self.prompt_len else ()
+        return (*self.checkpoints, self.prompt_len, *tail)
 
     @property
     def exact(self) -> bool:
         """Rule 9: no window of this sequence was truncated, so every block, window and replica it computes is
-        what a cold prefill computes, and may be stored and shared. False from a truncation on, for good."""
+        what a cold prefill computes, and may be stored and shared. False from a truncation on, for good (unless
+        a resume after a preemption, its reused blocks gone, recomputes it from 0: `HitLoader` resume table)."""
         return self.truncate_from is None
 
     @classmethod
@@ -92,7 +117,8 @@ class Sequence:
 
     @property
     def in_prefill(self) -> bool:
-        return self.computed < self.prompt_len
+        """More than one token to compute (a prompt, or a resume catching up), or the prompt not done yet."""
+        return self.computed < self.prompt_len or self.computed < len(self.tokens) - 1
 
     def add_time(self, name: str, seconds: float) -> None:
         self.timings[name] = self.timings.get(name, 0.0) + seconds

@@ -135,7 +135,8 @@ class WireEvent(BaseModel):
                      "completion_tokens": u.completion_tokens, "hit_kind": u.hit_kind, "ttft_s": u.ttft_s,
                      "timings": u.timings, "device_cached_tokens": u.device_cached_tokens, "engine": engine_id,
                      "fetch_bytes": u.fetch_bytes, "fetch_misses": u.fetch_misses,
-                     "computed_prompt_tokens": u.computed_prompt_tokens}
+                     "computed_prompt_tokens": u.computed_prompt_tokens, "preemptions": u.preemptions,
+                     "recomputed_tokens": u.recomputed_tokens}
         return cls(token_ids=list(ev.token_ids), finished=ev.finished, finish_reason=ev.finish_reason, usage=usage)
 
     def token_event(self, request_id: str, vocab_size: int | None = None) -> TokenEvent:
@@ -153,7 +154,9 @@ class WireEvent(BaseModel):
                                  int(u.get("device_cached_tokens", 0)), u.get("engine"),
                                  int(u.get("fetch_bytes", 0)),
                                  {str(k): int(v) for k, v in (u.get("fetch_misses") or {}).items()},
-                                 int(u.get("computed_prompt_tokens", 0)))
+                                 int(u.get("computed_prompt_tokens", 0)),
+                                 preemptions=int(u.get("preemptions", 0)),
+                                 recomputed_tokens=int(u.get("recomputed_tokens", 0)))
             _check_usage(usage)
         return TokenEvent(request_id, tuple(self.token_ids), self.finished, self.finish_reason, usage)
 
@@ -163,7 +166,7 @@ class WireEvent(BaseModel):
 
 def _check_usage(u: RequestUsage) -> None:
     counts = (u.prompt_tokens, u.cached_tokens, u.completion_tokens, u.device_cached_tokens, u.fetch_bytes,
-              u.computed_prompt_tokens, *u.fetch_misses.values())
+              u.computed_prompt_tokens, u.preemptions, u.recomputed_tokens, *u.fetch_misses.values())
     if (min(counts) < 0 or not u.device_cached_tokens <= u.cached_tokens <= u.prompt_tokens
             or u.computed_prompt_tokens > u.prompt_tokens):
         raise ValueError("impossible token counts in the usage")

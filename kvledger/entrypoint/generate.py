@@ -190,6 +190,8 @@ def record(state: ServerState, prep: Prepared, out: Outcome) -> None:
     m.hit_tokens.labels(ns, kind).inc(cached)
     m.miss_tokens.labels(ns, kind).inc(usage.prompt_cache_miss_tokens)
     m.generation_tokens.labels(ns).inc(usage.completion_tokens)
+    if out.usage is not None:
+        m.preemptions.inc(out.usage.preemptions)
     ttft = None if out.first_token_at is None else out.first_token_at - prep.arrival
     if ttft is not None:
         m.ttft.labels("hit" if cached > 0 else "cold").observe(ttft)

@@ -125,6 +125,8 @@ class ServeMetrics:
         self.leg_cached_tokens = Counter("kvledger_engine_leg_cached_tokens", "Tokens a leg did not compute, by "
                                          "where they came from (device cache or the ledgers)", ["kind", "source"],
                                          registry=r)
+        self.preemptions = Counter("kvledger_engine_preemptions", "Requests preempted by recompute in an engine "
+                                   "(the pool ran out of blocks; each preemption counts once)", registry=r)
         self.engines = Gauge("kvledger_engines", "Engines in the registry (cluster mode), by role", ["role"],
                              registry=r)
         self.engine_restarts = Counter("kvledger_engine_restarts", "Engines seen back in the registry as a new "

@@ -80,3 +80,40 @@ def test_prefill_chunks_end_at_the_checkpoints():
     assert chunks == [512, 512, 512, 464]
     seq.computed = 0
     assert seq.prefill_chunk(300) == 300
+
+
+def _preempt(seq) -> None:
+    seq.status = SequenceStatus.WAITING
+
+
+def test_preemption_takes_the_most_recently_admitted_and_requeues_it_first():
+    """vLLM v1's policy: the oldest running sequence that lacks a block preempts the newest (LIFO), which goes to
+    the front of its tenant's FIFO; a step that preempted admits nobody."""
+    scheduler = Scheduler(max_num_seqs=8, max_num_batched_tokens=64)
+    a, b, c, d = (_seq(rid, "alpha") for rid in ("a", "b", "c", "d"))
+    for seq in (a, b, c):
+        scheduler.add(seq)
+    assert _admitted(scheduler) == ["a", "b", "c"]
+    scheduler.add(d)
+    short = {"a"}   # a lacks a block until c is gone
+
+    def reserve(seq) -> bool:
+        return seq.request_id not in short or c not in scheduler.running
+
+    batch = scheduler.schedule(lambda seq: True, reserve, _preempt)
+    assert [s.request_id for s, _ in batch] == ["a", "b"]
+    assert [s.request_id for s in scheduler.waiting] == ["c", "d"] and c.status is SequenceStatus.WAITING
+    c.status = SequenceStatus.RUNNING   # what admit does
+    assert [s.request_id for s, _ in scheduler.schedule(lambda seq: True, lambda seq: True, _preempt)][-2:] == \
+        ["c", "d"]
+
+
+def test_the_newest_preempts_itself_when_it_is_the_one_short():
+    scheduler = Scheduler(max_num_seqs=8, max_num_batched_tokens=64)
+    a, b = _seq("a", "alpha"), _seq("b", "beta")
+    scheduler.add(a)
+    scheduler.add(b)
+    assert _admitted(scheduler) == ["a", "b"]
+    batch = scheduler.schedule(lambda seq: True, lambda seq: seq is not b, _preempt)
+    assert [s.request_id for s, _ in batch] == ["a"] and scheduler.running == [a]
+    assert list(scheduler.waiting) == [b] and b.status is SequenceStatus.WAITING

@@ -88,3 +88,11 @@ def test_an_engine_back_with_another_pid_counts_as_a_restart():
     assert metric(text, "kvledger_engine_restarts_total", engine="decode-0") == 1
     assert metric(text, "kvledger_engine_restarts_total", engine="prefill-0") == 0
     assert metric(text, "kvledger_engines", role="decode") == 1 and metric(text, "kvledger_engines") == 2
+
+
+def test_preemptions_are_a_counter_named_as_prometheus_asks():
+    from .metrics_text import metric
+
+    metrics = ServeMetrics(lambda: None)
+    metrics.preemptions.inc(2)
+    assert metric(generate_latest(metrics.registry).decode(), "kvledger_engine_preemptions_total") == 2
