@@ -6,8 +6,9 @@ The shapes, run in this order on each server, `max_concurrency` 1 (one request a
 - `unshared`: `--requests` prompts of `--prefix + --suffix` random tokens: every one cold;
 - `shared`: `--requests` prompts sharing their first `--prefix` tokens (vLLM's random dataset,
   `--random-prefix-len`): the first is cold, the rest hit on the prefix;
-- `restart`: the server is stopped and started again on the same data folder, then 2 prompts of `shared` are
-  sent again: kvledger finds the prefix on its store, vLLM's cache in memory is gone.
+- `restart`: the server is stopped and started again on the same data folder, then the prompts of `shared` are
+  sent again (the same seed: the same prompts): kvledger finds them on its store, vLLM's cache in memory is
+  gone. Its first request is the figure.
 
 After each start, 2 requests of the same sizes on prompts of their own warm the server up (its first calls
 are not what the shapes measure).
@@ -17,7 +18,8 @@ request after the restart, and TPOT p50 and p99 (every request: the mean gap bet
 ratios are kvledger over vLLM (`hit_ttft_ratio`, `cold_ttft_ratio`, `tpot_ratio`): under 1, kvledger is faster.
 
 vLLM runs from `.venv-vllm` (`make vllm-venv`), through `kvledger.integrations.vllm.serve` (the CPU wheel's
-launcher); both servers use every core the process may use, vLLM with its defaults but the KV cache space.
+launcher); both servers use every core the process may use (vLLM reserves none for its frontend here), vLLM
+with its defaults but the KV cache space and `--vllm-dtype` (float32, as the reference engine's weights).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from kvledger.util.serve_process import free_port, spawn, terminate
 
 VLLM_PYTHON = Path(".venv-vllm/bin/python")
 START_TIMEOUT_S = 900.0
-VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2"}
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}   # every core computes
 CLIENT = ("import sys, kvledger.integrations.vllm.serve; from vllm.entrypoints.cli.main import main; "
           "sys.argv = ['vllm', 'bench', 'serve', *sys.argv[1:]]; main()")
 
@@ -55,6 +57,8 @@ def add_against_arguments(p: Any) -> None:
                    "%(default)s)")
     p.add_argument("--requests", type=int, default=6, help="with --against: requests per shape (default "
                    "%(default)s)")
+    p.add_argument("--vllm-dtype", default="float32", help="with --against: vLLM's --dtype (default %(default)s: "
+                   "the reference engine's weights; bf16 runs emulated on a CPU without AVX-512 BF16)")
     p.add_argument("--vllm-python", default=str(VLLM_PYTHON), help="with --against: the Python of a virtualenv with "
                    "vLLM and kvledger (default %(default)s)")
 
@@ -99,8 +103,7 @@ def _side(side: str, args: Any, name: str, folder: Path, work: Path) -> dict[str
             out[shape] = _client(args, name, folder, server.url, work / f"{shape}.json", **s)
         server.stop()
         _start_warm(server, args, name, folder, work)
-        out["restart"] = _client(args, name, folder, server.url, work / "restart.json", prefix=args.prefix,
-                                 input=args.suffix, n=2, seed=2)
+        out["restart"] = _client(args, name, folder, server.url, work / "restart.json", **shapes["shared"])
     finally:
         server.stop()
     return out
@@ -133,7 +136,8 @@ class _Server:
         else:
             cmd = [self.args.vllm_python, "-m", "kvledger.integrations.vllm.serve", str(self.folder),
                    "--served-model-name", self.name, "--host", "127.0.0.1", "--port", str(self.port),
-                   "--block-size", "128", "--enable-prefix-caching", "--max-model-len",
+                   "--block-size", "128", "--enable-prefix-caching", "--dtype", self.args.vllm_dtype,
+                   "--max-model-len",
                    str(self.args.prefix + self.args.suffix + self.args.output_tokens + 64)]
             env = {**os.environ, **VLLM_ENV}
         with open(self.work / f"{self.side}.log", "ab") as log:
