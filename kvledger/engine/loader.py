@@ -129,13 +129,9 @@ class HitLoader:
         staging are short."""
         if seq.high_water > 0:
             return self._resume(seq)
-        if self.pool.num_free() < self.blocks_needed(seq):
+        slot = self._slot_if_room(self.blocks_needed(seq))
+        if slot is None:
             return False
-        slot = -1
-        if self.spec.has_swa:
-            slot = self.slots.allocate()
-            if slot is None:
-                return False
         if self.device_hits:
             seq.decision = self._with_device_cache(seq)
         decision = self._snapshot(seq, slot)
@@ -169,6 +165,13 @@ class HitLoader:
             decision = self._lower(seq, len(on_device), "no_fetcher")
         self._start(seq, decision)
         return True
+
+    def _slot_if_room(self, blocks: int) -> int | None:
+        """A state slot for an admission (-1: the model keeps none) when `blocks` blocks are free and a slot is;
+        None (nothing taken) otherwise."""
+        if self.pool.num_free() < blocks:
+            return None
+        return self.slots.allocate() if self.spec.has_swa else -1
 
     def _with_device_cache(self, seq: Sequence) -> HitDecision:
         """The device prefix cache may hold more leading blocks than the CHECK found: blocks this engine
@@ -211,13 +214,9 @@ class HitLoader:
     def _resume(self, seq: Sequence) -> bool:
         """Readmit a preempted sequence at its `ResumePoint`; False (nothing held) when blocks or slot are short."""
         need = self.blocks_needed(seq)
-        if self.pool.num_free() < need:
+        slot = self._slot_if_room(need)
+        if slot is None:
             return False
-        slot = -1
-        if self.spec.has_swa:
-            slot = self.slots.allocate()
-            if slot is None:
-                return False
         held = self.pool.lookup(self._resume_keys(seq))
         point = self._resume_point(seq, slot, len(held))
         self.pool.free(held[point.blocks:])

@@ -381,21 +381,6 @@ def pwritev_all(fd: int, views: list[memoryview], offset: int) -> None:
             views[i] = views[i][n:]
 
 
-def writev_all(fd: int, views: list[memoryview]) -> None:
-    """Write all of `views` in order, IOV_MAX buffers per syscall, resuming after short writes."""
-    i = 0
-    while i < len(views):
-        chunk = views[i:i + IOV_MAX]
-        n = os.writev(fd, chunk)
-        for v in chunk:
-            if n >= v.nbytes:
-                n -= v.nbytes
-                i += 1
-            else:
-                views[i] = v[n:]
-                break
-
-
 def preadv_all(fd: int, views: list[memoryview], offset: int) -> int:
     """Fill `views` from `offset`; the number of bytes read (less than asked only at end of file)."""
     total = 0
