@@ -69,19 +69,27 @@ class SharedFiles:
     # --- the volume ------------------------------------------------------------------
 
     def claim_volume(self) -> str:
-        """The volume id of this folder (`VOLUME_FILE`), created when the folder holds none (O_EXCL: concurrent
-        first opens agree on one). An empty mount point gets a new id, which the index then refuses."""
+        """The volume id of this folder (`VOLUME_FILE`), created when the folder holds none. The id is written
+        whole to a file of this opener's own and then hard-linked in, so concurrent first opens (other
+        machines' mounts included) agree on one id and none reads a half-written file. An empty mount point
+        gets a new id, which the index then refuses. ValueError when the file is there but holds no id."""
         path = self.root / VOLUME_FILE
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileExistsError:
-            self.volume_id = path.read_text().strip()
-            return self.volume_id
-        with os.fdopen(fd, "w") as f:
-            f.write(secrets.token_hex(16) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        if not path.exists():   # (a folder that went read-only still opens while its id is there)
+            mine = self.root / f".{VOLUME_FILE}.{secrets.token_hex(8)}.tmp"
+            try:
+                with open(mine, "x") as f:
+                    f.write(secrets.token_hex(16) + "\n")
+                    f.flush()
+                    os.fsync(f.fileno())
+                try:
+                    os.link(mine, path)   # atomic, and fails when another opener's id is in place
+                except FileExistsError:
+                    pass
+            finally:
+                mine.unlink(missing_ok=True)
         self.volume_id = path.read_text().strip()
+        if not self.volume_id:
+            raise ValueError(f"{path} holds no volume id: remove it only if no index describes this volume")
         return self.volume_id
 
     def probe(self) -> str | None:

@@ -100,6 +100,31 @@ def test_a_local_read_error_never_unpublishes_a_shared_block(tmp_path, redis_ser
     assert a.get_into(keys, [bytearray(BLOCK) for _ in keys]) == [BLOCK] * 6
 
 
+def test_a_machine_opening_while_another_writes_the_volume_id_agrees_on_it(tmp_path, redis_server, monkeypatch):
+    """Two machines open a fresh volume at once: the second looks while the first is still writing its id
+    (here: as the first one draws the id it is about to write). Both must end on one id, which Redis then
+    records; before, the second read the first one's file empty, put "" in Redis, and the first was refused."""
+    from kvledger.store import shared_files
+
+    opened: list[BlockLedger] = []
+    real_token_hex = secrets.token_hex
+
+    def token_hex_while_the_other_machine_opens(nbytes: int) -> str:
+        if nbytes == 16 and not opened:
+            opened.append(None)   # once: the other machine's own open draws its id undisturbed
+            opened[0] = BlockLedger.open(path=tmp_path, redis_url=redis_server.url, fsync=False)
+        return real_token_hex(nbytes)
+
+    monkeypatch.setattr(shared_files.secrets, "token_hex", token_hex_while_the_other_machine_opens)
+    first = BlockLedger.open(path=tmp_path, redis_url=redis_server.url, fsync=False)
+    volume = (tmp_path / "volume.id").read_text().strip()
+    assert len(volume) == 32 and redis.Redis.from_url(redis_server.url).get(b"kvl:volume").decode() == volume
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".volume")) == []   # no id file left
+    keys, blocks = chain(3)
+    first.put_chain(keys, blocks)
+    assert opened[0].read_prefix(keys, [bytearray(BLOCK) for _ in keys]) == 3
+
+
 def test_a_folder_that_is_not_the_shared_volume_is_refused(tmp_path, redis_server):
     """The volume identity: an empty mount point (the shared filesystem not mounted) must not open as a private
     store whose reads would unpublish everyone's blocks and whose puts nobody else could read."""
