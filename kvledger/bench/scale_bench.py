@@ -40,6 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvledger.util.cpu_load import LoadSampler, burning
 from kvledger.util.output import CliError, emit_json
 
 HELP = "block ledger at node scale: persisted LMDB index vs the index rebuilt from the segments (migration)"
@@ -58,6 +59,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gc-blocks", type=int, default=None, help="expired blocks one gc() removes (default N/20)")
     p.add_argument("--gc-batch", type=int, default=4096, help="blocks per GC batch (the LMDB store caps it)")
     p.add_argument("--cold", action="store_true", help="measure without reading the index into the page cache first")
+    p.add_argument("--burners", type=int, default=0, help="processes spinning on the CPU while each design is "
+                   "measured (not built): the load the figures are taken under; `load_1m` reports it")
+    p.add_argument("--warm-load-s", type=float, default=60.0, help="with --burners, seconds the burners run "
+                   "before measuring, so the machine is at that load, not climbing to it")
 
 
 def _role(name: str, args: dict, timeout_s: float = 3600) -> dict:
@@ -137,6 +142,8 @@ def measure(design: str, root: Path, base: dict, gc_blocks: int, warm: bool) -> 
 def run(args: argparse.Namespace) -> int:
     if args.blocks < 8192 or args.per_put < 1 or args.block_bytes < 1:
         raise CliError("--blocks must be ≥ 8192 (the 1M-token prompt), --per-put and --block-bytes ≥ 1")
+    if args.burners < 0 or args.warm_load_s < 0:
+        raise CliError("--burners and --warm-load-s must be ≥ 0")
     base = {"block_bytes": args.block_bytes, "per_put": args.per_put, "check_reps": args.check_reps,
             "puts": args.puts, "gc_batch": args.gc_batch}
     top = Path(args.dir)
@@ -151,8 +158,12 @@ def run(args: argparse.Namespace) -> int:
         root = top / f"{design}-{n}"
         built = _ensure_built(design, root, base, n)
         gc_blocks = args.gc_blocks if args.gc_blocks is not None else max(n // 20, 8192)
-        figures = measure(design, root, base, gc_blocks, warm=not args.cold)
-        figures |= {"blocks": n, "build_s": built["build_s"], "build_reused": built["reused"]}
+        with burning(args.burners):
+            time.sleep(args.warm_load_s if args.burners else 0)
+            with LoadSampler() as load:
+                figures = measure(design, root, base, gc_blocks, warm=not args.cold)
+        figures |= {"blocks": n, "build_s": built["build_s"], "build_reused": built["reused"],
+                    "burners": args.burners, "load_1m": load.summary()}
         if design == "new":
             result |= figures
         else:

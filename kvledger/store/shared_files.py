@@ -19,6 +19,7 @@ any more): this machine's problem, which removes nothing.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
@@ -81,10 +82,8 @@ class SharedFiles:
                     f.write(secrets.token_hex(16) + "\n")
                     f.flush()
                     os.fsync(f.fileno())
-                try:
-                    os.link(mine, path)   # atomic, and fails when another opener's id is in place
-                except FileExistsError:
-                    pass
+                with contextlib.suppress(FileExistsError):   # another opener's id is in place: it stands
+                    os.link(mine, path)   # atomic: the whole file appears, or nothing does
             finally:
                 mine.unlink(missing_ok=True)
         self.volume_id = path.read_text().strip()
