@@ -16,6 +16,11 @@ runs with the same N), then, each in fresh processes (scale_roles.py):
     max_stall_ms  the longest put or CHECK (128K tokens) of another process during that gc(); beside it that
                   process's put p99 and the major page faults (index pages read from disk) of its slowest put
 
+`--burners N` runs N processes spinning on the CPU while each design is measured (after `--warm-load-s` of
+them alone, so the machine is at that load and not climbing to it); `load_1m` is the 1-minute load average
+sampled every second meanwhile (min, median, max). Issue 25's "at load 4" is `--burners 3`: with the probe and
+the writer, five runnable processes on two cores, which the load average reads as about 4.5.
+
 Before measuring, the index file is read once (`--cold`: not), so the page cache holds it as it
 would on a serving node with the memory for it; `index_cached_before` / `index_cached` are the
 shares of its pages cached before and after that read (this machine's page cache loses cold pages
