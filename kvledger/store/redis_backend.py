@@ -61,7 +61,7 @@ from kvledger.store.backend import (
 from kvledger.store.redis_keys import Placement
 from kvledger.store.segment_files import bytes_view
 from kvledger.store.shared_files import VOLUME_FILE, Location, SharedFiles
-from kvledger.store.redis_meta import (BURY, EXISTS, MATCH, PUT, REFRESH_GRAIN, TOMB_GRACE_S, decode_meta,
+from kvledger.store.redis_meta import (BURY, CLAIM_VOLUME, EXISTS, MATCH, PUT, REFRESH_GRAIN, TOMB_GRACE_S, decode_meta,
                                        encode_meta)
 from kvledger.util.redis_client import shown_url
 from kvledger.util.redis_fanout import FAULTS, Call, RedisNodes, command, script_call
@@ -105,6 +105,7 @@ class RedisStore:
         self._exists = self.nodes.script(EXISTS)
         self._put = self.nodes.script(PUT)
         self._bury = self.nodes.script(BURY)
+        self._claim = self.nodes.script(CLAIM_VOLUME)
         if check:  # raises: for the CLI, which reports an unreachable server (every master down) as bad input
             self._ping_any()
         # cluster mode: the files must be the volume this Redis's index describes (`claim_volume`); until that
@@ -119,11 +120,11 @@ class RedisStore:
         root, local = files.root, files.claim_volume()
         name = self.prefix + b"volume"
         slot = key_slot(name) if self.nodes.cluster else 0
-        reply = self.nodes.run([Call(slot, command("SET", name, local, "NX", "GET"))])[0]
+        reply = self.nodes.run([Call(slot, script_call(self._claim, [name], local))])[0]
         if isinstance(reply, BaseException):
             log.warning("cannot check the volume of %s against %s: %s", root, self.shown, reply)
             return False
-        if reply is not None and reply.decode() != local:
+        if reply.decode() != local:
             raise ValueError(f"{root} is not the volume the index at {self.shown} describes ({VOLUME_FILE} says "
                              f"{local}, Redis {reply.decode()}): is the shared filesystem mounted there?")
         return True

@@ -119,6 +119,18 @@ if KEYS[2] then redis.call('SET', KEYS[2], ARGV[5], 'PXAT', tonumber(ARGV[4]) + 
 return 1
 """
 
+# KEYS[1]: the volume id's name; ARGV[1]: the id the store folder holds. Sets the name when it is absent or empty
+# (kvledger before 2026-12-03 could record "" when two machines opened a fresh volume at once); returns what it
+# holds then, which the caller compares with its own id.
+CLAIM_VOLUME = """
+local v = redis.call('GET', KEYS[1])
+if not v or v == '' then
+  redis.call('SET', KEYS[1], ARGV[1])
+  return ARGV[1]
+end
+return v
+"""
+
 # KEYS: blocks of one hash slot. ARGV[1]: the tombstone name prefix ('': none); ARGV[2]: the length of the block
 # name prefix; ARGV[3]: the grace ms. Deletes each block; the tombstone of each one deleted says 'x' + this
 # server's time in ms (evicted then) and lives `grace` from now. Returns how many blocks were deleted.

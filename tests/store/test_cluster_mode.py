@@ -125,6 +125,19 @@ def test_a_machine_opening_while_another_writes_the_volume_id_agrees_on_it(tmp_p
     assert opened[0].read_prefix(keys, [bytearray(BLOCK) for _ in keys]) == 3
 
 
+def test_an_empty_volume_id_left_in_redis_by_that_race_is_replaced(tmp_path, redis_server):
+    """A Redis that recorded "" (the race above, before it was fixed) would refuse every machine for good; the
+    first store to open now records its folder's id, and a folder of another volume is still refused."""
+    r = redis.Redis.from_url(redis_server.url)
+    r.set(b"kvl:volume", b"")
+    a = BlockLedger.open(path=tmp_path / "mnt", redis_url=redis_server.url, fsync=False)
+    assert r.get(b"kvl:volume").decode() == (tmp_path / "mnt" / "volume.id").read_text().strip()
+    (tmp_path / "other").mkdir()
+    with pytest.raises(ValueError, match="is not the volume"):
+        BlockLedger.open(path=tmp_path / "other", redis_url=redis_server.url, fsync=False)
+    a.close()
+
+
 def test_a_folder_that_is_not_the_shared_volume_is_refused(tmp_path, redis_server):
     """The volume identity: an empty mount point (the shared filesystem not mounted) must not open as a private
     store whose reads would unpublish everyone's blocks and whose puts nobody else could read."""
