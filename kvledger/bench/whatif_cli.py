@@ -101,18 +101,10 @@ def _capacity(text: str) -> float:
 
 
 def _ttl(text: str, server: dict[str, float]) -> dict[str, float]:
-    from kvledger.util.units import parse_duration
+    from kvledger.entrypoint.config import parse_ttl_classes
 
     try:
-        if "=" not in text:
-            return dict.fromkeys(server, parse_duration(text))
-        out = dict(server)
-        for part in filter(None, (p.strip() for p in text.split(","))):
-            name, _, value = part.partition("=")
-            if name.strip() not in out:
-                raise ValueError(f"unknown TTL class {name.strip()!r}; known: {', '.join(sorted(out))}")
-            out[name.strip()] = parse_duration(value)
-        return out
+        return parse_ttl_classes(text, server)
     except ValueError as e:
         raise CliError(f"--ttl: {e}") from None
 

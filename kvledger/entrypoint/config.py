@@ -31,10 +31,10 @@ def per_key_default(max_num_seqs: int, keyed: bool) -> int:
 
 
 
-def parse_ttl_classes(text: str) -> dict[str, float]:
-    """`--ttl-classes`: 'agent=30s,chatbot=2m' (durations with units; a class not named keeps its default) or
-    '45s' (every class) → TTL seconds of every class. ValueError naming what is wrong."""
-    out = dict(DEFAULT_CLASSES)
+def parse_ttl_classes(text: str, base: Mapping[str, float] = DEFAULT_CLASSES) -> dict[str, float]:
+    """`--ttl-classes`: 'agent=30s,chatbot=2m' (durations with units; a class not named keeps its TTL in
+    `base`) or '45s' (every class) → TTL seconds of every class of `base`. ValueError naming what is wrong."""
+    out = dict(base)
     if "=" not in text:
         return dict.fromkeys(out, parse_duration(text))
     for part in filter(None, (p.strip() for p in text.split(","))):

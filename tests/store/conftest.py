@@ -8,8 +8,10 @@ import secrets
 
 import numpy as np
 import pytest
+import redis
 
 from kvledger.core import ModelSpec, chain_keys, root_key
+from kvledger.util.redis_cluster import cluster_client
 
 SPEC = ModelSpec.preset("tiny-v4")
 BLOCK = 4096  # small blocks keep the suite fast; the store does not care about the size
@@ -76,3 +78,16 @@ def store(request, tmp_path, shared_redis):
         st = RedisStore(url, prefix=prefix, files=SharedFiles(tmp_path, fsync=False))
     yield st
     st.close()
+
+
+@pytest.fixture(params=["server", "redis-cluster"])
+def redis_at(request) -> tuple[str, str, object]:
+    """(url, key prefix, a raw client) of a Redis of this test's own, or of the session's Redis Cluster."""
+    if request.param == "server":
+        server = request.getfixturevalue("redis_server")
+        yield server.url, "kvl:", redis.Redis.from_url(server.url)
+        return
+    url = request.getfixturevalue("redis_cluster").url
+    client = cluster_client(url, 2.0)
+    yield url, f"t{secrets.token_hex(6)}:", client
+    client.close()

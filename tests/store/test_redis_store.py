@@ -3,32 +3,15 @@
 from __future__ import annotations
 
 import os
-import secrets
 import signal
 import time
 
-import pytest
-import redis
 
 from kvledger.store.ledger import BlockLedger
 from kvledger.store.redis_backend import RedisStore
 from kvledger.store.ttl import DAY_S, TtlPolicy
-from kvledger.util.redis_cluster import cluster_client
 
 from .conftest import BLOCK, chain
-
-
-@pytest.fixture(params=["server", "redis-cluster"])
-def redis_at(request) -> tuple[str, str, object]:
-    """(url, key prefix, a raw client) of a Redis of this test's own, or of the session's Redis Cluster."""
-    if request.param == "server":
-        server = request.getfixturevalue("redis_server")
-        yield server.url, "kvl:", redis.Redis.from_url(server.url)
-        return
-    url = request.getfixturevalue("redis_cluster").url
-    client = cluster_client(url, 2.0)
-    yield url, f"t{secrets.token_hex(6)}:", client
-    client.close()
 
 
 def test_ttl_tails_expire_first_and_hits_refresh(redis_at):

@@ -16,7 +16,6 @@ from kvledger.store.ledger import BlockLedger
 from kvledger.store.lmdb_store import LmdbStore
 from kvledger.store.redis_backend import RedisStore
 from kvledger.store.ttl import DAY_S, TtlPolicy
-from kvledger.util.redis_cluster import cluster_client
 
 from .conftest import BLOCK, chain
 from .test_embedded_store import overwrite_in_every_block, segs
@@ -182,19 +181,6 @@ def test_a_ledger_resolves_the_class_and_passes_through(tmp_path, clock):
 
 
 # --- Redis: one server and a Redis Cluster ---------------------------------------------------------------
-
-@pytest.fixture(params=["server", "redis-cluster"])
-def redis_at(request) -> tuple[str, str, object]:
-    """(url, key prefix, a raw client) of a Redis of this test's own, or of the session's Redis Cluster."""
-    if request.param == "server":
-        server = request.getfixturevalue("redis_server")
-        yield server.url, "kvl:", redis.Redis.from_url(server.url)
-        return
-    url = request.getfixturevalue("redis_cluster").url
-    client = cluster_client(url, 2.0)
-    yield url, f"t{secrets.token_hex(6)}:", client
-    client.close()
-
 
 BLINK = TtlPolicy.parse(f"blink={1 / DAY_S}")   # a 1 s class: Redis expires on its own clock, tests sleep
 
