@@ -11,6 +11,9 @@ runs with the same N), then, each in fresh processes (scale_roles.py):
                   both designs, is reported apart (hash_ms_1m)
     put_p99_ms    p99 of puts of 64 blocks while another process writes, fsync off (the index's cost);
                   put_p99_ms_fsync with fsync on in both processes, beside the disk's floor fsync_p99_ms
+    put_floor_p99_ms  the floor beside it: right after each put, the CPU time that put used (put_cpu_ms is
+                  the median) is burnt in a plain loop, and this is the p99 of those loops' wall time: what
+                  work of a put's CPU takes on this machine at this load with no lock, I/O or page fault
     gc_s          one gc() removing `--gc-blocks` expired blocks (written just before, 1-second TTL)
     gc_idle_s     one gc() with nothing expired
     max_stall_ms  the longest put or CHECK (128K tokens) of another process during that gc(); beside it that
@@ -184,12 +187,12 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-KEYS = ("open_s", "rss_bytes", "check_ms_1m", "hash_ms_1m", "put_p99_ms", "put_p99_ms_fsync", "gc_s", "gc_idle_s",
-        "max_stall_ms")
+KEYS = ("open_s", "rss_bytes", "check_ms_1m", "hash_ms_1m", "put_p99_ms", "put_floor_p99_ms", "put_cpu_ms",
+        "put_p99_ms_fsync", "gc_s", "gc_idle_s", "max_stall_ms")
 
 
 def _print_table(r: dict) -> None:
     old = r.get("old", {})
-    print(f"{'':14} {'new (' + str(r['blocks']) + ')':>18} {'old (' + str(old.get('blocks', '-')) + ')':>18}")
+    print(f"{'':16} {'new (' + str(r['blocks']) + ')':>18} {'old (' + str(old.get('blocks', '-')) + ')':>18}")
     for k in KEYS:
-        print(f"{k:14} {r.get(k, float('nan')):18.4g} {old.get(k, float('nan')):18.4g}")
+        print(f"{k:16} {r.get(k, float('nan')):18.4g} {old.get(k, float('nan')):18.4g}")

@@ -11,7 +11,8 @@ and the CHECK prompt has real chain keys (hashing included).
     build   grow the store to `blocks` blocks (chains of 8,192 blocks, the 1M-token prompt among them)
     rebuild "old": drop the index and open: open_s, rss_bytes of a rebuild from every segment
     probe   open_s, rss_bytes, check_ms_1m (median, keys given; hash_ms_1m apart), put_p99_ms (while a
-            `writer` runs; fsync off, or on with put_p99_ms_fsync)
+            `writer` runs; fsync off, or on with put_p99_ms_fsync); each put's CPU (put_cpu_ms, median) burnt
+            again in a loop right after it: put_floor_p99_ms
     fsync   the disk's floor: a small file written and fsynced
     writer  puts until the stop file appears
     stall   alternate a put and a CHECK until the stop file appears; the longest of each (ms)
@@ -59,6 +60,16 @@ def synthetic_keys(chain_id: int, start: int, n: int) -> list[bytes]:
 
 def check_tokens() -> np.ndarray:
     return np.random.default_rng(12).integers(0, 100_000, CHECK_TOKENS, dtype=np.uint32)
+
+
+def spin_ms(cpu_s: float) -> float:
+    """Wall time (ms) of burning `cpu_s` seconds of this process's CPU in a loop: what work of that much CPU takes
+    here with no lock, no I/O and no page fault to wait for, the scheduler's share of the cores alone."""
+    t = time.perf_counter()
+    end = time.process_time() + cpu_s
+    while time.process_time() < end:
+        pass
+    return (time.perf_counter() - t) * 1e3
 
 
 def put_chain(store: Any, keys: list[bytes], start: int, parent: bytes, block: bytes, ttl_s: float = TTL_S) -> float:
@@ -159,10 +170,18 @@ def role_probe(a: dict) -> dict:
         out |= {"check_ms_1m": statistics.median(checks), "check_found_blocks": found,
                 "hash_ms_1m": statistics.median(hashes)}
     block = bytes(a["block_bytes"])
-    puts = [put_chain(store, synthetic_keys(10**9 + os.getpid() * 10**4 + i, 0, a["per_put"]), 0, bytes(16), block)
-            for i in range(a["puts"])]
+    puts, cpus, floors = [], [], []
+    for i in range(a["puts"]):
+        cpu = time.process_time()
+        puts.append(put_chain(store, synthetic_keys(10**9 + os.getpid() * 10**4 + i, 0, a["per_put"]), 0, bytes(16),
+                              block))
+        cpus.append(time.process_time() - cpu)
+        floors.append(spin_ms(cpus[-1]))
     tag = "_fsync" if a["fsync"] else ""
-    out |= {f"put_p99_ms{tag}": float(np.percentile(puts, 99)), f"put_p50_ms{tag}": statistics.median(puts)}
+    out |= {f"put_p99_ms{tag}": float(np.percentile(puts, 99)), f"put_p50_ms{tag}": statistics.median(puts),
+            f"put_cpu_ms{tag}": statistics.median(cpus) * 1e3,
+            f"put_floor_p99_ms{tag}": float(np.percentile(floors, 99)),
+            f"put_floor_p50_ms{tag}": statistics.median(floors)}
     if not a["fsync"]:
         out |= {"rss_bytes": _rss(), "rss_anon_bytes": _rss("RssAnon"), "rss_file_bytes": _rss("RssFile")}
         out["store_blocks"] = _blocks(store)

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-KEYS = ("open_s", "rss_bytes", "check_ms_1m", "put_p99_ms", "gc_s", "max_stall_ms")
+KEYS = ("open_s", "rss_bytes", "check_ms_1m", "put_p99_ms", "put_floor_p99_ms", "put_cpu_ms", "gc_s", "max_stall_ms")
 
 
 def test_bad_input_exits_2(run_cli, tmp_path):
