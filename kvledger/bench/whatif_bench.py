@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -190,6 +191,11 @@ def run(args: argparse.Namespace) -> None:
     chosen = check(args)
     scaling, requests = requests_of(args)
     spec = ModelSpec.preset(args.model)
+    # The servers compute with one torch thread unless OMP_NUM_THREADS says otherwise. A replay must keep to
+    # the trace's times on the machine its own driver and the engines' fetchers share, and torch's threads (one
+    # per core) wait for each other at every operation once another process takes a core: on 2 cores tiny-v4's
+    # TTFT went from 0.09 s to 1.0-1.6 s, runs fell behind their trace, and the simulator's timing no longer held.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory(prefix="kvledger-bench-whatif-") as tmp:
         root = Path(tmp)
         baseline = serve_run(args, requests, root / "baseline", "baseline")
