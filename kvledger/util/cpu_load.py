@@ -1,6 +1,6 @@
 """CPU load on demand, for benches that must be measured under load as well as quiet (issue 25: load 4).
 
-`burning(n)` runs n processes that spin on the CPU for as long as the block runs; `load_sampler()` samples
+`burning(n)` runs n processes that spin on the CPU for as long as the block runs; `LoadSampler` samples
 the 1-minute load average every second, so a bench reports the load its figures were taken under (the
 load average lags: it takes about a minute to climb to n)."""
 
