@@ -7,6 +7,11 @@ import pytest
 
 KVLEDGER = Path(sys.executable).parent / "kvledger"
 
+# Every server, engine and bench the suite starts computes on one torch thread, whatever the machine: the
+# suite runs many small ones beside its own driver, where more threads only wait for each other (a reference
+# check took 45 s at 2 threads and 21 s at 1 on 2 cores). A test that means another count passes --threads.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 
 @pytest.fixture
 def run_cli():

@@ -30,6 +30,7 @@ BENCHES = {
     "misses": "kvledger.bench.misses_bench", # miss attribution: the CHECK with it on vs off, the sample's memory
     "whatif": "kvledger.bench.whatif_bench",  # kvledger whatif's prediction vs a live rerun, per changed setting
     "pd": "kvledger.bench.pd_bench",         # P/D decode leg: the prompt's tail handed over vs recomputed
+    "threads": "kvledger.bench.threads_bench",   # kvledger serve per torch thread count, quiet and loaded
 }
 
 

@@ -17,7 +17,6 @@ equal.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import tempfile
 import time
@@ -112,6 +111,8 @@ def _stats(xs: list[float]) -> dict[str, float]:
 
 
 def _summary(args: argparse.Namespace, block: int, rows: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    from kvledger.engine.threads import threads_per_process   # what `kvledger up` gave each of its 2 engines
+
     sides = {side: {"ttft_s": _stats([r["ttft_s"] for r in rs]),
                     "decode_start_s": _stats([r["decode_start_s"] for r in rs]),
                     "decode_computed_tokens": sorted({r["decode_computed_tokens"] for r in rs}),
@@ -120,7 +121,7 @@ def _summary(args: argparse.Namespace, block: int, rows: dict[str, list[dict[str
     ratio = sides["handoff"]["decode_start_s"]["median"] / sides["recompute"]["decode_start_s"]["median"]
     same = [a["text"] == b["text"] for a, b in zip(rows["handoff"], rows["recompute"])]
     return {"model": args.model, "tokens": args.tokens, "tail_tokens": args.tokens % block, "requests": args.requests,
-            "threads_per_engine": len(os.sched_getaffinity(0)), "sides": sides,
+            "threads_per_engine": threads_per_process(None, 2), "sides": sides,
             "decode_start_ratio": round(ratio, 4), "replies_equal": all(same)}
 
 

@@ -15,6 +15,7 @@ from kvledger.util.redis_client import REDIS_URL_ENV
 
 def register(sub: argparse._SubParsersAction) -> None:
     from kvledger.engine.models.registry import add_checkpoint_arg, add_model_arg
+    from kvledger.engine.threads import add_threads_arg
 
     p = sub.add_parser("engine", help="one engine of a cluster (prefill, decode or both) on a shared Redis",
                        description="One engine process of a cluster: it loads the model, opens the shared ledgers "
@@ -31,6 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--token-file", type=Path, default=None, help="the cluster token (or $KVLEDGER_CLUSTER_TOKEN)")
     add_model_arg(p)
     add_checkpoint_arg(p)
+    add_threads_arg(p)
     p.add_argument("--host", default="127.0.0.1", help="address of the internal API and the state server")
     p.add_argument("--port", type=int, default=0, help="internal API port (0: any free one)")
     p.add_argument("--engine-id", default=None, help="default: <role>-<random>")
@@ -44,6 +46,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def cmd_engine(args: argparse.Namespace) -> None:
     from kvledger.engine.process import EngineConfig, EngineProcess, build_engine_app
     from kvledger.engine.models.registry import cli_checkpoint, cli_resolve
+    from kvledger.engine.threads import resolve_threads, set_threads
     from kvledger.util.cluster_token import load_token
     from kvledger.util.http_server import listen
 
@@ -54,6 +57,7 @@ def cmd_engine(args: argparse.Namespace) -> None:
     every = cli_checkpoint(cli_resolve(args.model), args.checkpoint_every)
     try:
         token = load_token(args.token_file)
+        threads = resolve_threads(args.threads)
     except ValueError as e:
         raise CliError(str(e)) from None
     engine_id = args.engine_id or f"{args.role}-{uuid.uuid4().hex[:6]}"
@@ -61,6 +65,7 @@ def cmd_engine(args: argparse.Namespace) -> None:
                           data_dir=args.data_dir, engine_id=engine_id, host=args.host,
                           max_num_seqs=args.max_num_seqs, grace_s=args.grace_s, checkpoint_every=every)
     sock = listen(args.host, args.port)
+    set_threads(threads)   # before the model loads, on the main thread: torch's every thread takes it
     url = f"http://{args.host}:{sock.getsockname()[1]}"
     try:
         proc = EngineProcess(config)

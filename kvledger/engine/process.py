@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -252,8 +253,8 @@ def build_engine_app(proc: EngineProcess, url: str) -> FastAPI:
         except StartupInterrupted:   # uvicorn already means to exit: it starts nothing and shuts down at once
             print(f"kvledger engine: {proc.config.engine_id} stopped while loading", flush=True)
         else:
-            print(f"kvledger engine: {proc.config.engine_id} ({proc.config.role}, {proc.config.model}) ready at "
-                  f"{url}", flush=True)
+            print(f"kvledger engine: {proc.config.engine_id} ({proc.config.role}, {proc.config.model}, "
+                  f"{torch.get_num_threads()} torch threads) ready at {url}", flush=True)
         try:
             yield
         finally:

@@ -30,6 +30,7 @@ GRACE_S = 10.0   # SIGTERM: seconds requests in flight may finish (then they end
 
 def register(sub: argparse._SubParsersAction) -> None:
     from kvledger.engine.models.registry import add_checkpoint_arg
+    from kvledger.engine.threads import add_threads_arg
     from kvledger.util.output import examples
 
     p = sub.add_parser("serve", help="the OpenAI-compatible server on the embedded store",
@@ -48,6 +49,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-cache", action="store_true", help="compute every prompt in full (a baseline)")
     p.add_argument("--max-num-seqs", type=int, default=8, help="requests the engine batches at once")
     add_checkpoint_arg(p)
+    add_threads_arg(p)
     store_args(p)
     trace_args(p)
     grace_arg(p)
@@ -72,8 +74,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--listen-fd", type=int, default=None, help=argparse.SUPPRESS)  # `kvledger up`'s bound socket
     trace_args(p)
     grace_arg(p)
-    p.set_defaults(func=cmd_serve, no_cache=False, max_num_seqs=8, checkpoint_every=0, store_capacity=None,
-                   ttl_classes=DEFAULT_TTL_CLASSES, gc_interval_s=0.0, kv_cache_bytes=None)
+    p.set_defaults(func=cmd_serve, no_cache=False, max_num_seqs=8, checkpoint_every=0, threads=None,
+                   store_capacity=None, ttl_classes=DEFAULT_TTL_CLASSES, gc_interval_s=0.0, kv_cache_bytes=None)
 
 
 def store_args(p: argparse.ArgumentParser) -> None:
@@ -143,6 +145,16 @@ def store_limits(args: argparse.Namespace) -> tuple[int | None, dict[str, float]
             raise CliError("--kv-cache-bytes must be a finite size of at least one byte")
         kv = int(size)
     return capacity, ttl, kv
+
+
+def cli_threads(requested: int | None) -> int:
+    """The torch thread count of --threads (engine/threads.py); CliError for a bad one."""
+    from kvledger.engine.threads import resolve_threads
+
+    try:
+        return resolve_threads(requested)
+    except ValueError as e:
+        raise CliError(str(e)) from None
 
 
 def grace_arg(p: argparse.ArgumentParser) -> None:
@@ -216,6 +228,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         except ValueError as e:
             raise CliError(str(e)) from None
     capacity, ttl_classes, kv_cache_bytes = store_limits(args)
+    threads = cli_threads(args.threads) if args.redis_url is None else 0   # an entrypoint computes nothing
     trace = trace_settings(args)
     data_dir = writable_dir(args.data_dir or default_data_dir(), "--data-dir")
     # before the model load: a busy port fails at once
@@ -231,7 +244,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
                          tail_handoff=not args.no_tail_handoff,
                          status_every_s=args.status_interval_s, checkpoint_every=every, ttl_classes=ttl_classes,
                          store_capacity_bytes=capacity, gc_interval_s=args.gc_interval_s, trace=trace,
-                         kv_cache_bytes=kv_cache_bytes)
+                         kv_cache_bytes=kv_cache_bytes, threads=threads)
     mode = "serve" if args.redis_url is None else "entrypoint"
     state, code = None, EXIT_INTERRUPTED   # until the server ran to its end: close as fast as after a Ctrl-C
     try:
@@ -277,7 +290,11 @@ def _load(state: Any, mode: str, routing: str) -> None:
     print(f"kvledger {what}: {config.model}  data {config.data_dir}  {tenants}"
           f"{'  cache disabled' if config.no_cache else ''}", file=sys.stderr, flush=True)
     if config.redis_url is None:
-        print(f"kvledger {mode}: loading {config.model} ...", file=sys.stderr, flush=True)
+        from kvledger.engine.threads import set_threads
+
+        threads = set_threads(config.threads)
+        print(f"kvledger {mode}: loading {config.model} (computing on {threads} torch threads) ...", file=sys.stderr,
+              flush=True)
         started = time.perf_counter()
         state.load_engine()
         print(f"kvledger {mode}: loaded in {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)

@@ -128,6 +128,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "partial last block instead of pulling it from the prefill engine (a baseline)")
     p.add_argument("--max-num-seqs", type=int, default=8, help="requests each engine batches at once")
     add_checkpoint_arg(p)
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="torch threads of each engine (default: $OMP_NUM_THREADS where set, else the CPUs this "
+                        "process may run on shared out among the engines, at least 1 each)")
     trace_args(p)   # the entrypoint's; its default folder is <data-dir>/trace (not a JuiceFS mount's)
     p.add_argument("--grace-s", type=float, default=GRACE_S, help="on a stop: seconds the entrypoint's open requests "
                    "and the engines' hand-offs get before they are cut (default %(default)s)")
@@ -136,6 +139,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def cmd_up(args: argparse.Namespace) -> None:
     from kvledger.engine.models.registry import NAMES, cli_checkpoint, cli_resolve
+    from kvledger.engine.threads import threads_per_process
     from kvledger.entrypoint.cli import is_loopback, trace_settings
     from kvledger.util.paths import default_data_dir
 
@@ -162,6 +166,10 @@ def cmd_up(args: argparse.Namespace) -> None:
         if getattr(args, flag) <= 0:
             raise CliError(f"--{flag.replace('_', '-')} must be > 0")
     trace_settings(args)
+    try:
+        args.threads = threads_per_process(args.threads, args.prefill + args.decode + args.both)
+    except ValueError as e:
+        raise CliError(str(e)) from None
     data = (args.data_dir or default_data_dir().with_name("cluster")).resolve()
     cluster = Cluster(args, data)
     code = cluster.run()
@@ -325,7 +333,7 @@ class Cluster:
             for i in range(n):
                 name = f"{role}-{i}"
                 args = ["engine", "--role", role, "--engine-id", name, "--max-num-seqs", str(a.max_num_seqs),
-                        "--checkpoint-every", str(a.checkpoint_every),
+                        "--checkpoint-every", str(a.checkpoint_every), "--threads", str(a.threads),
                         "--data-dir", str(dirs[len(children) % len(dirs)]), *common]
                 children.append(Child(name, args, self.logs / f"{name}.log"))
         assert self.front is not None

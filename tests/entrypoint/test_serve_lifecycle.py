@@ -127,14 +127,16 @@ def post(url: str, body: dict, timeout: float = 120) -> tuple[int, bytes]:
 LONG = {"model": "tiny-v4", "prompt": list(range(5, 300)), "max_tokens": 4096, "ignore_eos": True}
 
 
-def test_ready_line_names_the_real_port_of_port_0(serve):
-    server = serve("--port", "0")
+def test_ready_line_names_the_real_port_of_port_0_and_the_load_its_threads(serve):
+    server = serve("--port", "0", "--threads", "2")
     url = server.url
     port = int(url.rsplit(":", 1)[1])
     assert port > 0 and url == f"http://127.0.0.1:{port}"
     with urllib.request.urlopen(url + "/health", timeout=10) as r:
         assert r.status == 200
-    assert server.lines.index(server.wait_for("loading tiny-v4")) < server.lines.index(server.wait_for("ready at"))
+    loading = server.wait_for("loading tiny-v4")
+    assert "(computing on 2 torch threads)" in loading, loading
+    assert server.lines.index(loading) < server.lines.index(server.wait_for("ready at"))
 
 
 def test_ctrl_c_mid_request_ends_both_kinds_of_request_with_an_error_and_stops_at_once(serve):

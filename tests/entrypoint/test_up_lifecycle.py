@@ -101,11 +101,11 @@ def cluster_dir(tmp_path):
     census.close()
 
 
-def start_up(data: Path, port: int, **popen) -> subprocess.Popen:
+def start_up(data: Path, port: int, *extra: str, **popen) -> subprocess.Popen:
     """`kvledger up` (this checkout's code: PYTHONPATH and the working directory are inherited), its own session,
     so a signal reaches `up` alone, as a terminal's Ctrl-C reaches only its foreground process group."""
     cmd = [sys.executable, "-m", "kvledger", "up", "--model", "tiny-v4", "--prefill", "1", "--decode", "1",
-           "--port", str(port), "--data-dir", str(data)]
+           "--port", str(port), "--data-dir", str(data), *extra]
     return spawn(cmd, env={**os.environ, TAG: str(data)}, start_new_session=True, **popen)   # SIGINT at default
 
 
@@ -242,9 +242,11 @@ def test_ctrl_c_mid_request_exits_130_and_the_client_gets_an_error(cluster_dir):
     nothing is left."""
     data, census = cluster_dir
     port = free_port()
-    up = start_up(data, port, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    up = start_up(data, port, "--threads", "2", stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     lines = Lines(up)
     lines.wait_for("kvledger up: ready at")
+    for name in ("prefill-0", "decode-0"):   # --threads reaches each engine
+        assert "tiny-v4, 2 torch threads) ready at" in (data / "logs" / f"{name}.log").read_text()
     outcome, started = {}, threading.Event()
     client = threading.Thread(target=_stream, args=(port, outcome, started), daemon=True)
     client.start()

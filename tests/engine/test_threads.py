@@ -1,0 +1,75 @@
+"""engine/threads.py: the torch thread count of `serve`, `engine`, `up` and the engine benches — --threads, else
+$OMP_NUM_THREADS, else the CPUs this process may run on; and the one-line refusals."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from kvledger.engine.threads import resolve_threads, threads_per_process, usable_cpus
+
+NO_QUOTA = "max 100000\n"
+
+
+@pytest.fixture
+def cpu_max(tmp_path):
+    """A cgroup v2 `cpu.max` of the test's own; write its text with `.write_text`."""
+    path = tmp_path / "cpu.max"
+    path.write_text(NO_QUOTA)
+    return path
+
+
+def test_usable_cpus_are_the_affinity_mask_capped_by_the_cgroup_quota(cpu_max, tmp_path):
+    mask = len(os.sched_getaffinity(0))
+    assert usable_cpus(cpu_max) == mask
+    assert usable_cpus(tmp_path / "no such file") == mask   # cgroup v1, or none: the mask alone
+    cpu_max.write_text("50000 100000\n")   # half a CPU: rounds up to one
+    assert usable_cpus(cpu_max) == 1
+    cpu_max.write_text(f"{(mask + 7) * 100000} 100000\n")   # a quota above the mask: the mask
+    assert usable_cpus(cpu_max) == mask
+    cpu_max.write_text("garbage\n")
+    assert usable_cpus(cpu_max) == mask
+
+
+def test_the_flag_then_omp_num_threads_then_the_usable_cpus(cpu_max):
+    mask = len(os.sched_getaffinity(0))
+    assert resolve_threads(3, env={"OMP_NUM_THREADS": "1"}, cpu_max=cpu_max) == 3
+    assert resolve_threads(None, env={"OMP_NUM_THREADS": "5"}, cpu_max=cpu_max) == 5
+    assert resolve_threads(None, env={"OMP_NUM_THREADS": " 4,2 "}, cpu_max=cpu_max) == 4   # nested: the outer level
+    assert resolve_threads(None, env={}, cpu_max=cpu_max) == mask
+    cpu_max.write_text("100000 100000\n")   # a container's --cpus 1
+    assert resolve_threads(None, env={}, cpu_max=cpu_max) == 1
+
+
+@pytest.mark.parametrize("requested, env, says", [(0, {}, "--threads must be >= 1"),
+                                                  (-2, {}, "--threads must be >= 1"),
+                                                  (None, {"OMP_NUM_THREADS": "many"}, "OMP_NUM_THREADS='many'"),
+                                                  (None, {"OMP_NUM_THREADS": "0"}, "OMP_NUM_THREADS='0'")])
+def test_a_count_that_is_not_one_is_refused(cpu_max, requested, env, says):
+    with pytest.raises(ValueError, match=says):
+        resolve_threads(requested, env=env, cpu_max=cpu_max)
+
+
+def test_up_shares_the_cpus_among_its_engines(cpu_max):
+    cpu_max.write_text("1600000 100000\n")   # 16 CPUs by quota (the mask may hold fewer: then those)
+    cpus = usable_cpus(cpu_max)
+    assert threads_per_process(None, 3, env={}, cpu_max=cpu_max) == max(cpus // 3, 1)
+    assert threads_per_process(None, 100, env={}, cpu_max=cpu_max) == 1
+    assert threads_per_process(2, 3, env={}, cpu_max=cpu_max) == 2
+    assert threads_per_process(None, 3, env={"OMP_NUM_THREADS": "6"}, cpu_max=cpu_max) == 6
+
+
+@pytest.mark.parametrize("args, env, says", [
+    (["serve", "--data-dir", "{tmp}", "--threads", "0"], {}, "--threads must be >= 1, got 0"),
+    (["serve", "--data-dir", "{tmp}"], {"OMP_NUM_THREADS": "x"}, "OMP_NUM_THREADS='x' is not a thread count"),
+    (["up", "--threads", "-1"], {}, "--threads must be >= 1, got -1"),
+    (["engine", "--role", "both", "--redis-url", "redis://127.0.0.1:1/0", "--data-dir", "{tmp}", "--threads", "0"],
+     {"KVLEDGER_CLUSTER_TOKEN": "t" * 64}, "--threads must be >= 1, got 0"),
+    (["bench", "ttft", "--threads", "0"], {}, "--threads must be >= 1, got 0"),
+])
+def test_a_bad_thread_count_is_one_line_and_exit_2(run_cli, tmp_path, args, env, says):
+    r = run_cli(*[a.format(tmp=tmp_path) for a in args], env=env, timeout=60)
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert r.stderr.startswith("kvledger: error:") and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert says in r.stderr, r.stderr
