@@ -21,8 +21,9 @@ runs with the same N), then, each in fresh processes (scale_roles.py):
 
 `--burners N` runs N processes spinning on the CPU while each design is measured (after `--warm-load-s` of
 them alone, so the machine is at that load and not climbing to it); `load_1m` is the 1-minute load average
-sampled every second meanwhile (min, median, max). Issue 25's "at load 4" is `--burners 3`: with the probe and
-the writer, five runnable processes on two cores, which the load average reads as about 4.5.
+sampled every second meanwhile (min, median, max). A fraction is one more process spinning that share of the
+time (`util/cpu_load.burning`). With the probe and the writer, `--burners 2` read as a load of 3.6 on two
+cores and `--burners 3` as 4.7; issue 25's "at load 4" is about `--burners 2.4`.
 
 Before measuring, the index file is read once (`--cold`: not), so the page cache holds it as it
 would on a serving node with the memory for it; `index_cached_before` / `index_cached` are the
@@ -67,8 +68,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gc-blocks", type=int, default=None, help="expired blocks one gc() removes (default N/20)")
     p.add_argument("--gc-batch", type=int, default=4096, help="blocks per GC batch (the LMDB store caps it)")
     p.add_argument("--cold", action="store_true", help="measure without reading the index into the page cache first")
-    p.add_argument("--burners", type=int, default=0, help="processes spinning on the CPU while each design is "
-                   "measured (not built): the load the figures are taken under; `load_1m` reports it")
+    p.add_argument("--burners", type=float, default=0, help="processes spinning on the CPU while each design is "
+                   "measured (not built), a fraction one more spinning that share of the time: the load the figures "
+                   "are taken under; `load_1m` reports it")
     p.add_argument("--warm-load-s", type=float, default=60.0, help="with --burners, seconds the burners run "
                    "before measuring, so the machine is at that load, not climbing to it")
 
@@ -150,8 +152,8 @@ def measure(design: str, root: Path, base: dict, gc_blocks: int, warm: bool) -> 
 def run(args: argparse.Namespace) -> int:
     if args.blocks < 8192 or args.per_put < 1 or args.block_bytes < 1:
         raise CliError("--blocks must be ≥ 8192 (the 1M-token prompt), --per-put and --block-bytes ≥ 1")
-    if args.burners < 0 or args.warm_load_s < 0:
-        raise CliError("--burners and --warm-load-s must be ≥ 0")
+    if not 0 <= args.burners <= 64 or args.warm_load_s < 0:   # not NaN, not infinite
+        raise CliError("--burners must lie in [0, 64] and --warm-load-s be ≥ 0")
     base = {"block_bytes": args.block_bytes, "per_put": args.per_put, "check_reps": args.check_reps,
             "puts": args.puts, "gc_batch": args.gc_batch}
     top = Path(args.dir)

@@ -10,8 +10,9 @@ KEYS = ("open_s", "rss_bytes", "check_ms_1m", "put_p99_ms", "put_floor_p99_ms", 
 def test_bad_input_exits_2(run_cli, tmp_path):
     r = run_cli("bench", "scale", "--blocks", "100", "--dir", str(tmp_path), "--json")
     assert r.returncode == 2 and r.stdout == "" and "--blocks" in r.stderr
-    r = run_cli("bench", "scale", "--burners", "-1", "--dir", str(tmp_path), "--json")
-    assert r.returncode == 2 and r.stdout == "" and "--burners" in r.stderr and len(r.stderr.splitlines()) == 1
+    for burners in ("-1", "nan", "inf"):
+        r = run_cli("bench", "scale", "--burners", burners, "--dir", str(tmp_path), "--json")
+        assert r.returncode == 2 and r.stdout == "" and "--burners" in r.stderr and len(r.stderr.splitlines()) == 1
 
 
 @pytest.mark.slow

@@ -22,6 +22,17 @@ def test_burners_spin_while_the_block_runs_and_are_reaped_after():
     assert not any(Path(f"/proc/{p.pid}").exists() for p in procs)
 
 
+def test_a_fractional_burner_spins_that_share_of_the_time():
+    with burning(1.4) as procs:
+        assert len(procs) == 2
+        start = [_cpu_s(p.pid) for p in procs]
+        time.sleep(3.0)
+        used = [(_cpu_s(p.pid) - s) / 3.0 for p, s in zip(procs, start)]
+    assert used[0] > 0.6, used   # the whole one: a core, less what the machine's other processes take
+    assert 0.2 < used[1] < 0.6, used   # the fraction: 0.4 of a core, give or take the scheduler
+    assert not any(Path(f"/proc/{p.pid}").exists() for p in procs)
+
+
 def test_the_sampler_reports_the_load_average_it_saw():
     with LoadSampler(every_s=0.05) as load:
         time.sleep(0.3)
