@@ -101,10 +101,10 @@ def cluster_dir(tmp_path):
     census.close()
 
 
-def start_up(data: Path, port: int, *extra: str, **popen) -> subprocess.Popen:
+def start_up(data: Path, port: int, *extra: str, model: str = "tiny-v4", **popen) -> subprocess.Popen:
     """`kvledger up` (this checkout's code: PYTHONPATH and the working directory are inherited), its own session,
     so a signal reaches `up` alone, as a terminal's Ctrl-C reaches only its foreground process group."""
-    cmd = [sys.executable, "-m", "kvledger", "up", "--model", "tiny-v4", "--prefill", "1", "--decode", "1",
+    cmd = [sys.executable, "-m", "kvledger", "up", "--model", model, "--prefill", "1", "--decode", "1",
            "--port", str(port), "--data-dir", str(data), *extra]
     return spawn(cmd, env={**os.environ, TAG: str(data)}, start_new_session=True, **popen)   # SIGINT at default
 
@@ -184,7 +184,9 @@ def test_ctrl_c_while_the_models_load_stops_at_once(cluster_dir, sig, code):
     engine is ready): `up` exits 130 within EXIT_S, the load is abandoned (no engine ever reports
     ready), and nothing is left. SIGTERM and SIGHUP alike, with 128 + their number."""
     data, census = cluster_dir
-    up = start_up(data, free_port(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    # SmolLM2's real weights: a load of seconds. tiny-v4's takes less than `up`'s stop of the entrypoint
+    # before the engines, so its engines could be ready by the time the signal reached them.
+    up = start_up(data, free_port(), model="smollm2-135m", stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     lines = Lines(up)
     end = time.monotonic() + START_S
     while not any(r == "engine" and _catches_sigterm(p) for p, r in dict(census.seen).items()):
