@@ -106,7 +106,13 @@ def start_up(data: Path, port: int, *extra: str, model: str = "tiny-v4", **popen
     so a signal reaches `up` alone, as a terminal's Ctrl-C reaches only its foreground process group."""
     cmd = [sys.executable, "-m", "kvledger", "up", "--model", model, "--prefill", "1", "--decode", "1",
            "--port", str(port), "--data-dir", str(data), *extra]
-    return spawn(cmd, env={**os.environ, TAG: str(data)}, start_new_session=True, **popen)   # SIGINT at default
+    # SIGINT goes back to its default in the child (spawn); SIGHUP too, here: a test run under nohup would
+    # otherwise start `up` ignoring it, and `up` keeps a signal it was started ignoring ignored (a feature)
+    hup = signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    try:
+        return spawn(cmd, env={**os.environ, TAG: str(data)}, start_new_session=True, **popen)
+    finally:
+        signal.signal(signal.SIGHUP, hup)
 
 
 class Lines:
