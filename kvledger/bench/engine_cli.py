@@ -8,8 +8,9 @@ from collections.abc import Callable
 from typing import Any
 
 from kvledger.engine import threads
-from kvledger.engine.threads import add_threads_arg
 from kvledger.util.output import CliError, emit_json
+
+add_threads_arg = threads.add_threads_arg
 
 __all__ = ["add_threads_arg", "add_period_arg", "check_period", "run_measure"]
 

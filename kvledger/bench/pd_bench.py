@@ -17,7 +17,6 @@ equal.
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -25,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from kvledger.bench.record import spread
 from kvledger.util.output import CliError, emit_json
 
 HELP = "P/D decode leg: the prompt's tail handed over by the prefill engine vs recomputed"
@@ -106,15 +106,12 @@ def _one(url: str, model: str, prompt: list[int]) -> dict[str, Any]:
             "decode_cached_tokens": decode["cached_tokens"], "decode_computed_tokens": decode["computed_prompt_tokens"]}
 
 
-def _stats(xs: list[float]) -> dict[str, float]:
-    return {"median": round(statistics.median(xs), 4), "min": round(min(xs), 4), "max": round(max(xs), 4)}
-
 
 def _summary(args: argparse.Namespace, block: int, rows: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     from kvledger.engine.threads import threads_per_process   # what `kvledger up` gave each of its 2 engines
 
-    sides = {side: {"ttft_s": _stats([r["ttft_s"] for r in rs]),
-                    "decode_start_s": _stats([r["decode_start_s"] for r in rs]),
+    sides = {side: {"ttft_s": spread([r["ttft_s"] for r in rs]),
+                    "decode_start_s": spread([r["decode_start_s"] for r in rs]),
                     "decode_computed_tokens": sorted({r["decode_computed_tokens"] for r in rs}),
                     "decode_cached_tokens": sorted({r["decode_cached_tokens"] for r in rs})}
              for side, rs in rows.items()}

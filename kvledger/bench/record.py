@@ -12,6 +12,7 @@ import io
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -46,6 +47,13 @@ def recorded(name: str, run: Callable[[Any], Any]) -> Callable[[Any], Any]:
         return code
 
     return record_run
+
+
+def spread(xs: list[float], digits: int = 4) -> dict[str, float]:
+    """The median of `xs` with its spread, the form every recorded figure takes: {median, min, max}."""
+    assert xs, "no runs to summarize"
+    return {"median": round(statistics.median(xs), digits), "min": round(min(xs), digits),
+            "max": round(max(xs), digits)}
 
 
 def run_info(name: str, load_before: tuple[float, float, float], started: float, commit: str | None

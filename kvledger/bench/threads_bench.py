@@ -11,13 +11,13 @@ greedy tokens. TTFT and TPOT are timed by the client; figures are medians with t
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from kvledger.bench.record import spread
 from kvledger.util.output import CliError, emit_json
 
 HELP = "kvledger serve's TTFT and TPOT per torch thread count, quiet and with cores kept busy"
@@ -98,12 +98,9 @@ def _measure(data: Path, args: argparse.Namespace, threads: int, burners: int,
                         raise CliError(f"threads {threads}: the repeated prompt did not hit ({reply})")
     finally:
         server.stop()
-    return {"cold_ttft_s": _stats(cold), "hit_ttft_s": _stats(hit), "tpot_s": _stats(tpot),
+    return {"cold_ttft_s": spread(cold), "hit_ttft_s": spread(hit), "tpot_s": spread(tpot),
             "load_1m": load.summary()}
 
-
-def _stats(xs: list[float]) -> dict[str, float]:
-    return {"median": round(statistics.median(xs), 4), "min": round(min(xs), 4), "max": round(max(xs), 4)}
 
 
 def _fastest(rows: list[dict[str, Any]]) -> dict[str, dict[str, int]]:

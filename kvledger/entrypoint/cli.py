@@ -228,7 +228,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         except ValueError as e:
             raise CliError(str(e)) from None
     capacity, ttl_classes, kv_cache_bytes = store_limits(args)
-    threads = cli_threads(args.threads) if args.redis_url is None else 0   # an entrypoint computes nothing
+    threads = cli_threads(args.threads) if args.redis_url is None else None   # an entrypoint computes nothing
     trace = trace_settings(args)
     data_dir = writable_dir(args.data_dir or default_data_dir(), "--data-dir")
     # before the model load: a busy port fails at once
@@ -244,12 +244,12 @@ def cmd_serve(args: argparse.Namespace) -> None:
                          tail_handoff=not args.no_tail_handoff,
                          status_every_s=args.status_interval_s, checkpoint_every=every, ttl_classes=ttl_classes,
                          store_capacity_bytes=capacity, gc_interval_s=args.gc_interval_s, trace=trace,
-                         kv_cache_bytes=kv_cache_bytes, threads=threads)
+                         kv_cache_bytes=kv_cache_bytes)
     mode = "serve" if args.redis_url is None else "entrypoint"
     state, code = None, EXIT_INTERRUPTED   # until the server ran to its end: close as fast as after a Ctrl-C
     try:
         state = _open_state(config)
-        _load(state, mode, args.routing)
+        _load(state, mode, args.routing, threads)
         code = _run(config, state, mode, sock, args)
     except KeyboardInterrupt:   # Ctrl-C before the server ran (during the load)
         code = EXIT_INTERRUPTED
@@ -281,18 +281,19 @@ def _open_state(config: Any) -> Any:
         raise CliError(f"--data-dir {config.data_dir}: {e}") from None
 
 
-def _load(state: Any, mode: str, routing: str) -> None:
-    """Load the model (embedded mode), saying what it does on stderr."""
+def _load(state: Any, mode: str, routing: str, threads: int | None) -> None:
+    """Load the model on `threads` torch threads (embedded mode; None in an entrypoint, which computes nothing),
+    saying what it does on stderr."""
     config = state.config
     tenants = "open: no --api-keys, every request is tenant 'default' (loopback only)" if state.keys is None \
         else f"{len(state.keys)} API keys, {len({t.namespace for t in state.keys.values()})} namespaces"
     what = f"{mode} ({routing} routing)" if mode == "entrypoint" else mode
     print(f"kvledger {what}: {config.model}  data {config.data_dir}  {tenants}"
           f"{'  cache disabled' if config.no_cache else ''}", file=sys.stderr, flush=True)
-    if config.redis_url is None:
+    if threads is not None:
         from kvledger.engine.threads import set_threads
 
-        threads = set_threads(config.threads)
+        threads = set_threads(threads)
         print(f"kvledger {mode}: loading {config.model} (computing on {threads} torch threads) ...", file=sys.stderr,
               flush=True)
         started = time.perf_counter()
