@@ -28,7 +28,8 @@ from kvledger.bench.record import spread
 from kvledger.util.output import CliError, emit_json
 
 HELP = "P/D decode leg: the prompt's tail handed over by the prefill engine vs recomputed"
-EXAMPLES = ("kvledger bench pd --json --record docs/results", "kvledger bench pd --tokens 2000 --requests 7")
+EXAMPLES = ("kvledger bench pd --json --record docs/results", "kvledger bench pd --tokens 2000 --requests 7",
+            "kvledger bench pd --model gemma3-270m --requests 7")
 SIDES = {"handoff": (), "recompute": ("--no-tail-handoff",)}
 
 
@@ -43,6 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvledger.core import takes_tail
     from kvledger.engine.models.registry import resolve
 
     try:
@@ -51,8 +53,10 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(str(e)) from None
     if not 2 <= args.tokens <= 30_000 or not 1 <= args.requests <= 100:
         raise CliError("--tokens must lie in [2, 30000] and --requests in [1, 100]")
-    if spec.has_swa:
-        raise CliError(f"{spec.name} has sliding-window layers: the tail hand-off is for full-attention models")
+    if not takes_tail(spec):
+        raise CliError(f"{spec.name}'s decode leg computes its last {spec.reserve_tokens} prompt tokens whatever it is "
+                       "handed (its snapshots drop some windows): the tail hand-off is for models whose snapshots keep "
+                       "them all (full attention, Gemma 3)")
     rng = np.random.default_rng(0)
     prompts = [rng.integers(100, 40_000, args.tokens).tolist() for _ in range(args.requests)]
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:

@@ -29,8 +29,8 @@ class HitDecision:
     """What a request reuses and where computation starts.
 
     Invariants: 0 <= hit_tokens <= block_hit_tokens <= cap; all three are multiples of B, except for a
-    full-attention model's cap of L − 1 (`hit_cap`: a prompt of whole blocks; `with_tail`: a tail handed over),
-    which the other two may equal;
+    full-attention model's cap of L − 1 (`hit_cap`: a prompt of whole blocks) and a tail handed over
+    (`with_tail`, either model kind), which the other two may equal;
     recompute_from <= hit_tokens; block KV in [0, reused_block_tokens) is reused, never recomputed;
     truncate_from is None or equals recompute_from (> 0). A replay with truncate_from None is the
     exact replay of rule 3′ (`exact_replay`).
@@ -153,8 +153,8 @@ def check_decision(d: HitDecision, prompt_len: int, spec: ModelSpec) -> None:
     to it, O(1) and without the CHECK's inputs (so without hashing or looking anything up again)."""
     b = spec.block_size
     hit, l1, start, s = d.hit_tokens, d.block_hit_tokens, d.recompute_from, d.truncate_from
-    at_cap = not spec.has_swa and hit == l1 == start == d.cap   # a full-attention hit may end at L − 1
-    handed = at_cap and d.kind is HitKind.FULL and hit == prompt_len - 1   # `with_tail`: its cap is L − 1
+    handed = is_handed(d, prompt_len, spec)   # `with_tail`: its cap is L − 1
+    at_cap = handed or not spec.has_swa and hit == l1 == start == d.cap   # a full-attention hit may end at L − 1
     problems = [
         (d.cap != hit_cap(prompt_len, spec) and not handed, f"its cap {d.cap} is not this prompt's"),
         (not 0 <= start <= hit <= l1 <= d.cap, "needs 0 <= recompute_from <= hit <= L1 <= cap"),
@@ -176,20 +176,61 @@ def check_decision(d: HitDecision, prompt_len: int, spec: ModelSpec) -> None:
         if bad:
             raise ValueError(f"decision {d} is not one core.decide_hit makes for this prompt: {why}")
 
-def with_tail(d: HitDecision, prompt_len: int, spec: ModelSpec) -> HitDecision | None:
-    """`d` raised to L − 1 by a handed-over tail (P/D): the KV of the prompt's positions after its last whole
-    block, [⌊(L − 1)/B⌋·B, L − 1), computed by another engine and sent to this one, which then computes only
-    the last token. A full-attention model only (a windowed one would need the window at L − 1 too), and only
-    when `d` reuses every whole block before that tail. None when the tail cannot raise `d`: a windowed model,
-    a block missing, or nothing between the last whole block and L − 1 (`hit_cap` already reaches L − 1).
+def takes_tail(spec: ModelSpec) -> bool:
+    """Whether a P/D decode leg of this model can take its prompt's tail from the prefill engine and compute
+    one token (`with_tail`): every window it attends is in a snapshot (R = 1: full attention, Gemma 3). V4's
+    YoCo consumer windows are in no snapshot and are rebuilt from the last R = 134 tokens, so its decode leg
+    computes them (rule 3)."""
+    return spec.reserve_tokens == 1
 
-    Example, B = 128: the prefill engine computed a 300-token prompt and stored blocks 0 and 1; the decode leg
-    has L = 301 (the prompt and the first output token) and d.hit_tokens = 256. The tail is [256, 300), and
-    the raised hit is 300 with cap 300 (`hit_cap` says 256: the tail is in no block)."""
+
+def tail_parts(prompt_len: int, spec: ModelSpec) -> tuple[int, int]:
+    """The bytes of the tail a P/D decode leg of `prompt_len` tokens (the prompt and the first output token)
+    takes from its prefill engine, as (block part, window part); the tail is the block part, then the window:
+
+        | block part: the block the prefill's prompt ends in,     | window part: the snapshot at L − 1            |
+        |   [⌊(L − 1)/B⌋·B, L − 1), as a ledger block (its layers' |   (`ModelSpec.state_size_to_disk`), in      |
+        |   `block_bytes`); 0 bytes when L − 1 is a boundary      |   `Model.export_window`'s layout; windowed only |
+
+    Gemma 3, L = 727: 393,216 + 7,956,480 B; L = 769: 0 + 7,956,480 B. SmolLM2, L = 501: 2,949,120 + 0 B."""
+    last = prompt_len - 1
+    block = spec.block_bytes() if last % spec.block_size else 0
+    return block, spec.state_size_to_disk() if spec.has_swa else 0
+
+
+def with_tail(d: HitDecision, prompt_len: int, spec: ModelSpec, cached_blocks: int | None = None
+              ) -> HitDecision | None:
+    """`d` raised to L − 1 by a handed-over tail (P/D, `tail_parts`): the KV of the prompt's positions after its
+    last whole block, [⌊(L − 1)/B⌋·B, L − 1), and for a windowed model the windows at L − 1, computed by another
+    engine and sent to this one, which then computes only the last token. Only when `d` is exact, the block
+    ledger holds every whole block before that tail, and the model `takes_tail`. None when the tail cannot
+    raise `d`: V4, a block missing, an approximate decision, or nothing to hand over (a full-attention prompt
+    whose L − 1 is a block boundary: `hit_cap` already reaches L − 1).
+
+    `cached_blocks`: the leading blocks the block ledger holds (`decide_hit`'s argument); None: those `d` reuses,
+    which is all of them for a full-attention model but may be fewer for a windowed one (its L1 stops at a
+    snapshot).
+
+    The raised decision is FULL for a full-attention model, SNAPSHOT at L − 1 for a windowed one (the snapshot
+    is the tail's window part, not the state ledger's). Example, B = 128: the prefill engine computed a
+    300-token prompt and stored blocks 0 and 1; the decode leg has L = 301 (the prompt and the first output
+    token) and d.hit_tokens = 256 (Gemma 3: the snapshot at 256). The tail is [256, 300), and the raised hit is
+    300 with cap 300 (`hit_cap` says 256: the tail is in no block)."""
     b, last = spec.block_size, prompt_len - 1
-    if spec.has_swa or last % b == 0 or d.hit_tokens != last // b * b or d.kind not in (HitKind.FULL, HitKind.MISS):
+    held = d.block_hit_tokens // b if cached_blocks is None else max(cached_blocks, d.block_hit_tokens // b)
+    if not takes_tail(spec) or last <= 0 or sum(tail_parts(prompt_len, spec)) == 0 or not d.exact or held < last // b:
         return None
+    if spec.has_swa:
+        return HitDecision(HitKind.SNAPSHOT, last, last, True, last, None, last)
     return HitDecision(HitKind.FULL, last, last, False, last, None, last)
+
+
+def is_handed(d: HitDecision, prompt_len: int, spec: ModelSpec) -> bool:
+    """Whether `d` is a decision `with_tail` makes for a prompt of `prompt_len` tokens (hit L − 1 with its cap)."""
+    last = prompt_len - 1
+    kind = HitKind.SNAPSHOT if spec.has_swa else HitKind.FULL
+    return takes_tail(spec) and d.kind is kind and d.hit_tokens == d.block_hit_tokens == d.recompute_from == \
+        d.cap == last > 0 and d.truncate_from is None
 
 
 def resumes_exactly(spec: ModelSpec, *, replay: bool = False) -> bool:

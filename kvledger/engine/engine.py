@@ -25,7 +25,8 @@ import time
 import numpy as np
 import torch
 
-from kvledger.core import ModelSpec, check_decision, checkpoint_positions, hit_cap, root_key, tail_key
+from kvledger.core import (ModelSpec, check_decision, checkpoint_positions, hit_cap, is_handed, root_key, tail_key,
+                           tail_parts, takes_tail)
 from kvledger.engine.api import EngineRequest, RequestUsage, TokenEvent, check_request_keys
 from kvledger.engine.block_pool import BlockPool
 from kvledger.engine.fetcher import Fetcher
@@ -266,27 +267,33 @@ class Engine:
         return TokenEvent(seq.request_id, (token,), reason is not None, reason, usage)
 
     def _check_tail(self, req: EngineRequest, prompt_len: int) -> None:
-        """ValueError unless the request's hit past `hit_cap` comes with its tail: a decision `core.with_tail`
-        made (hit L − 1) and one block of KV."""
-        d = req.decision
+        """ValueError unless a request with a tail handed over, or a hit past `hit_cap`, has both: a decision
+        `core.with_tail` made (hit L − 1) and the tail's bytes (`core.tail_parts`)."""
         if req.tail_kv is None:
             raise ValueError("a hit past the prompt's cap needs its tail handed over with it")
-        if d.hit_tokens != prompt_len - 1 or d.hit_tokens <= hit_cap(prompt_len, self.spec):
+        if not is_handed(req.decision, prompt_len, self.spec):
             raise ValueError("a tail handed over comes with the hit core.with_tail makes (L − 1)")
-        if len(req.tail_kv) != self.spec.block_bytes():
-            raise ValueError(f"a tail handed over is one block: {self.spec.block_bytes()} bytes")
+        block, window = tail_parts(prompt_len, self.spec)
+        if len(req.tail_kv) != block + window:
+            raise ValueError(f"a tail handed over is {block} bytes of its last block and {window} of its window")
 
     def _keep_tail(self, seq: Sequence) -> None:
-        """P/D: the block the prompt ends in, kept for the decode engine by `core.tail_key` (engine/tails.py).
-        Nothing to keep for a prompt of whole blocks, a windowed model (`core.with_tail`) or a sequence that
+        """P/D: the tail of the prompt (`core.tail_parts` for the decode leg's L = prompt + 1: the block the prompt
+        ends in, then the windows at its end) kept for the decode engine by `core.tail_key` (engine/tails.py).
+        Nothing to keep for V4 (`core.takes_tail`), a full-attention prompt of whole blocks, or a sequence that
         is not exact (rule 9)."""
         b, n = self.spec.block_size, seq.prompt_len
-        if n % b == 0 or self.spec.has_swa or not seq.exact:
+        block, window = tail_parts(n + 1, self.spec)
+        if not takes_tail(self.spec) or not block + window or not seq.exact:
             return
         whole = n // b
         parent = seq.keys[whole - 1] if whole else root_key(self.spec, seq.request.namespace)
-        kv = self.writer.export_blocks([seq.block_table[whole]])
-        self.tails.put(tail_key(parent, seq.tokens[whole * b:n]), kv.tobytes())
+        kv = bytearray(block + window)
+        if block:
+            kv[:block] = self.writer.export_blocks([seq.block_table[whole]]).tobytes()
+        if window:
+            self.model.export_window(seq.slot, n, torch.frombuffer(kv, dtype=torch.uint8, offset=block))
+        self.tails.put(tail_key(parent, seq.tokens[whole * b:n]), kv)
 
     def _retire_fetch(self, seq: Sequence) -> None:
         """The fetched blocks are on the device (or not needed): free the staging."""

@@ -16,8 +16,9 @@ A full-attention hit of L − 1 (a prompt of whole blocks, all present: `core.hi
 block whole and computes one token into it. That block is the request's own: fetched into a fresh block,
 or, found in the device prefix cache, copied into one first (copy on write), so a shared block is never
 written. A P/D decode leg whose prefill engine handed over the prompt's tail (`core.with_tail`,
-`EngineRequest.tail_kv`) also computes one token: its whole blocks come as above, and the tail is
-written into the fresh block after them (`handed_tail`); that block is in no ledger until it fills.
+`EngineRequest.tail_kv`, `core.tail_parts`) also computes one token: its whole blocks come as above, the
+tail's block part is written into the fresh block after them (in no ledger until it fills), and a windowed
+model's windows at L − 1 go into its slot, as a snapshot at L − 1 would (`handed_tail`).
 
 A fault lowers the decision and never fails the request (rule 8): a snapshot that does not
 arrive, or a block that does not arrive intact (missing, corrupt, fetcher dead or hung) →
@@ -68,8 +69,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvledger.core import (HitDecision, blocks_spanned, cap_blocks, decide_hit, exact_replay, hit_cap,
-                           resumes_exactly, snapshot_candidates)
+from kvledger.core import (HitDecision, blocks_spanned, cap_blocks, decide_hit, exact_replay, is_handed,
+                           resumes_exactly, snapshot_candidates, tail_parts)
 from kvledger.engine.block_pool import BlockPool
 from kvledger.engine.fetcher import Fetcher
 from kvledger.engine.models.base import Model
@@ -134,12 +135,16 @@ class HitLoader:
             return False
         if self.device_hits:
             seq.decision = self._with_device_cache(seq)
-        decision = self._snapshot(seq, slot)
-        seq.handed_tail = seq.request.tail_kv is not None and decision.hit_tokens > hit_cap(seq.prompt_len, self.spec)
-        hit_blocks = blocks_spanned(decision.reused_block_tokens, self.spec) - seq.handed_tail   # ledger blocks
+        seq.handed_tail = seq.request.tail_kv is not None   # `Engine.add_request` checked it against the decision
+        tail = torch.frombuffer(bytearray(seq.request.tail_kv), dtype=torch.uint8) if seq.handed_tail else None
+        tail_block, tail_window = tail_parts(seq.prompt_len, self.spec) if seq.handed_tail else (0, 0)
+        if tail_window:   # the tail's windows at L − 1 are this hit's snapshot (`core.with_tail`)
+            self.model.import_window(slot, seq.decision.hit_tokens, tail[tail_block:].to(self.model.device))
+        decision = seq.decision if seq.handed_tail else self._snapshot(seq, slot)
+        hit_blocks = blocks_spanned(decision.reused_block_tokens, self.spec) - bool(tail_block)   # ledger blocks
         on_device = self.pool.lookup(seq.keys[:hit_blocks])
         # a hit ending inside its last block writes that block: one found on the device is copied first
-        partial = decision.reused_block_tokens % self.spec.block_size != 0 and not seq.handed_tail
+        partial = decision.reused_block_tokens % self.spec.block_size != 0 and not tail_block
         copy_last = partial and len(on_device) == hit_blocks
         need = self.blocks_needed(seq) - len(on_device) + copy_last
         if self.pool.num_free() < need:
@@ -149,9 +154,8 @@ class HitLoader:
         seq.block_table = on_device + self.pool.allocate(need)
         if copy_last:
             self._copy_on_write(seq, hit_blocks - 1)
-        if seq.handed_tail:   # the block after the ledger blocks is the request's own: the tail goes in
-            tail = torch.frombuffer(bytearray(seq.request.tail_kv), dtype=torch.uint8)
-            self.model.import_block(seq.block_table[hit_blocks], tail)
+        if tail_block:   # the block after the ledger blocks is the request's own: the tail's block part goes in
+            self.model.import_block(seq.block_table[hit_blocks], tail[:tail_block])
         seq.slot, seq.device_hit_blocks, seq.decision = slot, len(on_device), decision
         missing = seq.keys[len(on_device):hit_blocks]
         if missing and self.fetcher is not None:
@@ -330,9 +334,10 @@ class HitLoader:
 
     def _ledger_blocks(self, seq: Sequence, d: HitDecision) -> int:
         """The leading blocks of hit `d` that come from the ledgers (or the device cache): every block it spans,
-        but for a tail handed over (P/D), which is in no ledger."""
+        but for the block part of a tail handed over (P/D), which is in no ledger (unless a fault lowered `d`)."""
         spanned = blocks_spanned(d.reused_block_tokens, self.spec)
-        return spanned - 1 if seq.handed_tail and d.hit_tokens > hit_cap(seq.prompt_len, self.spec) else spanned
+        handed = seq.handed_tail and is_handed(d, seq.prompt_len, self.spec)
+        return spanned - 1 if handed and d.hit_tokens % self.spec.block_size else spanned
 
     def release(self, seq: Sequence) -> None:
         """Give back blocks and slot (the fetch job, if any, is the engine's to retire)."""

@@ -31,7 +31,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from kvledger.core import root_key, tail_key, with_tail
+from kvledger.core import root_key, tail_key, tail_parts, takes_tail, with_tail
 from kvledger.engine.api import EngineRequest
 from kvledger.engine.async_engine import AsyncEngine
 from kvledger.engine.client import EngineFailed, EngineRejected
@@ -153,11 +153,17 @@ class EngineProcess:
         """A P/D decode leg: `req` with the tail its prefill engine kept (`body.tail_from`) and the decision
         raised to compute one token (`core.with_tail`), or `req` as it came when the tail is absent, late
         (TAIL_PULL_S), unproven or of the wrong size: then the leg recomputes the tail (rule 8)."""
-        raised = with_tail(req.decision, len(body.tokens), self.spec)
-        if body.tail_from is None or raised is None:
+        if body.tail_from is None or not takes_tail(self.spec):
             return req
         b, last = self.spec.block_size, len(body.tokens) - 1
         whole = last // b
+        held = req.decision.block_hit_tokens // b
+        if held < whole and self.spec.has_swa:   # a windowed L1 stops at a snapshot: ask the index (metadata)
+            held = await asyncio.to_thread(self.block_ledger.match, req.keys[:whole], namespace=req.namespace,
+                                           ttl_class=req.ttl_class)
+        raised = with_tail(req.decision, len(body.tokens), self.spec, held)
+        if raised is None:
+            return req
         parent = req.keys[whole - 1] if whole else root_key(self.spec, req.namespace)
         path = TAIL_PATH + tail_key(parent, body.tokens[whole * b:last]).hex()
         url, outcome, kv = body.tail_from, "failed", None
@@ -171,7 +177,7 @@ class EngineProcess:
                 self.tail_sessions.forget(url)
             if r.status_code == 404:
                 outcome = "absent"
-            elif (r.status_code == 200 and len(r.content) == self.spec.block_bytes()
+            elif (r.status_code == 200 and len(r.content) == sum(tail_parts(len(body.tokens), self.spec))
                   and self.tail_sessions.reply_ok(url, sent, path, r.content, r.headers.get(H_MAC))):
                 outcome, kv = "took", r.content
         except (TimeoutError, httpx.HTTPError, ProofFailed) as e:
@@ -320,7 +326,7 @@ def build_engine_app(proc: EngineProcess, url: str) -> FastAPI:
         if tag is None:
             return JSONResponse({"error": {"message": "session_unknown", "type": "authentication_error"}},
                                 status_code=401)
-        return Response(kv, media_type="application/octet-stream", headers={H_MAC: tag})
+        return Response(memoryview(kv), media_type="application/octet-stream", headers={H_MAC: tag})
 
     @app.get("/engine/v1/health")
     async def health() -> JSONResponse:

@@ -1,8 +1,9 @@
-"""Prompt tails kept for a P/D hand-off: the KV of a prefilled prompt's partial last block, by `core.tail_key`.
+"""Prompt tails kept for a P/D hand-off, by `core.tail_key`: the KV of a prefilled prompt's partial last block
+and, for a windowed model, its windows at the prompt's end (`core.tail_parts`).
 
-A prefill leg asked to keep its tail (`EngineRequest.keep_tail`) leaves the block its prompt ends in here;
-the decode engine pulls it (`GET /engine/v1/tail/{key}`, engine/process.py) and computes only the last
-token instead of the whole tail. A tail is taken once or outlives `ttl_s`, whichever comes first, and the
+A prefill leg asked to keep its tail (`EngineRequest.keep_tail`) leaves it here; the decode engine pulls it
+(`GET /engine/v1/tail/{key}`, engine/process.py) and computes only the last token instead of the whole tail
+(Gemma 3: up to 128 tokens through every layer, or 129 after a prompt of whole blocks). A tail is taken once or outlives `ttl_s`, whichever comes first, and the
 store holds at most `capacity_bytes` (the oldest go first): a tail nobody pulls costs the decode leg a
 recompute, never a wrong answer.
 
@@ -16,7 +17,7 @@ import time
 from collections import OrderedDict
 
 DEFAULT_TTL_S = 30.0
-DEFAULT_CAPACITY_BYTES = 64 << 20
+DEFAULT_CAPACITY_BYTES = 128 << 20   # SmolLM2: 45 tails of 2.8 MiB; Gemma 3: 15 of up to 8 MiB
 
 
 class TailStore:
@@ -26,11 +27,11 @@ class TailStore:
     def __init__(self, ttl_s: float = DEFAULT_TTL_S, capacity_bytes: int = DEFAULT_CAPACITY_BYTES) -> None:
         assert ttl_s > 0 and capacity_bytes > 0
         self.ttl_s, self.capacity_bytes = ttl_s, capacity_bytes
-        self._tails: OrderedDict[bytes, tuple[float, bytes]] = OrderedDict()   # key → (deadline, KV)
+        self._tails: OrderedDict[bytes, tuple[float, bytearray]] = OrderedDict()   # key → (deadline, KV)
         self.held_bytes = 0
         self._lock = threading.Lock()
 
-    def put(self, key: bytes, kv: bytes) -> None:
+    def put(self, key: bytes, kv: bytearray) -> None:
         """Keep `kv` under `key` for `ttl_s` seconds (a tail larger than the whole store is not kept)."""
         if len(kv) > self.capacity_bytes:
             return
@@ -41,7 +42,7 @@ class TailStore:
             while self.held_bytes > self.capacity_bytes:
                 self._drop(next(iter(self._tails)))
 
-    def take(self, key: bytes) -> bytes | None:
+    def take(self, key: bytes) -> bytearray | None:
         """The tail under `key`, removed; None when absent or expired."""
         with self._lock:
             self._expire(time.monotonic())

@@ -103,11 +103,14 @@ class LedgerWriter:
                               seq.request.ttl_class))
 
     def store_prefill_snapshots(self, seq: Sequence) -> None:
-        """Rule 4: the windows at the prompt's own cap and at its last boundary (rule 9: exact ones only)."""
+        """Rule 4: the windows at the prompt's own cap and at its last boundary (rule 9: exact ones only). A
+        position before the hit's resume point is the hit's own, stored by whoever computed it, and this
+        sequence never held its window (a P/D decode leg resuming at L − 1 from a handed tail)."""
         if self.state_ledger is None or not self.spec.has_swa or not seq.exact:
             return
         for position in prefill_store_positions(seq.prompt_len, self.spec):
-            self._put_window(seq, position)
+            if position >= seq.decision.recompute_from:
+                self._put_window(seq, position)
 
     def store_checkpoint(self, seq: Sequence, position: int) -> None:
         """Rule 4′ (periodic): the window at `position`, where a prefill chunk just ended (rule 9: exact only)."""

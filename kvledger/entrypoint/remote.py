@@ -15,10 +15,10 @@ each one `POST /engine/v1/generate` on one engine (wire.py):
 
 Every leg after the first is CHECKed again (rule 5) on prompt + output: the blocks the previous
 leg stored hit, and only the tail is recomputed (less than one block for full-attention models;
-at most R + B tokens for windowed ones). A decode leg after a prefill leg of a full-attention model
-recomputes not even that: the prefill engine keeps the prompt's partial last block (`keep_tail`) and
-the decode engine pulls it from there (`tail_from`, engine/process.py), so it computes one token; a
-tail it cannot get is recomputed. The client sees one stream: tokens are passed on as they
+at most R + B tokens for windowed ones). A decode leg after a prefill leg recomputes not even that
+(`core.takes_tail`: full attention and Gemma 3, not V4): the prefill engine keeps the prompt's partial last
+block and its windows at the prompt's end (`keep_tail`, `core.tail_parts`) and the decode engine pulls them
+from there (`tail_from`, engine/process.py), so it computes one token; a tail it cannot get is recomputed. The client sees one stream: tokens are passed on as they
 come, none is repeated (a continuation starts after the last token the client got) and none is
 lost (greedy decoding continues exactly; a seeded sampler is re-seeded per leg).
 """
@@ -35,7 +35,7 @@ from dataclasses import replace
 import httpx
 import numpy as np
 
-from kvledger.core import HitDecision, ModelSpec
+from kvledger.core import HitDecision, ModelSpec, takes_tail
 from kvledger.engine.api import EngineRequest, Leg, RequestUsage, TokenEvent
 from kvledger.engine.client import EngineFailed, EngineRejected
 from kvledger.engine.engine_registry import EngineInfo, Registry
@@ -164,7 +164,7 @@ class RemoteEngines:
             engine = await self._pick(phase, prompt + output, decision, req, failed)
             legs.append(Leg(kind, engine.engine_id, len(output)))
             sampling = replace(req.sampling, max_tokens=1 if phase == "prefill" else left)
-            keep_tail = phase == "prefill" and self.tail_handoff and not self.spec.has_swa
+            keep_tail = phase == "prefill" and self.tail_handoff and takes_tail(self.spec)
             body = GenerateBody.of(replace(req, request_id=f"{req.request_id}.{leg}", tokens=prompt + output,
                                            keys=keys, decision=decision, sampling=sampling, keep_tail=keep_tail),
                                    wait_stored=phase == "prefill", tail_from=tail_from if kind == "decode" else None)

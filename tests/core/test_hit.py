@@ -13,11 +13,12 @@ from kvledger import (
 from dataclasses import replace
 
 from kvledger.core import (blocks_spanned, cap_blocks, check_decision, checkpoint_positions, exact_replay, hit_cap,
-                           snapshot_candidates, with_tail)
+                           is_handed, snapshot_candidates, tail_parts, takes_tail, with_tail)
 
 V4 = ModelSpec.preset("deepseek-v4.1-flash")
 TINY = ModelSpec.preset("tiny-v4")
 LLAMA = ModelSpec.preset("smollm2-135m")
+GEMMA = ModelSpec.preset("gemma3-270m")
 B = 128
 
 lengths = st.integers(min_value=0, max_value=300_000)
@@ -405,6 +406,46 @@ def test_a_tail_raises_a_full_attention_hit_to_the_last_token(prompt_len, hit, r
         check_decision(got, prompt_len + 1, spec)   # for another length it is not a decision of this prompt
 
 
-def test_a_windowed_model_takes_no_tail():
-    spec = V4
-    assert with_tail(decide_hit(1000, 7, set(), spec), 1000, spec) is None
+def test_v4_takes_no_tail():
+    """V4's dropped windows are rebuilt from the last 134 tokens: its decode leg computes them."""
+    assert not takes_tail(V4) and takes_tail(GEMMA) and takes_tail(LLAMA)
+    assert with_tail(decide_hit(1000, 7, set(), V4), 1000, V4) is None
+
+
+@pytest.mark.parametrize(("prompt_len", "blocks", "snapshots", "raised"), [
+    (727, 5, {640}, 726),   # blocks 0–4, the snapshot at 640, the tail [640, 726) and the windows at 726
+    (769, 6, {640}, 768),   # L − 1 a boundary: no block part, the windows at 768 (the prefill stored 640 only)
+    (50, 0, set(), 49),     # no whole block: the tail is the prompt but its last token
+    (727, 5, set(), 726),   # the snapshot at 640 gone: the tail's windows make it up
+    (727, 4, {512}, None),  # block 4 missing: the tail cannot be placed
+])
+def test_a_tail_raises_a_windowed_hit_to_the_last_token(prompt_len, blocks, snapshots, raised):
+    """A windowed decision's L1 stops at a snapshot, so the blocks held are given (`cached_blocks`)."""
+    d = decide_hit(prompt_len, blocks, snapshots, GEMMA)
+    assert with_tail(d, prompt_len, GEMMA) == (with_tail(d, prompt_len, GEMMA, blocks) if blocks * B == d.block_hit_tokens
+                                               else None)
+    got = with_tail(d, prompt_len, GEMMA, blocks)
+    if raised is None:
+        assert got is None
+        return
+    assert (got.kind, got.swa_hit, got.hit_tokens, got.block_hit_tokens, got.recompute_from, got.cap) == (
+        HitKind.SNAPSHOT, True, raised, raised, raised, raised)
+    assert is_handed(got, prompt_len, GEMMA) and not is_handed(d, prompt_len, GEMMA)
+    check_decision(got, prompt_len, GEMMA)
+    with pytest.raises(ValueError, match="cap"):
+        check_decision(got, prompt_len - 1, GEMMA)   # one token shorter: L − 1 is not its cap
+
+
+def test_an_approximate_decision_takes_no_tail():
+    """Rule 9: a fallback's windows were truncated; a tail cannot make them exact."""
+    d = decide_hit(727, 5, set(), V4)
+    assert d.kind is HitKind.FALLBACK and not d.exact
+    gemma_fallback = replace(GEMMA, approximate_fallback=True)
+    d = decide_hit(727, 5, set(), gemma_fallback)
+    assert d.kind is HitKind.FALLBACK and with_tail(d, 727, gemma_fallback) is None
+
+
+def test_tail_parts():
+    assert tail_parts(727, GEMMA) == (3 * 1024 * 128, 15 * 518 * 1024)
+    assert tail_parts(769, GEMMA) == (0, 15 * 518 * 1024)
+    assert tail_parts(501, LLAMA) == (LLAMA.block_bytes(), 0) and tail_parts(257, LLAMA) == (0, 0)

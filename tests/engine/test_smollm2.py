@@ -281,6 +281,6 @@ def test_a_hit_past_the_cap_needs_its_tail(cold, smollm2, ledger):
     raised, sp = with_tail(decision, len(tokens), smollm2.spec), SamplingParams(max_tokens=2)
     with pytest.raises(ValueError, match="tail"):
         smollm2.add_request(EngineRequest("no-tail", tokens, keys, raised, sp))
-    with pytest.raises(ValueError, match="one block"):
+    with pytest.raises(ValueError, match="bytes of its last block"):
         smollm2.add_request(EngineRequest("short-tail", tokens, keys, raised, sp, tail_kv=b"\0" * 100))
     assert not smollm2.has_unfinished()

@@ -1,5 +1,7 @@
-"""The decode engine's pull of a P/D tail (`EngineProcess.pull_tail`) from engines that cannot serve it: each
-is a recompute (the request as it came), never a failure, and never bytes the caller cannot prove."""
+"""The decode engine's pull of a P/D tail (`EngineProcess.pull_tail`): a proven one of the right size raises the
+hit to the last token; one from an engine that cannot serve it is a recompute (the request as it came), never a
+failure, and never bytes the caller cannot prove. A windowed model's tail carries its windows (Gemma 3), and its
+decision's L1 stops at a snapshot, so the engine asks its block index how many blocks the tail follows."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import threading
 import numpy as np
 import pytest
 
-from kvledger.core import ModelSpec, chain_keys, decide_hit
+from kvledger.core import ModelSpec, chain_keys, decide_hit, tail_parts
 from kvledger.engine.api import EngineRequest, SamplingParams
 from kvledger.engine.process import EngineProcess
 from kvledger.engine.session import H_MAC, H_SEQ, H_SESSION, SessionClient, SessionTable
@@ -19,6 +21,7 @@ from kvledger.engine.wire import GenerateBody
 
 TOKEN = "t" * 64
 SPEC = ModelSpec.preset("smollm2-135m")
+GEMMA = ModelSpec.preset("gemma3-270m")
 TOKENS = list(range(100, 401))   # a prompt of 300 and its first output token: blocks 0, 1 and a tail of 44
 
 
@@ -26,8 +29,8 @@ class TailServer:
     """An engine's session endpoint with the cluster token, and a tail endpoint answering as `mode` says:
     "good" (the right MAC), "forged" (a wrong one), "short" (one byte too few), "absent" (404)."""
 
-    def __init__(self, mode: str, token: str = TOKEN) -> None:
-        table, size = SessionTable(token), SPEC.block_bytes()
+    def __init__(self, mode: str, token: str = TOKEN, spec: ModelSpec = SPEC) -> None:
+        table, size = SessionTable(token), sum(tail_parts(len(TOKENS), spec))
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_POST(self) -> None:
@@ -58,12 +61,15 @@ class TailServer:
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
 
-def pull(url: str) -> EngineRequest:
-    """`pull_tail` of a decode leg over TOKENS whose tail lies at `url` (a process with only what it needs)."""
+def pull(url: str, spec: ModelSpec = SPEC, *, decision=None, block_ledger=None, pulls: int = 1) -> EngineRequest:
+    """`pull_tail` of a decode leg over TOKENS whose tail lies at `url` (a process with only what it needs); the
+    decision of blocks 0 and 1 present unless given. It must try `pulls` pulls (0: the tail is of no use)."""
     proc = EngineProcess.__new__(EngineProcess)
-    proc.spec, proc.tail_sessions, proc.tail_client, proc.tail_pulls = SPEC, SessionClient(TOKEN), None, {}
-    keys = chain_keys(np.asarray(TOKENS, dtype=np.uint32), SPEC)
-    req = EngineRequest("r.2", TOKENS, keys, decide_hit(len(TOKENS), 2, set(), SPEC), SamplingParams(max_tokens=4))
+    proc.spec, proc.tail_sessions, proc.tail_client, proc.tail_pulls = spec, SessionClient(TOKEN), None, {}
+    proc.block_ledger = block_ledger
+    keys = chain_keys(np.asarray(TOKENS, dtype=np.uint32), spec)
+    decision = decision or decide_hit(len(TOKENS), 2, {256}, spec)
+    req = EngineRequest("r.2", TOKENS, keys, decision, SamplingParams(max_tokens=4))
     body = GenerateBody.of(req, tail_from=url)
 
     async def run() -> EngineRequest:
@@ -74,7 +80,7 @@ def pull(url: str) -> EngineRequest:
                 await proc.tail_client.aclose()
 
     got = asyncio.run(run())
-    assert sum(proc.tail_pulls.values()) == 1
+    assert sum(proc.tail_pulls.values()) == pulls
     return got
 
 
@@ -95,3 +101,23 @@ def test_an_engine_without_the_token_or_no_engine_at_all_costs_a_recompute():
     port = free.server_address[1]
     free.server_close()   # nothing listens there now: refused at once
     assert pull(f"http://127.0.0.1:{port}").decision.hit_tokens == 256
+
+
+def test_a_windowed_tail_carries_the_windows_and_follows_the_blocks_the_index_holds(tmp_path):
+    """Gemma 3: the tail is the block part and the 15 windows at 300. With the snapshot at 256 the decision shows
+    blocks 0 and 1; without it (an exact replay from 0) the engine asks its index, which holds both, or one."""
+    from kvledger.store.ledger import BlockLedger
+
+    got = pull(TailServer("good", spec=GEMMA).url, GEMMA)
+    assert (got.decision.kind.value, got.decision.hit_tokens) == ("snapshot", 300)
+    assert len(got.tail_kv) == GEMMA.block_bytes() + GEMMA.state_size_to_disk()
+    keys = chain_keys(np.asarray(TOKENS, dtype=np.uint32), GEMMA)
+    no_snapshot = decide_hit(len(TOKENS), 2, set(), GEMMA)
+    assert no_snapshot.block_hit_tokens == 0
+    with BlockLedger.open(tmp_path / "blocks") as ledger:
+        ledger.put_chain(keys[:1], [np.zeros(GEMMA.block_bytes(), np.uint8)])
+        got = pull(TailServer("good", spec=GEMMA).url, GEMMA, decision=no_snapshot, block_ledger=ledger, pulls=0)
+        assert got.tail_kv is None and got.decision == no_snapshot   # block 1 missing: not pulled, recomputed
+        ledger.put_chain(keys[1:2], [np.zeros(GEMMA.block_bytes(), np.uint8)], start_pos=1, parent=keys[0])
+        got = pull(TailServer("good", spec=GEMMA).url, GEMMA, decision=no_snapshot, block_ledger=ledger)
+        assert got.decision.hit_tokens == 300 and got.tail_kv is not None

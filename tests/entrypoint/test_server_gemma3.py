@@ -90,12 +90,13 @@ def test_a_chat_request_stops_at_the_end_of_the_models_turn():
     assert sampling_params(state, CompletionRequest(model=MODEL, prompt=[2, 3]), 2).stop_token_ids == ()
 
 
-def test_up_serves_gemma3_and_the_decode_engine_pulls_the_prefill_engines_snapshot(tmp_path):
+def test_up_serves_gemma3_and_the_decode_engine_takes_the_prefill_engines_tail(tmp_path):
     """`kvledger up --model gemma3-270m --prefill 1 --decode 1 --checkpoint-every 512`: the prefill leg computes the
     726-token prompt and its first token; the decode leg (prompt + that token) hits the prefill's blocks on the
-    shared store and pulls its 7.6 MiB snapshot at 640 from the prefill engine's state server. The text is
-    transformers' greedy text. A second prompt that shares only the first 600 tokens resumes at the prefill's
-    checkpoint at 512 (rule 4′; without it, a miss: the prompt's own snapshot is at 640)."""
+    shared store and takes the prompt's tail from the prefill engine (the block [640, 726) and the 15 windows at
+    726, 8 MiB: `core.tail_parts`), so it computes one token where it used to compute 87 from the snapshot at 640.
+    The text is transformers' greedy text. A second prompt that shares only the first 600 tokens resumes at the
+    prefill's checkpoint at 512 (rule 4′; without it, a miss: the prompt's own snapshot is at 640)."""
     from kvledger.bench.cluster_process import ClusterProcess
     from kvledger.util.serve_process import request
 
@@ -108,7 +109,11 @@ def test_up_serves_gemma3_and_the_decode_engine_pulls_the_prefill_engines_snapsh
 
     ref = REFERENCE["long"]
     with ClusterProcess(tmp_path / "cluster", "--checkpoint-every", "512", prefill=1, decode=1, model=MODEL) as c:
-        assert complete(c.url, ref["text"], len(ref["greedy_ids"]))["choices"][0]["text"] == ref["greedy_text"]
+        got = complete(c.url, ref["text"], len(ref["greedy_ids"]))
+        assert got["choices"][0]["text"] == ref["greedy_text"]
+        prefill, decode = got["usage"]["kvledger"]["legs"]
+        assert (prefill["kind"], prefill["computed_prompt_tokens"]) == ("prefill", 726)
+        assert (decode["kind"], decode["cached_tokens"], decode["computed_prompt_tokens"]) == ("decode", 726, 1)
         other = complete(c.url, ref["ids"][:600] + REFERENCE["short"]["ids"][1:], 1)
         assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 512
         text = request(c.url + "/metrics")[1].decode()

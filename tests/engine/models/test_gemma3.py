@@ -210,3 +210,45 @@ def test_a_snapshot_lost_after_the_check_is_an_exact_replay(gemma, ledger, holde
     out, usage = drain(gemma)
     assert (usage.hit_kind, usage.cached_tokens) == ("replay", 0)
     assert torch.equal(gemma.first_logits["lost"], cold_long[1]) and out == cold_long[0]
+
+
+@pytest.mark.parametrize(("length", "recomputed"), [(726, 87), (768, 129)])
+def test_a_prefill_leg_hands_its_tail_and_windows_to_the_decode_leg_which_computes_one_token(
+        gemma, ledger, holder, length, recomputed):
+    """P/D with R = 1 (`core.with_tail`, `core.tail_parts`): the prefill leg keeps the block its prompt ends in and
+    its 15 windows at the prompt's end; the decode leg over prompt + first token takes the whole blocks from the
+    block ledger and that tail, computes one token, and answers bit for bit as a decode leg that recomputes the
+    tail: 87 tokens after the snapshot at 640, or, after a prompt of 768 (a block boundary: no block part, and
+    its own snapshot is at 640), 129."""
+    from kvledger.core import tail_key, tail_parts, with_tail
+    from kvledger.engine.api import EngineRequest, SamplingParams
+    from kvledger.entrypoint.check import check_prompt
+    from tests.engine.helpers import drain
+
+    ids, ns, b = (PROMPTS["long"]["ids"] + PROMPTS["long"]["ids"][1:])[:length], f"pd-{length}", SPEC.block_size
+    keys, d = check_prompt(ids, SPEC, block_ledger=ledger, state_ledger=holder, namespace=ns)
+    gemma.add_request(EngineRequest(f"{ns}-prefill", ids, keys, d, SamplingParams(max_tokens=1), namespace=ns,
+                                    keep_tail=True))
+    first, _ = drain(gemma)
+    gemma.wait_stored()
+    key = tail_key(keys[length // b - 1], ids[length // b * b:])
+    tail = gemma.tails.take(key)
+    assert tail is not None and len(tail) == sum(tail_parts(length + 1, SPEC)) and gemma.tails.take(key) is None
+
+    tokens, sampling = ids + first, SamplingParams(max_tokens=8, ignore_eos=True)
+    legs = {}
+    for name in ("recompute", "tail"):   # (the other order: the tail leg's snapshot at 768 would serve the other)
+        gemma.clear_device_cache()
+        keys, d = check_prompt(tokens, SPEC, block_ledger=ledger, state_ledger=holder, namespace=ns)
+        kv = tail if name == "tail" else None
+        if kv is not None:
+            d = with_tail(d, len(tokens), SPEC, ledger.match(keys, namespace=ns))
+            with pytest.raises(ValueError, match="bytes of its last block"):
+                gemma.add_request(EngineRequest("short", tokens, keys, d, sampling, namespace=ns, tail_kv=kv[:-1]))
+        gemma.add_request(EngineRequest(f"{ns}-{name}", tokens, keys, d, sampling, namespace=ns, tail_kv=kv))
+        legs[name] = drain(gemma)
+        gemma.wait_stored()
+    (out, usage), (cold_out, cold_usage) = legs["tail"], legs["recompute"]
+    assert (usage.cached_tokens, usage.computed_prompt_tokens, usage.hit_kind) == (length, 1, "snapshot")
+    assert (cold_usage.cached_tokens, cold_usage.computed_prompt_tokens) == (length + 1 - recomputed, recomputed)
+    assert torch.equal(gemma.first_logits[f"{ns}-tail"], gemma.first_logits[f"{ns}-recompute"]) and out == cold_out
