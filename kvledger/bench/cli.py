@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
+from collections.abc import Callable
 from types import ModuleType
+from typing import Any
 
 from kvledger.bench.record import recorded
 from kvledger.util.output import examples
@@ -50,7 +53,25 @@ def register(sub: argparse._SubParsersAction) -> None:
         p.add_argument("--record", metavar="DIR", help="keep the run: its JSON plus the command, commit, date and "
                        f"machine load in DIR/{name}-<UTC time>.json (docs/results/)")
         module.add_arguments(p)
-        p.set_defaults(func=recorded(name, module.run))
+        p.set_defaults(func=terminable(recorded(name, module.run)))
+
+
+def terminable(run: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """`run` with SIGTERM ending it as an exception does (SystemExit 143, 128 + SIGTERM), so that its `finally`
+    blocks stop what it started: the load burners, the servers, the role processes a bench runs. Python's
+    default for SIGTERM is to die at once, leaving every child spinning on."""
+
+    def run_terminable(args: Any) -> Any:
+        def on_term(signum: int, frame: object) -> None:
+            raise SystemExit(128 + signal.SIGTERM)
+
+        previous = signal.signal(signal.SIGTERM, on_term)
+        try:
+            return run(args)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+    return run_terminable
 
 
 def _description(module: ModuleType) -> str:

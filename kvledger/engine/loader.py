@@ -136,10 +136,7 @@ class HitLoader:
         if self.device_hits:
             seq.decision = self._with_device_cache(seq)
         seq.handed_tail = seq.request.tail_kv is not None   # `Engine.add_request` checked it against the decision
-        tail = torch.frombuffer(bytearray(seq.request.tail_kv), dtype=torch.uint8) if seq.handed_tail else None
         tail_block, tail_window = tail_parts(seq.prompt_len, self.spec) if seq.handed_tail else (0, 0)
-        if tail_window:   # the tail's windows at L − 1 are this hit's snapshot (`core.with_tail`)
-            self.model.import_window(slot, seq.decision.hit_tokens, tail[tail_block:].to(self.model.device))
         decision = seq.decision if seq.handed_tail else self._snapshot(seq, slot)
         hit_blocks = blocks_spanned(decision.reused_block_tokens, self.spec) - bool(tail_block)   # ledger blocks
         on_device = self.pool.lookup(seq.keys[:hit_blocks])
@@ -154,8 +151,12 @@ class HitLoader:
         seq.block_table = on_device + self.pool.allocate(need)
         if copy_last:
             self._copy_on_write(seq, hit_blocks - 1)
-        if tail_block:   # the block after the ledger blocks is the request's own: the tail's block part goes in
-            self.model.import_block(seq.block_table[hit_blocks], tail[:tail_block])
+        if seq.handed_tail:
+            tail = torch.frombuffer(bytearray(seq.request.tail_kv), dtype=torch.uint8)
+            if tail_block:   # the block after the ledger blocks is the request's own: the block part goes in
+                self.model.import_block(seq.block_table[hit_blocks], tail[:tail_block])
+            if tail_window:   # the windows at L − 1 are this hit's snapshot (`core.with_tail`)
+                self.model.import_window(slot, decision.hit_tokens, tail[tail_block:].to(self.model.device))
         seq.slot, seq.device_hit_blocks, seq.decision = slot, len(on_device), decision
         missing = seq.keys[len(on_device):hit_blocks]
         if missing and self.fetcher is not None:

@@ -1,6 +1,8 @@
 """`kvledger bench scale`: a small run gives every contract key for both designs, and reuses its stores."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -31,3 +33,40 @@ def test_small_run_both_designs_side_by_side(run_cli, tmp_path):
     assert res["index_cached"] > 0.95 and "index_cached" not in res["old"]   # warmed: the new index only
     again = json.loads(run_cli(*args, timeout=900).stdout)
     assert again["build_reused"] is True and again["old"]["build_reused"] is True
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [int(x) for x in out.split()]
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's zombie may wait for a PID 1 that never reaps it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_sigterm_stops_the_bench_and_every_process_it_started(tmp_path):
+    """`kill` of a bench under load ends it as Ctrl-C would: its burners and role processes go with it (Python's
+    default for SIGTERM left them spinning, and the next run measured their load as well as its own)."""
+    import os
+    import signal
+    import time
+
+    p = subprocess.Popen([sys.executable, "-m", "kvledger", "bench", "scale", "--blocks", "200000", "--old-blocks", "0",
+                          "--burners", "1.5", "--dir", str(tmp_path)], stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 90
+    while len(_children(p.pid)) < 2 and time.monotonic() < deadline:   # the burners are up
+        time.sleep(0.1)
+    children = _children(p.pid)
+    assert len(children) >= 2, "the bench started no burners"
+    os.kill(p.pid, signal.SIGTERM)
+    assert p.wait(timeout=30) == 128 + signal.SIGTERM
+    deadline = time.monotonic() + 10
+    while any(map(_running, children)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(map(_running, children)), children
