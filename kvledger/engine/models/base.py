@@ -157,6 +157,19 @@ class PagedKV(LayerCache):
         v = kv[:, 1].reshape(-1, self.kv_heads, self.head_dim)[:length]
         return k.to(dtype), v.to(dtype)
 
+    def gather_heads(self, block_table: torch.Tensor, length: int, dtype: torch.dtype
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of positions [0, length) as [kv_heads, length, head_dim] in `dtype`, the layout attention reads:
+        the same values as `gather`, in two passes over the bytes (the gather of the blocks, then one copy that
+        converts and puts heads first) where `gather` and a transpose take five."""
+        assert self.kv is not None
+        n = -(-length // self.block_size)
+        kv = self.kv[block_table[:n]]   # [n, 2, B, h, d]
+        out = torch.empty(2, self.kv_heads, n, self.block_size, self.head_dim, dtype=dtype, device=kv.device)
+        out.copy_(kv.permute(1, 3, 0, 2, 4))
+        out = out.view(2, self.kv_heads, n * self.block_size, self.head_dim)[:, :, :length]
+        return out[0], out[1]
+
 
 class Model(nn.Module, ABC):
     """What the engine drives. Subclasses set `spec`, `caches` (one per layer), `vocab_size`,

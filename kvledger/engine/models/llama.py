@@ -98,18 +98,28 @@ class Attention(nn.Module):
 
     def _attend(self, q: torch.Tensor, c: Chunk, cache: PagedKV) -> torch.Tensor:
         """Causal attention of the chunk's queries over keys [0, end), read back from the blocks."""
-        k, v = cache.gather(c.block_table, c.end, q.dtype)
-        q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
         n = q.shape[0]
         if n == 1:
-            out = F.scaled_dot_product_attention(q4, k4, v4, enable_gqa=True)
-        elif c.start == 0:
+            return self._attend_one(q, c, cache)
+        k, v = cache.gather(c.block_table, c.end, q.dtype)
+        q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+        if c.start == 0:
             out = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, enable_gqa=True)
         else:
             qpos = torch.arange(c.start, c.end, device=q.device).unsqueeze(1)
             mask = torch.arange(c.end, device=q.device).unsqueeze(0) <= qpos
             out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, enable_gqa=True)
         return out.squeeze(0).transpose(0, 1)
+
+    def _attend_one(self, q: torch.Tensor, c: Chunk, cache: PagedKV) -> torch.Tensor:
+        """One query (a decode step, or a hit's last token) over keys [0, end): the query heads that share a KV
+        head become rows of one attention over it, so no KV head is repeated (grouped-query attention without
+        `enable_gqa`'s copies). Query head i reads KV head i // group, as `enable_gqa` does."""
+        k, v = cache.gather_heads(c.block_table, c.end, q.dtype)   # [kv_heads, end, d]
+        group = self.heads // self.kv_heads
+        rows = q.view(self.kv_heads, group, self.head_dim).unsqueeze(0)   # [1, kv_heads, group, d]
+        out = F.scaled_dot_product_attention(rows, k.unsqueeze(0), v.unsqueeze(0))
+        return out.reshape(1, self.heads, self.head_dim)
 
 
 class DecoderLayer(nn.Module):

@@ -1,0 +1,79 @@
+"""One SmolLM2 decode forward, two ways interleaved: the measurement behind docs/engine.md's decode table.
+
+    .venv/bin/python scripts/decode_step_ab.py attention [--context 2304] [--threads 2]
+    .venv/bin/python scripts/decode_step_ab.py bf16 [--context 2304] [--threads 2]
+
+`attention`: the one-query attention as it was (`PagedKV.gather`, then SDPA with `enable_gqa`) against
+`Attention._attend_one`. `bf16`: float32 weights against every `Linear` in bf16 (an experiment, not a mode of
+the engine). The prompt (random ids) is prefilled once; then `--rounds` rounds of 5 forwards of one query at
+position `--context`, the sides alternating. Prints per side the median ms of a forward over the rounds after the
+first 2 (warm-up) and the min–max of all, and the last logits' max |difference| over max |logit|.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvledger.engine.models import llama
+from kvledger.engine.models.base import Chunk
+from kvledger.engine.models.registry import resolve
+
+
+def old_attend_one(self: llama.Attention, q: torch.Tensor, c: Chunk, cache: llama.PagedKV) -> torch.Tensor:
+    k, v = cache.gather(c.block_table, c.end, q.dtype)
+    q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+    return F.scaled_dot_product_attention(q4, k4, v4, enable_gqa=True).squeeze(0).transpose(0, 1)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("compare", choices=("attention", "bf16"))
+    p.add_argument("--context", type=int, default=2304)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=12)
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    model = resolve("smollm2-135m").load("cpu")
+    b, n = 128, a.context
+    model.allocate(n // b + 3, 0)
+    table = torch.arange(1, n // b + 3)
+    ids = torch.randint(100, 40_000, (n + 1,), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        for s in range(0, n, 1024):
+            model([Chunk(ids[s:min(n, s + 1024)], s, table)])
+    new_attend, linear = llama.Attention._attend_one, nn.Linear.forward
+    bf16 = {id(m): m.weight.data.to(torch.bfloat16) for m in model.modules() if isinstance(m, nn.Linear)}
+
+    def bf16_linear(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.to(torch.bfloat16), bf16[id(self)]).float()
+
+    sides = ({"before": (old_attend_one, linear), "after": (new_attend, linear)} if a.compare == "attention"
+             else {"float32": (new_attend, linear), "bf16": (new_attend, bf16_linear)})
+    times: dict[str, list[float]] = {name: [] for name in sides}
+    logits: dict[str, torch.Tensor] = {}
+    try:
+        for _ in range(a.rounds):
+            for name, (attend, lin) in sides.items():
+                llama.Attention._attend_one, nn.Linear.forward = attend, lin
+                t = time.perf_counter()
+                with torch.inference_mode():
+                    for _ in range(5):
+                        logits[name] = model([Chunk(ids[n:n + 1], n, table)])
+                times[name].append((time.perf_counter() - t) / 5 * 1e3)
+    finally:
+        llama.Attention._attend_one, nn.Linear.forward = new_attend, linear
+    for name, ts in times.items():
+        print(f"{name:>8}: {statistics.median(ts[2:]):.1f} ms ({min(ts):.1f}–{max(ts):.1f})")
+    first, second = logits.values()
+    print(f"logits: max |difference| / max |logit| = {float((first - second).abs().max() / first.abs().max()):.1e}, "
+          f"same argmax: {bool(first.argmax() == second.argmax())}")
+
+
+if __name__ == "__main__":
+    main()
