@@ -4,9 +4,9 @@
     .venv/bin/python scripts/decode_step_ab.py bf16 [--context 2304] [--threads 2]
 
 `attention`: the one-query attention as it was (`PagedKV.gather`, then SDPA with `enable_gqa`) against
-`Attention._attend_one`. `bf16`: float32 weights against every `Linear` in bf16 (an experiment, not a mode of
-the engine). The prompt (random ids) is prefilled once; then `--rounds` rounds of 5 forwards of one query at
-position `--context`, the sides alternating. Prints per side the median ms of a forward over the rounds after the
+`Attention._attend_one`. `bf16`: float32 weights (in oneDNN, `onednn.Linear`) against every `Linear` in bf16
+(an experiment, not a mode of the engine). The prompt (random ids) is prefilled once; then `--rounds` rounds of
+5 forwards of one query at position `--context`, the sides alternating. Prints per side the median ms of a forward over the rounds after the
 first 2 (warm-up) and the min–max of all, and the last logits' max |difference| over max |logit|.
 """
 
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvledger.engine.models import llama
+from kvledger.engine.models import llama, onednn
 from kvledger.engine.models.base import Chunk
 from kvledger.engine.models.registry import resolve
 
@@ -47,7 +47,7 @@ def main() -> None:
     with torch.inference_mode():
         for s in range(0, n, 1024):
             model([Chunk(ids[s:min(n, s + 1024)], s, table)])
-    new_attend, linear = llama.Attention._attend_one, nn.Linear.forward
+    new_attend, linear = llama.Attention._attend_one, onednn.Linear.forward
     bf16 = {id(m): m.weight.data.to(torch.bfloat16) for m in model.modules() if isinstance(m, nn.Linear)}
 
     def bf16_linear(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -60,14 +60,14 @@ def main() -> None:
     try:
         for _ in range(a.rounds):
             for name, (attend, lin) in sides.items():
-                llama.Attention._attend_one, nn.Linear.forward = attend, lin
+                llama.Attention._attend_one, onednn.Linear.forward = attend, lin
                 t = time.perf_counter()
                 with torch.inference_mode():
                     for _ in range(5):
                         logits[name] = model([Chunk(ids[n:n + 1], n, table)])
                 times[name].append((time.perf_counter() - t) / 5 * 1e3)
     finally:
-        llama.Attention._attend_one, nn.Linear.forward = new_attend, linear
+        llama.Attention._attend_one, onednn.Linear.forward = new_attend, linear
     for name, ts in times.items():
         print(f"{name:>8}: {statistics.median(ts[2:]):.1f} ms ({min(ts):.1f}–{max(ts):.1f})")
     first, second = logits.values()

