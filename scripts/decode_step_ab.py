@@ -6,8 +6,9 @@
 `attention`: the one-query attention as it was (`PagedKV.gather`, then SDPA with `enable_gqa`) against
 `Attention._attend_one`. `bf16`: float32 weights (in oneDNN, `onednn.Linear`) against every `Linear` in bf16
 (an experiment, not a mode of the engine). The prompt (random ids) is prefilled once; then `--rounds` rounds of
-5 forwards of one query at position `--context`, the sides alternating. Prints per side the median ms of a forward over the rounds after the
-first 2 (warm-up) and the min–max of all, and the last logits' max |difference| over max |logit|.
+5 forwards of one query at position `--context`, the sides alternating. Prints per side the median ms of a
+forward over the rounds after the first 2 (warm-up) and the min–max of all, and the last logits' max
+|difference| over max |logit|.
 """
 
 from __future__ import annotations

@@ -3,9 +3,9 @@ and, for a windowed model, its windows at the prompt's end (`core.tail_parts`).
 
 A prefill leg asked to keep its tail (`EngineRequest.keep_tail`) leaves it here; the decode engine pulls it
 (`GET /engine/v1/tail/{key}`, engine/process.py) and computes only the last token instead of the whole tail
-(Gemma 3: up to 128 tokens through every layer, or 129 after a prompt of whole blocks). A tail is taken once or outlives `ttl_s`, whichever comes first, and the
-store holds at most `capacity_bytes` (the oldest go first): a tail nobody pulls costs the decode leg a
-recompute, never a wrong answer.
+(Gemma 3: up to 128 tokens through every layer, or 129 after a prompt of whole blocks). A tail is taken once or
+outlives `ttl_s`, whichever comes first, and the store holds at most `capacity_bytes` (the oldest go first): a
+tail nobody pulls costs the decode leg a recompute, never a wrong answer.
 
 Thread-safe: the engine's step thread puts, the HTTP server's loop takes.
 """

@@ -18,9 +18,10 @@ leg stored hit, and only the tail is recomputed (less than one block for full-at
 at most R + B tokens for windowed ones). A decode leg after a prefill leg recomputes not even that
 (`core.takes_tail`: full attention and Gemma 3, not V4): the prefill engine keeps the prompt's partial last
 block and its windows at the prompt's end (`keep_tail`, `core.tail_parts`) and the decode engine pulls them
-from there (`tail_from`, engine/process.py), so it computes one token; a tail it cannot get is recomputed. The client sees one stream: tokens are passed on as they
-come, none is repeated (a continuation starts after the last token the client got) and none is
-lost (greedy decoding continues exactly; a seeded sampler is re-seeded per leg).
+from there (`tail_from`, engine/process.py), so it computes one token; a tail it cannot get is recomputed.
+The client sees one stream: tokens are passed on as they come, none is repeated (a continuation starts after
+the last token the client got) and none is lost (greedy decoding continues exactly; a seeded sampler is
+re-seeded per leg).
 """
 
 from __future__ import annotations
