@@ -138,7 +138,7 @@ class HitLoader:
         seq.handed_tail = seq.request.tail_kv is not None   # `Engine.add_request` checked it against the decision
         tail_block, tail_window = tail_parts(seq.prompt_len, self.spec) if seq.handed_tail else (0, 0)
         decision = seq.decision if seq.handed_tail else self._snapshot(seq, slot)
-        hit_blocks = blocks_spanned(decision.reused_block_tokens, self.spec) - bool(tail_block)   # ledger blocks
+        hit_blocks = self._ledger_blocks(seq, decision)
         on_device = self.pool.lookup(seq.keys[:hit_blocks])
         # a hit ending inside its last block writes that block: one found on the device is copied first
         partial = decision.reused_block_tokens % self.spec.block_size != 0 and not tail_block
