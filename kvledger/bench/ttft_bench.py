@@ -10,12 +10,13 @@ emptied before every hit run so its blocks come through the fetcher process:
     | stored    | the first cold prefill, which also checkpoints   | yes   | [0, L), snapshots every P   |
     | cold      | a miss (a namespace of its own each time)        | yes   | [0, L)                      |
     | hit       | blocks to L1 (and the snapshot at L1: rule 3)    | yes   | [L1, L)                     |
+    | device    | the hit again, its blocks still in the engine    | yes   | [L1, L)                     |
     | periodic  | blocks and the latest checkpoint q < L1 (rule 3′)| yes   | [q, L): L1 − q ≤ P more     |
     | fallback  | blocks, no snapshot: windows truncated at L1 − B | no    | [L1 − B, L), every layer    |
     | replay    | blocks, no snapshot: bounded replay of [L1−B, L1)| no    | [L1 − B, L), windowed layers|
 
-The last three are for windowed models (a full-attention model's hit needs no snapshot: its runs are cold and
-hit). Each run generates 32 greedy tokens; TTFT counts from the start of CHECK to the first token and
+The last three are for windowed models (a full-attention model's hit needs no snapshot: its runs are cold,
+hit and device). Each run generates 32 greedy tokens; TTFT counts from the start of CHECK to the first token and
 is split into CHECK, fetch, swap-in and compute. Reported per run kind: the median TTFT and its spread (min,
 max), the median ratio to cold, the max relative logit error of the first token against the stored run,
 and whether the 32 greedy tokens equal cold's. "stored" (n = 1) prices periodic checkpointing against cold.
@@ -23,6 +24,13 @@ and whether the 32 greedy tokens equal cold's. "stored" (n = 1) prices periodic 
 `bytes` says what the stored run left on the ledgers, measured: the block ledger's files and the snapshots in
 host memory, per stored token, with rule 4's snapshots only and with the checkpoints too, against a store
 that keeps every layer's K and V per token (`rag_bench.all_layers_bytes_per_token`).
+
+`floor`: what a hit cannot go below on this machine with this layout. Its bytes must be read, and the forward
+cannot start its first attention before they are all read: layer 0 of every block is spread over the whole
+read (a block on the ledger holds all its layers). So the floor is a plain `preadv` of as many bytes as the
+hit's blocks, from a file in the ledger's folder and the page cache as warm as the ledger's (the median of
+`--repeat` reads into one buffer), plus the device run's TTFT (CHECK and the forward of what the hit computes,
+with nothing to fetch): `floor_s`, `floor_over_cold`, and `hit_over_floor`.
 
 `overlap_fraction` is the share of fetch + swap-in that compute hid: (swap-in
 copy time − time the forward waited for it) / (fetch + swap-in copy time), in the first hit run.
@@ -43,7 +51,7 @@ HELP = "engine TTFT: cold vs each hit kind (snapshot, periodic checkpoint, fallb
 EXAMPLES = ("kvledger bench ttft --tokens 4096 --json",
             "kvledger bench ttft --model gemma3-270m --tokens 16384 --repeat 3 --record docs/results")
 GREEDY_TOKENS = 32
-KINDS = ("cold", "hit", "periodic", "fallback", "replay")   # each run --repeat times, after "stored"
+KINDS = ("cold", "hit", "device", "periodic", "fallback", "replay")   # each run --repeat times, after "stored"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -70,7 +78,7 @@ def _decision(kind: str, tokens: list[int], engine: Any, ledger: Any, states: An
     from kvledger.entrypoint.check import check_prompt
 
     spec = engine.spec
-    if kind in ("stored", "cold", "hit"):
+    if kind in ("stored", "cold", "hit", "device"):
         return check_prompt(tokens, spec, block_ledger=ledger, state_ledger=states, namespace=namespace)
     if kind == "replay":
         return check_prompt(tokens, spec, block_ledger=ledger, state_ledger=None, namespace=namespace, replay=True)
@@ -134,7 +142,7 @@ def measure(model: str, tokens: int, device: str, data_dir: str, *, repeat: int 
     engine = Engine(entry, block_ledger=ledger, state_ledger=states, device=device, max_num_seqs=1,
                     max_num_batched_tokens=min(chunk, tokens), checkpoint_every=period if spec.has_swa else 0)
     engine.record_logits = True
-    kinds = KINDS if spec.has_swa else KINDS[:2]
+    kinds = KINDS if spec.has_swa else KINDS[:3]
     runs: dict[str, list[dict]] = {"stored": [], **{k: [] for k in kinds}}
     try:
         if tokens + greedy > engine.max_model_len:
@@ -146,7 +154,8 @@ def measure(model: str, tokens: int, device: str, data_dir: str, *, repeat: int 
         engine.checkpoint_every = 0
         for i in range(repeat):
             for kind in kinds:
-                engine.clear_device_cache()
+                if kind != "device":   # the device run follows the hit, whose blocks the engine still holds
+                    engine.clear_device_cache()
                 ns = f"cold-{i}" if kind == "cold" else "bench"
                 runs[kind].append(_run(engine, ledger, states, prompt, f"{kind}-{i}", kind, ns, greedy))
     finally:
@@ -154,7 +163,42 @@ def measure(model: str, tokens: int, device: str, data_dir: str, *, repeat: int 
         if states is not None:
             states.close()
         ledger.close()
-    return _report(model, tokens, device, period, greedy, runs) | {"bytes": kept}
+    out = _report(model, tokens, device, period, greedy, runs) | {"bytes": kept}
+    hit_blocks = -(-out["runs"]["hit"]["cached_tokens"] // spec.block_size)
+    out["floor"] = _floor(out, plain_read_s(data_dir, hit_blocks * spec.block_bytes(), repeat))
+    return out
+
+
+def plain_read_s(folder: str, nbytes: int, repeat: int) -> float:
+    """Median seconds of one `preadv` of `nbytes` from a file in `folder`, written and fsynced first, read
+    once untimed (the page cache as warm as a ledger read just after its write), then `repeat` times into
+    one buffer. The file is removed."""
+    import os
+
+    buf = np.ones(nbytes, dtype=np.uint8)
+    fd, path = tempfile.mkstemp(prefix="plain-read-", dir=folder)
+    try:
+        with open(fd, "wb", closefd=False) as f:   # a buffered write writes it all
+            f.write(buf)
+        os.fsync(fd)
+        times = []
+        for _ in range(repeat + 1):
+            t = time.perf_counter()
+            got = os.preadv(fd, [buf], 0)
+            times.append(time.perf_counter() - t)
+            assert got == nbytes, f"plain read: {got} of {nbytes} bytes"
+        return statistics.median(times[1:])
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
+def _floor(out: dict[str, Any], read_s: float) -> dict[str, Any]:
+    """The module docstring's floor, from the device run and the plain read."""
+    cold, hit, device = (out["runs"][k]["ttft_s"] for k in ("cold", "hit", "device"))
+    floor = read_s + device
+    return {"read_s": read_s, "device_ttft_s": device, "floor_s": floor, "floor_over_cold": floor / cold,
+            "hit_over_floor": hit / floor}
 
 
 def _bytes_kept(spec: Any, prompt: list[int], ledger: Any, states: Any) -> dict[str, Any]:
@@ -246,6 +290,10 @@ def _print_table(r: dict) -> None:
     console = Console()
     console.print(table)
     console.print(f"overlap of fetch + swap-in with compute (first hit run): {r['overlap_fraction']:.2f}")
+    f = r["floor"]
+    console.print(f"floor: a plain read of the hit's bytes {f['read_s']:.3f} s + the device run "
+                  f"{f['device_ttft_s']:.3f} s = {f['floor_s']:.3f} s (× {f['floor_over_cold']:.4f} of cold); "
+                  f"the hit is × {f['hit_over_floor']:.2f} of it")
     b = r["bytes"]
     console.print(f"bytes kept per stored token: {b['per_stored_token_rule4']:,.0f} with rule 4's "
                   f"{b['snapshots_rule4']} snapshot(s) (× {b['vs_all_layers_rule4']:.3f} of an all-layers store, "
