@@ -13,8 +13,8 @@ def test_each_run_kind_reuses_what_its_rule_says(tmp_path):
     r = measure("tiny-v4", 1024, "cpu", str(tmp_path), repeat=1, period=256, chunk=1024, greedy=4)
     got = {k: (v["n"], v["hit_kind"], v["cached_tokens"], v["computed_tokens"]) for k, v in r["runs"].items()}
     assert got == {"stored": (1, "miss", 0, 1024), "cold": (1, "miss", 0, 1024), "hit": (1, "snapshot", 768, 256),
-                   "device": (1, "snapshot", 768, 256), "periodic": (1, "snapshot", 512, 512), "fallback": (1, "fallback", 640, 384),
-                   "replay": (1, "replay", 768, 384)}
+                   "device": (1, "snapshot", 768, 256), "periodic": (1, "snapshot", 512, 512),
+                   "fallback": (1, "fallback", 640, 384), "replay": (1, "replay", 768, 384)}
     for kind in ("cold", "hit", "periodic"):
         assert r["runs"][kind]["greedy_match"] and r["runs"][kind]["logits_max_rel_err"] <= 1e-3, kind
     assert r["runs"]["fallback"]["logits_max_rel_err"] > 1e-3   # windows truncated: not the cold answer
@@ -35,5 +35,5 @@ def test_a_full_attention_model_has_no_windowed_kinds(tmp_path):
     assert (device["cached_tokens"], device["computed_tokens"]) == (511, 1) and device["greedy_match"]
     assert device["split"]["fetch_s"] == 0 and device["logits_max_rel_err"] == hit["logits_max_rel_err"]
     f = r["floor"]   # a plain read of the hit's 4 blocks, plus the device run
-    assert 0 < f["read_s"] and f["floor_s"] == f["read_s"] + f["device_ttft_s"] == f["read_s"] + device["ttft_s"]
+    assert f["read_s"] > 0 and f["floor_s"] == f["read_s"] + f["device_ttft_s"] == f["read_s"] + device["ttft_s"]
     assert f["hit_over_floor"] == hit["ttft_s"] / f["floor_s"]
