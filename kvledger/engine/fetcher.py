@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import mmap
 import os
 import select
 import signal
@@ -84,6 +85,16 @@ def miss_counts(store) -> tuple[int, int]:
     return absent, corrupt
 
 
+def _map_pages(shm: shared_memory.SharedMemory) -> None:
+    """Map every page of the staging area into this process now, by reading one byte of each: the engine
+    faulted them in when it made the area, but each process maps them on its own, and 94 MB of pages mapped by
+    a hit's reads cost it 30 ms (a 4,096-token SmolLM2 hit: a fetch of 39 ms against 9 once mapped). Reads,
+    never writes: a restarted fetcher attaches while the engine may still be copying a finished job out."""
+    pages = np.frombuffer(shm.buf, dtype=np.uint8)[::mmap.PAGESIZE]
+    int(pages.max(initial=0))
+    del pages
+
+
 def serve(sock: socket.socket, shm_name: str, path: str | None, redis_url: str | None,
           prefix: str = DEFAULT_PREFIX) -> None:
     """Answer jobs until the engine closes its end."""
@@ -91,6 +102,7 @@ def serve(sock: socket.socket, shm_name: str, path: str | None, redis_url: str |
     with contextlib.suppress(Exception):  # attached, not owned: the engine unlinks it
         resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
     t0 = time.perf_counter_ns()
+    _map_pages(shm)
     store = _open_store(path, redis_url, prefix)
     sock.sendall(RESPONSE.pack(READY, 0, 0, time.perf_counter_ns() - t0, 0, 0, 0))
     view = memoryview(shm.buf)

@@ -155,3 +155,29 @@ def test_a_fetcher_that_hangs_while_opening_is_killed_after_the_open_timeout(set
         assert job.intact == 2 and fetcher.ready
     finally:
         fetcher.close()
+
+
+def _mapped_kib(pid: int, shm_name: str) -> int:
+    """Resident KiB of the mapping of /dev/shm/`shm_name` in process `pid` (its smaps entry)."""
+    rss, inside = 0, False
+    for line in open(f"/proc/{pid}/smaps").read().splitlines():
+        if "-" in line.split(" ", 1)[0]:   # a mapping's header: "start-end perms offset dev inode path"
+            inside = line.rstrip().endswith(shm_name)
+        elif inside and line.startswith("Rss:"):
+            rss += int(line.split()[1])
+    return rss
+
+
+def test_a_fresh_fetcher_maps_the_whole_staging_area_before_its_first_job(tmp_path):
+    """Its first hit does not pay for mapping the pages (a 94 MB fetch: 39 ms, against 9 once they are mapped)."""
+    ledger = BlockLedger.open(path=tmp_path, fsync=False)
+    fetcher = Fetcher(ledger, 64 << 10, 64)   # 4 MiB
+    try:
+        deadline = time.monotonic() + 30
+        while not fetcher.ready and time.monotonic() < deadline:
+            fetcher.poll(0.1)
+        assert fetcher.ready and not fetcher.jobs
+        assert _mapped_kib(fetcher.pid, fetcher.shm.name) >= 4096
+    finally:
+        fetcher.close()
+        ledger.close()
