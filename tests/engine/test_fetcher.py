@@ -3,6 +3,7 @@
 import os
 import signal
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -160,7 +161,7 @@ def test_a_fetcher_that_hangs_while_opening_is_killed_after_the_open_timeout(set
 def _mapped_kib(pid: int, shm_name: str) -> int:
     """Resident KiB of the mapping of /dev/shm/`shm_name` in process `pid` (its smaps entry)."""
     rss, inside = 0, False
-    for line in open(f"/proc/{pid}/smaps").read().splitlines():
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
         if "-" in line.split(" ", 1)[0]:   # a mapping's header: "start-end perms offset dev inode path"
             inside = line.rstrip().endswith(shm_name)
         elif inside and line.startswith("Rss:"):
