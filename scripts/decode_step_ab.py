@@ -2,11 +2,14 @@
 
     .venv/bin/python scripts/decode_step_ab.py attention [--context 2304] [--threads 2]
     .venv/bin/python scripts/decode_step_ab.py bf16 [--context 2304] [--threads 2]
+    .venv/bin/python scripts/decode_step_ab.py stacked [--context 2304] [--threads 2] [--queries 1]
 
 `attention`: the one-query attention as it was (`PagedKV.gather`, then SDPA with `enable_gqa`) against
 `Attention._attend_one`. `bf16`: float32 weights (in oneDNN, `onednn.Linear`) against every `Linear` in bf16
-(an experiment, not a mode of the engine). The prompt (random ids) is prefilled once; then `--rounds` rounds of
-5 forwards of one query at position `--context`, the sides alternating. Prints per side the median ms of a
+(an experiment, not a mode of the engine). `stacked`: HF's q, k, v projections and gate, up projections as
+five matmuls, as they were, against the engine's two stacked ones (`llama._stacked`). The prompt (random ids)
+is prefilled once; then `--rounds` rounds of 5 forwards of one query at position `--context` (or of the
+`--queries` positions up to it: a prefill chunk), the sides alternating. Prints per side the median ms of a
 forward over the rounds after the first 2 (warm-up) and the min–max of all, and the last logits' max
 |difference| over max |logit|.
 """
@@ -23,6 +26,7 @@ from torch import nn
 
 from kvledger.engine.models import llama, onednn
 from kvledger.engine.models.base import Chunk
+from kvledger.engine.models.llama import rotate
 from kvledger.engine.models.registry import resolve
 
 
@@ -32,12 +36,45 @@ def old_attend_one(self: llama.Attention, q: torch.Tensor, c: Chunk, cache: llam
     return F.scaled_dot_product_attention(q4, k4, v4, enable_gqa=True).squeeze(0).transpose(0, 1)
 
 
+def separate_attention(self: llama.Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       chunks: list[Chunk], cache: llama.PagedKV) -> torch.Tensor:
+    """`Attention.forward` with its three projections apart (the weights split back from `qkv_proj`)."""
+    t = x.shape[0]
+    wq, wk, wv = self.qkv_proj.weight.split(self.widths)
+    q = rotate(matmul(x, wq).view(t, self.heads, self.head_dim), cos, sin)
+    k = rotate(matmul(x, wk).view(t, self.kv_heads, self.head_dim), cos, sin)
+    v = matmul(x, wv).view(t, self.kv_heads, self.head_dim)
+    outs, off = [], 0
+    for c in chunks:
+        n = c.end - c.start
+        cache.write(c.block_table, c.start, k[off:off + n], v[off:off + n])
+        outs.append(self._attend(q[off:off + n], c, cache))
+        off += n
+    return self.o_proj(torch.cat(outs).reshape(t, -1))
+
+
+def separate_mlp(self: llama.DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 chunks: list[Chunk], cache: llama.PagedKV) -> torch.Tensor:
+    x = x + self.self_attn(self.input_layernorm(x), cos, sin, chunks, cache)
+    h = self.post_attention_layernorm(x)
+    wg, wu = self.gate_up_proj.weight.chunk(2)
+    return x + self.down_proj(F.silu(matmul(h, wg)) * matmul(h, wu))
+
+
+def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x · wᵀ as `onednn.Linear` computes it."""
+    if onednn.AVAILABLE:
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), w, None, "none", [], "")
+    return F.linear(x, w)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("compare", choices=("attention", "bf16"))
+    p.add_argument("compare", choices=("attention", "bf16", "stacked"))
     p.add_argument("--context", type=int, default=2304)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=12)
+    p.add_argument("--queries", type=int, default=1)
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     model = resolve("smollm2-135m").load("cpu")
@@ -48,27 +85,34 @@ def main() -> None:
     with torch.inference_mode():
         for s in range(0, n, 1024):
             model([Chunk(ids[s:min(n, s + 1024)], s, table)])
-    new_attend, linear = llama.Attention._attend_one, onednn.Linear.forward
+    patched = ((llama.Attention, "_attend_one"), (onednn.Linear, "forward"), (llama.Attention, "forward"),
+               (llama.DecoderLayer, "forward"))
+    own = {where: getattr(*where) for where in patched}
     bf16 = {id(m): m.weight.data.to(torch.bfloat16) for m in model.modules() if isinstance(m, nn.Linear)}
 
     def bf16_linear(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x.to(torch.bfloat16), bf16[id(self)]).float()
 
-    sides = ({"before": (old_attend_one, linear), "after": (new_attend, linear)} if a.compare == "attention"
-             else {"float32": (new_attend, linear), "bf16": (new_attend, bf16_linear)})
+    sides = {"attention": {"before": {patched[0]: old_attend_one}, "after": {}},
+             "bf16": {"float32": {}, "bf16": {patched[1]: bf16_linear}},
+             "stacked": {"separate": {patched[2]: separate_attention, patched[3]: separate_mlp}, "stacked": {}},
+             }[a.compare]
     times: dict[str, list[float]] = {name: [] for name in sides}
     logits: dict[str, torch.Tensor] = {}
+    q = a.queries
     try:
         for _ in range(a.rounds):
-            for name, (attend, lin) in sides.items():
-                llama.Attention._attend_one, onednn.Linear.forward = attend, lin
+            for name, patches in sides.items():
+                for where, fn in (own | patches).items():
+                    setattr(*where, fn)
                 t = time.perf_counter()
                 with torch.inference_mode():
                     for _ in range(5):
-                        logits[name] = model([Chunk(ids[n:n + 1], n, table)])
+                        logits[name] = model([Chunk(ids[n + 1 - q:n + 1], n + 1 - q, table)])
                 times[name].append((time.perf_counter() - t) / 5 * 1e3)
     finally:
-        llama.Attention._attend_one, onednn.Linear.forward = new_attend, linear
+        for where, fn in own.items():
+            setattr(*where, fn)
     for name, ts in times.items():
         print(f"{name:>8}: {statistics.median(ts[2:]):.1f} ms ({min(ts):.1f}–{max(ts):.1f})")
     first, second = logits.values()
