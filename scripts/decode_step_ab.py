@@ -36,29 +36,20 @@ def old_attend_one(self: llama.Attention, q: torch.Tensor, c: Chunk, cache: llam
     return F.scaled_dot_product_attention(q4, k4, v4, enable_gqa=True).squeeze(0).transpose(0, 1)
 
 
-def separate_attention(self: llama.Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                       chunks: list[Chunk], cache: llama.PagedKV) -> torch.Tensor:
-    """`Attention.forward` with its three projections apart (the weights split back from `qkv_proj`)."""
+def separate_qkv(self: llama.Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`Attention.qkv` with its three projections apart (the weights split back from `qkv_proj`)."""
     t = x.shape[0]
     wq, wk, wv = self.qkv_proj.weight.split(self.widths)
-    q = rotate(matmul(x, wq).view(t, self.heads, self.head_dim), cos, sin)
-    k = rotate(matmul(x, wk).view(t, self.kv_heads, self.head_dim), cos, sin)
-    v = matmul(x, wv).view(t, self.kv_heads, self.head_dim)
-    outs, off = [], 0
-    for c in chunks:
-        n = c.end - c.start
-        cache.write(c.block_table, c.start, k[off:off + n], v[off:off + n])
-        outs.append(self._attend(q[off:off + n], c, cache))
-        off += n
-    return self.o_proj(torch.cat(outs).reshape(t, -1))
+    return (rotate(matmul(x, wq).view(t, self.heads, self.head_dim), cos, sin),
+            rotate(matmul(x, wk).view(t, self.kv_heads, self.head_dim), cos, sin),
+            matmul(x, wv).view(t, self.kv_heads, self.head_dim))
 
 
-def separate_mlp(self: llama.DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 chunks: list[Chunk], cache: llama.PagedKV) -> torch.Tensor:
-    x = x + self.self_attn(self.input_layernorm(x), cos, sin, chunks, cache)
-    h = self.post_attention_layernorm(x)
+def separate_mlp(self: llama.DecoderLayer, h: torch.Tensor) -> torch.Tensor:
+    """`DecoderLayer.mlp` with gate and up apart."""
     wg, wu = self.gate_up_proj.weight.chunk(2)
-    return x + self.down_proj(F.silu(matmul(h, wg)) * matmul(h, wu))
+    return self.down_proj(F.silu(matmul(h, wg)) * matmul(h, wu))
 
 
 def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -85,8 +76,8 @@ def main() -> None:
     with torch.inference_mode():
         for s in range(0, n, 1024):
             model([Chunk(ids[s:min(n, s + 1024)], s, table)])
-    patched = ((llama.Attention, "_attend_one"), (onednn.Linear, "forward"), (llama.Attention, "forward"),
-               (llama.DecoderLayer, "forward"))
+    patched = ((llama.Attention, "_attend_one"), (onednn.Linear, "forward"), (llama.Attention, "qkv"),
+               (llama.DecoderLayer, "mlp"))
     own = {where: getattr(*where) for where in patched}
     bf16 = {id(m): m.weight.data.to(torch.bfloat16) for m in model.modules() if isinstance(m, nn.Linear)}
 
@@ -95,7 +86,7 @@ def main() -> None:
 
     sides = {"attention": {"before": {patched[0]: old_attend_one}, "after": {}},
              "bf16": {"float32": {}, "bf16": {patched[1]: bf16_linear}},
-             "stacked": {"separate": {patched[2]: separate_attention, patched[3]: separate_mlp}, "stacked": {}},
+             "stacked": {"separate": {patched[2]: separate_qkv, patched[3]: separate_mlp}, "stacked": {}},
              }[a.compare]
     times: dict[str, list[float]] = {name: [] for name in sides}
     logits: dict[str, torch.Tensor] = {}

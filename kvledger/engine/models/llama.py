@@ -86,10 +86,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, chunks: Sequence[Chunk],
                 cache: PagedKV) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.widths, dim=-1)
-        q = rotate(q.view(t, self.heads, self.head_dim), cos, sin)
-        k = rotate(k.view(t, self.kv_heads, self.head_dim), cos, sin)
-        v = v.view(t, self.kv_heads, self.head_dim)
+        q, k, v = self.qkv(x, cos, sin)
         outs, off = [], 0
         for c in chunks:
             n = c.end - c.start
@@ -97,6 +94,14 @@ class Attention(nn.Module):
             outs.append(self._attend(q[off:off + n], c, cache))
             off += n
         return self.o_proj(torch.cat(outs).reshape(t, -1))
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Q [t, heads, d] and K [t, kv_heads, d] rotated, V [t, kv_heads, d], from one stacked matmul."""
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.widths, dim=-1)
+        return (rotate(q.view(t, self.heads, self.head_dim), cos, sin),
+                rotate(k.view(t, self.kv_heads, self.head_dim), cos, sin), v.view(t, self.kv_heads, self.head_dim))
 
     def _attend(self, q: torch.Tensor, c: Chunk, cache: PagedKV) -> torch.Tensor:
         """Causal attention of the chunk's queries over keys [0, end), read back from the blocks."""
@@ -136,9 +141,11 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, chunks: Sequence[Chunk],
                 cache: PagedKV) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, chunks, cache)
-        h = self.post_attention_layernorm(x)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def mlp(self, h: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
-        return x + self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Llama(Model):
