@@ -9,8 +9,9 @@ engine is inherited or pickled). Messages are struct frames, little-endian:
               | bytes_read u64 | absent u32 | corrupt u32 |
 
 The fetcher's first frame is a response with magic "KVFR" (job 0; ns: how long mapping the staging area and
-opening its store took): the store is open. A job's deadline (`timeout_s` + 50 ms per block) counts from its submission or from that
-frame, whichever is later: a store still opening (a fresh fetcher, a restarted one) costs no job its time.
+opening its store took): the store is open. A job's deadline (`timeout_s` + 50 ms per block) counts from its
+submission or from that frame, whichever is later: a store still opening (a fresh fetcher, a restarted one)
+costs no job its time.
 Until the frame, a job's deadline is `open_timeout_s` after the process started plus its own budget, so a
 fetcher that hangs while opening is killed too.
 
