@@ -77,7 +77,8 @@ def _drop_cache(paths: list[Path]) -> None:
             os.close(fd)
 
 
-def _plain_write(path: Path, batch: np.ndarray) -> None:
+def write_plain_file(path: Path, batch: np.ndarray) -> None:
+    """`batch`'s bytes into a new file at `path` (`write` until all are written, then `fsync`): the plain side."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         mv = memoryview(batch).cast("B")
@@ -88,7 +89,8 @@ def _plain_write(path: Path, batch: np.ndarray) -> None:
         os.close(fd)
 
 
-def _plain_read(path: Path, batch: np.ndarray) -> None:
+def read_plain_file(path: Path, batch: np.ndarray) -> None:
+    """The file at `path` into `batch` (`preadv` until it is full): the plain side."""
     fd = os.open(path, os.O_RDONLY)
     try:
         mv = memoryview(batch).cast("B")
@@ -110,13 +112,13 @@ def _io_sides(ledger: Any, kb: list[list[bytes]], plain: list[Path], data: list[
         assert r.written == per_put, r
 
     def plain_write(i: int) -> None:
-        _plain_write(plain[i], data[i])
+        write_plain_file(plain[i], data[i])
 
     def kvl_read(i: int) -> None:
         assert ledger.read_prefix(kb[i], list(out[i])) == per_put
 
     def plain_read(i: int) -> None:
-        _plain_read(plain[i], out[i])
+        read_plain_file(plain[i], out[i])
 
     return {"kvl_write": kvl_write, "plain_write": plain_write, "kvl_read": kvl_read, "plain_read": plain_read}
 

@@ -170,27 +170,25 @@ def measure(model: str, tokens: int, device: str, data_dir: str, *, repeat: int 
 
 
 def plain_read_s(folder: str, nbytes: int, repeat: int) -> float:
-    """Median seconds of one `preadv` of `nbytes` from a file in `folder`, written and fsynced first, read
-    once untimed (the page cache as warm as a ledger read just after its write), then `repeat` times into
-    one buffer. The file is removed."""
-    import os
+    """Median seconds of a plain read (`store_bench.read_plain_file`) of `nbytes` from a file in `folder`, written
+    and fsynced first, read once untimed (the page cache as warm as a ledger read just after its write), then
+    `repeat` times into one buffer. The file is removed."""
+    from pathlib import Path
+
+    from kvledger.bench.store_bench import read_plain_file, write_plain_file
 
     buf = np.ones(nbytes, dtype=np.uint8)
-    fd, path = tempfile.mkstemp(prefix="plain-read-", dir=folder)
+    path = Path(folder) / "plain-read.bin"
+    write_plain_file(path, buf)
     try:
-        with open(fd, "wb", closefd=False) as f:   # a buffered write writes it all
-            f.write(buf)
-        os.fsync(fd)
         times = []
         for _ in range(repeat + 1):
             t = time.perf_counter()
-            got = os.preadv(fd, [buf], 0)
+            read_plain_file(path, buf)
             times.append(time.perf_counter() - t)
-            assert got == nbytes, f"plain read: {got} of {nbytes} bytes"
         return statistics.median(times[1:])
     finally:
-        os.close(fd)
-        os.unlink(path)
+        path.unlink(missing_ok=True)
 
 
 def _floor(out: dict[str, Any], read_s: float) -> dict[str, Any]:
