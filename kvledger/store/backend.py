@@ -29,6 +29,8 @@ from kvledger.core.attribution import MissCause
 from kvledger.core.keys import namespace_bytes
 
 Buffer = Any  # anything with the writable/readable buffer protocol: bytearray, memoryview, numpy array
+Dest = Any    # where `get_into` reads one block: a writable Buffer, or a tuple of them (its parts, filled in order:
+#               the engine's layers, so a block goes straight into its device blocks; `segment_files.dest_parts`)
 MISS = -1        # a get_into result: absent, expired, or proven damaged (checksum, short read of a present file)
 UNREADABLE = -2  # a get_into result: a local read error (EIO, ENOTCONN, ESTALE...): this machine's problem,
                  # never proof that a shared block is bad (rule 8), so nothing is removed for it
@@ -215,8 +217,9 @@ class BlockStore(Protocol):
         """`match`, plus the tombstone of the first absent key, in the same call (no extra round trip;
         nothing more when every key is present). A fault: `Match(blocks before it, None)`, never raised."""
 
-    def get_into(self, keys: Sequence[bytes], bufs: Sequence[Buffer]) -> list[int]:
-        """Read each block into its buffer (at least the block's size); its size, or -1 for a miss."""
+    def get_into(self, keys: Sequence[bytes], bufs: Sequence[Dest]) -> list[int]:
+        """Read each block into its destination (a buffer, or a tuple of parts filled in order; at least the block's
+        size in all); its size, or -1 for a miss."""
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]: ...
 

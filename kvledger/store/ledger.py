@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from kvledger.core import KEY_BYTES, ModelSpec, extend_chain, root_key
-from kvledger.store.backend import (Buffer, BlockStore, ChainWrite, GcResult, Match, PutResult, StoreStats,
+from kvledger.store.backend import (Buffer, BlockStore, Dest, ChainWrite, GcResult, Match, PutResult, StoreStats,
                                     VerifyResult)
 from kvledger.store.open import DEFAULT_PREFIX, StoreLocation, open_block_store
 from kvledger.store.ttl import Clock, TtlPolicy, wall_clock
@@ -94,11 +94,11 @@ class BlockLedger:
             return PutResult(0, 0, 0)
         return self.store.put(ChainWrite(keys, blocks, start_pos, parent, namespace, cls, ttl_s))
 
-    def get_into(self, keys: Sequence[bytes], bufs: Sequence[Buffer]) -> list[int]:
+    def get_into(self, keys: Sequence[bytes], bufs: Sequence[Dest]) -> list[int]:
         """Each block into its buffer; per key its size in bytes, or -1 for a miss."""
         return self.store.get_into(keys, bufs)
 
-    def read_prefix(self, keys: Sequence[bytes], bufs: Sequence[Buffer]) -> int:
+    def read_prefix(self, keys: Sequence[bytes], bufs: Sequence[Dest]) -> int:
         """Read blocks into buffers; the number of leading blocks that arrived intact."""
         n = 0
         for size in self.get_into(keys, bufs):

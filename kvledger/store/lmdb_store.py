@@ -40,7 +40,7 @@ import lmdb
 
 from kvledger.store import lmdb_gc, lmdb_upkeep, lmdb_write
 from kvledger.core.attribution import MissCause
-from kvledger.store.backend import (BlockInfo, Buffer, ChainWrite, Counters, GcResult, Gone, Match, PutResult,
+from kvledger.store.backend import (BlockInfo, ChainWrite, Dest, Counters, GcResult, Gone, Match, PutResult,
                                     StoreStats, VerifyResult, probe_folder, shown_name)
 from kvledger.store.chain_check import leading_present
 from kvledger.store.lmdb_index import BLOCK, BlockRec, LmdbIndex, SegRec
@@ -288,7 +288,7 @@ class LmdbStore:
 
     # --- read ------------------------------------------------------------------
 
-    def get_into(self, keys: Sequence[bytes], bufs: Sequence[Buffer], *, drop: bool = True) -> list[int]:
+    def get_into(self, keys: Sequence[bytes], bufs: Sequence[Dest], *, drop: bool = True) -> list[int]:
         """Read blocks into `bufs` (each at least the block's size); per key its size, or -1 for a miss.
         A block that fails its read is forgotten by the index unless `drop` is false."""
         if len(keys) != len(bufs):

@@ -48,6 +48,7 @@ from kvledger.store.backend import (
     BlockInfo,
     Buffer,
     ChainWrite,
+    Dest,
     MISS,
     Counters,
     GcResult,
@@ -59,7 +60,7 @@ from kvledger.store.backend import (
     VerifyResult,
 )
 from kvledger.store.redis_keys import Placement
-from kvledger.store.segment_files import bytes_view
+from kvledger.store.segment_files import bytes_view, dest_bytes, dest_parts
 from kvledger.store.shared_files import VOLUME_FILE, Location, SharedFiles
 from kvledger.store.redis_meta import (BURY, CLAIM_VOLUME, EXISTS, MATCH, PUT, REFRESH_GRAIN, TOMB_GRACE_S, decode_meta,
                                        encode_meta)
@@ -250,7 +251,7 @@ class RedisStore:
         pending = 0
         for i in sel:
             chunk.append(i)
-            pending += memoryview(blocks[i]).nbytes
+            pending += dest_bytes(blocks[i])
             if pending >= PUT_CHUNK_BYTES:
                 yield chunk
                 chunk, pending = [], 0
@@ -274,7 +275,7 @@ class RedisStore:
 
     # --- read ------------------------------------------------------------------
 
-    def get_into(self, keys: Sequence[bytes], bufs: Sequence[Buffer]) -> list[int]:
+    def get_into(self, keys: Sequence[bytes], bufs: Sequence[Dest]) -> list[int]:
         if len(keys) != len(bufs):
             raise ValueError(f"one buffer per key: {len(keys)} keys, {len(bufs)} buffers")
         if self.files is not None:
@@ -295,7 +296,7 @@ class RedisStore:
                 return out
         return out
 
-    def _get_from_files(self, keys: Sequence[bytes], bufs: Sequence[Buffer]) -> list[int]:
+    def _get_from_files(self, keys: Sequence[bytes], bufs: Sequence[Dest]) -> list[int]:
         """Cluster mode: one round trip (per node) for every key's metadata and location, then the reads.
         Proven damage unpublishes the block (so that the next put writes it again); a local read error does
         not (rule 8), nor does anything while the folder is not known to be Redis's volume."""
@@ -335,7 +336,7 @@ class RedisStore:
         meta = decode_meta(m)
         return None if meta is None or loc is None else Location.unpack(loc, meta[2], meta[3])
 
-    def _check_copy(self, key: bytes, m: bytes | None, d: bytes | None, buf: Buffer) -> int:
+    def _check_copy(self, key: bytes, m: bytes | None, d: bytes | None, buf: Dest) -> int:
         if m is None or d is None:
             self.counters.misses_absent += 1
             return -1
@@ -345,10 +346,10 @@ class RedisStore:
             log.warning("block %s on %s fails its checksum: deleted", key.hex(), self.shown)
             self._unpublish([key])
             return -1
-        v = memoryview(buf).cast("B")
-        if v.nbytes < len(d):
-            raise ValueError(f"a buffer holds {v.nbytes} bytes, the block {len(d)}")
-        v[:len(d)] = d
+        at, data = 0, memoryview(d)
+        for part in dest_parts(buf, len(d)):
+            part[:] = data[at:at + part.nbytes]
+            at += part.nbytes
         self.counters.blocks_read += 1
         self.counters.bytes_read += len(d)
         return len(d)

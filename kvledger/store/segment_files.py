@@ -184,12 +184,12 @@ class SegmentFiles:
         """One run, a piece (`READ_PIECE_BYTES`) at a time: while this thread checks piece k, a helper thread reads
         piece k + 1 (a preadv holds no GIL; a hash does), so the checks overlap the reads."""
         name = run[0][1].name
-        views = read_views(run, bufs)
-        spans = pieces(views, READ_PIECE_BYTES)
+        dests = read_views(run, bufs)
+        spans = pieces(dests, READ_PIECE_BYTES)
 
         def read(k: int) -> int:
             lo, hi = spans[k]
-            return self.read_into(name, views[lo:hi], run[lo][1].offset)
+            return self.read_into(name, [p for d in dests[lo:hi] for p in d], run[lo][1].offset)
 
         out: list[Outcome] = []
         pending: Future[int] | None = None
@@ -203,8 +203,8 @@ class SegmentFiles:
                 whole = got >= last.offset + last.size - start
                 if whole and k + 1 < len(spans):
                     pending = background().submit(read, k + 1)
-                out += [_checked(loc, v, got >= loc.offset + loc.size - start, name)
-                        for (_, loc), v in zip(run[lo:hi], views[lo:hi])]
+                out += [_checked(loc, d, got >= loc.offset + loc.size - start, name)
+                        for (_, loc), d in zip(run[lo:hi], dests[lo:hi])]
                 if not whole:   # end of file: the rest of the run is gone
                     return out + ["truncated"] * (len(run) - hi)
         except FileNotFoundError:
@@ -262,27 +262,43 @@ class SegmentFiles:
 
 # --- helpers -------------------------------------------------------------------------------
 
-def _checked(loc: Location, view: memoryview, whole: bool, name: str) -> Outcome:
-    """A block's outcome once read into `view`: "truncated" unless `whole`, "corrupt" unless its xxh3-64 matches."""
+def _checked(loc: Location, parts: Sequence[memoryview], whole: bool, name: str) -> Outcome:
+    """A block's outcome once read into `parts`: "truncated" unless `whole`, "corrupt" unless its xxh3-64 matches."""
     if not whole:
         return "truncated"
-    if xxhash.xxh3_64_intdigest(view) != loc.xxh:
+    if xxh3_of(parts) != loc.xxh:
         log.warning("the block at %d of segment %s fails its checksum", loc.offset, name)
         return "corrupt"
     return loc.size
 
 
-def pieces(views: Sequence[memoryview], piece_bytes: int) -> list[tuple[int, int]]:
-    """[lo, hi) ranges of `views`, in order, each at least `piece_bytes` long (the last one may be shorter) and at
-    most IOV_MAX buffers: the grain at which a run is read and checked, or hashed and written."""
-    out, lo, size = [], 0, 0
-    for i, v in enumerate(views):
-        size += v.nbytes
-        if size >= piece_bytes or i + 1 - lo == IOV_MAX:
+def xxh3_of(parts: Sequence[memoryview]) -> int:
+    """xxh3-64 of the parts' bytes one after another: the same value as of those bytes in one buffer."""
+    if len(parts) == 1:
+        return xxhash.xxh3_64_intdigest(parts[0])
+    h = xxhash.xxh3_64()
+    for p in parts:
+        h.update(p)
+    return h.intdigest()
+
+
+def pieces(items: Sequence[memoryview | Sequence[memoryview]], piece_bytes: int) -> list[tuple[int, int]]:
+    """[lo, hi) ranges of `items` (buffers, or blocks as lists of their parts), in order, each at least `piece_bytes`
+    long (the last one may be shorter) and of at most IOV_MAX buffers in all (an item of more stands alone): the grain
+    at which a run is read and checked, or hashed and written."""
+    out, lo, size, iov = [], 0, 0, 0
+    for i, item in enumerate(items):
+        parts = (item,) if isinstance(item, memoryview) else item
+        if iov + len(parts) > IOV_MAX and i > lo:
+            out.append((lo, i))
+            lo, size, iov = i, 0, 0
+        size += sum(p.nbytes for p in parts)
+        iov += len(parts)
+        if size >= piece_bytes or iov >= IOV_MAX:
             out.append((lo, i + 1))
-            lo, size = i + 1, 0
-    if lo < len(views):
-        out.append((lo, len(views)))
+            lo, size, iov = i + 1, 0, 0
+    if lo < len(items):
+        out.append((lo, len(items)))
     return out
 
 
@@ -313,16 +329,30 @@ def bytes_view(buf: Any, writable: bool = False) -> memoryview:
     return v if v.format == "B" and v.ndim == 1 else v.cast("B")
 
 
-def read_views(run: Sequence[tuple[int, Any]], bufs: Sequence[Any]) -> list[memoryview]:
-    """The destinations of a run of blocks read back to back: for each (i, record), the first
-    `record.size` bytes of `bufs[i]`; `ValueError` when a buffer is smaller than its block."""
-    views = []
-    for i, rec in run:
-        v = bytes_view(bufs[i], writable=True)
-        if v.nbytes < rec.size:
-            raise ValueError(f"buffer {i} holds {v.nbytes} bytes, the block {rec.size}")
-        views.append(v[:rec.size])
-    return views
+def read_views(run: Sequence[tuple[int, Any]], bufs: Sequence[Any]) -> list[list[memoryview]]:
+    """The destinations of a run of blocks read back to back: for each (i, record), `record.size` bytes of `bufs[i]`
+    as its parts (`dest_parts`)."""
+    return [dest_parts(bufs[i], rec.size, i) for i, rec in run]
+
+
+def dest_bytes(dest: Any) -> int:
+    """How many bytes a read destination (`dest_parts`), or any one buffer, holds."""
+    return sum(memoryview(b).nbytes for b in (dest if isinstance(dest, (tuple, list)) else (dest,)))
+
+
+def dest_parts(dest: Any, size: int, i: int = 0) -> list[memoryview]:
+    """The first `size` bytes of a read destination (`backend.Dest`: one writable buffer, or a tuple of them filled
+    in order; a list works too) as flat byte views; `ValueError` when it holds fewer."""
+    parts, left = [], size
+    for buf in (dest if isinstance(dest, (tuple, list)) else (dest,)):
+        if left == 0:
+            break
+        v = bytes_view(buf, writable=True)[:left]
+        parts.append(v)
+        left -= v.nbytes
+    if left:
+        raise ValueError(f"buffer {i} holds {size - left} bytes, the block {size}")
+    return parts
 
 
 def write_segment(fd: int, write: ChainWrite, sel: Sequence[int], views: Sequence[memoryview], now: float

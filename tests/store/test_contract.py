@@ -67,6 +67,21 @@ def test_roundtrip_idempotent_and_check_stops_at_the_first_absent_block(store):
     assert led.get_into(other[:2] + keys[:1], [bytearray(BLOCK) for _ in range(3)]) == [-1, -1, BLOCK]
 
 
+def test_a_block_read_into_parts_fills_them_in_order(store):
+    """A destination may be a tuple of parts (the engine's layers: `backend.Dest`): the block's bytes fill them one
+    after another, with parts of unequal size, a larger last one, and bytes left over untouched."""
+    led = BlockLedger(store)
+    keys, blocks = chain(3, seed=5)
+    assert led.put_chain(keys, blocks) == (3, 0, 0)
+    cuts = (100, 1000, BLOCK - 1100)
+    dests = [tuple(bytearray(n) for n in cuts[:2]) + (bytearray(cuts[2] + 7),) for _ in keys]
+    assert led.get_into(keys, dests) == [BLOCK] * 3
+    assert [b"".join(bytes(p) for p in d)[:BLOCK] for d in dests] == blocks
+    assert all(bytes(d[2][-7:]) == bytes(7) for d in dests)
+    with pytest.raises(ValueError):
+        led.get_into(keys[:1], [(bytearray(10), bytearray(BLOCK - 11))])
+
+
 def test_empty_calls(store):
     led = BlockLedger(store)
     assert led.match([]) == 0 and led.get_into([], []) == [] and led.exists([]) == []

@@ -37,6 +37,13 @@ def test_pieces_cover_every_buffer_once_in_order():
     assert all(hi - lo <= sf.IOV_MAX for lo, hi in sf.pieces([memoryview(b"x")] * 3000, 10**9))
 
 
+def test_a_piece_of_blocks_in_parts_counts_every_part_against_iov_max():
+    parts = [[memoryview(b"x")] * 30] * 100   # 3,000 buffers: at most 34 blocks (1,020) a piece
+    spans = sf.pieces(parts, 10**9)
+    assert spans[0] == (0, 34) and spans[-1][1] == 100
+    assert all(30 * (hi - lo) <= sf.IOV_MAX for lo, hi in spans)
+
+
 @pytest.mark.parametrize("n", [1, 3, N])   # one piece (written inline), an exact piece, several
 def test_a_segment_written_in_pieces_is_the_one_shot_layout(tmp_path, n):
     keys, blocks = chain(n)
@@ -81,6 +88,23 @@ def test_a_corrupt_block_in_a_later_piece_is_that_block_only(tmp_path):
     out = files.read(located, bufs)
     assert out == [BLOCK] * 7 + ["corrupt"] + [BLOCK] * 2
     assert all(bytes(bufs[i]) == block_of(keys[i]) for i in range(N) if i != 7)
+    files.close()
+
+
+def test_blocks_read_into_parts_are_checked_whole_and_a_corrupt_one_is_that_block_only(tmp_path):
+    """Each block scattered over three parts (as the engine's fetcher reads them into its layers): the bytes land in
+    order, and the checksum covers all the parts (a flipped byte in the last part fails that block alone)."""
+    files, keys, located = _shared(tmp_path)
+    bad = located[5][1]
+    with open(files.files.seg_dir / bad.name, "r+b") as f:
+        f.seek(bad.offset + BLOCK - 10)
+        byte = f.read(1)
+        f.seek(bad.offset + BLOCK - 10)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    dests = [(bytearray(1000), bytearray(2000), bytearray(BLOCK - 3000)) for _ in keys]
+    out = files.read(located, dests)
+    assert out == [BLOCK] * 5 + ["corrupt"] + [BLOCK] * 4
+    assert all(b"".join(dests[i]) == block_of(keys[i]) for i in range(N) if i != 5)
     files.close()
 
 
