@@ -41,7 +41,6 @@ class StepEngine(Protocol):
     def request_ids(self) -> list[str]: ...
     def has_unfinished(self) -> bool: ...
     def close(self) -> None: ...
-    def abandon(self) -> None: ...
 
 
 class AsyncEngine:
@@ -72,8 +71,7 @@ class AsyncEngine:
         self._inbox.put(("wake", None))
         if self._thread is not None:
             self._thread.join(timeout=30 if grace_s is None else grace_s)
-            if self._thread.is_alive():
-                self.engine.abandon()
+            if self._thread.is_alive():   # nothing of it outlives the process (its shared memory is a memfd)
                 return False
         self.engine.close()
         return True

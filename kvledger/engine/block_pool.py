@@ -99,6 +99,13 @@ class BlockPool:
         block.key = key
         self.by_key[key] = block_id
 
+    def hold(self, block_ids: list[int]) -> None:
+        """One more reference to each block in use (a fetch still writing into blocks whose sequence went away)."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            assert block.ref_count > 0 and block_id != NULL_BLOCK, f"block {block_id} held while not in use"
+            block.ref_count += 1
+
     def free(self, block_ids: list[int]) -> None:
         """Drop one reference of each; a block reaching 0 goes to the free queue's tail (last evicted)."""
         for block_id in reversed(block_ids):  # tails first, so a prefix outlives its tail

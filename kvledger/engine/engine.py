@@ -29,6 +29,7 @@ from kvledger.core import (ModelSpec, check_decision, checkpoint_positions, hit_
                            tail_parts, takes_tail)
 from kvledger.engine.api import EngineRequest, RequestUsage, TokenEvent, check_request_keys
 from kvledger.engine.block_pool import BlockPool
+from kvledger.engine.fetch_target import PoolTarget, StagingTarget
 from kvledger.engine.fetcher import Fetcher
 from kvledger.engine.loader import HitLoader
 from kvledger.engine.models.registry import ModelEntry, resolve
@@ -36,6 +37,7 @@ from kvledger.engine.runner import ModelRunner, StepCost
 from kvledger.engine.sampler import make_generator, sample_one
 from kvledger.engine.scheduler import Scheduler
 from kvledger.engine.sequence import Sequence, SequenceStatus
+from kvledger.engine.shared_area import SharedArea
 from kvledger.engine.state_slots import StateSlots
 from kvledger.engine.swapin import SwapItem
 from kvledger.engine.tails import TailStore
@@ -50,16 +52,22 @@ class Engine:
                  device: str = "cpu", max_num_seqs: int = 8, max_num_batched_tokens: int = 4096,
                  replay: bool = False, fetcher: str = "process", kv_cache_bytes: int = DEFAULT_KV_BYTES,
                  fetch_timeout_s: float = 10.0, checkpoint_every: int = 0, max_seq_tokens: int | None = None,
-                 preemption: bool = True) -> None:
+                 preemption: bool = True, fetch_into: str | None = None) -> None:
         """`checkpoint_every`: rule 4′'s periodic checkpointing, a snapshot every that many prompt tokens
         during prefill (a multiple of B; 0: only rule 4's, at the prompt's end); the `periodic:N` state
         strategy's N (`Strategy.checkpoint_every`). The device pool holds `kv_cache_bytes` of blocks, and at
         least one request of `max_seq_tokens` prompt + output tokens (default: the model's context; a server
         whose limits refuse longer requests may give less, so that a small pool can be asked for). `preemption`:
         admission reserves the prompt and a sequence takes blocks as it decodes, preempted by recompute when the
-        pool runs out (True); or every request reserves prompt + max_tokens up front and none is preempted."""
+        pool runs out (True); or every request reserves prompt + max_tokens up front and none is preempted.
+        `fetch_into`: where the fetcher reads hit blocks (`fetch_target`): "pool", straight into the device blocks
+        (the default on the CPU), or "staging", then swapped in during the forward (the default, and the only
+        choice, on a device)."""
         if fetcher not in ("process", "none"):
             raise ValueError("fetcher must be 'process' (its own process) or 'none' (no ledger reads)")
+        fetch_into = fetch_into or ("pool" if torch.device(device).type == "cpu" else "staging")
+        if fetch_into not in ("pool", "staging") or (fetch_into == "pool" and torch.device(device).type != "cpu"):
+            raise ValueError("fetch_into must be 'staging', or 'pool' for a model on the CPU")
         self.model = (resolve(model) if isinstance(model, str) else model).load(device)
         self.spec: ModelSpec = self.model.spec
         checkpoint_positions(0, self.spec, checkpoint_every)   # ValueError unless at block boundaries
@@ -70,15 +78,20 @@ class Engine:
         longest = self.max_model_len if max_seq_tokens is None else min(max_seq_tokens, self.max_model_len)
         num_blocks = max(kv_cache_bytes // block_bytes, -(-longest // self.spec.block_size) + 2)
         num_slots = max_num_seqs if self.spec.has_swa else 0
-        self.model.allocate(num_blocks, num_slots)
+        fetches = block_ledger is not None and fetcher == "process"
+        area = SharedArea(num_blocks * block_bytes, "kvledger-pool") if fetches and fetch_into == "pool" else None
+        self.model.allocate(num_blocks, num_slots, area.buf if area is not None else None)
         self.pool = BlockPool(num_blocks)
         self.slots = StateSlots(num_slots, self.spec.state_size_to_disk() if self.spec.has_swa else 0)
-        self.fetcher = None
-        if block_ledger is not None and fetcher == "process":
-            staging = -(-self.max_model_len // self.spec.block_size)
-            self.fetcher = Fetcher(block_ledger, block_bytes, staging, timeout_s=fetch_timeout_s)
-        self.loader = HitLoader(self.model, self.pool, self.slots, self.fetcher, state_ledger, replay=replay,
-                                device_hits=block_ledger is not None, preemption=preemption)
+        self.fetcher: Fetcher | None = None
+        self.fetch_target: PoolTarget | StagingTarget | None = None
+        if fetches:
+            self.fetch_target = (PoolTarget(self.model, self.pool, num_blocks, area) if area is not None else
+                                 StagingTarget(block_bytes, -(-self.max_model_len // self.spec.block_size)))
+            self.fetcher = Fetcher(block_ledger, self.fetch_target.area, self.fetch_target.parts,
+                                   timeout_s=fetch_timeout_s)
+        self.loader = HitLoader(self.model, self.pool, self.slots, self.fetcher, self.fetch_target, state_ledger,
+                                replay=replay, device_hits=block_ledger is not None, preemption=preemption)
         self.writer = LedgerWriter(self.model, block_ledger, state_ledger, self.slots)
         self.tails = TailStore()   # P/D: prompt tails kept for the decode engine (keep_tail)
         self.scheduler = Scheduler(max_num_seqs, max_num_batched_tokens)
@@ -169,13 +182,7 @@ class Engine:
         self.writer.close()
         if self.fetcher is not None:
             self.fetcher.close()
-
-    def abandon(self) -> None:
-        """The process is exiting while a step still runs in another thread (Ctrl-C): release only what
-        would outlive the process (the fetcher's shared memory). The fetcher process ends on its own when
-        its socket closes with this process."""
-        if self.fetcher is not None:
-            self.fetcher.unlink_staging()
+            self.fetch_target.area.close()
 
     def wait_stored(self, timeout_s: float | None = None) -> bool:
         """Until every block queued for the block ledger so far is written (or its put failed), at most
@@ -200,6 +207,7 @@ class Engine:
         self.fetcher.poll(0.0)
         for job in [j for j in self.orphans if j.done]:
             self.fetcher.release(job)
+            self.fetch_target.release(job, orphaned=True)
             self.orphans.remove(job)
         swaps = []
         for seq in self.scheduler.running:
@@ -296,8 +304,9 @@ class Engine:
         self.tails.put(tail_key(parent, seq.tokens[whole * b:n]), kv)
 
     def _retire_fetch(self, seq: Sequence) -> None:
-        """The fetched blocks are on the device (or not needed): free the staging."""
+        """The fetched blocks are on the device (or not needed): free the staging, if any."""
         self.fetcher.release(seq.fetch_job)
+        self.fetch_target.release(seq.fetch_job, orphaned=False)
         seq.fetch_job = None
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
@@ -331,13 +340,15 @@ class Engine:
         self.scheduler.remove(seq)
 
     def _drop_fetch(self, seq: Sequence) -> None:
-        """The sequence no longer waits for its fetch: free the staging now, or when the job ends (orphans)."""
+        """The sequence no longer waits for its fetch: let its rows go now, or when the job ends (orphans: the
+        fetcher may still write them, `fetch_target`)."""
         if seq.fetch_job is None:
             return
         if seq.fetch_job.done:
-            self.fetcher.release(seq.fetch_job)
-        else:
-            self.orphans.append(seq.fetch_job)
+            self._retire_fetch(seq)
+            return
+        self.fetch_target.orphan(seq.fetch_job)
+        self.orphans.append(seq.fetch_job)
         seq.fetch_job = None
 
     def _preempt(self, seq: Sequence) -> None:

@@ -1,36 +1,41 @@
 """The fetcher: a process of its own that reads hit blocks from the block ledger into host shared memory (rule 6).
 
-The engine owns a staging area (one shared-memory segment of `capacity` blocks) and a socketpair
-to the fetcher process (`python -m kvledger.engine.fetcher`, a fresh interpreter: nothing of the
-engine is inherited or pickled). Messages are struct frames, little-endian:
+The engine owns a shared area (`SharedArea`: a memfd both processes map) and a socketpair to the fetcher process
+(`python -m kvledger.engine.fetcher`, a fresh interpreter: nothing of the engine is inherited or pickled). The area
+is laid out in `parts`, (base, bytes) in bytes: row r of part p is [base_p + r · bytes_p, base_p + (r + 1) · bytes_p),
+and a ledger block is its parts' bytes one after another. Two layouts use it (`fetch_target`):
 
-    request   | magic "KVF2" | job u32 | n u32 | staging offset u64 (bytes) | block_bytes u32 | n × 16-byte key |
-    response  | magic "KVF2" | job u32 | intact i32 (leading blocks read and verified; -1: error) | ns u64 |
+    | target        | area                              | parts                       | a job's rows       |
+    |---------------|-----------------------------------|-----------------------------|--------------------|
+    | the pool (CPU)| the engine's device blocks        | one per layer with block KV | the device blocks  |
+    | staging (GPU) | a staging area, swapped in after  | one, the whole block        | staging rows       |
+
+Messages are struct frames, little-endian:
+
+    request   | magic "KVF3" | job u32 | n u32 | n × 16-byte key | n × row u32 |
+    response  | magic "KVF3" | job u32 | intact i32 (leading blocks read and verified; -1: error) | ns u64 |
               | bytes_read u64 | absent u32 | corrupt u32 |
 
-The fetcher's first frame is a response with magic "KVFR" (job 0; ns: how long mapping the staging area and
-opening its store took): the store is open. A job's deadline (`timeout_s` + 50 ms per block) counts from its
-submission or from that frame, whichever is later: a store still opening (a fresh fetcher, a restarted one)
-costs no job its time.
-Until the frame, a job's deadline is `open_timeout_s` after the process started plus its own budget, so a
-fetcher that hangs while opening is killed too.
+The fetcher's first frame is a response with magic "KVFR" (job 0; ns: how long mapping the area and opening its
+store took): the store is open. A job's deadline (`timeout_s` + 50 ms per block) counts from its submission or from
+that frame, whichever is later: a store still opening (a fresh fetcher, a restarted one) costs no job its time.
+Until the frame, a job's deadline is `open_timeout_s` after the process started plus its own budget, so a fetcher
+that hangs while opening is killed too.
 
-The fetcher writes block i of a job at offset + i · block_bytes and answers once the whole job is
-read: `intact` leading blocks arrived with their checksums verified (the ledger checks them).
-`bytes_read` are the bytes of every block that arrived intact (what the store really delivered);
-`absent` and `corrupt` count the job's misses by cause as the fetcher's store saw them (corrupt:
-a checksum mismatch or a short read), since the server cannot see this process's counters. A
-fetcher that dies, hangs past the job's deadline or answers garbage is killed and restarted; its
-jobs read as 0 intact blocks, so their requests recompute (rule 8). It never outlives the engine: it
-ends at EOF on its socket, and gets SIGTERM when the engine thread that started it ends (the loading
-thread, or the step thread for a restart; `serve_process.spawn`).
+The fetcher reads block i of a job into row rows[i] of every part and answers once the whole job is read: `intact`
+leading blocks arrived with their checksums verified (the ledger checks them, over all the parts). `bytes_read` are
+the bytes of every block that arrived intact (what the store really delivered); `absent` and `corrupt` count the
+job's misses by cause as the fetcher's store saw them (corrupt: a checksum mismatch or a short read), since the
+server cannot see this process's counters. A fetcher that dies, hangs past the job's deadline or answers garbage is
+killed and reaped (`_stop`: once that returns it writes nothing more) and restarted; its jobs read as 0 intact
+blocks, so their requests recompute (rule 8), into rows it can no longer touch. It never outlives the engine: it
+ends at EOF on its socket, and gets SIGTERM when the engine thread that started it ends (the loading thread, or the
+step thread for a restart; `serve_process.spawn`).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import mmap
 import os
 import select
 import signal
@@ -40,20 +45,20 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from multiprocessing import resource_tracker, shared_memory
-
-import numpy as np
 
 from kvledger.core import KEY_BYTES
+from kvledger.engine.shared_area import SharedArea, map_area
 from kvledger.store.open import DEFAULT_PREFIX, StoreLocation, location_of, open_block_store
 from kvledger.util.redis_client import REDIS_URL_ENV
 from kvledger.util.serve_process import spawn
 
-MAGIC = b"KVF2"
+MAGIC = b"KVF3"
 READY = b"KVFR"   # the magic of the fetcher's first frame: its store is open
 OPEN_TIMEOUT_S = 30.0   # a fetcher whose store is not open this long after its start is killed (its jobs: 0)
-REQUEST = struct.Struct("<4sIIQI")
+REQUEST = struct.Struct("<4sII")
+ROW = struct.Struct("<I")
 RESPONSE = struct.Struct("<4sIiQQII")
+Parts = list[tuple[int, int]]   # (base, bytes) per part of a block in the shared area (module docstring)
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -64,6 +69,20 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
             raise EOFError("peer closed")
         buf += part
     return bytes(buf)
+
+
+def parse_parts(text: str) -> Parts:
+    """"base:bytes,base:bytes,..." (the `--parts` argument) → Parts."""
+    return [(int(base), int(size)) for base, size in (p.split(":") for p in text.split(","))]
+
+
+def format_parts(parts: Parts) -> str:
+    return ",".join(f"{base}:{size}" for base, size in parts)
+
+
+def parts_fit(parts: Parts, rows: int, area_bytes: int) -> bool:
+    """Whether `rows` rows of every part lie inside an area of `area_bytes`."""
+    return all(size > 0 and base >= 0 and base + rows * size <= area_bytes for base, size in parts)
 
 
 # --- the fetcher process -------------------------------------------------------------------
@@ -86,57 +105,56 @@ def miss_counts(store) -> tuple[int, int]:
     return absent, corrupt
 
 
-def _map_pages(shm: shared_memory.SharedMemory) -> None:
-    """Map every page of the staging area into this process now, by reading one byte of each: the engine
-    faulted them in when it made the area, but each process maps them on its own, and 94 MB of pages mapped by
-    a hit's reads cost it 30 ms (a 4,096-token SmolLM2 hit: a fetch of 39 ms against 9 once mapped). Reads,
-    never writes: a restarted fetcher attaches while the engine may still be copying a finished job out."""
-    pages = np.frombuffer(shm.buf, dtype=np.uint8)[::mmap.PAGESIZE]
-    int(pages.max(initial=0))
-    del pages
+def destinations(view: memoryview, parts: Parts, rows: list[int]) -> list[tuple[memoryview, ...]] | None:
+    """Each row's parts in the area (a ledger block's destination, `backend.Dest`); None when a row lies outside."""
+    if not all(parts_fit(parts, row + 1, len(view)) for row in rows):
+        return None
+    return [tuple(view[base + row * size: base + (row + 1) * size] for base, size in parts) for row in rows]
 
 
-def serve(sock: socket.socket, shm_name: str, path: str | None, redis_url: str | None,
-          prefix: str = DEFAULT_PREFIX) -> None:
+def serve(sock: socket.socket, area_fd: int, area_bytes: int, parts: Parts, path: str | None,
+          redis_url: str | None, prefix: str = DEFAULT_PREFIX) -> None:
     """Answer jobs until the engine closes its end."""
-    shm = shared_memory.SharedMemory(name=shm_name)
-    with contextlib.suppress(Exception):  # attached, not owned: the engine unlinks it
-        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
     t0 = time.perf_counter_ns()
-    _map_pages(shm)
+    area = map_area(area_fd, area_bytes)
+    os.close(area_fd)
     store = _open_store(path, redis_url, prefix)
     sock.sendall(RESPONSE.pack(READY, 0, 0, time.perf_counter_ns() - t0, 0, 0, 0))
-    view = memoryview(shm.buf)
+    view = memoryview(area)
+    block_bytes = sum(size for _, size in parts)
     try:
         while True:
             try:
-                magic, job, n, offset, block_bytes = REQUEST.unpack(_recv_exact(sock, REQUEST.size))
+                magic, job, n = REQUEST.unpack(_recv_exact(sock, REQUEST.size))
                 keys_raw = _recv_exact(sock, n * KEY_BYTES)
+                rows = [r for (r,) in ROW.iter_unpack(_recv_exact(sock, n * ROW.size))]
             except EOFError:
                 return
             assert magic == MAGIC, "not a fetch request"
             t0 = time.perf_counter_ns()
             intact, got, misses = -1, 0, (0, 0)
-            if offset + n * block_bytes <= len(view):
+            dests = destinations(view, parts, rows)
+            if dests is not None:
                 keys = [keys_raw[i * KEY_BYTES:(i + 1) * KEY_BYTES] for i in range(n)]
-                bufs = [view[offset + i * block_bytes: offset + (i + 1) * block_bytes] for i in range(n)]
                 before = miss_counts(store)
-                sizes = store.get_into(keys, bufs)
+                sizes = store.get_into(keys, dests)
                 misses = tuple(b - a for a, b in zip(before, miss_counts(store)))
                 intact = next((i for i, s in enumerate(sizes) if s != block_bytes), n)
                 got = sum(s for s in sizes if s == block_bytes)
-                del bufs
+                del dests
             sock.sendall(RESPONSE.pack(MAGIC, job, intact, time.perf_counter_ns() - t0, got, *misses))
     finally:
         view.release()
         store.close()
-        shm.close()
+        area.close()
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description="kvledger fetcher process (started by the engine)")
-    p.add_argument("--fd", type=int, required=True)
-    p.add_argument("--shm", required=True)
+    p.add_argument("--fd", type=int, required=True, help="the engine's socket")
+    p.add_argument("--area-fd", type=int, required=True, help="the shared area's memfd")
+    p.add_argument("--area-bytes", type=int, required=True)
+    p.add_argument("--parts", type=parse_parts, required=True, help="base:bytes,... of a block's parts in the area")
     p.add_argument("--path")
     p.add_argument("--redis-url", default=os.environ.get(REDIS_URL_ENV))
     p.add_argument("--prefix", default=DEFAULT_PREFIX, help="the Redis key prefix of the store")
@@ -144,7 +162,7 @@ def main(argv: list[str] | None = None) -> None:
     # the engine owns this process's lifetime: a terminal's Ctrl-C reaches the whole process group, and
     # this process ends when the engine's socket closes (EOF), not with a traceback of its own
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    serve(socket.socket(fileno=a.fd), a.shm, a.path, a.redis_url, a.prefix)
+    serve(socket.socket(fileno=a.fd), a.area_fd, a.area_bytes, a.parts, a.path, a.redis_url, a.prefix)
 
 
 # --- the engine's side ---------------------------------------------------------------------
@@ -153,8 +171,7 @@ def main(argv: list[str] | None = None) -> None:
 @dataclass(slots=True)
 class FetchJob:
     job: int
-    offset: int           # bytes into the staging area
-    n: int                # blocks
+    rows: list[int]       # where block i goes: row rows[i] of every part (module docstring)
     deadline: float       # perf_counter seconds (see the module docstring: counted from the store being open)
     started: float        # perf_counter seconds at submission
     budget_s: float       # seconds the fetcher has for it once its store is open
@@ -162,6 +179,10 @@ class FetchJob:
     fetch_s: float = 0.0
     bytes_read: int = 0         # bytes of the blocks that arrived intact (0 when the fetcher failed)
     misses: dict[str, int] = field(default_factory=dict)   # cause ("absent", "corrupt") → blocks
+
+    @property
+    def n(self) -> int:
+        return len(self.rows)
 
     @property
     def done(self) -> bool:
@@ -174,21 +195,19 @@ def ledger_location(ledger: object) -> StoreLocation:
 
 
 class Fetcher:
-    """Engine side: the staging area, the process, the jobs in flight (single-threaded use)."""
+    """Engine side: the process and the jobs in flight (single-threaded use). Where a job's blocks go (`rows` of the
+    area's `parts`) is the caller's (`fetch_target`); the area stays the caller's too."""
 
-    def __init__(self, ledger: object, block_bytes: int, capacity_blocks: int, *, timeout_s: float = 10.0,
+    def __init__(self, ledger: object, area: SharedArea, parts: Parts, *, timeout_s: float = 10.0,
                  open_timeout_s: float = OPEN_TIMEOUT_S) -> None:
-        assert block_bytes > 0 and capacity_blocks > 0
-        self.block_bytes, self.capacity, self.timeout_s = block_bytes, capacity_blocks, timeout_s
+        assert parts and parts_fit(parts, 1, area.size), "the parts lie outside the area"
+        self.area, self.parts, self.timeout_s = area, parts, timeout_s
+        self.block_bytes = sum(size for _, size in parts)
         self.open_timeout_s = open_timeout_s   # a fetcher whose store is not open by then is killed
         self.spawned = 0.0                     # perf_counter seconds when the process was started
         self.ready_at: float | None = None     # perf_counter seconds when its READY frame arrived
         self.location = ledger_location(ledger)
-        self.shm = shared_memory.SharedMemory(create=True, size=block_bytes * capacity_blocks)
-        self.staging = np.ndarray((capacity_blocks, block_bytes), dtype=np.uint8, buffer=self.shm.buf)
-        self.staging.fill(0)  # fault the pages in once, not on the first hit
         self.jobs: dict[int, FetchJob] = {}
-        self.used: dict[int, tuple[int, int]] = {}  # job → (first staging block, n)
         self.restarts = 0
         self._next = 1
         self.proc: subprocess.Popen | None = None
@@ -197,15 +216,16 @@ class Fetcher:
 
     def _start(self) -> None:
         ours, theirs = socket.socketpair()
-        cmd = [sys.executable, "-m", "kvledger.engine.fetcher", "--fd", str(theirs.fileno()), "--shm", self.shm.name]
+        cmd = [sys.executable, "-m", "kvledger.engine.fetcher", "--fd", str(theirs.fileno()),
+               "--area-fd", str(self.area.fd), "--area-bytes", str(self.area.size), "--parts", format_parts(self.parts)]
         where = self.location
         cmd += ["--path", where.path] if where.path else []
         cmd += ["--prefix", where.prefix] if where.prefix != DEFAULT_PREFIX else []
         env = {k: v for k, v in os.environ.items() if k != REDIS_URL_ENV}   # the URL may carry a password:
         env |= {REDIS_URL_ENV: where.redis_url} if where.redis_url else {}  # not on the command line
         self.spawned, self.ready_at = time.perf_counter(), None
-        self.proc = spawn(cmd, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env)   # dies with us
-        theirs.close()
+        self.proc = spawn(cmd, pass_fds=(theirs.fileno(), self.area.fd), stdin=subprocess.DEVNULL, env=env)
+        theirs.close()   # (spawn: the process dies with us)
         self.sock = ours
 
     @property
@@ -223,41 +243,24 @@ class Fetcher:
         assert self.proc is not None
         return self.proc.pid
 
-    def _alloc(self, n: int) -> int | None:
-        """First fit: the first staging block of a free run of n, or None."""
-        start = 0
-        for first, count in sorted(self.used.values()):
-            if first - start >= n:
-                return start
-            start = max(start, first + count)
-        return start if self.capacity - start >= n else None
-
-    def submit(self, keys: list[bytes]) -> FetchJob | None:
-        """Start reading `keys`' blocks; None when the staging area has no room now (try later)."""
-        assert 0 < len(keys) <= self.capacity, "a job larger than the staging area"
-        first = self._alloc(len(keys))
-        if first is None:
-            return None
+    def submit(self, keys: list[bytes], rows: list[int]) -> FetchJob:
+        """Start reading `keys`' blocks, block i into row rows[i] of every part."""
+        assert 0 < len(keys) == len(rows) and parts_fit(self.parts, max(rows) + 1, self.area.size)
         now = time.perf_counter()
-        job = FetchJob(self._next, first * self.block_bytes, len(keys), 0.0, now, self.timeout_s + 0.05 * len(keys))
+        job = FetchJob(self._next, list(rows), 0.0, now, self.timeout_s + 0.05 * len(keys))
         job.deadline = self._deadline(job)
         self._next = self._next % 0xFFFFFFFF + 1
         self.jobs[job.job] = job
-        self.used[job.job] = (first, len(keys))
         try:
             assert self.sock is not None
-            self.sock.sendall(REQUEST.pack(MAGIC, job.job, job.n, job.offset, self.block_bytes) + b"".join(keys))
+            self.sock.sendall(REQUEST.pack(MAGIC, job.job, job.n) + b"".join(keys)
+                              + b"".join(ROW.pack(r) for r in rows))
         except OSError:
             self._restart()
         return job
 
-    def view(self, job: FetchJob) -> np.ndarray:
-        """The job's blocks in the staging area: uint8 [n, block_bytes] (valid until `release`)."""
-        first = job.offset // self.block_bytes
-        return self.staging[first:first + job.n]
-
     def release(self, job: FetchJob) -> None:
-        self.used.pop(job.job, None)
+        """Forget a job (done, or given up on: its answer, if one comes, is ignored)."""
         self.jobs.pop(job.job, None)
 
     def poll(self, timeout_s: float = 0.0) -> None:
@@ -308,6 +311,9 @@ class Fetcher:
         self._start()
 
     def _stop(self) -> None:
+        """Kill and reap the process: once this returns it writes nothing more into the area. (SIGKILL ends a read
+        blocked on NFS or FUSE too: those sleep killably. A process the kernel cannot end in 5 s raises here rather
+        than let its rows be reused under it.)"""
         if self.sock is not None:
             self.sock.close()
             self.sock = None
@@ -319,14 +325,6 @@ class Fetcher:
 
     def close(self) -> None:
         self._stop()
-        del self.staging
-        self.shm.close()
-        self.unlink_staging()
-
-    def unlink_staging(self) -> None:
-        """Unlink the staging area's name (the mapping stays valid for whoever still uses it)."""
-        with contextlib.suppress(FileNotFoundError):
-            self.shm.unlink()
 
 
 if __name__ == "__main__":

@@ -9,8 +9,9 @@ Admitting a sequence with decision d (from the entrypoint's CHECK):
     | blocks [0, ⌈hit/B⌉)    | leading ones found in the device pool by chain key; the rest are  |
     |                        |   fetched from the block ledger by the fetcher process            |
     | blocks [⌈hit/B⌉, end)  | fresh blocks for the computed part and the decode                 |
-    | once fetched           | swap-in (layer by layer, during the first forward), then compute  |
-    |                        |   from d.recompute_from                                           |
+    | once fetched           | on the CPU the blocks are in place (read into them); on a device, |
+    |                        |   swap-in from staging, layer by layer during the first forward   |
+    |                        |   (`fetch_target`); then compute from d.recompute_from            |
 
 A full-attention hit of L − 1 (a prompt of whole blocks, all present: `core.hit_cap`) takes the last
 block whole and computes one token into it. That block is the request's own: fetched into a fresh block,
@@ -72,6 +73,7 @@ import torch
 from kvledger.core import (HitDecision, blocks_spanned, cap_blocks, decide_hit, exact_replay, is_handed,
                            resumes_exactly, snapshot_candidates, tail_parts)
 from kvledger.engine.block_pool import BlockPool
+from kvledger.engine.fetch_target import PoolTarget, StagingTarget
 from kvledger.engine.fetcher import Fetcher
 from kvledger.engine.models.base import Model
 from kvledger.engine.sequence import Sequence, SequenceStatus
@@ -93,10 +95,11 @@ class ResumePoint:
 
 class HitLoader:
     def __init__(self, model: Model, pool: BlockPool, slots: StateSlots, fetcher: Fetcher | None,
-                 state_ledger: object | None, *, replay: bool, device_hits: bool = True,
-                 preemption: bool = True) -> None:
+                 target: PoolTarget | StagingTarget | None, state_ledger: object | None, *, replay: bool,
+                 device_hits: bool = True, preemption: bool = True) -> None:
+        assert (fetcher is None) == (target is None), "a fetcher reads into a target"
         self.model, self.spec, self.pool, self.slots = model, model.spec, pool, slots
-        self.fetcher, self.state_ledger, self.replay = fetcher, state_ledger, replay
+        self.fetcher, self.target, self.state_ledger, self.replay = fetcher, target, state_ledger, replay
         self.device_hits = device_hits   # False: a no-cache baseline, every prompt computed as decided
         self.preemption = preemption     # False: reserve prompt + max_tokens at admission (the old policy)
         self.faults: Counter[str] = Counter()
@@ -160,11 +163,11 @@ class HitLoader:
         seq.slot, seq.device_hit_blocks, seq.decision = slot, len(on_device), decision
         missing = seq.keys[len(on_device):hit_blocks]
         if missing and self.fetcher is not None:
-            job = self.fetcher.submit(missing)
-            if job is None:  # staging full: wait for a later step
+            rows = self.target.rows(seq.block_table[len(on_device):hit_blocks])
+            if rows is None:  # staging full: wait for a later step
                 self.release(seq)
                 return False
-            seq.fetch_job, seq.status = job, SequenceStatus.LOADING
+            seq.fetch_job, seq.status = self.fetcher.submit(missing, rows), SequenceStatus.LOADING
             return True
         if missing:  # no fetcher: recompute from the first block not on the device
             decision = self._lower(seq, len(on_device), "no_fetcher")
@@ -288,7 +291,8 @@ class HitLoader:
         return decide_hit(seq.prompt_len, blocks, set(), self.spec, replay=self.replay)
 
     def on_fetched(self, seq: Sequence) -> SwapItem | None:
-        """The fetch of `seq` ended: lower on a short read; the blocks swap-in copies, if any."""
+        """The fetch of `seq` ended: lower on a short read; the blocks swap-in copies, if any (none when the fetcher
+        read them into the sequence's own blocks: `PoolTarget`; blocks past a short read are computed over)."""
         job = seq.fetch_job
         assert job is not None and job.done and self.fetcher is not None
         seq.add_time("fetch_s", job.fetch_s)
@@ -301,9 +305,8 @@ class HitLoader:
             self._unshare(seq, decision.reused_block_tokens)  # block KV is written from there on
         take = max(self._ledger_blocks(seq, decision) - dev, 0)
         self._start(seq, decision)
-        if take == 0:
-            return None
-        return SwapItem(self.fetcher.view(job)[:take], seq.block_table[dev:dev + take])
+        staged = self.target.staged(job, take) if take else None
+        return None if staged is None else SwapItem(staged, seq.block_table[dev:dev + take])
 
     def _copy_on_write(self, seq: Sequence, i: int) -> None:
         """Block i of `seq`, from the device prefix cache, becomes a copy of its own (the last block allocated

@@ -1,4 +1,5 @@
-"""The fetcher process: blocks into shared memory, checksums verified, a killed process restarted."""
+"""The fetcher process: blocks into shared memory (a staging area, or scattered over a pool's layers), checksums
+verified, a killed process restarted."""
 
 import os
 import signal
@@ -8,7 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvledger.engine.fetch_target import StagingTarget
 from kvledger.engine.fetcher import Fetcher
+from kvledger.engine.shared_area import SharedArea
 from kvledger.store.ledger import BlockLedger
 from tests.engine.helpers import flip_byte_of_block
 
@@ -21,10 +24,33 @@ def setup(tmp_path):
     ledger = BlockLedger.open(path=tmp_path, fsync=False)
     blocks = [np.full(BB, i + 1, np.uint8) for i in range(len(KEYS))]
     ledger.put_chain(KEYS, blocks)
-    fetcher = Fetcher(ledger, BB, 8, timeout_s=5.0)
+    fetcher = _staged(ledger, timeout_s=5.0)
     yield ledger, fetcher, blocks
     fetcher.close()
+    fetcher.target.area.close()
     ledger.close()
+
+
+def _staged(ledger, block_bytes=BB, capacity=8, **kw) -> Fetcher:
+    """A fetcher over a staging area of `capacity` blocks (`target`: its rows; `submit(keys)` takes a run of them)."""
+    target = StagingTarget(block_bytes, capacity)
+    fetcher = Fetcher(ledger, target.area, target.parts, **kw)
+    fetcher.target = target
+    return fetcher
+
+
+def submit(fetcher, keys):
+    rows = fetcher.target.rows(keys)
+    return None if rows is None else fetcher.submit(keys, rows)
+
+
+def release(fetcher, job):
+    fetcher.release(job)
+    fetcher.target.release(job, orphaned=False)
+
+
+def view(fetcher, job):
+    return fetcher.target.staged(job, job.n)
 
 
 def _wait(fetcher, job):
@@ -36,17 +62,17 @@ def _wait(fetcher, job):
 
 def test_fetch_into_shared_memory(setup):
     _, fetcher, blocks = setup
-    job = fetcher.submit(KEYS[:4])
+    job = submit(fetcher, KEYS[:4])
     _wait(fetcher, job)
-    assert job.intact == 4 and all((fetcher.view(job)[i] == blocks[i]).all() for i in range(4))
-    assert fetcher.submit(KEYS) is None  # 4 + 6 > 8 staging blocks: wait for a release
-    fetcher.release(job)
-    assert fetcher.submit(KEYS) is not None
+    assert job.intact == 4 and all((view(fetcher, job)[i] == blocks[i]).all() for i in range(4))
+    assert submit(fetcher, KEYS) is None  # 4 + 6 > 8 staging blocks: wait for a release
+    release(fetcher, job)
+    assert submit(fetcher, KEYS) is not None
 
 
 def test_missing_block_stops_the_intact_prefix(setup):
     _, fetcher, _ = setup
-    job = fetcher.submit(KEYS[:2] + [b"\x77" * 16] + KEYS[3:5])
+    job = submit(fetcher, KEYS[:2] + [b"\x77" * 16] + KEYS[3:5])
     _wait(fetcher, job)
     assert job.intact == 2
 
@@ -56,11 +82,11 @@ def test_killed_process_is_restarted(setup):
     pid = fetcher.pid
     os.kill(pid, signal.SIGKILL)
     time.sleep(0.2)
-    job = fetcher.submit(KEYS[:3])
+    job = submit(fetcher, KEYS[:3])
     _wait(fetcher, job)
     assert job.intact == 0 and fetcher.restarts == 1 and fetcher.pid != pid
-    fetcher.release(job)
-    job = fetcher.submit(KEYS[:3])
+    release(fetcher, job)
+    job = submit(fetcher, KEYS[:3])
     _wait(fetcher, job)
     assert job.intact == 3
 
@@ -78,7 +104,7 @@ def test_hung_process_hits_the_deadline(setup):
     _wait_ready(fetcher)   # hung with its store open (one hung while opening: the next tests)
     os.kill(fetcher.pid, signal.SIGSTOP)
     t0 = time.monotonic()
-    job = fetcher.submit(KEYS[:2])
+    job = submit(fetcher, KEYS[:2])
     _wait(fetcher, job)
     assert job.intact == 0 and fetcher.restarts == 1 and time.monotonic() - t0 < 10
 
@@ -86,16 +112,16 @@ def test_hung_process_hits_the_deadline(setup):
 def test_a_job_reports_the_bytes_it_read_and_its_misses_by_cause(setup):
     """What the fetcher process's store saw comes back with the job: the server cannot read its counters."""
     ledger, fetcher, _ = setup
-    job = fetcher.submit(KEYS[:4])
+    job = submit(fetcher, KEYS[:4])
     _wait(fetcher, job)
     assert (job.bytes_read, job.misses) == (4 * BB, {})
-    fetcher.release(job)
-    job = fetcher.submit(KEYS[:2] + [b"\x77" * 16] + KEYS[3:5])
+    release(fetcher, job)
+    job = submit(fetcher, KEYS[:2] + [b"\x77" * 16] + KEYS[3:5])
     _wait(fetcher, job)
     assert (job.intact, job.bytes_read, job.misses) == (2, 4 * BB, {"absent": 1})   # blocks after a gap still read
     fetcher.release(job)
     flip_byte_of_block(ledger.store.root, KEYS[1])
-    job = fetcher.submit(KEYS[:3])
+    job = submit(fetcher, KEYS[:3])
     _wait(fetcher, job)
     assert (job.intact, job.bytes_read, job.misses) == (1, 2 * BB, {"corrupt": 1})
 
@@ -106,13 +132,14 @@ def test_the_fetcher_opens_the_cluster_store_of_the_ledger_prefix_included(tmp_p
     ledger = BlockLedger.open(path=tmp_path, redis_url=redis_server.url, fsync=False, prefix="other:")
     blocks = [np.full(BB, i + 1, np.uint8) for i in range(len(KEYS))]
     assert ledger.put_chain(KEYS, blocks).written == 6
-    fetcher = Fetcher(ledger, BB, 8, timeout_s=5.0)
+    fetcher = _staged(ledger, timeout_s=5.0)
     try:
-        job = fetcher.submit(KEYS)
+        job = submit(fetcher, KEYS)
         _wait(fetcher, job)
-        assert job.intact == len(KEYS) and all((fetcher.view(job)[i] == blocks[i]).all() for i in range(6))
+        assert job.intact == len(KEYS) and all((view(fetcher, job)[i] == blocks[i]).all() for i in range(6))
     finally:
         fetcher.close()
+        fetcher.target.area.close()
         ledger.close()
 
 
@@ -126,16 +153,17 @@ def test_a_job_submitted_while_the_store_opens_gets_its_whole_budget(tmp_path, r
     blocks = [np.full(BB, i + 1, np.uint8) for i in range(len(KEYS))]
     assert ledger.put_chain(KEYS, blocks).written == 6
     redis.Redis.from_url(redis_server.url).execute_command("CLIENT", "PAUSE", 1500, "WRITE")
-    fetcher = Fetcher(ledger, BB, 8, timeout_s=0.5)
+    fetcher = _staged(ledger, timeout_s=0.5)
     try:
-        job = fetcher.submit(KEYS)
+        job = submit(fetcher, KEYS)
         assert not fetcher.ready
         _wait(fetcher, job)
         assert (job.intact, fetcher.restarts) == (6, 0) and job.fetch_s > 1.0
-        assert all((fetcher.view(job)[i] == blocks[i]).all() for i in range(6))
+        assert all((view(fetcher, job)[i] == blocks[i]).all() for i in range(6))
         assert fetcher.ready_at - fetcher.spawned > 1.0   # the open was slow indeed
     finally:
         fetcher.close()
+        fetcher.target.area.close()
         ledger.close()
 
 
@@ -143,27 +171,28 @@ def test_a_fetcher_that_hangs_while_opening_is_killed_after_the_open_timeout(set
     """Counting from READY must not wait forever: a fetcher stopped before it opened its store is killed
     `open_timeout_s` (plus the job's budget) after its start, its job read as 0 intact, and a new one serves."""
     ledger, _, _ = setup
-    fetcher = Fetcher(ledger, BB, 8, timeout_s=0.5, open_timeout_s=1.0)
+    fetcher = _staged(ledger, timeout_s=0.5, open_timeout_s=1.0)
     try:
         os.kill(fetcher.pid, signal.SIGSTOP)
-        job = fetcher.submit(KEYS[:2])
+        job = submit(fetcher, KEYS[:2])
         _wait(fetcher, job)
         assert (job.intact, fetcher.restarts) == (0, 1)
         assert 1.0 < job.fetch_s < 10
-        fetcher.release(job)
-        job = fetcher.submit(KEYS[:2])
+        release(fetcher, job)
+        job = submit(fetcher, KEYS[:2])
         _wait(fetcher, job)
         assert job.intact == 2 and fetcher.ready
     finally:
         fetcher.close()
+        fetcher.target.area.close()
 
 
-def _mapped_kib(pid: int, shm_name: str) -> int:
-    """Resident KiB of the mapping of /dev/shm/`shm_name` in process `pid` (its smaps entry)."""
+def _mapped_kib(pid: int, name: str) -> int:
+    """Resident KiB of the mappings of memfd `name` in process `pid` (its smaps entries)."""
     rss, inside = 0, False
     for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
         if "-" in line.split(" ", 1)[0]:   # a mapping's header: "start-end perms offset dev inode path"
-            inside = line.rstrip().endswith(shm_name)
+            inside = f"/memfd:{name} " in line
         elif inside and line.startswith("Rss:"):
             rss += int(line.split()[1])
     return rss
@@ -172,13 +201,45 @@ def _mapped_kib(pid: int, shm_name: str) -> int:
 def test_a_fresh_fetcher_maps_the_whole_staging_area_before_its_first_job(tmp_path):
     """Its first hit does not pay for mapping the pages (a 94 MB fetch: 39 ms, against 9 once they are mapped)."""
     ledger = BlockLedger.open(path=tmp_path, fsync=False)
-    fetcher = Fetcher(ledger, 64 << 10, 64)   # 4 MiB
+    fetcher = _staged(ledger, 64 << 10, 64)   # 4 MiB
     try:
         deadline = time.monotonic() + 30
         while not fetcher.ready and time.monotonic() < deadline:
             fetcher.poll(0.1)
         assert fetcher.ready and not fetcher.jobs
-        assert _mapped_kib(fetcher.pid, fetcher.shm.name) >= 4096
+        assert _mapped_kib(fetcher.pid, "kvledger-staging") >= 4096
     finally:
         fetcher.close()
+        fetcher.target.area.close()
+        ledger.close()
+
+
+def test_blocks_go_straight_into_their_rows_of_every_part(tmp_path):
+    """The pool's layout (`PoolTarget`): a block's bytes split over parts of unequal size (the layers), block i into
+    row rows[i] of each; rows in any order, and the rows of no job untouched. A checksum covers all the parts: a
+    corrupt block stops the intact prefix there."""
+    ledger = BlockLedger.open(path=tmp_path, fsync=False)
+    blocks = list(np.random.default_rng(3).integers(1, 256, (len(KEYS), BB), dtype=np.uint8))  # no zero byte
+    ledger.put_chain(KEYS, blocks)
+    parts = [(0, 1000), (8 * 1000, 96), (8 * 1096, BB - 1096)]   # 3 parts, 8 rows each
+    area = SharedArea(8 * BB)
+    fetcher = Fetcher(ledger, area, parts, timeout_s=5.0)
+    try:
+        u8 = np.frombuffer(area.buf, np.uint8)
+
+        def block_at(row):
+            return np.concatenate([u8[base + row * size: base + (row + 1) * size] for base, size in parts])
+
+        job = fetcher.submit(KEYS[:3], [5, 0, 6])
+        _wait(fetcher, job)
+        assert (job.intact, job.bytes_read) == (3, 3 * BB)
+        assert all((block_at(row) == blocks[i]).all() for i, row in enumerate([5, 0, 6]))
+        assert all(not block_at(row).any() for row in range(8) if row not in (5, 0, 6))
+        flip_byte_of_block(ledger.store.root, KEYS[4])
+        job = fetcher.submit(KEYS[3:6], [1, 2, 3])
+        _wait(fetcher, job)
+        assert (job.intact, job.misses) == (1, {"corrupt": 1}) and (block_at(1) == blocks[3]).all()
+    finally:
+        fetcher.close()
+        area.close()
         ledger.close()

@@ -96,7 +96,11 @@ class LayerCache(ABC):
     window_bytes: int  # bytes of this layer's window in a snapshot (0: not stored in a snapshot)
 
     @abstractmethod
-    def allocate(self, num_blocks: int, num_slots: int, device: torch.device) -> None: ...
+    def allocate(self, num_blocks: int, num_slots: int, device: torch.device,
+                 storage: torch.Tensor | None = None) -> None:
+        """Make room for `num_blocks` blocks and `num_slots` windows. `storage`, when given, is where the blocks live:
+        uint8 [num_blocks, block_bytes] of zeros on `device` (`Model.allocate`'s shared area); else the cache
+        allocates its own."""
 
     def blocks_u8(self) -> torch.Tensor:
         """uint8 [num_blocks, block_bytes] view of this layer's block storage (swap-in, store)."""
@@ -130,9 +134,13 @@ class PagedKV(LayerCache):
         self.block_bytes = 2 * block_size * kv_heads * head_dim * torch.finfo(dtype).bits // 8
         self.kv: torch.Tensor | None = None
 
-    def allocate(self, num_blocks: int, num_slots: int, device: torch.device) -> None:
+    def allocate(self, num_blocks: int, num_slots: int, device: torch.device,
+                 storage: torch.Tensor | None = None) -> None:
         shape = (num_blocks, 2, self.block_size, self.kv_heads, self.head_dim)
-        self.kv = torch.zeros(shape, dtype=self.dtype, device=device)
+        if storage is None:
+            self.kv = torch.zeros(shape, dtype=self.dtype, device=device)
+        else:
+            self.kv = storage.view(self.dtype).view(shape)
 
     def blocks_u8(self) -> torch.Tensor:
         assert self.kv is not None, "allocate() first"
@@ -190,9 +198,32 @@ class Model(nn.Module, ABC):
     def device(self) -> torch.device:
         return next(self.parameters()).device
 
-    def allocate(self, num_blocks: int, num_slots: int) -> None:
+    def allocate(self, num_blocks: int, num_slots: int, area: memoryview | None = None) -> None:
+        """Every layer's caches. With `area` (a writable host buffer of at least `num_blocks · spec.block_bytes()`
+        zeros: the engine's `SharedArea`, on the CPU), the blocks of every layer that keeps block KV live in it as
+        `block_parts` lays them out, so a process mapping the same area can read ledger blocks straight into them."""
+        parts = iter(self.block_parts(num_blocks))
         for cache in self.caches:
-            cache.allocate(num_blocks, num_slots, self.device)
+            storage = None
+            if area is not None and cache.block_bytes:
+                assert self.device.type == "cpu", "a shared area holds host blocks only"
+                base, size = next(parts)
+                storage = torch.frombuffer(area, dtype=torch.uint8, count=num_blocks * size, offset=base)
+                storage = storage.view(num_blocks, size)
+            cache.allocate(num_blocks, num_slots, self.device, storage)
+            if storage is not None:
+                assert cache.blocks_u8().data_ptr() == storage.data_ptr(), "a cache did not take its storage"
+
+    def block_parts(self, num_blocks: int) -> list[tuple[int, int]]:
+        """Where `allocate(num_blocks, ·, area)` puts the blocks of each layer that keeps block KV, in layer order (the
+        order of their bytes in a ledger block): (base, block_bytes). Block b of that layer is bytes
+        [base + b · block_bytes, base + (b + 1) · block_bytes): layer after layer, each [num_blocks, bytes]."""
+        out, base = [], 0
+        for size in self.layer_block_bytes():
+            if size:
+                out.append((base, size))
+                base += num_blocks * size
+        return out
 
     def layer_block_bytes(self) -> tuple[int, ...]:
         """Per layer, its bytes in one block-ledger block; the sum is `spec.block_bytes()`."""

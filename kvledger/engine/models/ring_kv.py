@@ -47,7 +47,9 @@ class RingKV(LayerCache):
         self.valid_from: list[int] = []
         self.end: list[int] = []
 
-    def allocate(self, num_blocks: int, num_slots: int, device: torch.device) -> None:
+    def allocate(self, num_blocks: int, num_slots: int, device: torch.device,
+                 storage: torch.Tensor | None = None) -> None:
+        assert storage is None, "a ring keeps no blocks"
         shape = (num_slots, self.ring_len, 2, self.kv_heads, self.head_dim)
         self.kv = torch.zeros(shape, dtype=self.dtype, device=device)
         self.valid_from, self.end = [0] * num_slots, [0] * num_slots

@@ -39,12 +39,14 @@ class TinyV4LayerCache(LayerCache):
         self.valid_from: list[int] = []
         self.end: list[int] = []
 
-    def allocate(self, num_blocks: int, num_slots: int, device: torch.device) -> None:
+    def allocate(self, num_blocks: int, num_slots: int, device: torch.device,
+                 storage: torch.Tensor | None = None) -> None:
         self.ring = torch.zeros(num_slots, self.ring_len, self.latent_dim, dtype=torch.float16, device=device)
         self.valid_from, self.end = [0] * num_slots, [0] * num_slots
         if self.part is None:
             return
-        self.blocks = torch.zeros(num_blocks, self.block_bytes, dtype=torch.uint8, device=device)
+        self.blocks = storage if storage is not None else torch.zeros(num_blocks, self.block_bytes, dtype=torch.uint8,
+                                                                       device=device)
         width = 2 * self.latent_dim + (2 * self.index_dim if self.kind is LayerKind.CSA else 0)
         self.tails = torch.zeros(num_slots, self.ratio, width, dtype=torch.float32, device=device)
 
