@@ -335,16 +335,21 @@ def read_views(run: Sequence[tuple[int, Any]], bufs: Sequence[Any]) -> list[list
     return [dest_parts(bufs[i], rec.size, i) for i, rec in run]
 
 
+def dest_buffers(dest: Any) -> Sequence[Any]:
+    """The buffers of a read destination (`backend.Dest`): its parts, or the one buffer it is."""
+    return dest if isinstance(dest, (tuple, list)) else (dest,)
+
+
 def dest_bytes(dest: Any) -> int:
     """How many bytes a read destination (`dest_parts`), or any one buffer, holds."""
-    return sum(memoryview(b).nbytes for b in (dest if isinstance(dest, (tuple, list)) else (dest,)))
+    return sum(memoryview(b).nbytes for b in dest_buffers(dest))
 
 
 def dest_parts(dest: Any, size: int, i: int = 0) -> list[memoryview]:
     """The first `size` bytes of a read destination (`backend.Dest`: one writable buffer, or a tuple of them filled
     in order; a list works too) as flat byte views; `ValueError` when it holds fewer."""
     parts, left = [], size
-    for buf in (dest if isinstance(dest, (tuple, list)) else (dest,)):
+    for buf in dest_buffers(dest):
         if left == 0:
             break
         v = bytes_view(buf, writable=True)[:left]
