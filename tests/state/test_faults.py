@@ -80,13 +80,22 @@ def test_holder_killed_in_the_middle_of_a_pull_is_a_miss_within_the_timeout(spaw
     thread = threading.Thread(target=puller, daemon=True)
     thread.start()
     deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:  # a few whole pulls, then one that has run for 2 ms
+    killed_at = None
+    while killed_at is None and time.monotonic() < deadline:  # a few whole pulls, then one stopped mid-answer
         started = in_flight[0]
         if len(results) >= 3 and started and time.monotonic() - started > 0.002:
-            break
+            # stopped first: a pull whose answer had left the holder whole (in the socket buffers) still finishes,
+            # exactly, and then the kill would meet the next pull instead; only one still waiting is killed under
+            os.kill(h.proc.pid, signal.SIGSTOP)
+            _wait_stopped(h.proc.pid)
+            time.sleep(0.05)
+            if in_flight[0] == started:
+                killed_at = time.monotonic()
+                os.kill(h.proc.pid, signal.SIGKILL)
+            else:
+                os.kill(h.proc.pid, signal.SIGCONT)
         time.sleep(0.0005)
-    killed_at = time.monotonic()
-    os.kill(h.proc.pid, signal.SIGKILL)
+    assert killed_at is not None, "no pull was caught mid-answer"
     thread.join(timeout + 2)
     assert not thread.is_alive(), "a pull hung past its timeout"
     assert len(results) >= 4
