@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple, Protocol
 
@@ -217,9 +217,13 @@ class BlockStore(Protocol):
         """`match`, plus the tombstone of the first absent key, in the same call (no extra round trip;
         nothing more when every key is present). A fault: `Match(blocks before it, None)`, never raised."""
 
-    def get_into(self, keys: Sequence[bytes], bufs: Sequence[Dest]) -> list[int]:
+    def get_into(self, keys: Sequence[bytes], bufs: Sequence[Dest], *,
+                 on_part: Callable[[int], None] | None = None) -> list[int]:
         """Read each block into its destination (a buffer, or a tuple of parts filled in order; at least the block's
-        size in all); its size, or -1 for a miss."""
+        size in all); its size, or -1 for a miss. `on_part` (optional): a backend that reads block files reads part k
+        of every block before part k + 1 and calls `on_part(k + 1)` after each (`SegmentFiles.read_by_part`), so a
+        consumer may start on the first parts while later ones arrive; the sizes returned still decide which
+        blocks arrived intact. One whose bytes arrive whole (inline in Redis) never calls it."""
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]: ...
 

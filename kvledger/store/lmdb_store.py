@@ -45,7 +45,7 @@ from kvledger.store.backend import (BlockInfo, ChainWrite, Dest, Counters, GcRes
 from kvledger.store.chain_check import leading_present
 from kvledger.store.lmdb_index import BLOCK, BlockRec, LmdbIndex, SegRec
 from kvledger.store.lmdb_tombs import DEFAULT_CAP, Tombstones
-from kvledger.store.segment_files import HOST, Location, SegmentFiles, bytes_view
+from kvledger.store.segment_files import HOST, Location, PartDone, SegmentFiles, bytes_view
 from kvledger.store.refresher import Refresher
 from kvledger.store.shared_files import VOLUME_FILE
 from kvledger.store.ttl import Clock, wall_clock
@@ -288,9 +288,11 @@ class LmdbStore:
 
     # --- read ------------------------------------------------------------------
 
-    def get_into(self, keys: Sequence[bytes], bufs: Sequence[Dest], *, drop: bool = True) -> list[int]:
+    def get_into(self, keys: Sequence[bytes], bufs: Sequence[Dest], *, drop: bool = True,
+                 on_part: PartDone | None = None) -> list[int]:
         """Read blocks into `bufs` (each at least the block's size); per key its size, or -1 for a miss.
-        A block that fails its read is forgotten by the index unless `drop` is false."""
+        A block that fails its read is forgotten by the index unless `drop` is false. `on_part`: read part by part
+        (`backend.BlockStore.get_into`)."""
         if len(keys) != len(bufs):
             raise ValueError(f"one buffer per key: {len(keys)} keys, {len(bufs)} buffers")
         out = [-1] * len(keys)
@@ -316,7 +318,7 @@ class LmdbStore:
                 bad.append((keys[i], rec))
             else:
                 located.append((i, Location(paths[rec.seg], rec.offset, rec.size, rec.xxh)))
-        for (i, _), got in zip(located, self.files.read_blocks(located, bufs)):
+        for (i, _), got in zip(located, self.files.read_blocks(located, bufs, on_part)):
             if isinstance(got, int):
                 out[i] = got
                 self.counters.blocks_read += 1

@@ -60,7 +60,7 @@ from kvledger.store.backend import (
     VerifyResult,
 )
 from kvledger.store.redis_keys import Placement
-from kvledger.store.segment_files import bytes_view, dest_bytes, dest_parts
+from kvledger.store.segment_files import PartDone, bytes_view, dest_bytes, dest_parts
 from kvledger.store.shared_files import VOLUME_FILE, Location, SharedFiles
 from kvledger.store.redis_meta import (BURY, CLAIM_VOLUME, EXISTS, MATCH, PUT, REFRESH_GRAIN, TOMB_GRACE_S, decode_meta,
                                        encode_meta)
@@ -275,11 +275,12 @@ class RedisStore:
 
     # --- read ------------------------------------------------------------------
 
-    def get_into(self, keys: Sequence[bytes], bufs: Sequence[Dest]) -> list[int]:
+    def get_into(self, keys: Sequence[bytes], bufs: Sequence[Dest], *, on_part: PartDone | None = None) -> list[int]:
+        """`BlockStore.get_into`; bytes inline in Redis arrive whole, so `on_part` is for the cluster's files only."""
         if len(keys) != len(bufs):
             raise ValueError(f"one buffer per key: {len(keys)} keys, {len(bufs)} buffers")
         if self.files is not None:
-            return self._get_from_files(keys, bufs)
+            return self._get_from_files(keys, bufs, on_part)
         out = [-1] * len(keys)
         for chunk in self._chunks(list(range(len(keys))), bufs):
             calls = [Call(self.place.slot(keys[i]), command("HMGET", self._k(keys[i]), "m", "d")) for i in chunk]
@@ -296,7 +297,7 @@ class RedisStore:
                 return out
         return out
 
-    def _get_from_files(self, keys: Sequence[bytes], bufs: Sequence[Dest]) -> list[int]:
+    def _get_from_files(self, keys: Sequence[bytes], bufs: Sequence[Dest], on_part: PartDone | None) -> list[int]:
         """Cluster mode: one round trip (per node) for every key's metadata and location, then the reads.
         Proven damage unpublishes the block (so that the next put writes it again); a local read error does
         not (rule 8), nor does anything while the folder is not known to be Redis's volume."""
@@ -315,7 +316,7 @@ class RedisStore:
         fault = next((r for r in replies if isinstance(r, BaseException)), None)
         if fault is not None:
             log.warning("get from %s failed: %s", self.shown, fault)
-        for (i, _), got in zip(located, self.files.read(located, bufs)):
+        for (i, _), got in zip(located, self.files.read(located, bufs, on_part)):
             if isinstance(got, int):
                 out[i] = got
                 self.counters.blocks_read += 1

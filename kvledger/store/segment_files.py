@@ -34,7 +34,7 @@ import struct
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import suppress
 from pathlib import Path
@@ -58,6 +58,7 @@ MAX_OPEN_FDS = 128
 STALE_TMP_S = 3600.0  # verify removes temporary files of any host older than this
 HOST = socket.gethostname().replace("-", "_")
 OFFSET = struct.Struct("<Q")
+PartDone = Callable[[int], None]   # `read_by_part`'s progress: parts [0, k) of every block being read are in
 Outcome = int | str   # a read's outcome: the size read, or "corrupt" | "truncated" | "missing" | "unreadable"
 log = logging.getLogger("kvledger.store")
 
@@ -162,10 +163,13 @@ class SegmentFiles:
 
     # --- block bytes -----------------------------------------------------------------------
 
-    def read_blocks(self, located: Sequence[tuple[int, Location]], bufs: Sequence[Any]) -> list[Outcome]:
+    def read_blocks(self, located: Sequence[tuple[int, Location]], bufs: Sequence[Any],
+                    on_part: PartDone | None = None) -> list[Outcome]:
         """Read each (i, location) into `bufs[i]`; one outcome per item, in order (see the module docstring).
         One preadv per run of blocks back to back in one file (in the order given); `ValueError` for a buffer
-        smaller than its block."""
+        smaller than its block. With `on_part`, part by part instead (`read_by_part`)."""
+        if on_part is not None:
+            return self.read_by_part(located, bufs, on_part)
         out: list[Outcome] = []
         run: list[tuple[int, Location]] = []
         with self._io_lock:
@@ -217,6 +221,44 @@ class SegmentFiles:
             if pending is not None:   # never leave a read running into the caller's buffers
                 wait([pending])
         return out
+
+    def read_by_part(self, located: Sequence[tuple[int, Location]], bufs: Sequence[Any],
+                     on_part: PartDone) -> list[Outcome]:
+        """`read_blocks`, part-major: part 0 of every block, then part 1, ..., each block's xxh3-64 fed part by
+        part (so it is the same hash), and `on_part(k)` once parts [0, k) of every block still being read are in.
+        A reader may use those parts before the outcomes are known; only the outcomes say which blocks are intact
+        (a block is checked when its last part is in). One pread per (block, part): for a consumer that computes
+        with part k while part k + 1 is read (the engine's forward, layer by layer: `engine/fetcher.py`)."""
+        dests = [dest_parts(bufs[i], loc.size, i) for i, loc in located]
+        hashers = [xxhash.xxh3_64() for _ in located]
+        out: list[Outcome | None] = [None] * len(located)
+        offsets = [loc.offset for _, loc in located]
+        with self._io_lock:
+            for k in range(max((len(d) for d in dests), default=0)):
+                for j, (_, loc) in enumerate(located):
+                    if out[j] is not None or k >= len(dests[j]):
+                        continue
+                    view = dests[j][k]
+                    try:
+                        got = self.read_into(loc.name, [view], offsets[j])
+                    except FileNotFoundError:
+                        out[j] = "missing"
+                        continue
+                    except OSError as err:   # as in `_read_run`: dropped, the next read opens again
+                        log.warning("read of segment %s failed: %s", loc.name, err)
+                        self._drop_fd(loc.name)
+                        out[j] = "unreadable"
+                        continue
+                    if got < view.nbytes:
+                        out[j] = "truncated"
+                        continue
+                    hashers[j].update(view)
+                    offsets[j] += got
+                    if k + 1 == len(dests[j]) and hashers[j].intdigest() != loc.xxh:
+                        log.warning("the block at %d of segment %s fails its checksum", loc.offset, loc.name)
+                        out[j] = "corrupt"
+                on_part(k + 1)
+        return [loc.size if o is None else o for o, (_, loc) in zip(out, located)]
 
     def read_into(self, name: str, views: list[memoryview], offset: int) -> int:
         """Fill `views` from `offset` of segment `name`; the bytes read (fewer only at end of file). A cached

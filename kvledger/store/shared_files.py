@@ -30,7 +30,7 @@ from pathlib import Path
 
 from kvledger.store import segment as sg
 from kvledger.store.backend import BlockInfo, ChainWrite, Dest, probe_folder
-from kvledger.store.segment_files import STALE_TMP_S, Location, Outcome, SegmentFiles
+from kvledger.store.segment_files import STALE_TMP_S, Location, Outcome, PartDone, SegmentFiles
 
 log = logging.getLogger("kvledger.store")
 
@@ -57,11 +57,12 @@ class SharedFiles:
         name, rows = self.files.write(write, sel, views, now)
         return [Location(name, off, size, xxh) for _, _, _, size, xxh, off in rows]
 
-    def read(self, located: Sequence[tuple[int, Location]], bufs: Sequence[Dest]) -> list[Outcome]:
+    def read(self, located: Sequence[tuple[int, Location]], bufs: Sequence[Dest],
+             on_part: PartDone | None = None) -> list[Outcome]:
         """Read each (i, location) into `bufs[i]`; one outcome per item, in order (`SegmentFiles.read_blocks`):
         a file absent from the folder is "truncated" (proven loss) while the folder is still the volume, and
         "unreadable" when it is not (the volume is not mounted here any more)."""
-        out = self.files.read_blocks(located, bufs)
+        out = self.files.read_blocks(located, bufs, on_part)
         if "missing" in out:
             gone = "truncated" if self.is_volume() else "unreadable"
             out = [gone if o == "missing" else o for o in out]

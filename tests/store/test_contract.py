@@ -82,6 +82,26 @@ def test_a_block_read_into_parts_fills_them_in_order(store):
         led.get_into(keys[:1], [(bytearray(10), bytearray(BLOCK - 11))])
 
 
+def test_a_read_part_by_part_gives_the_same_bytes_and_outcomes(store):
+    """`get_into(on_part=...)`: the same bytes and sizes as a plain read, a missing key still -1. A backend that
+    reads files calls back once per part, in order, and each call comes after that part of every block is in (the
+    parts checked at the time of the call); one whose bytes come whole (Redis inline) never calls back."""
+    led = BlockLedger(store)
+    keys, blocks = chain(3, seed=6)
+    assert led.put_chain(keys, blocks) == (3, 0, 0)
+    cuts = (100, 1000, BLOCK - 1100)
+    dests = [tuple(bytearray(n) for n in cuts) for _ in range(4)]
+    seen: list[int] = []
+
+    def on_part(k: int) -> None:
+        seen.append(k)
+        assert all(bytes(d[k - 1]) == b[sum(cuts[:k - 1]):sum(cuts[:k])] for d, b in zip(dests, blocks))
+
+    assert store.get_into(keys + [b"\x01" * 16], dests, on_part=on_part) == [BLOCK] * 3 + [-1]
+    assert [b"".join(bytes(p) for p in d) for d in dests[:3]] == blocks
+    assert seen == ([] if store.files is None else [1, 2, 3])
+
+
 def test_empty_calls(store):
     led = BlockLedger(store)
     assert led.match([]) == 0 and led.get_into([], []) == [] and led.exists([]) == []

@@ -151,3 +151,38 @@ def test_a_forked_child_gets_its_own_helper_threads(tmp_path):
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     files.close()
+
+
+def _flip(files, loc, at):
+    with open(files.files.seg_dir / loc.name, "r+b") as f:
+        f.seek(loc.offset + at)
+        byte = f.read(1)
+        f.seek(loc.offset + at)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_a_read_part_by_part_lands_each_part_before_its_call_and_checks_every_block(tmp_path):
+    """`read_by_part` (the fetcher's layer-by-layer read): part k of every block is in when `on_part(k + 1)` comes;
+    a flipped byte in the last part fails that block alone, and only once its last part is in; a cut segment
+    leaves the blocks past the cut truncated; a segment gone is missing; the intact blocks are exact."""
+    files, keys, located = _shared(tmp_path)
+    _flip(files, located[5][1], BLOCK - 10)
+    os.truncate(files.files.seg_dir / located[8][1].name, located[8][1].offset + 1500)   # inside block 8's part 2
+    cuts = (1000, 2000, BLOCK - 3000)
+    dests = [tuple(bytearray(n) for n in cuts) for _ in keys]
+    calls = []
+
+    def on_part(k):
+        calls.append(k)
+        for i in range(8):   # the blocks before the cut: part k - 1 is in, the bytes of the file as they are
+            want = block_of(keys[i])[sum(cuts[:k - 1]):sum(cuts[:k])]
+            assert (bytes(dests[i][k - 1]) == want) != (i == 5 and k == 3)
+
+    out = files.read(located, dests, on_part)
+    assert calls == [1, 2, 3]
+    assert out == [BLOCK] * 5 + ["corrupt"] + [BLOCK] * 2 + ["truncated"] * 2
+    assert all(b"".join(dests[i]) == block_of(keys[i]) for i in range(8) if i != 5)
+    os.unlink(files.files.seg_dir / located[0][1].name)
+    files.files.close()
+    assert files.files.read_blocks(located, dests, calls.append) == ["missing"] * N and calls[3:] == [1, 2, 3]
+    files.close()
