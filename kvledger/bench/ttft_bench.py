@@ -25,15 +25,17 @@ and whether the 32 greedy tokens equal cold's. "stored" (n = 1) prices periodic 
 host memory, per stored token, with rule 4's snapshots only and with the checkpoints too, against a store
 that keeps every layer's K and V per token (`rag_bench.all_layers_bytes_per_token`).
 
-`floor`: what a hit cannot go below on this machine with this layout. Its bytes must be read, and the forward
-cannot start its first attention before they are all read: layer 0 of every block is spread over the whole
-read (a block on the ledger holds all its layers). So the floor is a plain `preadv` of as many bytes as the
-hit's blocks, from a file in the ledger's folder and the page cache as warm as the ledger's (the median of
-`--repeat` reads into one buffer), plus the device run's TTFT (CHECK and the forward of what the hit computes,
-with nothing to fetch): `floor_s`, `floor_over_cold`, and `hit_over_floor`.
+`floor`: what a hit cannot go below on this machine. Its bytes must be read: a plain `preadv` of as many bytes as
+the hit's blocks, from a file in the ledger's folder and the page cache as warm as the ledger's (the median of
+`--repeat` reads into one buffer), `read_s`; and its forward must run: the device run's TTFT (CHECK and the
+forward of what the hit computes, with nothing to fetch), `device_ttft_s`. A streamed hit (the engine alone, full
+attention: `engine/loader.py`) reads layer by layer under its forward, so its floor is the longer of the two; a
+hit that waits for its whole fetch first, the sum (`serial_floor_s`, the floor of every hit before streaming):
+`floor_s`, `floor_over_cold`, and `hit_over_floor`; `streamed` says which.
 
-`overlap_fraction` is the share of fetch + swap-in that compute hid: (swap-in
-copy time − time the forward waited for it) / (fetch + swap-in copy time), in the first hit run.
+`overlap_fraction` is the share of fetch + swap-in that compute hid, in the first hit run: (swap-in copy time −
+time the forward waited for it, + for a streamed hit fetch time − time the forward waited for parts) / (fetch +
+swap-in copy time).
 """
 
 from __future__ import annotations
@@ -111,7 +113,8 @@ def _run(engine: Any, ledger: Any, states: Any, tokens: list[int], rid: str, kin
     engine.check_integrity()
     t = usage.timings
     split = {"check_s": check_s, "fetch_s": t.get("fetch_s", 0.0), "swapin_s": t.get("swapin_s", 0.0),
-             "swapin_wait_s": t.get("swapin_wait_s", 0.0), "compute_s": t.get("compute_s", 0.0), "ttft_s": ttft}
+             "swapin_wait_s": t.get("swapin_wait_s", 0.0), "compute_s": t.get("compute_s", 0.0), "ttft_s": ttft,
+             "streamed": "fetch_wait_s" in t, "fetch_wait_s": t.get("fetch_wait_s", 0.0)}
     return {"split": split, "tokens": out, "decision": decision.kind.value, "hit_kind": usage.hit_kind,
             "cached_tokens": usage.cached_tokens, "computed_tokens": len(tokens) - decision.recompute_from,
             "logits": engine.first_logits.pop(rid)}
@@ -120,6 +123,8 @@ def _run(engine: Any, ledger: Any, states: Any, tokens: list[int], rid: str, kin
 def _overlap(split: dict[str, float]) -> float:
     moved = split["fetch_s"] + split["swapin_s"]
     hidden = max(split["swapin_s"] - split["swapin_wait_s"], 0.0)
+    if split["streamed"]:
+        hidden += max(split["fetch_s"] - split["fetch_wait_s"], 0.0)
     return hidden / moved if moved > 0 else 0.0
 
 
@@ -194,9 +199,10 @@ def plain_read_s(folder: str, nbytes: int, repeat: int) -> float:
 def _floor(out: dict[str, Any], read_s: float) -> dict[str, Any]:
     """The module docstring's floor, from the device run and the plain read."""
     cold, hit, device = (out["runs"][k]["ttft_s"] for k in ("cold", "hit", "device"))
-    floor = read_s + device
-    return {"read_s": read_s, "device_ttft_s": device, "floor_s": floor, "floor_over_cold": floor / cold,
-            "hit_over_floor": hit / floor}
+    streamed = out["runs"]["hit"]["split"]["streamed"]
+    floor = max(read_s, device) if streamed else read_s + device
+    return {"read_s": read_s, "device_ttft_s": device, "streamed": streamed, "floor_s": floor,
+            "serial_floor_s": read_s + device, "floor_over_cold": floor / cold, "hit_over_floor": hit / floor}
 
 
 def _bytes_kept(spec: Any, prompt: list[int], ledger: Any, states: Any) -> dict[str, Any]:
@@ -289,7 +295,8 @@ def _print_table(r: dict) -> None:
     console.print(table)
     console.print(f"overlap of fetch + swap-in with compute (first hit run): {r['overlap_fraction']:.2f}")
     f = r["floor"]
-    console.print(f"floor: a plain read of the hit's bytes {f['read_s']:.3f} s + the device run "
+    how = "the longer of" if f["streamed"] else "the sum of"
+    console.print(f"floor: {how} a plain read of the hit's bytes {f['read_s']:.3f} s and the device run "
                   f"{f['device_ttft_s']:.3f} s = {f['floor_s']:.3f} s (× {f['floor_over_cold']:.4f} of cold); "
                   f"the hit is × {f['hit_over_floor']:.2f} of it")
     b = r["bytes"]

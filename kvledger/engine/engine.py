@@ -9,7 +9,9 @@
 Single-threaded: `add_request`, `step`, `abort` and `close` come from one thread. One step
 collects finished fetches, schedules (blocks for each running sequence's next token, preempting the
 most recently admitted when the pool has none; then decode, prefill chunks, admissions), runs one
-forward (swap-in of fresh hits overlapped), samples, and writes back what rule 4 and rule 7 ask. A
+forward (swap-in of fresh hits overlapped; in a step with nothing else to run, a hit's first forward
+overlapped with its fetch, layer by layer: loader.py's streamed hits), samples, and writes back what
+rule 4 and rule 7 ask. A
 preempted sequence keeps its tokens, generator and usage, and is recomputed when readmitted
 (loader.py's resume table; `preemption=False` reserves prompt + max_tokens up front instead). A failure
 after the forward (sampling, write-back) ends only the sequence it belongs to, with finish_reason
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -44,6 +47,12 @@ from kvledger.engine.tails import TailStore
 from kvledger.engine.writer import LedgerWriter
 
 DEFAULT_KV_BYTES = 512 << 20
+
+
+class StreamStalled(Exception):
+    """A streamed hit's forward waited `stream_wait_s` for its parts: it is abandoned (`HitLoader.unstream`)."""
+
+
 log = logging.getLogger("kvledger.engine")
 
 
@@ -52,7 +61,7 @@ class Engine:
                  device: str = "cpu", max_num_seqs: int = 8, max_num_batched_tokens: int = 4096,
                  replay: bool = False, fetcher: str = "process", kv_cache_bytes: int = DEFAULT_KV_BYTES,
                  fetch_timeout_s: float = 10.0, checkpoint_every: int = 0, max_seq_tokens: int | None = None,
-                 preemption: bool = True, fetch_into: str | None = None) -> None:
+                 preemption: bool = True, fetch_into: str | None = None, stream_wait_s: float = 1.0) -> None:
         """`checkpoint_every`: rule 4′'s periodic checkpointing, a snapshot every that many prompt tokens
         during prefill (a multiple of B; 0: only rule 4's, at the prompt's end); the `periodic:N` state
         strategy's N (`Strategy.checkpoint_every`). The device pool holds `kv_cache_bytes` of blocks, and at
@@ -62,7 +71,8 @@ class Engine:
         pool runs out (True); or every request reserves prompt + max_tokens up front and none is preempted.
         `fetch_into`: where the fetcher reads hit blocks (`fetch_target`): "pool", straight into the device blocks
         (the default on the CPU), or "staging", then swapped in during the forward (the default, and the only
-        choice, on a device)."""
+        choice, on a device). `stream_wait_s`: the longest a streamed hit's forward waits for its parts in all before
+        it is abandoned (loader.py's streamed hits): what one fetch may hold up the requests that arrive meanwhile."""
         if fetcher not in ("process", "none"):
             raise ValueError("fetcher must be 'process' (its own process) or 'none' (no ledger reads)")
         fetch_into = fetch_into or ("pool" if torch.device(device).type == "cpu" else "staging")
@@ -99,6 +109,8 @@ class Engine:
         self.orphans: list = []  # fetch jobs of aborted sequences, retired when they end
         self.last_cost = StepCost()
         self.preemptions = 0                  # sequences preempted so far (kvledger_engine_preemptions_total)
+        self.streamed_hits = 0                # hits whose first forward ran while their blocks arrived
+        self.stream_wait_s = stream_wait_s
         self.pending: list[TokenEvent] = []  # events owed to the next step (aborts)
         self.record_logits = False            # tests and bench: keep each request's first-token logits
         self.first_logits: dict[str, torch.Tensor] = {}
@@ -135,11 +147,21 @@ class Engine:
         reserve = self.loader.reserve if self.loader.preemption else None
         batch = self.scheduler.schedule(self.loader.admit, reserve, self._preempt)
         swaps = [(seq, item) for seq, item in swaps if seq.status is SequenceStatus.RUNNING]  # not preempted
+        streamed = self._stream() if not batch and not swaps else None
+        if streamed is not None:
+            batch = [(streamed, streamed.prefill_chunk(self.scheduler.max_num_batched_tokens))]
         if not batch and not swaps:
             if self.fetcher is not None and any(s.status is SequenceStatus.LOADING for s in self.scheduler.running):
                 self.fetcher.poll(0.05)
             return events
-        logits, cost = self.runner.run(batch, [item for _, item in swaps])
+        wait = self._part_wait(streamed) if streamed is not None else None
+        try:
+            logits, cost = self.runner.run(batch, [item for _, item in swaps], wait)
+        except StreamStalled:
+            self.loader.unstream(streamed)
+            return events
+        if streamed is not None and not self._streamed_intact(streamed):
+            batch = []   # its forward read blocks that did not arrive intact: dropped; the lowered decision recomputes
         self.last_cost = cost
         for seq, _ in swaps:
             seq.add_time("swapin_s", cost.swapin_copy_s)
@@ -218,6 +240,38 @@ class Engine:
                 else:
                     swaps.append((seq, item))
         return swaps
+
+    def _stream(self) -> Sequence | None:
+        """In a step with nothing else to run, a LOADING sequence whose first forward starts now, while its blocks
+        arrive (`HitLoader.stream`; the loader's "streamed hits")."""
+        return next((seq for seq in self.scheduler.running if self.loader.stream(seq)), None)
+
+    def _part_wait(self, seq: Sequence) -> Callable[[int], None]:
+        """A streamed forward's wait before layer i: until the fetch has put that layer's part of every block in
+        place (`PoolTarget.parts_before`), or ended; the time waited goes to the sequence's `fetch_wait_s`. Past
+        `stream_wait_s` waited in all it raises `StreamStalled` (the forward is abandoned)."""
+        job, parts_before = seq.fetch_job, self.fetch_target.parts_before
+        left = [self.stream_wait_s]   # seconds of waiting left to this forward
+
+        def wait(i: int) -> None:
+            t = time.perf_counter()
+            in_place = self.fetcher.wait_parts(job, parts_before[i], left[0])
+            waited = time.perf_counter() - t
+            seq.add_time("fetch_wait_s", waited)
+            left[0] -= waited
+            if not in_place:
+                raise StreamStalled(seq.request_id)
+        return wait
+
+    def _streamed_intact(self, seq: Sequence) -> bool:
+        """After a streamed forward: its fetch's answer (waited for); True when every block arrived intact and the
+        forward stands. Otherwise `on_fetched` has lowered the decision and the forward must not be used."""
+        job = seq.fetch_job
+        self.fetcher.wait_done(job)
+        self.loader.on_fetched(seq)
+        self._retire_fetch(seq)
+        self.streamed_hits += 1
+        return job.intact == job.n
 
     def _advance_or_fail(self, seq: Sequence, n: int, logits: torch.Tensor, cost: StepCost) -> TokenEvent | None:
         """`_advance`; an exception in it ends this sequence alone (finish_reason "error", nothing more stored)."""

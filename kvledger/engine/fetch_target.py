@@ -14,6 +14,8 @@ is killed and reaped, and only then `release(job, orphaned=True)` lets them go.
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 import numpy as np
 
 from kvledger.engine.block_pool import BlockPool
@@ -29,6 +31,9 @@ class PoolTarget:
     def __init__(self, model: Model, pool: BlockPool, num_blocks: int, area: SharedArea) -> None:
         self.pool, self.area = pool, area
         self.parts: Parts = model.block_parts(num_blocks)
+        # per layer, the parts a forward needs in place before it computes that layer (a streamed hit): those of
+        # the layers up to it that keep block KV
+        self.parts_before = list(accumulate(1 if size else 0 for size in model.layer_block_bytes()))
 
     def rows(self, blocks: list[int]) -> list[int] | None:
         return list(blocks)

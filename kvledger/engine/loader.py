@@ -21,6 +21,18 @@ written. A P/D decode leg whose prefill engine handed over the prompt's tail (`c
 tail's block part is written into the fresh block after them (in no ledger until it fills), and a windowed
 model's windows at L − 1 go into its slot, as a snapshot at L − 1 would (`handed_tail`).
 
+A streamed hit (rule 6's overlap; the CPU pool, full attention): when nothing else would run in a step, a sequence
+still LOADING starts its first forward anyway (`stream`), as if every block will arrive; the fetcher reads its
+blocks part by part (layer by layer) and the forward waits for each layer's part before computing that layer
+(`Engine.step`). Once the forward ends the job's answer decides: all intact, the forward stands; otherwise its
+result is dropped and the decision is lowered as below, exactly as if the fetch had ended first (`on_fetched`).
+A forward that waits longer than `Engine(stream_wait_s=...)` in all for parts is abandoned (`unstream`): no step
+holds up the requests that arrive meanwhile for longer than that; the sequence waits for its fetch as LOADING.
+Nothing else of the forward outlives it: the KV it wrote lies in the sequence's own blocks, at positions the
+lowered decision computes again. Windowed models wait for the whole fetch (their windows and snapshots are not
+rolled back), and so does every hit on a CPU that may reorder stores (`fetcher.STREAMS_HERE`). With other
+sequences to run, a hit waits too: no request's tokens wait on another's fetch.
+
 A fault lowers the decision and never fails the request (rule 8): a snapshot that does not
 arrive, or a block that does not arrive intact (missing, corrupt, fetcher dead or hung) →
 decide again with the blocks that did arrive and no snapshot: the fallback (or replay) for a
@@ -74,7 +86,7 @@ from kvledger.core import (HitDecision, blocks_spanned, cap_blocks, decide_hit, 
                            resumes_exactly, snapshot_candidates, tail_parts)
 from kvledger.engine.block_pool import BlockPool
 from kvledger.engine.fetch_target import PoolTarget, StagingTarget
-from kvledger.engine.fetcher import Fetcher
+from kvledger.engine.fetcher import STREAMS_HERE, Fetcher
 from kvledger.engine.models.base import Model
 from kvledger.engine.sequence import Sequence, SequenceStatus
 from kvledger.engine.state_slots import StateSlots
@@ -103,6 +115,8 @@ class HitLoader:
         self.device_hits = device_hits   # False: a no-cache baseline, every prompt computed as decided
         self.preemption = preemption     # False: reserve prompt + max_tokens at admission (the old policy)
         self.faults: Counter[str] = Counter()
+        # hits whose first forward may run while their blocks arrive (module docstring: streamed hits)
+        self.streams = isinstance(target, PoolTarget) and not self.spec.has_swa and STREAMS_HERE
 
     def lifetime_blocks(self, seq: Sequence) -> int:
         """Blocks of the whole request: prompt + max_tokens (capped at the context), + 1 spare if windowed."""
@@ -167,7 +181,8 @@ class HitLoader:
             if rows is None:  # staging full: wait for a later step
                 self.release(seq)
                 return False
-            seq.fetch_job, seq.status = self.fetcher.submit(missing, rows), SequenceStatus.LOADING
+            seq.fetch_job = self.fetcher.submit(missing, rows, by_part=self.streams)
+            seq.status = SequenceStatus.LOADING
             return True
         if missing:  # no fetcher: recompute from the first block not on the device
             decision = self._lower(seq, len(on_device), "no_fetcher")
@@ -290,9 +305,29 @@ class HitLoader:
             return exact_replay(seq.prompt_len, blocks, self.spec)
         return decide_hit(seq.prompt_len, blocks, set(), self.spec, replay=self.replay)
 
+    def stream(self, seq: Sequence) -> bool:
+        """Start a LOADING sequence's first forward before its fetch ends, as if every block will arrive (module
+        docstring: streamed hits); False (nothing changed) when it may not. Its fetch job stays with it: the engine
+        waits per layer (`Fetcher.wait_parts`) and for the answer (`on_fetched`) before using the forward."""
+        job = seq.fetch_job
+        if not (self.streams and seq.status is SequenceStatus.LOADING and job is not None and not job.done
+                and not seq.stream_stalled):
+            return False
+        self._start(seq, seq.decision)
+        return True
+
+    def unstream(self, seq: Sequence) -> None:
+        """An abandoned streamed forward (module docstring): back to LOADING, for good. What the forward wrote lies
+        in the sequence's own blocks and is computed again; `on_fetched` starts it afresh."""
+        assert seq.fetch_job is not None and seq.status is SequenceStatus.RUNNING
+        seq.status, seq.stream_stalled = SequenceStatus.LOADING, True
+        self.faults["stream_stalled"] += 1
+
     def on_fetched(self, seq: Sequence) -> SwapItem | None:
         """The fetch of `seq` ended: lower on a short read; the blocks swap-in copies, if any (none when the fetcher
-        read them into the sequence's own blocks: `PoolTarget`; blocks past a short read are computed over)."""
+        read them into the sequence's own blocks: `PoolTarget`; blocks past a short read are computed over). For a
+        streamed hit, after its forward: the decision is the same one (`_start` again changes nothing) unless a
+        block did not arrive intact."""
         job = seq.fetch_job
         assert job is not None and job.done and self.fetcher is not None
         seq.add_time("fetch_s", job.fetch_s)

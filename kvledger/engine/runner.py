@@ -2,8 +2,9 @@
 
 For each (sequence, n) of the batch it builds a `Chunk` over tokens [computed, computed + n);
 sequences whose fetch just ended bring `SwapItem`s, and one `SwapIn` copies all of them while
-the forward computes (the forward waits per layer in `before_layer`). It returns the last
-position's logits per sequence and what the step cost.
+the forward computes (the forward waits per layer in `before_layer`); a streamed hit brings its
+own `before_layer` instead (the fetch's parts, `Engine.step`). It returns the last position's
+logits per sequence and what the step cost.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvledger.engine.models.base import Chunk, Model
+from kvledger.engine.models.base import BeforeLayer, Chunk, Model
 from kvledger.engine.sequence import Sequence
 from kvledger.engine.swapin import SwapIn, SwapItem
 
@@ -37,14 +38,17 @@ class ModelRunner:
         table = torch.tensor(seq.block_table, dtype=torch.long, device=dev)
         return Chunk(tokens, start, table, seq.slot, seq.keep_blocks_until, seq.truncate_from, seq.prompt_len)
 
-    def run(self, batch: list[tuple[Sequence, int]], swaps: list[SwapItem]) -> tuple[torch.Tensor, StepCost]:
-        """float32 host logits [len(batch), vocab] and the step's cost."""
+    def run(self, batch: list[tuple[Sequence, int]], swaps: list[SwapItem],
+            before_layer: BeforeLayer | None = None) -> tuple[torch.Tensor, StepCost]:
+        """float32 host logits [len(batch), vocab] and the step's cost. `before_layer`: a wait of the caller's
+        before each layer (a streamed hit), with no swaps."""
+        assert not (swaps and before_layer), "one wait per layer: the swap-in's or the caller's"
         chunks = [self.chunk(seq, n) for seq, n in batch]
         cost = StepCost()
         t0 = time.perf_counter()
         swap = SwapIn(self.model.caches, swaps, self.device).start() if swaps else None
         try:
-            logits = self.model(chunks, swap.before_layer if swap else None)
+            logits = self.model(chunks, swap.before_layer if swap else before_layer)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         finally:

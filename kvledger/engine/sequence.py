@@ -57,6 +57,7 @@ class Sequence:
     truncate_from: int | None = None
     stored_blocks: int = 0                 # leading blocks known to be on the block ledger
     fetch_job: object | None = None        # pending fetch (engine.fetcher.FetchJob)
+    stream_stalled: bool = False           # its streamed forward waited too long once: it waits for the fetch now
     generator: torch.Generator | None = None
     arrival: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None

@@ -214,10 +214,12 @@ def test_a_fresh_fetcher_maps_the_whole_staging_area_before_its_first_job(tmp_pa
         ledger.close()
 
 
-def test_blocks_go_straight_into_their_rows_of_every_part(tmp_path):
+@pytest.mark.parametrize("by_part", [False, True])
+def test_blocks_go_straight_into_their_rows_of_every_part(tmp_path, by_part):
     """The pool's layout (`PoolTarget`): a block's bytes split over parts of unequal size (the layers), block i into
     row rows[i] of each; rows in any order, and the rows of no job untouched. A checksum covers all the parts: a
-    corrupt block stops the intact prefix there."""
+    corrupt block stops the intact prefix there. Read part by part (a streamed hit), the same; and once
+    `wait_parts(job, k)` returns, parts [0, k) of every block are in their rows (`parts_done`)."""
     ledger = BlockLedger.open(path=tmp_path, fsync=False)
     blocks = list(np.random.default_rng(3).integers(1, 256, (len(KEYS), BB), dtype=np.uint8))  # no zero byte
     ledger.put_chain(KEYS, blocks)
@@ -230,13 +232,20 @@ def test_blocks_go_straight_into_their_rows_of_every_part(tmp_path):
         def block_at(row):
             return np.concatenate([u8[base + row * size: base + (row + 1) * size] for base, size in parts])
 
-        job = fetcher.submit(KEYS[:3], [5, 0, 6])
+        job = fetcher.submit(KEYS[:3], [5, 0, 6], by_part=by_part)
+        if by_part:
+            for k, (base, size) in enumerate(parts, 1):
+                assert fetcher.wait_parts(job, k, 30.0) and fetcher.parts_done(job) >= k
+                lo = sum(s for _, s in parts[:k - 1])   # part k - 1's bytes in a ledger block
+                assert all((u8[base + row * size: base + (row + 1) * size] == blocks[i][lo:lo + size]).all()
+                           for i, row in enumerate([5, 0, 6]))
         _wait(fetcher, job)
+        assert fetcher.parts_done(job) == len(parts)
         assert (job.intact, job.bytes_read) == (3, 3 * BB)
         assert all((block_at(row) == blocks[i]).all() for i, row in enumerate([5, 0, 6]))
         assert all(not block_at(row).any() for row in range(8) if row not in (5, 0, 6))
         flip_byte_of_block(ledger.store.root, KEYS[4])
-        job = fetcher.submit(KEYS[3:6], [1, 2, 3])
+        job = fetcher.submit(KEYS[3:6], [1, 2, 3], by_part=by_part)
         _wait(fetcher, job)
         assert (job.intact, job.misses) == (1, {"corrupt": 1}) and (block_at(1) == blocks[3]).all()
     finally:

@@ -50,9 +50,12 @@ def _copy_namespace(ledger, smollm2, namespace):
 def test_full_hit_matches_cold(cold, smollm2, ledger):
     out, logits = cold
     smollm2.clear_device_cache()
+    streamed = smollm2.streamed_hits
     hit, usage, decision = run_request(smollm2, ledger, PROMPT, request_id="hit", max_tokens=32)
     assert decision.kind is HitKind.FULL and usage.cached_tokens == 384 == decision.hit_tokens
     assert usage.timings["fetch_s"] > 0 and "swapin_s" not in usage.timings   # read straight into its blocks
+    # alone in the engine: its first forward ran while the blocks arrived, waiting per layer (loader.py)
+    assert smollm2.streamed_hits == streamed + 1 and "fetch_wait_s" in usage.timings
     assert usage.fetch_bytes == 3 * smollm2.spec.block_bytes()
     assert _rel_err(smollm2.first_logits["hit"], logits) <= 1e-4
     assert hit == out
@@ -95,9 +98,72 @@ def test_corrupt_block_recomputes(cold, smollm2, ledger):
         f.seek(size - 2 * bb + 1000)
         f.write(b"\xff" * 64)
     smollm2.clear_device_cache()
+    streamed = smollm2.streamed_hits
     got, usage, decision = run_request(smollm2, ledger, PROMPT, request_id="corrupt", namespace="corrupt")
     assert decision.hit_tokens == 384 and usage.cached_tokens == 128
     assert got == out[:8]
+    assert smollm2.streamed_hits == streamed + 1   # its forward over the damaged block was dropped
+
+
+@pytest.mark.parametrize("stream_wait_s", [5.0, 0.2])
+def test_a_fetcher_hung_under_a_streamed_forward_costs_a_recompute(cold, smollm2, ledger, monkeypatch,
+                                                                    stream_wait_s):
+    """The fetcher stops (SIGSTOP) before it reads a streamed hit's blocks (its job's deadline 0.65 s). With 5 s
+    to wait, the forward waits at its first layer until that deadline, the fetcher is killed and restarted, and the
+    forward's result is dropped. With 0.2 s, the forward is abandoned at 0.2 s (the engine steps on meanwhile) and
+    the hit waits for its fetch as any other until the same deadline. Either way the prompt is computed: the cold
+    answer, nothing reported cached."""
+    out, _ = cold
+    namespace = f"hung-{stream_wait_s}"
+    _copy_namespace(ledger, smollm2, namespace)
+    fetcher = smollm2.fetcher
+    restarts, streamed, submit = fetcher.restarts, smollm2.streamed_hits, fetcher.submit
+    stalled = smollm2.loader.faults["stream_stalled"]
+
+    def stopped_submit(keys, rows, **kw):
+        os.kill(fetcher.pid, signal.SIGSTOP)
+        return submit(keys, rows, **kw)
+
+    monkeypatch.setattr(fetcher, "submit", stopped_submit)
+    monkeypatch.setattr(fetcher, "timeout_s", 0.5)
+    monkeypatch.setattr(smollm2, "stream_wait_s", stream_wait_s)
+    smollm2.clear_device_cache()
+    t = time.monotonic()
+    got, usage, decision = run_request(smollm2, ledger, PROMPT, request_id=namespace, namespace=namespace)
+    assert decision.hit_tokens == 384 and usage.cached_tokens == 0 and got == out[:8]
+    assert fetcher.restarts == restarts + 1 and time.monotonic() - t < 30
+    if stream_wait_s > 1:
+        assert smollm2.streamed_hits == streamed + 1 and usage.timings["fetch_wait_s"] >= 0.5
+    else:
+        assert smollm2.streamed_hits == streamed and smollm2.loader.faults["stream_stalled"] == stalled + 1
+        assert 0.2 <= usage.timings["fetch_wait_s"] < 0.5
+
+
+def test_a_hit_waits_for_its_fetch_while_another_request_decodes(cold, smollm2, ledger):
+    """No request's tokens wait on another's fetch: a hit admitted while a request decodes is not streamed (its
+    forward runs once its blocks are in) and still gives the cold answer."""
+    from kvledger.engine.api import EngineRequest, SamplingParams
+
+    out, _ = cold
+    _copy_namespace(ledger, smollm2, "busy")
+    smollm2.clear_device_cache()
+    other = prompt(200, seed=9)
+    keys, d = check_prompt(other, smollm2.spec, block_ledger=ledger, state_ledger=None)
+    smollm2.add_request(EngineRequest("decoding", other, keys, d, SamplingParams(max_tokens=40, ignore_eos=True)))
+    smollm2.step()   # its prefill: it decodes from now on
+    streamed = smollm2.streamed_hits
+    keys, d = check_prompt(PROMPT, smollm2.spec, block_ledger=ledger, state_ledger=None, namespace="busy")
+    smollm2.add_request(EngineRequest("busy", PROMPT, keys, d, SamplingParams(max_tokens=8, ignore_eos=True),
+                                      namespace="busy"))
+    got, usages = [], {}
+    while smollm2.has_unfinished():
+        for event in smollm2.step():
+            if event.request_id == "busy":
+                got += event.token_ids
+            usages[event.request_id] = event.usage or usages.get(event.request_id)
+    smollm2.check_integrity()
+    assert got == out[:8] and usages["busy"].cached_tokens == 384 and usages["decoding"].completion_tokens == 40
+    assert smollm2.streamed_hits == streamed and "fetch_wait_s" not in usages["busy"].timings
 
 
 def test_killed_fetcher_recomputes(cold, smollm2, ledger):
