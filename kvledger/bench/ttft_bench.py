@@ -11,13 +11,21 @@ emptied before every hit run so its blocks come through the fetcher process:
     | cold      | a miss (a namespace of its own each time)        | yes   | [0, L)                      |
     | hit       | blocks to L1 (and the snapshot at L1: rule 3)    | yes   | [L1, L)                     |
     | device    | the hit again, its blocks still in the engine    | yes   | [L1, L)                     |
+    | serial    | the hit, its forward after the whole fetch       | yes   | [L1, L)                     |
     | periodic  | blocks and the latest checkpoint q < L1 (rule 3′)| yes   | [q, L): L1 − q ≤ P more     |
     | fallback  | blocks, no snapshot: windows truncated at L1 − B | no    | [L1 − B, L), every layer    |
     | replay    | blocks, no snapshot: bounded replay of [L1−B, L1)| no    | [L1 − B, L), windowed layers|
 
 The last three are for windowed models (a full-attention model's hit needs no snapshot: its runs are cold,
-hit and device). Each run generates 32 greedy tokens; TTFT counts from the start of CHECK to the first token and
-is split into CHECK, fetch, swap-in and compute. Reported per run kind: the median TTFT and its spread (min,
+hit, device and serial). "serial" is the baseline of a streamed hit (`engine/loader.py`: the engine alone, full
+attention, the forward computing layer by layer as the blocks arrive): the same hit with streaming off, so that
+its forward starts once every block is in, as every hit did before; `streamed_over_serial` is the ratio of their
+median TTFTs (windowed models stream no hit and have no serial run). `--drop-cache` evicts the ledger's segment
+files from the page cache (`posix_fadvise` DONTNEED) before every hit and serial run, and the floor's plain file
+before each read, so the fetch reads the disk (the ledger's other files, its index, too).
+
+Each run generates 32 greedy tokens; TTFT counts from the start of CHECK to the first token and is split into
+CHECK, fetch, swap-in and compute. Reported per run kind: the median TTFT and its spread (min,
 max), the median ratio to cold, the max relative logit error of the first token against the stored run,
 and whether the 32 greedy tokens equal cold's. "stored" (n = 1) prices periodic checkpointing against cold.
 
@@ -41,10 +49,12 @@ swap-in copy time).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -53,7 +63,7 @@ HELP = "engine TTFT: cold vs each hit kind (snapshot, periodic checkpoint, fallb
 EXAMPLES = ("kvledger bench ttft --tokens 4096 --json",
             "kvledger bench ttft --model gemma3-270m --tokens 16384 --repeat 3 --record docs/results")
 GREEDY_TOKENS = 32
-KINDS = ("cold", "hit", "device", "periodic", "fallback", "replay")   # each run --repeat times, after "stored"
+KINDS = ("cold", "hit", "device", "serial", "periodic", "fallback", "replay")   # each --repeat times, after "stored"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -68,6 +78,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="torch device (default %(default)s)")
     add_threads_arg(p)
     p.add_argument("--data-dir", help="block ledger folder (default: a fresh temporary one)")
+    p.add_argument("--drop-cache", action="store_true", help="evict the ledger's files from the page cache before "
+                   "every hit run, so the fetch reads the disk (default: as warm as just after the write)")
 
 
 def _prompt(n: int, vocab: int) -> list[int]:
@@ -80,7 +92,7 @@ def _decision(kind: str, tokens: list[int], engine: Any, ledger: Any, states: An
     from kvledger.entrypoint.check import check_prompt
 
     spec = engine.spec
-    if kind in ("stored", "cold", "hit", "device"):
+    if kind in ("stored", "cold", "hit", "device", "serial"):
         return check_prompt(tokens, spec, block_ledger=ledger, state_ledger=states, namespace=namespace)
     if kind == "replay":
         return check_prompt(tokens, spec, block_ledger=ledger, state_ledger=None, namespace=namespace, replay=True)
@@ -129,7 +141,7 @@ def _overlap(split: dict[str, float]) -> float:
 
 
 def measure(model: str, tokens: int, device: str, data_dir: str, *, repeat: int = 3, period: int = 512,
-            chunk: int = 4096, greedy: int = GREEDY_TOKENS) -> dict[str, Any]:
+            chunk: int = 4096, greedy: int = GREEDY_TOKENS, drop_cache: bool = False) -> dict[str, Any]:
     from kvledger.engine.engine import Engine
     from kvledger.engine.models.registry import resolve
     from kvledger.store.ledger import BlockLedger
@@ -147,7 +159,8 @@ def measure(model: str, tokens: int, device: str, data_dir: str, *, repeat: int 
     engine = Engine(entry, block_ledger=ledger, state_ledger=states, device=device, max_num_seqs=1,
                     max_num_batched_tokens=min(chunk, tokens), checkpoint_every=period if spec.has_swa else 0)
     engine.record_logits = True
-    kinds = KINDS if spec.has_swa else KINDS[:3]
+    streams = engine.loader.streams   # a hit's forward may start before its fetch ends (then: a serial baseline)
+    kinds = tuple(k for k in KINDS if (k != "serial" or streams) and (spec.has_swa or k in KINDS[:4]))
     runs: dict[str, list[dict]] = {"stored": [], **{k: [] for k in kinds}}
     try:
         if tokens + greedy > engine.max_model_len:
@@ -162,6 +175,9 @@ def measure(model: str, tokens: int, device: str, data_dir: str, *, repeat: int 
                 if kind != "device":   # the device run follows the hit, whose blocks the engine still holds
                     engine.clear_device_cache()
                 ns = f"cold-{i}" if kind == "cold" else "bench"
+                if drop_cache and kind not in ("cold", "device"):
+                    evict(Path(data_dir))
+                engine.loader.streams = streams and kind != "serial"
                 runs[kind].append(_run(engine, ledger, states, prompt, f"{kind}-{i}", kind, ns, greedy))
     finally:
         engine.close()
@@ -170,16 +186,34 @@ def measure(model: str, tokens: int, device: str, data_dir: str, *, repeat: int 
         ledger.close()
     out = _report(model, tokens, device, period, greedy, runs) | {"bytes": kept}
     hit_blocks = -(-out["runs"]["hit"]["cached_tokens"] // spec.block_size)
-    out["floor"] = _floor(out, plain_read_s(data_dir, hit_blocks * spec.block_bytes(), repeat))
+    out["floor"] = _floor(out, plain_read_s(data_dir, hit_blocks * spec.block_bytes(), repeat, cold=drop_cache))
+    out["drop_cache"] = drop_cache
+    if streams:
+        out["streamed_over_serial"] = out["runs"]["hit"]["ttft_s"] / out["runs"]["serial"]["ttft_s"]
     return out
 
 
-def plain_read_s(folder: str, nbytes: int, repeat: int) -> float:
+def evict(folder: Path) -> None:
+    """Drop every file under `folder` from the page cache (`evict_file`)."""
+    for path in folder.rglob("*"):
+        if path.is_file():
+            evict_file(path)
+
+
+def evict_file(path: Path) -> None:
+    """Drop `path`'s pages from the page cache (written out first: `posix_fadvise` DONTNEED drops clean pages)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fdatasync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def plain_read_s(folder: str, nbytes: int, repeat: int, *, cold: bool = False) -> float:
     """Median seconds of a plain read (`store_bench.read_plain_file`) of `nbytes` from a file in `folder`, written
     and fsynced first, read once untimed (the page cache as warm as a ledger read just after its write), then
-    `repeat` times into one buffer. The file is removed."""
-    from pathlib import Path
-
+    `repeat` times into one buffer (`cold`: each from the disk, the file evicted first). The file is removed."""
     from kvledger.bench.store_bench import read_plain_file, write_plain_file
 
     buf = np.ones(nbytes, dtype=np.uint8)
@@ -188,6 +222,8 @@ def plain_read_s(folder: str, nbytes: int, repeat: int) -> float:
     try:
         times = []
         for _ in range(repeat + 1):
+            if cold:
+                evict_file(path)
             t = time.perf_counter()
             read_plain_file(path, buf)
             times.append(time.perf_counter() - t)
@@ -253,7 +289,6 @@ def _report(model: str, tokens: int, device: str, period: int, greedy: int, runs
 
 def run(args: argparse.Namespace) -> None:
     import json
-    from pathlib import Path
 
     from kvledger.bench.engine_cli import check_period, run_measure
     from kvledger.engine.models.registry import cli_resolve
@@ -269,7 +304,7 @@ def run(args: argparse.Namespace) -> None:
     def measured() -> dict[str, Any]:
         with tempfile.TemporaryDirectory(prefix="kvledger-ttft-") as tmp:
             result = measure(args.model, args.tokens, args.device, args.data_dir or tmp, repeat=args.repeat,
-                             period=args.period, chunk=args.chunk)
+                             period=args.period, chunk=args.chunk, drop_cache=args.drop_cache)
         if args.out:
             Path(args.out).mkdir(parents=True, exist_ok=True)
             (Path(args.out) / "ttft.json").write_text(json.dumps(result, indent=2))
@@ -294,6 +329,10 @@ def _print_table(r: dict) -> None:
     console = Console()
     console.print(table)
     console.print(f"overlap of fetch + swap-in with compute (first hit run): {r['overlap_fraction']:.2f}")
+    if "streamed_over_serial" in r:
+        console.print(f"streamed hit / serial hit (its forward after the whole fetch): "
+                      f"{r['streamed_over_serial']:.3f}" + (" (page cache dropped before each)" if r["drop_cache"]
+                                                             else ""))
     f = r["floor"]
     how = "the longer of" if f["streamed"] else "the sum of"
     console.print(f"floor: {how} a plain read of the hit's bytes {f['read_s']:.3f} s and the device run "

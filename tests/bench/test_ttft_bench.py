@@ -25,15 +25,22 @@ def test_each_run_kind_reuses_what_its_rule_says(tmp_path):
     assert b["per_stored_token_rule4"] == (b["block_disk_bytes"] + 2 * 68_608) / 1024
 
 
-def test_a_full_attention_model_has_no_windowed_kinds(tmp_path):
-    r = measure("smollm2-135m", 512, "cpu", str(tmp_path), repeat=1, chunk=512, greedy=2)
-    assert list(r["runs"]) == ["stored", "cold", "hit", "device"] and r["runs"]["hit"]["hit_kind"] == "full"
+def test_a_full_attention_model_has_no_windowed_kinds_and_a_serial_baseline(tmp_path):
+    """SmolLM2: cold, hit, device, and serial, the hit with streaming off (its forward after the whole fetch); the
+    page cache dropped before each hit (--drop-cache), so the fetch reads the disk."""
+    r = measure("smollm2-135m", 512, "cpu", str(tmp_path), repeat=1, chunk=512, greedy=2, drop_cache=True)
+    assert list(r["runs"]) == ["stored", "cold", "hit", "device", "serial"] and r["runs"]["hit"]["hit_kind"] == "full"
     hit = r["runs"]["hit"]   # a prompt of whole blocks, all stored: L − 1 reused, the last token computed
     assert (hit["cached_tokens"], hit["computed_tokens"]) == (511, 1) and hit["greedy_match"]
-    assert hit["split"]["fetch_s"] > 0
+    assert hit["split"]["fetch_s"] > 0 and hit["split"]["streamed"]
     device = r["runs"]["device"]   # the same hit with its blocks still in the engine: nothing fetched
     assert (device["cached_tokens"], device["computed_tokens"]) == (511, 1) and device["greedy_match"]
     assert device["split"]["fetch_s"] == 0 and device["logits_max_rel_err"] == hit["logits_max_rel_err"]
-    f = r["floor"]   # a plain read of the hit's 4 blocks, plus the device run
-    assert f["read_s"] > 0 and f["floor_s"] == f["read_s"] + f["device_ttft_s"] == f["read_s"] + device["ttft_s"]
+    serial = r["runs"]["serial"]   # the same hit, its forward once every block is in: the same answer
+    assert not serial["split"]["streamed"] and serial["split"]["fetch_s"] > 0 and serial["greedy_match"]
+    assert serial["logits_max_rel_err"] == hit["logits_max_rel_err"] and r["drop_cache"]
+    assert r["streamed_over_serial"] == hit["ttft_s"] / serial["ttft_s"]
+    f = r["floor"]   # a streamed hit: the longer of a plain read of the hit's 4 blocks and the device run
+    assert f["read_s"] > 0 and f["streamed"] and f["floor_s"] == max(f["read_s"], device["ttft_s"])
+    assert f["serial_floor_s"] == f["read_s"] + f["device_ttft_s"]
     assert f["hit_over_floor"] == hit["ttft_s"] / f["floor_s"]
