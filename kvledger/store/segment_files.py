@@ -234,6 +234,7 @@ class SegmentFiles:
         out: list[Outcome | None] = [None] * len(located)
         offsets = [loc.offset for _, loc in located]
         with self._io_lock:
+            self._will_need(located)
             for k in range(max((len(d) for d in dests), default=0)):
                 for j, (_, loc) in enumerate(located):
                     if out[j] is not None or k >= len(dests[j]):
@@ -259,6 +260,15 @@ class SegmentFiles:
                         out[j] = "corrupt"
                 on_part(k + 1)
         return [loc.size if o is None else o for o, (_, loc) in zip(out, located)]
+
+    def _will_need(self, located: Sequence[tuple[int, Location]]) -> None:
+        """Start the kernel reading every block's bytes now, in file order (`POSIX_FADV_WILLNEED`), so that a read
+        part by part, which jumps through the blocks, waits for the disk no longer than one read in order would
+        (without it, 30 parts × 32 blocks of SmolLM2 from a cold page cache took 1.1-1.3× as long). A file that
+        cannot be opened or advised is left to the reads (they report it)."""
+        for _, loc in located:
+            with suppress(OSError):
+                os.posix_fadvise(self._fd(loc.name), loc.offset, loc.size, os.POSIX_FADV_WILLNEED)
 
     def read_into(self, name: str, views: list[memoryview], offset: int) -> int:
         """Fill `views` from `offset` of segment `name`; the bytes read (fewer only at end of file). A cached
