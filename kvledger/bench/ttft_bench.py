@@ -20,7 +20,8 @@ The last three are for windowed models (a full-attention model's hit needs no sn
 hit, device and serial). "serial" is the baseline of a streamed hit (`engine/loader.py`: the engine alone, full
 attention, the forward computing layer by layer as the blocks arrive): the same hit with streaming off, so that
 its forward starts once every block is in, as every hit did before; `streamed_over_serial` is the ratio of their
-median TTFTs (windowed models stream no hit and have no serial run). `--drop-cache` evicts the ledger's segment
+median TTFTs (windowed models stream no hit and have no serial run; nor does a run where hits do not stream:
+`--stream-hits`, whose auto is the engine's default). `--drop-cache` evicts the ledger's segment
 files from the page cache (`posix_fadvise` DONTNEED) before every hit and serial run, and the floor's plain file
 before each read, so the fetch reads the disk (the ledger's other files, its index, too).
 
@@ -78,6 +79,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="torch device (default %(default)s)")
     add_threads_arg(p)
     p.add_argument("--data-dir", help="block ledger folder (default: a fresh temporary one)")
+    p.add_argument("--stream-hits", choices=("auto", "on", "off"), default="auto",
+                   help="hits whose forward starts while their blocks arrive (engine/loader.py); auto: when torch "
+                   "leaves a CPU free for the fetcher (default %(default)s)")
     p.add_argument("--drop-cache", action="store_true", help="evict the ledger's files from the page cache before "
                    "every hit run, so the fetch reads the disk (default: as warm as just after the write)")
 
@@ -141,7 +145,8 @@ def _overlap(split: dict[str, float]) -> float:
 
 
 def measure(model: str, tokens: int, device: str, data_dir: str, *, repeat: int = 3, period: int = 512,
-            chunk: int = 4096, greedy: int = GREEDY_TOKENS, drop_cache: bool = False) -> dict[str, Any]:
+            chunk: int = 4096, greedy: int = GREEDY_TOKENS, drop_cache: bool = False,
+            stream_hits: bool | None = None) -> dict[str, Any]:
     from kvledger.engine.engine import Engine
     from kvledger.engine.models.registry import resolve
     from kvledger.store.ledger import BlockLedger
@@ -157,7 +162,8 @@ def measure(model: str, tokens: int, device: str, data_dir: str, *, repeat: int 
                              capacity_bytes=max(256 << 20, 4 * (tokens // period + 2) * spec.state_size_to_disk())
                              ).start()
     engine = Engine(entry, block_ledger=ledger, state_ledger=states, device=device, max_num_seqs=1,
-                    max_num_batched_tokens=min(chunk, tokens), checkpoint_every=period if spec.has_swa else 0)
+                    max_num_batched_tokens=min(chunk, tokens), checkpoint_every=period if spec.has_swa else 0,
+                    stream_hits=stream_hits)
     engine.record_logits = True
     streams = engine.loader.streams   # a hit's forward may start before its fetch ends (then: a serial baseline)
     kinds = tuple(k for k in KINDS if (k != "serial" or streams) and (spec.has_swa or k in KINDS[:4]))
@@ -187,7 +193,7 @@ def measure(model: str, tokens: int, device: str, data_dir: str, *, repeat: int 
     out = _report(model, tokens, device, period, greedy, runs) | {"bytes": kept}
     hit_blocks = -(-out["runs"]["hit"]["cached_tokens"] // spec.block_size)
     out["floor"] = _floor(out, plain_read_s(data_dir, hit_blocks * spec.block_bytes(), repeat, cold=drop_cache))
-    out["drop_cache"] = drop_cache
+    out["drop_cache"], out["stream_hits"] = drop_cache, streams
     if streams:
         out["streamed_over_serial"] = out["runs"]["hit"]["ttft_s"] / out["runs"]["serial"]["ttft_s"]
     return out
@@ -304,7 +310,8 @@ def run(args: argparse.Namespace) -> None:
     def measured() -> dict[str, Any]:
         with tempfile.TemporaryDirectory(prefix="kvledger-ttft-") as tmp:
             result = measure(args.model, args.tokens, args.device, args.data_dir or tmp, repeat=args.repeat,
-                             period=args.period, chunk=args.chunk, drop_cache=args.drop_cache)
+                             period=args.period, chunk=args.chunk, drop_cache=args.drop_cache,
+                             stream_hits={"auto": None, "on": True, "off": False}[args.stream_hits])
         if args.out:
             Path(args.out).mkdir(parents=True, exist_ok=True)
             (Path(args.out) / "ttft.json").write_text(json.dumps(result, indent=2))

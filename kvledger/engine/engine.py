@@ -44,9 +44,18 @@ from kvledger.engine.shared_area import SharedArea
 from kvledger.engine.state_slots import StateSlots
 from kvledger.engine.swapin import SwapItem
 from kvledger.engine.tails import TailStore
+from kvledger.engine.threads import usable_cpus
 from kvledger.engine.writer import LedgerWriter
 
 DEFAULT_KV_BYTES = 512 << 20
+
+
+def streams_by_default() -> bool:
+    """Whether hits stream unless told (`Engine(stream_hits=None)`): when torch leaves a CPU of this process free
+    for the fetcher. Measured (docs/engine.md, "A streamed hit"): with a core free a streamed hit took 0.925 of the
+    same hit read first; with both of 2 cores computing the fetcher's copy and hash slow the forward as much as
+    they save (0.88-1.02 of it warm, 0.75-1.48 from the disk)."""
+    return torch.get_num_threads() < usable_cpus()
 
 
 class StreamStalled(Exception):
@@ -61,7 +70,8 @@ class Engine:
                  device: str = "cpu", max_num_seqs: int = 8, max_num_batched_tokens: int = 4096,
                  replay: bool = False, fetcher: str = "process", kv_cache_bytes: int = DEFAULT_KV_BYTES,
                  fetch_timeout_s: float = 10.0, checkpoint_every: int = 0, max_seq_tokens: int | None = None,
-                 preemption: bool = True, fetch_into: str | None = None, stream_wait_s: float = 1.0) -> None:
+                 preemption: bool = True, fetch_into: str | None = None, stream_hits: bool | None = None,
+                 stream_wait_s: float = 1.0) -> None:
         """`checkpoint_every`: rule 4′'s periodic checkpointing, a snapshot every that many prompt tokens
         during prefill (a multiple of B; 0: only rule 4's, at the prompt's end); the `periodic:N` state
         strategy's N (`Strategy.checkpoint_every`). The device pool holds `kv_cache_bytes` of blocks, and at
@@ -71,8 +81,11 @@ class Engine:
         pool runs out (True); or every request reserves prompt + max_tokens up front and none is preempted.
         `fetch_into`: where the fetcher reads hit blocks (`fetch_target`): "pool", straight into the device blocks
         (the default on the CPU), or "staging", then swapped in during the forward (the default, and the only
-        choice, on a device). `stream_wait_s`: the longest a streamed hit's forward waits for its parts in all before
-        it is abandoned (loader.py's streamed hits): what one fetch may hold up the requests that arrive meanwhile."""
+        choice, on a device). `stream_hits`: whether a hit's first forward may start while its blocks arrive
+        (loader.py's streamed hits); None (the default): when torch computes on fewer threads than this process has
+        CPUs, so that a core is left for the fetcher to read on (`streams_by_default`). `stream_wait_s`: the longest a
+        streamed hit's forward waits for its parts in all before it is abandoned: what one fetch may hold up the
+        requests that arrive meanwhile."""
         if fetcher not in ("process", "none"):
             raise ValueError("fetcher must be 'process' (its own process) or 'none' (no ledger reads)")
         fetch_into = fetch_into or ("pool" if torch.device(device).type == "cpu" else "staging")
@@ -101,7 +114,8 @@ class Engine:
             self.fetcher = Fetcher(block_ledger, self.fetch_target.area, self.fetch_target.parts,
                                    timeout_s=fetch_timeout_s)
         self.loader = HitLoader(self.model, self.pool, self.slots, self.fetcher, self.fetch_target, state_ledger,
-                                replay=replay, device_hits=block_ledger is not None, preemption=preemption)
+                                replay=replay, device_hits=block_ledger is not None, preemption=preemption,
+                                stream_hits=streams_by_default() if stream_hits is None else stream_hits)
         self.writer = LedgerWriter(self.model, block_ledger, state_ledger, self.slots)
         self.tails = TailStore()   # P/D: prompt tails kept for the decode engine (keep_tail)
         self.scheduler = Scheduler(max_num_seqs, max_num_batched_tokens)

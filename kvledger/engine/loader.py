@@ -108,7 +108,7 @@ class ResumePoint:
 class HitLoader:
     def __init__(self, model: Model, pool: BlockPool, slots: StateSlots, fetcher: Fetcher | None,
                  target: PoolTarget | StagingTarget | None, state_ledger: object | None, *, replay: bool,
-                 device_hits: bool = True, preemption: bool = True) -> None:
+                 device_hits: bool = True, preemption: bool = True, stream_hits: bool = True) -> None:
         assert (fetcher is None) == (target is None), "a fetcher reads into a target"
         self.model, self.spec, self.pool, self.slots = model, model.spec, pool, slots
         self.fetcher, self.target, self.state_ledger, self.replay = fetcher, target, state_ledger, replay
@@ -116,7 +116,7 @@ class HitLoader:
         self.preemption = preemption     # False: reserve prompt + max_tokens at admission (the old policy)
         self.faults: Counter[str] = Counter()
         # hits whose first forward may run while their blocks arrive (module docstring: streamed hits)
-        self.streams = isinstance(target, PoolTarget) and not self.spec.has_swa and STREAMS_HERE
+        self.streams = stream_hits and isinstance(target, PoolTarget) and not self.spec.has_swa and STREAMS_HERE
 
     def lifetime_blocks(self, seq: Sequence) -> int:
         """Blocks of the whole request: prompt + max_tokens (capped at the context), + 1 spare if windowed."""

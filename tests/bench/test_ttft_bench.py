@@ -28,7 +28,8 @@ def test_each_run_kind_reuses_what_its_rule_says(tmp_path):
 def test_a_full_attention_model_has_no_windowed_kinds_and_a_serial_baseline(tmp_path):
     """SmolLM2: cold, hit, device, and serial, the hit with streaming off (its forward after the whole fetch); the
     page cache dropped before each hit (--drop-cache), so the fetch reads the disk."""
-    r = measure("smollm2-135m", 512, "cpu", str(tmp_path), repeat=1, chunk=512, greedy=2, drop_cache=True)
+    r = measure("smollm2-135m", 512, "cpu", str(tmp_path), repeat=1, chunk=512, greedy=2, drop_cache=True,
+                stream_hits=True)
     assert list(r["runs"]) == ["stored", "cold", "hit", "device", "serial"] and r["runs"]["hit"]["hit_kind"] == "full"
     hit = r["runs"]["hit"]   # a prompt of whole blocks, all stored: L − 1 reused, the last token computed
     assert (hit["cached_tokens"], hit["computed_tokens"]) == (511, 1) and hit["greedy_match"]

@@ -21,7 +21,8 @@ def ledger(tmp_path_factory):
 def smollm2(ledger):
     from kvledger.engine.engine import Engine
 
-    engine = Engine("smollm2-135m", block_ledger=ledger, kv_cache_bytes=96 << 20, max_num_batched_tokens=1024)
+    engine = Engine("smollm2-135m", block_ledger=ledger, kv_cache_bytes=96 << 20, max_num_batched_tokens=1024,
+                    stream_hits=True)   # whatever the CPU count: the streamed hit's paths are tested here
     engine.record_logits = True
     yield engine
     engine.close()
