@@ -52,9 +52,9 @@ DEFAULT_KV_BYTES = 512 << 20
 
 def streams_by_default() -> bool:
     """Whether hits stream unless told (`Engine(stream_hits=None)`): when torch leaves a CPU of this process free
-    for the fetcher. Measured (docs/engine.md, "A streamed hit"): with a core free a streamed hit took 0.925 of the
-    same hit read first; with both of 2 cores computing the fetcher's copy and hash slow the forward as much as
-    they save (0.88-1.02 of it warm, 0.75-1.48 from the disk)."""
+    for the fetcher. Measured (docs/engine.md, "A streamed hit"): with a core free a streamed hit took 0.93 of the
+    same hit read first from the page cache and 0.63 from the disk; with both of 2 cores computing, the fetcher's
+    copy and hash slow the forward as much as they save (0.88-1.02 warm, 0.75-1.48 from the disk)."""
     return torch.get_num_threads() < usable_cpus()
 
 
