@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 from kvledger.engine.api import EngineRequest, TokenEvent
 from kvledger.engine.client import EngineFailed, EngineRejected
+from kvledger.engine.threads import release_team
 
 log = logging.getLogger("kvledger.serve")
 IDLE_WAIT_S = 0.05
@@ -58,7 +59,11 @@ class AsyncEngine:
         self.failures = 0
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Start the loop thread. Call it from the thread that loaded the engine, which computes nothing from
+        now on: its OpenMP team is released, or every op of every step would pay a futex sleep and wake-up
+        (threads.py, `release_team`)."""
         assert self._thread is None, "started twice"
+        release_team()
         self._loop = loop
         self._thread = threading.Thread(target=self._run, name="kvledger-engine", daemon=True)
         self._thread.start()

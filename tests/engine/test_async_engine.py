@@ -2,6 +2,9 @@
 (it once failed every running request: `AsyncEngine._fail_all` after a `torch.multinomial` error)."""
 
 import asyncio
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
@@ -79,3 +82,38 @@ def test_the_async_engine_fails_that_request_alone():
     normal, poisoned = asyncio.run(main())
     assert isinstance(poisoned, EngineFailed)
     assert isinstance(normal, list) and len(normal) == NORMAL_TOKENS, normal
+
+
+def test_start_releases_the_loading_threads_openmp_team():
+    """Only the loop thread computes once started: the loading thread's idle team would make GNU OpenMP throttle
+    every worker's spinning (threads.py), so `start` lets it go."""
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent("""
+        import asyncio, os, torch
+        from kvledger.core import chain_keys, decide_hit
+        from kvledger.engine.api import EngineRequest, SamplingParams
+        from kvledger.engine.async_engine import AsyncEngine
+        from kvledger.engine.engine import Engine
+        from kvledger.engine.threads import release_team
+        tids = lambda: set(os.listdir("/proc/self/task"))
+        torch.set_num_threads(2)
+        tiny = Engine("tiny-v4", block_ledger=None, kv_cache_bytes=16 << 20)
+        a = torch.randn(1024, 1024)
+        release_team()                                      # the load's team, to tell its workers from the rest
+        before = tids(); a @ a; workers = tids() - before   # this thread's team again, as a load leaves it
+        assert workers
+
+        async def main():
+            engine = AsyncEngine(tiny)
+            engine.start(asyncio.get_running_loop())
+            prompt = list(range(100, 140))
+            req = EngineRequest("r", prompt, chain_keys(prompt, tiny.spec, "default"),
+                                decide_hit(len(prompt), 0, set(), tiny.spec), SamplingParams(max_tokens=4))
+            tokens = [t async for ev in engine.generate(req) for t in ev.token_ids]
+            left = workers & tids()
+            await asyncio.to_thread(engine.close)
+            return tokens, left
+
+        tokens, left = asyncio.run(main())
+        assert len(tokens) == 4 and not left, (tokens, left)
+    """)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]

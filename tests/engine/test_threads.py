@@ -4,10 +4,13 @@ $OMP_NUM_THREADS, else the CPUs this process may run on; and the one-line refusa
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
-from kvledger.engine.threads import resolve_threads, threads_per_process, usable_cpus
+from kvledger.engine.threads import OPENMP_LIB, resolve_threads, threads_per_process, usable_cpus
 
 NO_QUOTA = "max 100000\n"
 
@@ -60,6 +63,13 @@ def test_up_shares_the_cpus_among_its_engines(cpu_max):
     assert threads_per_process(None, 3, env={"OMP_NUM_THREADS": "6"}, cpu_max=cpu_max) == 6
 
 
+@pytest.mark.parametrize("name, runtime", [("libgomp.so.1", True), ("libgomp-a34b3233.so.1", True),
+                                           ("libiomp5.so", True), ("libomp.so", True), ("libomptarget.so", False),
+                                           ("libgomp_helper.so", False), ("libtorch_cpu.so", False)])
+def test_the_openmp_runtimes_are_told_from_other_libraries_by_name(name, runtime):
+    assert bool(OPENMP_LIB.fullmatch(name)) is runtime
+
+
 @pytest.mark.parametrize("args, env, says", [
     (["serve", "--data-dir", "{tmp}", "--threads", "0"], {}, "--threads must be >= 1, got 0"),
     (["serve", "--data-dir", "{tmp}"], {"OMP_NUM_THREADS": "x"}, "OMP_NUM_THREADS='x' is not a thread count"),
@@ -73,3 +83,29 @@ def test_a_bad_thread_count_is_one_line_and_exit_2(run_cli, tmp_path, args, env,
     assert r.returncode == 2, (r.returncode, r.stderr)
     assert r.stderr.startswith("kvledger: error:") and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert says in r.stderr, r.stderr
+
+
+def _run_python(code: str) -> str:
+    """`code` in a fresh interpreter (no other test's OpenMP teams); its stdout. Fails on its failure."""
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+def test_release_team_ends_the_calling_threads_openmp_workers_and_computing_brings_them_back():
+    out = _run_python("""
+        import os, torch
+        from kvledger.engine.threads import release_team
+        tids = lambda: set(os.listdir("/proc/self/task"))
+        torch.set_num_threads(2)                 # one worker beside this thread, whatever the CPU count
+        a = torch.randn(1024, 1024)
+        before = tids(); product = a @ a; workers = tids() - before
+        assert workers, "the matmul started no OpenMP worker"
+        assert release_team()
+        assert not workers & tids(), "the workers outlived the release"
+        again = a @ a
+        assert len(tids() - before) == len(workers), "computing again brought no team back"
+        assert torch.equal(again, product)
+        print("ok")
+    """)
+    assert out.strip() == "ok"
