@@ -69,6 +69,7 @@ KINDS = ("cold", "hit", "device", "serial", "periodic", "fallback", "replay")   
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from kvledger.bench.engine_cli import add_period_arg, add_threads_arg
+    from kvledger.engine.threads import add_stream_hits_arg
     from kvledger.engine.models.registry import add_model_arg
 
     add_model_arg(p)
@@ -79,9 +80,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="torch device (default %(default)s)")
     add_threads_arg(p)
     p.add_argument("--data-dir", help="block ledger folder (default: a fresh temporary one)")
-    p.add_argument("--stream-hits", choices=("auto", "on", "off"), default="auto",
-                   help="hits whose forward starts while their blocks arrive (engine/loader.py); auto: when torch "
-                   "leaves a CPU free for the fetcher (default %(default)s)")
+    add_stream_hits_arg(p)
     p.add_argument("--drop-cache", action="store_true", help="evict the ledger's files from the page cache before "
                    "every hit run, so the fetch reads the disk (default: as warm as just after the write)")
 
@@ -297,6 +296,7 @@ def run(args: argparse.Namespace) -> None:
     import json
 
     from kvledger.bench.engine_cli import check_period, run_measure
+    from kvledger.engine.threads import stream_hits
     from kvledger.engine.models.registry import cli_resolve
     from kvledger.util.output import CliError
 
@@ -311,7 +311,7 @@ def run(args: argparse.Namespace) -> None:
         with tempfile.TemporaryDirectory(prefix="kvledger-ttft-") as tmp:
             result = measure(args.model, args.tokens, args.device, args.data_dir or tmp, repeat=args.repeat,
                              period=args.period, chunk=args.chunk, drop_cache=args.drop_cache,
-                             stream_hits={"auto": None, "on": True, "off": False}[args.stream_hits])
+                             stream_hits=stream_hits(args.stream_hits))
         if args.out:
             Path(args.out).mkdir(parents=True, exist_ok=True)
             (Path(args.out) / "ttft.json").write_text(json.dumps(result, indent=2))

@@ -15,7 +15,7 @@ from kvledger.util.redis_client import REDIS_URL_ENV
 
 def register(sub: argparse._SubParsersAction) -> None:
     from kvledger.engine.models.registry import add_checkpoint_arg, add_model_arg
-    from kvledger.engine.threads import add_threads_arg
+    from kvledger.engine.threads import add_stream_hits_arg, add_threads_arg
 
     p = sub.add_parser("engine", help="one engine of a cluster (prefill, decode or both) on a shared Redis",
                        description="One engine process of a cluster: it loads the model, opens the shared ledgers "
@@ -33,6 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_model_arg(p)
     add_checkpoint_arg(p)
     add_threads_arg(p)
+    add_stream_hits_arg(p)
     p.add_argument("--host", default="127.0.0.1", help="address of the internal API and the state server")
     p.add_argument("--port", type=int, default=0, help="internal API port (0: any free one)")
     p.add_argument("--engine-id", default=None, help="default: <role>-<random>")
@@ -46,7 +47,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def cmd_engine(args: argparse.Namespace) -> None:
     from kvledger.engine.process import EngineConfig, EngineProcess, build_engine_app
     from kvledger.engine.models.registry import cli_checkpoint, cli_resolve
-    from kvledger.engine.threads import resolve_threads, set_threads
+    from kvledger.engine.threads import resolve_threads, set_threads, stream_hits
     from kvledger.util.cluster_token import load_token
     from kvledger.util.http_server import listen
 
@@ -63,7 +64,8 @@ def cmd_engine(args: argparse.Namespace) -> None:
     engine_id = args.engine_id or f"{args.role}-{uuid.uuid4().hex[:6]}"
     config = EngineConfig(model=args.model, role=args.role, redis_url=args.redis_url, token=token,
                           data_dir=args.data_dir, engine_id=engine_id, host=args.host,
-                          max_num_seqs=args.max_num_seqs, grace_s=args.grace_s, checkpoint_every=every)
+                          max_num_seqs=args.max_num_seqs, grace_s=args.grace_s, checkpoint_every=every,
+                          stream_hits=stream_hits(args.stream_hits))
     sock = listen(args.host, args.port)
     set_threads(threads)   # before the model loads, on the main thread: torch's every thread takes it
     url = f"http://{args.host}:{sock.getsockname()[1]}"

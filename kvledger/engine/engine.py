@@ -229,6 +229,11 @@ class Engine:
         """Forget the device prefix cache (the next hit comes from the ledgers); blocks forgotten."""
         return self.pool.clear_cache()
 
+    @property
+    def streams_hits(self) -> bool:
+        """Whether a hit's forward may start while its blocks arrive (`stream_hits` as this model and pool allow)."""
+        return self.loader.streams
+
     def check_integrity(self) -> None:
         self.pool.check_integrity()
         used = sum(1 for s in self.scheduler.running if s.slot >= 0)

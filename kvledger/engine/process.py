@@ -59,6 +59,7 @@ class EngineConfig:
     device: str = "cpu"
     replay: bool = False
     checkpoint_every: int = 0   # rule 4′: a snapshot every this many prompt tokens while prefilling (0: none)
+    stream_hits: bool | None = None   # `Engine(stream_hits=...)`; None: the engine's default
     grace_s: float = 60.0
     heartbeat_ttl_s: float = DEFAULT_TTL_S
 
@@ -106,7 +107,8 @@ class EngineProcess:
             self.engine = AsyncEngine(Engine(self.entry, block_ledger=self.block_ledger,
                                              state_ledger=self.state_ledger, device=self.config.device,
                                              max_num_seqs=self.config.max_num_seqs, replay=self.config.replay,
-                                             checkpoint_every=self.config.checkpoint_every))
+                                             checkpoint_every=self.config.checkpoint_every,
+                                             stream_hits=self.config.stream_hits))
             engine = self.engine.engine
             self.info0 = EngineInfo(self.config.engine_id, self.config.role, url, self.entry.name,
                                     engine.max_model_len, int(engine.model.vocab_size), tuple(engine.eos_token_ids),
@@ -251,6 +253,10 @@ async def _with_keepalive(events: AsyncIterator[Any], interval_s: float) -> Asyn
             next_item.cancel()
 
 
+def _hits(engine: Any) -> str:
+    return "hits streamed" if engine.streams_hits else "hits read before computing"
+
+
 def build_engine_app(proc: EngineProcess, url: str) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -260,7 +266,7 @@ def build_engine_app(proc: EngineProcess, url: str) -> FastAPI:
             print(f"kvledger engine: {proc.config.engine_id} stopped while loading", flush=True)
         else:
             print(f"kvledger engine: {proc.config.engine_id} ({proc.config.role}, {proc.config.model}, "
-                  f"{torch.get_num_threads()} torch threads) ready at {url}", flush=True)
+                  f"{torch.get_num_threads()} torch threads, {_hits(proc.engine.engine)}) ready at {url}", flush=True)
         try:
             yield
         finally:

@@ -33,6 +33,7 @@ from pathlib import Path
 CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
 # GNU, Intel and LLVM's OpenMP runtimes, as torch's builds ship them ("libgomp-a34b3233.so.1", "libomp.so")
 OPENMP_LIB = re.compile(r"(libgomp|libiomp5|libomp)(-[0-9a-f]+)?\.so[.0-9]*")
+STREAM_HITS: dict[str, bool | None] = {"auto": None, "on": True, "off": False}
 OMP_PAUSE_SOFT = 1                                # omp_pause_resource_t: free the threads, keep the settings
 
 
@@ -40,6 +41,17 @@ def add_threads_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, metavar="N",
                    help="torch threads computing the model (default: $OMP_NUM_THREADS where set, else the CPUs "
                         "this process may run on; 1 on a machine whose other processes keep its cores busy)")
+
+
+def add_stream_hits_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--stream-hits", choices=STREAM_HITS, default="auto",
+                   help="whether a hit's forward may start while its blocks arrive (docs/engine.md, \"A streamed "
+                        "hit\"); auto: when a CPU is left free of torch threads for the fetcher (default %(default)s)")
+
+
+def stream_hits(choice: str) -> bool | None:
+    """--stream-hits as `Engine(stream_hits=...)` takes it: None for auto (the engine's `streams_by_default`)."""
+    return STREAM_HITS[choice]
 
 
 def usable_cpus(cpu_max: Path = CGROUP_CPU_MAX) -> int:
@@ -80,6 +92,15 @@ def threads_per_process(requested: int | None, processes: int, env: dict[str, st
     if requested is not None or (os.environ if env is None else env).get("OMP_NUM_THREADS", "").strip():
         return resolve_threads(requested, env=env, cpu_max=cpu_max)
     return max(usable_cpus(cpu_max) // processes, 1)
+
+
+def colocated_stream_hits(choice: str, threads: int, processes: int, cpu_max: Path = CGROUP_CPU_MAX) -> str:
+    """--stream-hits for each of `processes` co-located engines computing on `threads` each (`kvledger up`): "auto"
+    decided for all of them, since each engine alone would count only its own threads; on or off as given."""
+    assert threads >= 1 and processes >= 1, (threads, processes)
+    if choice != "auto":
+        return choice
+    return "on" if threads * processes < usable_cpus(cpu_max) else "off"
 
 
 def set_threads(n: int) -> int:

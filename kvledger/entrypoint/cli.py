@@ -30,7 +30,7 @@ GRACE_S = 10.0   # SIGTERM: seconds requests in flight may finish (then they end
 
 def register(sub: argparse._SubParsersAction) -> None:
     from kvledger.engine.models.registry import add_checkpoint_arg
-    from kvledger.engine.threads import add_threads_arg
+    from kvledger.engine.threads import add_stream_hits_arg, add_threads_arg
     from kvledger.util.output import examples
 
     p = sub.add_parser("serve", help="the OpenAI-compatible server on the embedded store",
@@ -50,6 +50,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-num-seqs", type=int, default=8, help="requests the engine batches at once")
     add_checkpoint_arg(p)
     add_threads_arg(p)
+    add_stream_hits_arg(p)
     store_args(p)
     trace_args(p)
     grace_arg(p)
@@ -75,7 +76,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     trace_args(p)
     grace_arg(p)
     p.set_defaults(func=cmd_serve, no_cache=False, max_num_seqs=8, checkpoint_every=0, threads=None,
-                   store_capacity=None, ttl_classes=DEFAULT_TTL_CLASSES, gc_interval_s=0.0, kv_cache_bytes=None)
+                   stream_hits="auto", store_capacity=None, ttl_classes=DEFAULT_TTL_CLASSES, gc_interval_s=0.0,
+                   kv_cache_bytes=None)
 
 
 def store_args(p: argparse.ArgumentParser) -> None:
@@ -204,6 +206,7 @@ def is_loopback(host: str) -> bool:
 
 def cmd_serve(args: argparse.Namespace) -> None:
     from kvledger.engine.models.registry import cli_checkpoint, cli_resolve
+    from kvledger.engine.threads import stream_hits
     from kvledger.entrypoint.server_state import ServeConfig
     from kvledger.util.http_server import adopt, listen
 
@@ -244,7 +247,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
                          tail_handoff=not args.no_tail_handoff,
                          status_every_s=args.status_interval_s, checkpoint_every=every, ttl_classes=ttl_classes,
                          store_capacity_bytes=capacity, gc_interval_s=args.gc_interval_s, trace=trace,
-                         kv_cache_bytes=kv_cache_bytes)
+                         kv_cache_bytes=kv_cache_bytes, stream_hits=stream_hits(args.stream_hits))
     mode = "serve" if args.redis_url is None else "entrypoint"
     state, code = None, EXIT_INTERRUPTED   # until the server ran to its end: close as fast as after a Ctrl-C
     try:
@@ -298,7 +301,9 @@ def _load(state: Any, mode: str, routing: str, threads: int | None) -> None:
               flush=True)
         started = time.perf_counter()
         state.load_engine()
-        print(f"kvledger {mode}: loaded in {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
+        hits = "hits streamed" if state.streams_hits else "hits read before computing"
+        print(f"kvledger {mode}: loaded in {time.perf_counter() - started:.1f} s ({hits})", file=sys.stderr,
+              flush=True)
 
 
 def _run(config: Any, state: Any, mode: str, sock: socket.socket, args: argparse.Namespace) -> int:

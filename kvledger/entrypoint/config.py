@@ -89,6 +89,7 @@ class ServeConfig:
     store_capacity_bytes: int | None = None   # embedded block ledger: LRU eviction past this (None: unlimited)
     gc_interval_s: float = 60.0            # embedded: expired blocks removed this often while serving (0: never)
     kv_cache_bytes: int | None = None      # embedded: the engine's device KV pool (None: the engine's default)
+    stream_hits: bool | None = None        # embedded: `Engine(stream_hits=...)`; None: the engine's default
     trace: TraceSettings = field(default_factory=TraceSettings)
     # cluster mode (`kvledger entrypoint`): no engine here; Redis holds the index, the directory and
     # the engine registry, and the engines are reached with the cluster token

@@ -79,11 +79,17 @@ class ServerState:
                         state_ledger=self.state_ledger if cache else None,
                         device=self.config.device, max_num_seqs=self.config.max_num_seqs,
                         replay=self.config.replay, checkpoint_every=self.config.checkpoint_every,
-                        **self.config.device_pool())
+                        stream_hits=self.config.stream_hits, **self.config.device_pool())
         self._engine_core = engine
         self.max_model_len = engine.max_model_len
         self.eos_token_ids = tuple(engine.eos_token_ids)
         self.vocab_size = _vocab_size(engine, self.tokenizer)
+
+    @property
+    def streams_hits(self) -> bool:
+        """Embedded, once loaded: whether the engine streams its hits (`Engine.streams_hits`)."""
+        assert self._engine_core is not None, "load_engine first"
+        return self._engine_core.streams_hits
 
     def start_engine(self) -> EngineClient:
         """Embedded: start the loaded engine's step loop (loading it first if `load_engine` was not

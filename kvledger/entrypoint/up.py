@@ -95,6 +95,7 @@ class Child:
 
 def register(sub: argparse._SubParsersAction) -> None:
     from kvledger.engine.models.registry import add_checkpoint_arg
+    from kvledger.engine.threads import STREAM_HITS
     from kvledger.entrypoint.cli import http_args, trace_args
     from kvledger.util.paths import default_data_dir
     from kvledger.entrypoint.router import POLICIES
@@ -131,6 +132,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=None, metavar="N",
                    help="torch threads of each engine (default: $OMP_NUM_THREADS where set, else the CPUs this "
                         "process may run on shared out among the engines, at least 1 each)")
+    p.add_argument("--stream-hits", choices=STREAM_HITS, default="auto",
+                   help="whether an engine's hit may compute while its blocks arrive; auto: when the engines' "
+                        "threads together leave a CPU free (default %(default)s)")
     trace_args(p)   # the entrypoint's; its default folder is <data-dir>/trace (not a JuiceFS mount's)
     p.add_argument("--grace-s", type=float, default=GRACE_S, help="on a stop: seconds the entrypoint's open requests "
                    "and the engines' hand-offs get before they are cut (default %(default)s)")
@@ -139,7 +143,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def cmd_up(args: argparse.Namespace) -> None:
     from kvledger.engine.models.registry import NAMES, cli_checkpoint, cli_resolve
-    from kvledger.engine.threads import threads_per_process
+    from kvledger.engine.threads import colocated_stream_hits, threads_per_process
     from kvledger.entrypoint.cli import is_loopback, trace_settings
     from kvledger.util.paths import default_data_dir
 
@@ -167,7 +171,9 @@ def cmd_up(args: argparse.Namespace) -> None:
             raise CliError(f"--{flag.replace('_', '-')} must be > 0")
     trace_settings(args)
     try:
-        args.threads = threads_per_process(args.threads, args.prefill + args.decode + args.both)
+        engines = args.prefill + args.decode + args.both
+        args.threads = threads_per_process(args.threads, engines)
+        args.stream_hits = colocated_stream_hits(args.stream_hits, args.threads, engines)
     except ValueError as e:
         raise CliError(str(e)) from None
     data = (args.data_dir or default_data_dir().with_name("cluster")).resolve()
@@ -334,6 +340,7 @@ class Cluster:
                 name = f"{role}-{i}"
                 args = ["engine", "--role", role, "--engine-id", name, "--max-num-seqs", str(a.max_num_seqs),
                         "--checkpoint-every", str(a.checkpoint_every), "--threads", str(a.threads),
+                        "--stream-hits", a.stream_hits,
                         "--data-dir", str(dirs[len(children) % len(dirs)]), *common]
                 children.append(Child(name, args, self.logs / f"{name}.log"))
         assert self.front is not None

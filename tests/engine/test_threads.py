@@ -10,7 +10,8 @@ import textwrap
 
 import pytest
 
-from kvledger.engine.threads import OPENMP_LIB, resolve_threads, threads_per_process, usable_cpus
+from kvledger.engine.threads import (OPENMP_LIB, colocated_stream_hits, resolve_threads, stream_hits,
+                                     threads_per_process, usable_cpus)
 
 NO_QUOTA = "max 100000\n"
 
@@ -61,6 +62,17 @@ def test_up_shares_the_cpus_among_its_engines(cpu_max):
     assert threads_per_process(None, 100, env={}, cpu_max=cpu_max) == 1
     assert threads_per_process(2, 3, env={}, cpu_max=cpu_max) == 2
     assert threads_per_process(None, 3, env={"OMP_NUM_THREADS": "6"}, cpu_max=cpu_max) == 6
+
+
+def test_up_streams_hits_only_when_its_engines_together_leave_a_cpu_free(cpu_max):
+    """Each engine alone would see its one thread on a 2-CPU machine as a core free; `up` counts them all."""
+    cpu_max.write_text("200000 100000\n")   # 2 CPUs (fewer if the mask has fewer)
+    two = usable_cpus(cpu_max) >= 2
+    assert colocated_stream_hits("auto", 1, 2, cpu_max=cpu_max) == "off"
+    assert colocated_stream_hits("auto", 1, 1, cpu_max=cpu_max) == ("on" if two else "off")
+    assert colocated_stream_hits("on", 1, 2, cpu_max=cpu_max) == "on"
+    assert colocated_stream_hits("off", 1, 1, cpu_max=cpu_max) == "off"
+    assert [stream_hits(c) for c in ("auto", "on", "off")] == [None, True, False]
 
 
 @pytest.mark.parametrize("name, runtime", [("libgomp.so.1", True), ("libgomp-a34b3233.so.1", True),

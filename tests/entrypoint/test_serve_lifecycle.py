@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from kvledger.engine.fetcher import STREAMS_HERE
 from kvledger.util.serve_process import free_port, spawn
 
 KVLEDGER = Path(sys.executable).parent / "kvledger"
@@ -137,6 +138,15 @@ def test_ready_line_names_the_real_port_of_port_0_and_the_load_its_threads(serve
     loading = server.wait_for("loading tiny-v4")
     assert "(computing on 2 torch threads)" in loading, loading
     assert server.lines.index(loading) < server.lines.index(server.wait_for("ready at"))
+
+
+@pytest.mark.parametrize("flag, says", [("on", "(hits streamed)" if STREAMS_HERE else "(hits read before computing)"),
+                                        ("off", "(hits read before computing)")])
+def test_stream_hits_reaches_the_engine(serve, flag, says):
+    """A full-attention model streams its hits as told, where the CPU allows it (tiny-v4, windowed, never does)."""
+    server = serve("--port", "0", "--stream-hits", flag, model="smollm2-135m")
+    assert server.url
+    assert says in server.wait_for("loaded in"), server.lines
 
 
 def test_ctrl_c_mid_request_ends_both_kinds_of_request_with_an_error_and_stops_at_once(serve):
