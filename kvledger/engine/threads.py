@@ -5,12 +5,12 @@
     otherwise            the CPUs this process may run on: its affinity mask, capped by a cgroup v2 CPU
                          quota (a container's --cpus)
 
-Measured with `kvledger bench threads` on 2 cores (docs/engine.md "Threads", docs/results/threads-*.json):
-on a quiet machine SmolLM2's cold 2,000-token prefill takes 3.66 s at 2 threads and 6.99 s at 1, so a
-server uses every CPU it may. With one of the two cores kept busy by another process, 2 threads gain
-nothing (6.98 against 7.10 s) and lose 13-17 % on a hit and per output token: torch's threads meet at a
-barrier after every operation, and one that is descheduled holds up the rest. So on a machine shared
-with other busy processes, give --threads 1 (or fewer threads than the cores left free).
+Measured with `kvledger bench threads` on 2 cores (docs/engine.md "Threads", docs/results/threads-*.json,
+2026-12-04): on a quiet machine SmolLM2's cold 2,000-token prefill takes 5.09 s at 2 threads and 8.75 s at 1,
+so a server uses every CPU it may. With one of the two cores kept busy by another process, 2 threads are
+slower on everything, 3x per output token (263 against 88 ms): torch's threads meet at a barrier after
+every operation, their workers spin while they wait, and one that is descheduled holds up the rest. So on a
+machine shared with other busy processes, give --threads 1 (or fewer threads than the cores left free).
 
 One thread computes. torch's OpenMP runtime keeps a team of worker threads per thread that has computed,
 for as long as that thread lives. The server loads the model in its main thread and then steps it in
