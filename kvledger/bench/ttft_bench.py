@@ -69,8 +69,8 @@ KINDS = ("cold", "hit", "device", "serial", "periodic", "fallback", "replay")   
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from kvledger.bench.engine_cli import add_period_arg, add_threads_arg
-    from kvledger.engine.threads import add_stream_hits_arg
     from kvledger.engine.models.registry import add_model_arg
+    from kvledger.engine.threads import add_stream_hits_arg
 
     add_model_arg(p)
     p.add_argument("--tokens", type=int, default=4096, help="prompt length in tokens (default %(default)s)")
@@ -296,8 +296,8 @@ def run(args: argparse.Namespace) -> None:
     import json
 
     from kvledger.bench.engine_cli import check_period, run_measure
-    from kvledger.engine.threads import stream_hits
     from kvledger.engine.models.registry import cli_resolve
+    from kvledger.engine.threads import stream_hits
     from kvledger.util.output import CliError
 
     cli_resolve(args.model)

@@ -230,9 +230,9 @@ class Engine:
         return self.pool.clear_cache()
 
     @property
-    def streams_hits(self) -> bool:
-        """Whether a hit's forward may start while its blocks arrive (`stream_hits` as this model and pool allow)."""
-        return self.loader.streams
+    def hits_mode(self) -> str:
+        """What the start-up lines say of `stream_hits`, as this model and pool allow it."""
+        return "hits streamed" if self.loader.streams else "hits read before computing"
 
     def check_integrity(self) -> None:
         self.pool.check_integrity()

@@ -253,10 +253,6 @@ async def _with_keepalive(events: AsyncIterator[Any], interval_s: float) -> Asyn
             next_item.cancel()
 
 
-def _hits(engine: Any) -> str:
-    return "hits streamed" if engine.streams_hits else "hits read before computing"
-
-
 def build_engine_app(proc: EngineProcess, url: str) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -266,7 +262,8 @@ def build_engine_app(proc: EngineProcess, url: str) -> FastAPI:
             print(f"kvledger engine: {proc.config.engine_id} stopped while loading", flush=True)
         else:
             print(f"kvledger engine: {proc.config.engine_id} ({proc.config.role}, {proc.config.model}, "
-                  f"{torch.get_num_threads()} torch threads, {_hits(proc.engine.engine)}) ready at {url}", flush=True)
+                  f"{torch.get_num_threads()} torch threads, {proc.engine.engine.hits_mode}) ready at {url}",
+                  flush=True)
         try:
             yield
         finally:

@@ -301,9 +301,8 @@ def _load(state: Any, mode: str, routing: str, threads: int | None) -> None:
               flush=True)
         started = time.perf_counter()
         state.load_engine()
-        hits = "hits streamed" if state.streams_hits else "hits read before computing"
-        print(f"kvledger {mode}: loaded in {time.perf_counter() - started:.1f} s ({hits})", file=sys.stderr,
-              flush=True)
+        print(f"kvledger {mode}: loaded in {time.perf_counter() - started:.1f} s ({state.hits_mode})",
+              file=sys.stderr, flush=True)
 
 
 def _run(config: Any, state: Any, mode: str, sock: socket.socket, args: argparse.Namespace) -> int:

@@ -86,10 +86,10 @@ class ServerState:
         self.vocab_size = _vocab_size(engine, self.tokenizer)
 
     @property
-    def streams_hits(self) -> bool:
-        """Embedded, once loaded: whether the engine streams its hits (`Engine.streams_hits`)."""
+    def hits_mode(self) -> str:
+        """Embedded, once loaded: whether the engine streams its hits (`Engine.hits_mode`)."""
         assert self._engine_core is not None, "load_engine first"
-        return self._engine_core.streams_hits
+        return self._engine_core.hits_mode
 
     def start_engine(self) -> EngineClient:
         """Embedded: start the loaded engine's step loop (loading it first if `load_engine` was not
