@@ -116,7 +116,9 @@ def release_team() -> bool:
     """Let the calling thread's OpenMP team go: its idle workers exit, and the runtime stops counting them.
     Call it in the thread that loaded the model, once another thread computes from then on (module
     docstring). If the calling thread computes again, it gets a new team. True when a loaded OpenMP runtime
-    released it; False when none is loaded (torch built without OpenMP) or it refused."""
+    released it; False when none is loaded (torch built without OpenMP) or it refused. GNU OpenMP (torch's
+    Linux x86-64 wheels) releases only the calling thread's team; LLVM's and Intel's pause every team of the
+    process, which is right only while no other thread computes, as at `AsyncEngine.start`."""
     lib = _loaded_openmp()
     if lib is None or not hasattr(lib, "omp_pause_resource_all"):
         return False
