@@ -1,6 +1,9 @@
 """Helpers of the engine tests."""
 
 import os
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -61,3 +64,11 @@ def approximate(spec):
     from dataclasses import replace
 
     return replace(spec, approximate_fallback=True)
+
+
+def run_python(code: str) -> str:
+    """`code` (indented as a test writes it) in a fresh interpreter, where no other test's OpenMP teams are; its
+    stdout. Fails on its failure, with its stderr."""
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout

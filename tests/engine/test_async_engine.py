@@ -2,9 +2,6 @@
 (it once failed every running request: `AsyncEngine._fail_all` after a `torch.multinomial` error)."""
 
 import asyncio
-import subprocess
-import sys
-import textwrap
 
 import pytest
 
@@ -13,7 +10,7 @@ from kvledger.engine import engine as engine_module
 from kvledger.engine.api import EngineRequest, SamplingParams
 from kvledger.engine.async_engine import AsyncEngine
 from kvledger.engine.client import EngineFailed
-from tests.engine.helpers import prompt
+from tests.engine.helpers import prompt, run_python
 
 POISON_SEED = 666     # the request whose sampling fails (the patched sampler recognises it by its seed)
 FAILS_AT = 3          # ... at its third output token, while the normal one decodes in the same batch
@@ -87,7 +84,7 @@ def test_the_async_engine_fails_that_request_alone():
 def test_start_releases_the_loading_threads_openmp_team():
     """Only the loop thread computes once started: the loading thread's idle team would make GNU OpenMP throttle
     every worker's spinning (threads.py), so `start` lets it go."""
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent("""
+    run_python("""
         import asyncio, os, torch
         from kvledger.core import chain_keys, decide_hit
         from kvledger.engine.api import EngineRequest, SamplingParams
@@ -115,5 +112,4 @@ def test_start_releases_the_loading_threads_openmp_team():
 
         tokens, left = asyncio.run(main())
         assert len(tokens) == 4 and not left, (tokens, left)
-    """)], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
+    """)

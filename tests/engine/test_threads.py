@@ -4,14 +4,12 @@ $OMP_NUM_THREADS, else the CPUs this process may run on; and the one-line refusa
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 
 from kvledger.engine.threads import (OPENMP_LIB, colocated_stream_hits, resolve_threads, stream_hits,
                                      threads_per_process, usable_cpus)
+from tests.engine.helpers import run_python
 
 NO_QUOTA = "max 100000\n"
 
@@ -97,15 +95,8 @@ def test_a_bad_thread_count_is_one_line_and_exit_2(run_cli, tmp_path, args, env,
     assert says in r.stderr, r.stderr
 
 
-def _run_python(code: str) -> str:
-    """`code` in a fresh interpreter (no other test's OpenMP teams); its stdout. Fails on its failure."""
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return done.stdout
-
-
 def test_release_team_ends_the_calling_threads_openmp_workers_and_computing_brings_them_back():
-    out = _run_python("""
+    out = run_python("""
         import os, torch
         from kvledger.engine.threads import release_team
         tids = lambda: set(os.listdir("/proc/self/task"))
