@@ -2,10 +2,11 @@
 with other processes keeping cores busy, side by side in one run: the measurement behind `--threads`'s default.
 
 For each load (`--burners`: 0, then each count given; a burner is a process spinning on one core) and each
-thread count (`--threads-list`, default 1 and the CPUs this process may use), a fresh `kvledger serve --threads N`
-gets a warm-up request, then `--repeat` rounds of: a prompt of `--tokens` random token ids no other round
-shares (cold), then the same prompt with 3 more tokens (a hit on its blocks), each streaming `--output-tokens`
-greedy tokens. TTFT and TPOT are timed by the client; figures are medians with their range (min–max).
+thread count (`--threads-list`, default 1, `--threads`'s default and the CPUs this process may use), a fresh
+`kvledger serve --threads N` gets a warm-up request, then `--repeat` rounds of: a prompt of `--tokens` random
+token ids no other round shares (cold), then the same prompt with 3 more tokens (a hit on its blocks), each
+streaming `--output-tokens` greedy tokens. TTFT and TPOT are timed by the client; figures are medians with
+their range (min–max).
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-tokens", type=int, default=16, help="tokens per reply (default %(default)s)")
     p.add_argument("--repeat", type=int, default=5, help="cold + hit rounds per setting (default %(default)s)")
     p.add_argument("--threads-list", default=None, metavar="N,M",
-                   help="thread counts to compare (default: 1 and the CPUs this process may run on)")
+                   help="thread counts to compare (default: 1, --threads's default and the CPUs this process may "
+                        "run on)")
     p.add_argument("--burners", default="1", metavar="N,M",
                    help="besides a quiet machine, measure with this many processes spinning (default %(default)s; "
                         "'' for quiet only)")
@@ -51,7 +53,7 @@ def _counts(text: str | None, flag: str, minimum: int) -> list[int]:
 
 def run(args: argparse.Namespace) -> int:
     from kvledger.engine.models.registry import resolve
-    from kvledger.engine.threads import usable_cpus
+    from kvledger.engine.threads import default_threads, usable_cpus
 
     try:
         resolve(args.model)
@@ -59,7 +61,8 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(str(e)) from None
     if not 16 <= args.tokens <= 30_000 or not 1 <= args.repeat <= 50 or not 2 <= args.output_tokens <= 1024:
         raise CliError("--tokens must lie in [16, 30000], --repeat in [1, 50] and --output-tokens in [2, 1024]")
-    threads = _counts(args.threads_list, "--threads-list", 1) or sorted({1, usable_cpus()})
+    cpus = usable_cpus()
+    threads = _counts(args.threads_list, "--threads-list", 1) or sorted({1, default_threads(cpus), cpus})
     loads = [0, *_counts(args.burners, "--burners", 1)]
     rng = np.random.default_rng(0)
     rows = []
@@ -70,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
                 rows.append({"burners": burners, "threads": n,
                              **_measure(Path(tmp) / f"b{burners}-t{n}", args, n, burners, prompts)})
     result = {"model": args.model, "tokens": args.tokens, "output_tokens": args.output_tokens,
-              "repeat": args.repeat, "usable_cpus": usable_cpus(), "rows": rows, "fastest": _fastest(rows)}
+              "repeat": args.repeat, "usable_cpus": cpus, "rows": rows, "fastest": _fastest(rows)}
     if args.json:
         emit_json(result)
     else:

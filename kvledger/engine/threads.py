@@ -2,15 +2,23 @@
 
     --threads N          N (> 0)
     $OMP_NUM_THREADS     the ecosystem's setting, where it is set (its first field: "4" of "4,2")
-    otherwise            the CPUs this process may run on: its affinity mask, capped by a cgroup v2 CPU
-                         quota (a container's --cpus)
+    otherwise            the CPUs this process may run on (its affinity mask, capped by a cgroup v2 CPU quota:
+                         a container's --cpus), less one left to everything else where at least two remain
+                         (`default_threads`: 15 of 16, 2 of 2)
 
-Measured with `kvledger bench threads` on 2 cores (docs/engine.md "Threads", docs/results/threads-*.json,
-2026-12-04): on a quiet machine SmolLM2's cold 2,000-token prefill takes 5.09 s at 2 threads and 8.75 s at 1,
-so a server uses every CPU it may. With one of the two cores kept busy by another process, 2 threads are
-slower on everything, 3x per output token (263 against 88 ms): torch's threads meet at a barrier after
-every operation, their workers spin while they wait, and one that is descheduled holds up the rest. So on a
-machine shared with other busy processes, give --threads 1 (or fewer threads than the cores left free).
+Measured with `kvledger bench threads`, SmolLM2, 2,000-token prompts (docs/engine.md "Threads",
+docs/results/threads-*.json, 2026-12-04):
+- 2 cores, quiet: the cold prefill takes 5.09 s on 2 threads and 8.75 s on 1, so a small machine computes on
+  every CPU it has. With one of the two cores kept busy by another process, 2 threads are slower on
+  everything, 3x per output token (263 against 88 ms).
+- 16 cores (Intel Xeon), quiet: 15 threads against 16, cold 0.94 against 0.88 s, but per output token 37
+  against 45 ms and a hit 0.117 against 0.131 s. With one core kept busy, 16 threads fall apart (cold 7.7 s,
+  372 ms per token) and 15 do not notice (0.89 s, 37 ms).
+torch's threads meet at a barrier after every operation and their workers spin while they wait, so one
+that is descheduled holds up the rest: a thread count above the cores left free costs up to 10x. Leaving
+one CPU free keeps the server's own threads (the HTTP loop, the fetcher, the writer) and a stray process
+off the computing cores; vLLM's CPU backend reserves one core the same way. On a machine shared with other
+busy processes, give --threads 1 (or fewer threads than the cores left free).
 
 One thread computes. torch's OpenMP runtime keeps a team of worker threads per thread that has computed,
 for as long as that thread lives. The server loads the model in its main thread and then steps it in
@@ -40,7 +48,8 @@ OMP_PAUSE_SOFT = 1                                # omp_pause_resource_t: free t
 def add_threads_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, metavar="N",
                    help="torch threads computing the model (default: $OMP_NUM_THREADS where set, else the CPUs "
-                        "this process may run on; 1 on a machine whose other processes keep its cores busy)")
+                        "this process may run on, less one where two or more remain; on a machine whose other "
+                        "processes keep cores busy, give fewer than the cores left free)")
 
 
 def add_stream_hits_arg(p: argparse.ArgumentParser) -> None:
@@ -67,10 +76,18 @@ def usable_cpus(cpu_max: Path = CGROUP_CPU_MAX) -> int:
     return max(cpus, 1)
 
 
+def default_threads(cpus: int) -> int:
+    """The threads a process with `cpus` usable CPUs computes on when nothing says otherwise: one CPU left to
+    everything else (the server's own threads, other processes) where at least two remain to compute; all of
+    them on 1 or 2 CPUs, where leaving one would halve the compute (module docstring)."""
+    assert cpus >= 1, cpus
+    return cpus - 1 if cpus >= 3 else cpus
+
+
 def resolve_threads(requested: int | None, *, env: dict[str, str] | None = None,
                     cpu_max: Path = CGROUP_CPU_MAX) -> int:
-    """The thread count: `requested`, else $OMP_NUM_THREADS, else `usable_cpus()`. ValueError (one line) for a
-    count below 1 or an OMP_NUM_THREADS that is not one."""
+    """The thread count: `requested`, else $OMP_NUM_THREADS, else `default_threads(usable_cpus())`. ValueError
+    (one line) for a count below 1 or an OMP_NUM_THREADS that is not one."""
     if requested is not None:
         if requested < 1:
             raise ValueError(f"--threads must be >= 1, got {requested}")
@@ -81,17 +98,17 @@ def resolve_threads(requested: int | None, *, env: dict[str, str] | None = None,
         if not first.isdigit() or int(first) < 1:
             raise ValueError(f"OMP_NUM_THREADS={omp!r} is not a thread count (unset it or give --threads)")
         return int(first)
-    return usable_cpus(cpu_max)
+    return default_threads(usable_cpus(cpu_max))
 
 
 def threads_per_process(requested: int | None, processes: int, env: dict[str, str] | None = None,
                         cpu_max: Path = CGROUP_CPU_MAX) -> int:
     """Each of `processes` co-located engines' thread count (`kvledger up`): `requested` or $OMP_NUM_THREADS as
-    `resolve_threads` reads them, else the usable CPUs shared out, at least 1 each."""
+    `resolve_threads` reads them, else `default_threads` of the usable CPUs shared out, at least 1 each."""
     assert processes >= 1, processes
     if requested is not None or (os.environ if env is None else env).get("OMP_NUM_THREADS", "").strip():
         return resolve_threads(requested, env=env, cpu_max=cpu_max)
-    return max(usable_cpus(cpu_max) // processes, 1)
+    return max(default_threads(usable_cpus(cpu_max)) // processes, 1)
 
 
 def colocated_stream_hits(choice: str, threads: int, processes: int, cpu_max: Path = CGROUP_CPU_MAX) -> str:

@@ -131,7 +131,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_checkpoint_arg(p)
     p.add_argument("--threads", type=int, default=None, metavar="N",
                    help="torch threads of each engine (default: $OMP_NUM_THREADS where set, else the CPUs this "
-                        "process may run on shared out among the engines, at least 1 each)")
+                        "process may run on, less one where two or more remain, shared out among the engines, at "
+                        "least 1 each)")
     p.add_argument("--stream-hits", choices=STREAM_HITS, default="auto",
                    help="whether an engine's hit may compute while its blocks arrive; auto: when the engines' "
                         "threads together leave a CPU free (default %(default)s)")

@@ -1,5 +1,5 @@
 """engine/threads.py: the torch thread count of `serve`, `engine`, `up` and the engine benches — --threads, else
-$OMP_NUM_THREADS, else the CPUs this process may run on; and the one-line refusals."""
+$OMP_NUM_THREADS, else the CPUs this process may run on less one left free; and the one-line refusals."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from kvledger.engine.threads import (OPENMP_LIB, colocated_stream_hits, resolve_threads, stream_hits,
-                                     threads_per_process, usable_cpus)
+from kvledger.engine.threads import (OPENMP_LIB, colocated_stream_hits, default_threads, resolve_threads,
+                                     stream_hits, threads_per_process, usable_cpus)
 from tests.engine.helpers import run_python
 
 NO_QUOTA = "max 100000\n"
@@ -34,14 +34,21 @@ def test_usable_cpus_are_the_affinity_mask_capped_by_the_cgroup_quota(cpu_max, t
     assert usable_cpus(cpu_max) == mask
 
 
-def test_the_flag_then_omp_num_threads_then_the_usable_cpus(cpu_max):
+@pytest.mark.parametrize("cpus, threads", [(1, 1), (2, 2), (3, 2), (4, 3), (16, 15), (192, 191)])
+def test_the_default_leaves_one_cpu_free_where_two_remain_to_compute(cpus, threads):
+    assert default_threads(cpus) == threads
+
+
+def test_the_flag_then_omp_num_threads_then_the_usable_cpus_less_one(cpu_max):
     mask = len(os.sched_getaffinity(0))
     assert resolve_threads(3, env={"OMP_NUM_THREADS": "1"}, cpu_max=cpu_max) == 3
     assert resolve_threads(None, env={"OMP_NUM_THREADS": "5"}, cpu_max=cpu_max) == 5
     assert resolve_threads(None, env={"OMP_NUM_THREADS": " 4,2 "}, cpu_max=cpu_max) == 4   # nested: the outer level
-    assert resolve_threads(None, env={}, cpu_max=cpu_max) == mask
+    assert resolve_threads(None, env={}, cpu_max=cpu_max) == default_threads(mask)
     cpu_max.write_text("100000 100000\n")   # a container's --cpus 1
     assert resolve_threads(None, env={}, cpu_max=cpu_max) == 1
+    cpu_max.write_text("300000 100000\n")   # --cpus 3 (or the mask, if it holds fewer)
+    assert resolve_threads(None, env={}, cpu_max=cpu_max) == default_threads(min(mask, 3))
 
 
 @pytest.mark.parametrize("requested, env, says", [(0, {}, "--threads must be >= 1"),
@@ -56,7 +63,7 @@ def test_a_count_that_is_not_one_is_refused(cpu_max, requested, env, says):
 def test_up_shares_the_cpus_among_its_engines(cpu_max):
     cpu_max.write_text("1600000 100000\n")   # 16 CPUs by quota (the mask may hold fewer: then those)
     cpus = usable_cpus(cpu_max)
-    assert threads_per_process(None, 3, env={}, cpu_max=cpu_max) == max(cpus // 3, 1)
+    assert threads_per_process(None, 3, env={}, cpu_max=cpu_max) == max(default_threads(cpus) // 3, 1)
     assert threads_per_process(None, 100, env={}, cpu_max=cpu_max) == 1
     assert threads_per_process(2, 3, env={}, cpu_max=cpu_max) == 2
     assert threads_per_process(None, 3, env={"OMP_NUM_THREADS": "6"}, cpu_max=cpu_max) == 6
