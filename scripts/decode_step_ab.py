@@ -3,13 +3,17 @@
     .venv/bin/python scripts/decode_step_ab.py attention [--context 2304] [--threads 2]
     .venv/bin/python scripts/decode_step_ab.py bf16 [--context 2304] [--threads 2]
     .venv/bin/python scripts/decode_step_ab.py stacked [--context 2304] [--threads 2] [--queries 1]
+    .venv/bin/python scripts/decode_step_ab.py mirror [--context 2304] [--threads 2]
 
 `attention`: the one-query attention as it was (`PagedKV.gather`, then SDPA with `enable_gqa`) against
 `Attention._attend_one`. `bf16`: float32 weights (in oneDNN, `onednn.Linear`) against every `Linear` in bf16
 (an experiment, not a mode of the engine). `stacked`: HF's q, k, v projections and gate, up projections as
-five matmuls, as they were, against the engine's two stacked ones (`llama._stacked`). The prompt (random ids)
-is prefilled once; then `--rounds` rounds of 5 forwards of one query at position `--context` (or of the
-`--queries` positions up to it: a prefill chunk), the sides alternating. Prints per side the median ms of a
+five matmuls, as they were, against the engine's two stacked ones (`llama._stacked`). `mirror`: decode steps
+reading K and V from the blocks (`PagedKV.gather_heads`, a chunk without a sequence id) against reading them from
+the sequence's decode mirror (`decode_mirror`); its 5 forwards of a round are 5 successive decode steps after
+an untimed one at position `--context`, which builds the mirror (the other side's forwards drop it). The prompt
+(random ids) is prefilled once; then `--rounds` rounds of 5 forwards of one query at position `--context` (or
+of the `--queries` positions up to it: a prefill chunk), the sides alternating. Prints per side the median ms of a
 forward over the rounds after the first 2 (warm-up) and the min–max of all, and the last logits' max
 |difference| over max |logit|.
 """
@@ -28,6 +32,7 @@ from kvledger.engine.models import llama, onednn
 from kvledger.engine.models.base import Chunk
 from kvledger.engine.models.llama import rotate
 from kvledger.engine.models.registry import resolve
+from kvledger.engine.sequence import new_uid
 
 
 def old_attend_one(self: llama.Attention, q: torch.Tensor, c: Chunk, cache: llama.PagedKV) -> torch.Tensor:
@@ -61,7 +66,7 @@ def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("compare", choices=("attention", "bf16", "stacked"))
+    p.add_argument("compare", choices=("attention", "bf16", "stacked", "mirror"))
     p.add_argument("--context", type=int, default=2304)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=12)
@@ -70,9 +75,9 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     model = resolve("smollm2-135m").load("cpu")
     b, n = 128, a.context
-    model.allocate(n // b + 3, 0)
+    model.allocate((4 if a.compare == "mirror" else 1) * (n // b + 3), 0)   # mirror: a pool its budget fits in
     table = torch.arange(1, n // b + 3)
-    ids = torch.randint(100, 40_000, (n + 1,), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(100, 40_000, (n + 6,), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         for s in range(0, n, 1024):
             model([Chunk(ids[s:min(n, s + 1024)], s, table)])
@@ -87,7 +92,9 @@ def main() -> None:
     sides = {"attention": {"before": {patched[0]: old_attend_one}, "after": {}},
              "bf16": {"float32": {}, "bf16": {patched[1]: bf16_linear}},
              "stacked": {"separate": {patched[2]: separate_qkv, patched[3]: separate_mlp}, "stacked": {}},
+             "mirror": {"blocks": {}, "mirror": {}},
              }[a.compare]
+    seqs = {"mirror": new_uid()} if a.compare == "mirror" else {}   # the other sides' chunks have none: -1
     times: dict[str, list[float]] = {name: [] for name in sides}
     logits: dict[str, torch.Tensor] = {}
     q = a.queries
@@ -96,10 +103,17 @@ def main() -> None:
             for name, patches in sides.items():
                 for where, fn in (own | patches).items():
                     setattr(*where, fn)
+                if a.compare == "mirror":   # the untimed step that builds the mirror
+                    with torch.inference_mode():
+                        model([Chunk(ids[n:n + 1], n, table, seq=seqs.get(name, -1))])
                 t = time.perf_counter()
                 with torch.inference_mode():
-                    for _ in range(5):
-                        logits[name] = model([Chunk(ids[n + 1 - q:n + 1], n + 1 - q, table)])
+                    for i in range(5):
+                        if a.compare == "mirror":   # successive decode steps after it
+                            chunk = Chunk(ids[n + 1 + i:n + 2 + i], n + 1 + i, table, seq=seqs.get(name, -1))
+                        else:
+                            chunk = Chunk(ids[n + 1 - q:n + 1], n + 1 - q, table)
+                        logits[name] = model([chunk])
                 times[name].append((time.perf_counter() - t) / 5 * 1e3)
     finally:
         for where, fn in own.items():

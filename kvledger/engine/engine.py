@@ -39,7 +39,7 @@ from kvledger.engine.models.registry import ModelEntry, resolve
 from kvledger.engine.runner import ModelRunner, StepCost
 from kvledger.engine.sampler import make_generator, sample_one
 from kvledger.engine.scheduler import Scheduler
-from kvledger.engine.sequence import Sequence, SequenceStatus
+from kvledger.engine.sequence import Sequence, SequenceStatus, new_uid
 from kvledger.engine.shared_area import SharedArea
 from kvledger.engine.state_slots import StateSlots
 from kvledger.engine.swapin import SwapItem
@@ -435,6 +435,7 @@ class Engine:
         if seq.block_table or seq.slot >= 0:
             self.loader.release(seq)
         seq.status = SequenceStatus.WAITING
+        seq.uid = new_uid()   # its next admission recomputes: no decode mirror of this one may serve it
         seq.preemptions += 1
         self.preemptions += 1
 

@@ -23,6 +23,7 @@ device blocks are not counted there, its reuse is no prompt cache hit).
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 from enum import Enum, auto
@@ -31,6 +32,14 @@ import torch
 
 from kvledger.core import HitDecision
 from kvledger.engine.api import EngineRequest, SamplingParams
+
+
+_UIDS = itertools.count()
+
+
+def new_uid() -> int:
+    """An id no other sequence or admission of this process has had (a decode mirror's key, `Chunk.seq`)."""
+    return next(_UIDS)
 
 
 class SequenceStatus(Enum):
@@ -73,6 +82,7 @@ class Sequence:
     recomputed: int = 0                    # positions below high_water computed again after a preemption
     preemptions: int = 0                   # times the scheduler preempted this sequence (RequestUsage.preemptions)
     handed_tail: bool = False              # the hit's last block is a tail handed over (P/D), not a ledger block
+    uid: int = field(default_factory=new_uid)   # this admission's id: a preemption gives a new one (decode_mirror)
 
     def prefill_chunk(self, budget: int) -> int:
         """Tokens the next prefill chunk computes: the rest of [computed, len(tokens)) within `budget`, ending at

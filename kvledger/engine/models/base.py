@@ -48,6 +48,7 @@ import torch
 from torch import nn
 
 from kvledger.core import LayerKind, ModelSpec
+from kvledger.engine.models.decode_mirror import DecodeMirror
 from kvledger.engine.rows import index_copy_rows
 
 NULL_BLOCK = 0  # device block 0 is never assigned to a sequence: padding in block tables points at it
@@ -74,6 +75,7 @@ class Chunk:
     keep_blocks_until: int = 0   # block KV of positions < this is reused, never written (replay)
     truncate_from: int | None = None
     prompt_len: int = 0          # L, the sequence's prompt length (tiny-v4: YoCo anchor L − 134); 0: not given
+    seq: int = -1                # the sequence's process-unique id (`Sequence.uid`; decode_mirror); -1: none
 
     def __post_init__(self) -> None:
         assert self.tokens.dim() == 1 and self.tokens.numel() > 0, "a chunk computes at least one token"
@@ -124,14 +126,19 @@ class LayerCache(ABC):
 class PagedKV(LayerCache):
     """Full-attention K and V in blocks of B tokens: [num_blocks, 2 (K, V), B, kv_heads, head_dim].
 
-    Block bytes: 2 × B × kv_heads × head_dim × itemsize (Llama bf16: 2·128·3·64·2 = 98,304 per layer)."""
+    Block bytes: 2 × B × kv_heads × head_dim × itemsize (Llama bf16: 2·128·3·64·2 = 98,304 per layer).
+    `mirror_share`: the decode mirror's budget (`decode_heads`), as a share of the layer's pool bytes (0: none)."""
 
     kind = LayerKind.FULL
     window_bytes = 0
 
-    def __init__(self, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+    def __init__(self, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 mirror_share: float = 0.0) -> None:
+        assert mirror_share >= 0, mirror_share
         self.block_size, self.kv_heads, self.head_dim, self.dtype = block_size, kv_heads, head_dim, dtype
         self.block_bytes = 2 * block_size * kv_heads * head_dim * torch.finfo(dtype).bits // 8
+        self.mirror_share = mirror_share
+        self.mirror = DecodeMirror(0)
         self.kv: torch.Tensor | None = None
 
     def allocate(self, num_blocks: int, num_slots: int, device: torch.device,
@@ -141,6 +148,7 @@ class PagedKV(LayerCache):
             self.kv = torch.zeros(shape, dtype=self.dtype, device=device)
         else:
             self.kv = storage.view(self.dtype).view(shape)
+        self.mirror = DecodeMirror(int(num_blocks * self.block_bytes * self.mirror_share))
 
     def blocks_u8(self) -> torch.Tensor:
         assert self.kv is not None, "allocate() first"
@@ -165,18 +173,28 @@ class PagedKV(LayerCache):
         v = kv[:, 1].reshape(-1, self.kv_heads, self.head_dim)[:length]
         return k.to(dtype), v.to(dtype)
 
-    def gather_heads(self, block_table: torch.Tensor, length: int, dtype: torch.dtype
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather_heads(self, block_table: torch.Tensor, length: int, dtype: torch.dtype,
+                     out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V of positions [0, length) as [kv_heads, length, head_dim] in `dtype`, the layout attention reads:
         the same values as `gather`, in two passes over the bytes (the gather of the blocks, then one copy that
-        converts and puts heads first) where `gather` and a transpose take five."""
+        converts and puts heads first) where `gather` and a transpose take five. `out`: a [2, kv_heads, >= the
+        blocks' positions, head_dim] buffer of `dtype` to write them into (K, V are then views of it)."""
         assert self.kv is not None
         n = -(-length // self.block_size)
         kv = self.kv[block_table[:n]]   # [n, 2, B, h, d]
-        out = torch.empty(2, self.kv_heads, n, self.block_size, self.head_dim, dtype=dtype, device=kv.device)
-        out.copy_(kv.permute(1, 3, 0, 2, 4))
-        out = out.view(2, self.kv_heads, n * self.block_size, self.head_dim)[:, :, :length]
-        return out[0], out[1]
+        if out is None:
+            out = torch.empty(2, self.kv_heads, n * self.block_size, self.head_dim, dtype=dtype, device=kv.device)
+        assert out.dtype == dtype and out.shape[2] >= n * self.block_size, (out.dtype, out.shape)
+        dst = out[:, :, :n * self.block_size]
+        dst.view(2, self.kv_heads, n, self.block_size, self.head_dim).copy_(kv.permute(1, 3, 0, 2, 4))
+        return dst[0, :, :length], dst[1, :, :length]
+
+    def decode_heads(self, seq: int, block_table: torch.Tensor, start: int, dtype: torch.dtype
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`gather_heads(block_table, start + 1, dtype)` for sequence `seq`'s one query at `start` (its KV
+        written): read from the sequence's decode mirror when it holds [0, start) (decode_mirror.py)."""
+        assert self.kv is not None, "allocate() first"
+        return self.mirror.read(self, seq, block_table, start, dtype)
 
 
 class Model(nn.Module, ABC):

@@ -6,7 +6,8 @@ Compute runs in float32, the matmuls in oneDNN (`onednn.Linear`); K and V are ke
 (`PagedKV`), so one block on the block ledger is 30 layers × 98,304 B = 2,949,120 B =
 `ModelSpec.preset("smollm2-135m").block_bytes()`.
 Every attention reads K and V back from those blocks, cold or hit alike, so a hit sees exactly
-the values a cold prefill saw. Full attention only: the window parts of `Chunk` are unused.
+the values a cold prefill saw; a decode step reads the same values from its sequence's decode mirror
+(`decode_mirror`). Full attention only: the window parts of `Chunk` are unused.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from kvledger.core import LayerKind, ModelSpec
 from kvledger.engine.models.base import BeforeLayer, Chunk, Model, PagedKV
 from kvledger.engine.models.onednn import Linear
 
+MIRROR_SHARE = 0.5   # each layer's decode mirrors hold at most half its pool's bytes (a quarter of its tokens in f32)
 
 @dataclass(frozen=True, slots=True)
 class LlamaConfig:
@@ -121,8 +123,9 @@ class Attention(nn.Module):
     def _attend_one(self, q: torch.Tensor, c: Chunk, cache: PagedKV) -> torch.Tensor:
         """One query (a decode step, or a hit's last token) over keys [0, end): the query heads that share a KV
         head become rows of one attention over it, so no KV head is repeated (grouped-query attention without
-        `enable_gqa`'s copies). Query head i reads KV head i // group, as `enable_gqa` does."""
-        k, v = cache.gather_heads(c.block_table, c.end, q.dtype)   # [kv_heads, end, d]
+        `enable_gqa`'s copies). Query head i reads KV head i // group, as `enable_gqa` does. K and V come from
+        the sequence's decode mirror, heads first, equal to the blocks' values (decode_mirror.py)."""
+        k, v = cache.decode_heads(c.seq, c.block_table, c.start, q.dtype)   # [kv_heads, end, d]
         group = self.heads // self.kv_heads
         rows = q.view(self.kv_heads, group, self.head_dim).unsqueeze(0)   # [1, kv_heads, group, d]
         out = F.scaled_dot_product_attention(rows, k.unsqueeze(0), v.unsqueeze(0))
@@ -160,7 +163,8 @@ class Llama(Model):
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.layers))
         self.norm = RMSNorm(cfg.hidden, cfg.rms_eps)
         self.lm_head = Linear(cfg.hidden, cfg.vocab, bias=False)
-        self.caches = [PagedKV(spec.block_size, cfg.kv_heads, cfg.head_dim, kv_dtype) for _ in range(cfg.layers)]
+        self.caches = [PagedKV(spec.block_size, cfg.kv_heads, cfg.head_dim, kv_dtype, MIRROR_SHARE)
+                       for _ in range(cfg.layers)]
         inv = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim)
         self.register_buffer("inv_freq", inv.float(), persistent=False)
 
@@ -172,6 +176,9 @@ class Llama(Model):
     @torch.inference_mode()
     def forward(self, chunks: Sequence[Chunk], before_layer: BeforeLayer | None = None) -> torch.Tensor:
         assert all(c.keep_blocks_until == 0 and c.truncate_from is None for c in chunks), "no window to replay"
+        decoding = [c.seq for c in chunks if c.tokens.numel() == 1]
+        for cache in self.caches:
+            cache.mirror.retain(decoding)
         dev = self.embed_tokens.weight.device
         x = self.embed_tokens(torch.cat([c.tokens for c in chunks]))
         positions = torch.cat([torch.arange(c.start, c.end, device=dev) for c in chunks])

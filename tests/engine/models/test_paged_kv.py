@@ -39,8 +39,8 @@ def test_one_query_attends_as_grouped_query_attention_does(filled):
     attn = Attention(cfg)
     q = torch.randn(1, HEADS, D)
 
-    class One:   # the chunk fields the attention reads
-        block_table, end = table, 700
+    class One:   # the chunk fields the attention reads: no sequence id, so the blocks are read
+        block_table, start, seq = table, 699, -1
 
     got = attn._attend_one(q, One, cache)
     k, v = cache.gather(table, 700, torch.float32)
