@@ -92,7 +92,8 @@ def store_args(p: argparse.ArgumentParser) -> None:
                    "enforced) this often while serving; 0: only at puts past the capacity (default %(default)s)")
     p.add_argument("--kv-cache-bytes", default=None, metavar="SIZE", help="the engine's device KV pool (1G, 20M), "
                    "which is also its device prefix cache in front of the block ledger; at least one request of "
-                   "--max-prompt-tokens + --max-tokens-limit tokens (default: the engine's, 512 MiB)")
+                   "--max-prompt-tokens + --max-tokens-limit tokens; a Llama's decode steps keep up to half as "
+                   "much again in float32 copies of their sequences' KV (default: the engine's, 512 MiB)")
 
 
 def trace_args(p: argparse.ArgumentParser) -> None:
