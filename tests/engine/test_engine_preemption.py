@@ -250,7 +250,8 @@ def test_a_request_too_big_for_the_pool_is_refused(ledger):
         engine.close()
 
 
-def test_smollm2_resumes_from_its_prompt_and_output_blocks():
+@pytest.mark.parametrize("mirror_share", [None, 4.0], ids=["default", "decode-mirrored"])
+def test_smollm2_resumes_from_its_prompt_and_output_blocks(monkeypatch, mirror_share):
     """Full attention: a resume takes every whole block the device still holds, the output's too (here the
     prompt's first block and the block its last prompt tokens and first outputs share: it computes one token),
     and answers as alone: the same greedy tokens. Pool of 5: two 250-token requests hold 2 blocks each at
@@ -260,9 +261,16 @@ def test_smollm2_resumes_from_its_prompt_and_output_blocks():
     SmolLM2 is exact within float32 rounding, not bit for bit (test_smollm2.py), and the two runs also batch
     differently (two rows a step together, one alone), which each decode step's KV carries on: measured over
     140 decode steps, the never-preempted r0 drifted up to 2.1e-3 of the largest logit and r1 up to 4.3e-3, so
-    the logits' bound is 1e-2; the exactness checked is the greedy tokens (tiny-v4's above is bit for bit)."""
+    the logits' bound is 1e-2; the exactness checked is the greedy tokens (tiny-v4's above is bit for bit).
+
+    The default decode mirror budget (half the pool) holds none of these sequences in a 5-block pool; with
+    `mirror_share` 4 the decode steps read their mirrors, across the preemption and the resume (decode_mirror)."""
     from kvledger.core import chain_keys, decide_hit
     from kvledger.engine.engine import Engine
+    from kvledger.engine.models import llama
+
+    if mirror_share is not None:
+        monkeypatch.setattr(llama, "MIRROR_SHARE", mirror_share)
 
     spec = ModelSpec.preset("smollm2-135m")
     prompts = [prompt(250, seed=40 + i) for i in range(2)]
@@ -287,6 +295,8 @@ def test_smollm2_resumes_from_its_prompt_and_output_blocks():
             engine._sample = Engine._sample.__get__(engine)
             engine.loader._resume_point = type(engine.loader)._resume_point.__get__(engine.loader)
         together, alone = runs["together"], runs["alone"]
+        mirrored = sum(cache.mirror.reads_in_place for cache in engine.model.caches)
+        assert (mirrored > 0) is (mirror_share is not None), mirrored
         assert engine.preemptions > 0 and together.usage["r1"].preemptions > 0
         assert [(p.start, p.blocks) for p in together.resumes] == [(256, 2)] * len(together.resumes)
         assert together.tokens == alone.tokens

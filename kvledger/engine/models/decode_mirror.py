@@ -51,6 +51,7 @@ class DecodeMirror:
         self.budget_bytes = budget_bytes
         self.entries: dict[int, MirrorEntry] = {}
         self.used_bytes = 0
+        self.reads_in_place = 0   # steps that read an entry (the others gathered the blocks)
 
     def retain(self, seqs: Iterable[int]) -> None:
         """Keep the entries of `seqs` only: the sequences that decode in the forward about to run."""
@@ -68,6 +69,7 @@ class DecodeMirror:
             block = block_table[start // cache.block_size]
             entry.kv[:, :, start].copy_(cache.kv[block, :, start % cache.block_size])   # [2, kv_heads, d]
             entry.length = end
+            self.reads_in_place += 1
             return entry.kv[0, :, :end], entry.kv[1, :, :end]
         if entry is not None:
             self.used_bytes -= self.entries.pop(seq).nbytes

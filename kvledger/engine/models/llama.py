@@ -27,6 +27,7 @@ from kvledger.engine.models.onednn import Linear
 
 MIRROR_SHARE = 0.5   # each layer's decode mirrors hold at most half its pool's bytes (a quarter of its tokens in f32)
 
+
 @dataclass(frozen=True, slots=True)
 class LlamaConfig:
     hidden: int

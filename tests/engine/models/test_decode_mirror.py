@@ -116,8 +116,9 @@ def test_a_llama_decoding_through_mirrors_gives_the_logits_of_the_blocks(tiny_ll
         for ids in ((-1, -1), (new_uid(), new_uid())):
             runs[ids[0]] = [model([Chunk(steps[i, j:j + 1], len(prompts[j]) + i, tables[j], seq=ids[j])
                                    for j in range(2)]) for i in range(len(steps))]
-            if ids[0] >= 0:
-                assert set(model.caches[0].mirror.entries) == set(ids)   # the mirrors were read
+            if ids[0] >= 0:   # the mirrors were read: every step but each sequence's first, in every layer
+                assert set(model.caches[0].mirror.entries) == set(ids)
+                assert [c.mirror.reads_in_place for c in model.caches] == [2 * (len(steps) - 1)] * 2
         gathered, mirrored = runs[-1], next(v for k, v in runs.items() if k >= 0)
         assert all(torch.equal(a, b) for a, b in zip(gathered, mirrored))
         model([Chunk(prompts[0][:5], 0, tables[0])])   # a forward without them: their entries go
