@@ -5,7 +5,8 @@ step used to gather every position's blocks and widen them to the compute dtype,
 three passes over the sequence's KV per layer per step, where the attention itself needs one. torch has no
 CPU kernel that attends over paged bf16 blocks in place (vLLM's CPU backend has its own), so a layer keeps,
 for each sequence decoding, a copy in the layout attention reads, and each step adds the one position it
-wrote. SmolLM2 after 2,304 tokens, 2 threads: 92 → 66 ms a decode step, logits equal bit for bit.
+wrote. SmolLM2 after 2,304 tokens, 2 threads: a decode step 63–69 → 54–57 ms, logits equal bit for bit
+(`scripts/decode_step_ab.py mirror`, docs/engine.md).
 
     mirror = DecodeMirror(budget_bytes)
     mirror.retain(seqs)                        at each forward: drop the copies of sequences not decoding in it
@@ -23,6 +24,7 @@ the blocks as before, which costs time and never correctness.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -77,7 +79,7 @@ class DecodeMirror:
         k, v = cache.gather_heads(block_table, end, dtype, out=room)
         if room is not None:
             self.entries[seq] = MirrorEntry(room, end)
-            self.used_bytes += room.numel() * room.element_size()
+            self.used_bytes += self.entries[seq].nbytes
         return k, v
 
     def _room(self, seq: int, cache: PagedKV, end: int, dtype: torch.dtype) -> torch.Tensor | None:
@@ -85,8 +87,7 @@ class DecodeMirror:
         most), if `seq` has an id and the budget has room for it."""
         capacity = (end // cache.block_size + 2) * cache.block_size
         shape = (2, cache.kv_heads, capacity, cache.head_dim)
-        nbytes = 2 * cache.kv_heads * capacity * cache.head_dim * torch.finfo(dtype).bits // 8
-        if seq < 0 or self.used_bytes + nbytes > self.budget_bytes:
+        if seq < 0 or self.used_bytes + math.prod(shape) * torch.finfo(dtype).bits // 8 > self.budget_bytes:
             return None
         assert cache.kv is not None
         return torch.empty(shape, dtype=dtype, device=cache.kv.device)
