@@ -4,6 +4,7 @@
     .venv/bin/python scripts/decode_step_ab.py bf16 [--context 2304] [--threads 2]
     .venv/bin/python scripts/decode_step_ab.py stacked [--context 2304] [--threads 2] [--queries 1]
     .venv/bin/python scripts/decode_step_ab.py mirror [--context 2304] [--threads 2]
+    .venv/bin/python scripts/decode_step_ab.py operators [--context 2304] [--threads 2]
 
 `attention`: the one-query attention as it was (`PagedKV.gather`, then SDPA with `enable_gqa`) against
 `Attention._attend_one`. `bf16`: float32 weights (in oneDNN, `onednn.Linear`) against every `Linear` in bf16
@@ -11,7 +12,10 @@
 five matmuls, as they were, against the engine's two stacked ones (`llama._stacked`). `mirror`: decode steps
 reading K and V from the blocks (`PagedKV.gather_heads`, a chunk without a sequence id) against reading them from
 the sequence's decode mirror (`decode_mirror`); its 5 forwards of a round are 5 successive decode steps after
-an untimed one at position `--context`, which builds the mirror (the other side's forwards drop it). The prompt
+an untimed one at position `--context`, which builds the mirror (the other side's forwards drop it).
+`operators`: decode steps (both sides mirrored) with a layer's small operators as they were (HF's seven-operator
+rotation once for Q and once for K, the six-operator RMSNorm, a KV write through index tensors, one chunk sliced
+and concatenated) against the engine's. The prompt
 (random ids) is prefilled once; then `--rounds` rounds of 5 forwards of one query at position `--context` (or
 of the `--queries` positions up to it: a prefill chunk), the sides alternating. Prints per side the median ms of a
 forward over the rounds after the first 2 (warm-up) and the min–max of all, and the last logits' max
@@ -29,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvledger.engine.models import llama, onednn
-from kvledger.engine.models.base import Chunk
+from kvledger.engine.models.base import Chunk, PagedKV
 from kvledger.engine.models.llama import rotate
 from kvledger.engine.models.registry import resolve
 from kvledger.engine.sequence import new_uid
@@ -57,6 +61,50 @@ def separate_mlp(self: llama.DecoderLayer, h: torch.Tensor) -> torch.Tensor:
     return self.down_proj(F.silu(matmul(h, wg)) * matmul(h, wu))
 
 
+def old_rms_norm(self: llama.RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def old_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def old_rope(self: llama.Llama, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    freqs = positions.float().unsqueeze(1) * self.inv_freq.unsqueeze(0)
+    emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
+    return emb.cos(), emb.sin()
+
+
+def old_qkv(self: llama.Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    t = x.shape[0]
+    q, k, v = self.qkv_proj(x).split(self.widths, dim=-1)
+    return (old_rotate(q.view(t, self.heads, self.head_dim), cos, sin),
+            old_rotate(k.view(t, self.kv_heads, self.head_dim), cos, sin), v.view(t, self.kv_heads, self.head_dim))
+
+
+def old_attention(self: llama.Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  chunks: list[Chunk], cache: PagedKV) -> torch.Tensor:
+    q, k, v = self.qkv(x, cos, sin)
+    outs, off = [], 0
+    for c in chunks:
+        n = c.end - c.start
+        cache.write(c.block_table, c.start, k[off:off + n], v[off:off + n])
+        outs.append(self._attend(q[off:off + n], c, cache))
+        off += n
+    return self.o_proj(torch.cat(outs).reshape(x.shape[0], -1))
+
+
+def old_write(self: PagedKV, block_table: torch.Tensor, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    pos = torch.arange(start, start + k.shape[0], device=k.device)
+    blocks = block_table[pos // self.block_size]
+    assert bool((blocks != 0).all())
+    offs = pos % self.block_size
+    self.kv[blocks, 0, offs] = k.to(self.dtype)
+    self.kv[blocks, 1, offs] = v.to(self.dtype)
+
+
 def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x · wᵀ as `onednn.Linear` computes it."""
     if onednn.AVAILABLE:
@@ -66,7 +114,7 @@ def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("compare", choices=("attention", "bf16", "stacked", "mirror"))
+    p.add_argument("compare", choices=("attention", "bf16", "stacked", "mirror", "operators"))
     p.add_argument("--context", type=int, default=2304)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=12)
@@ -75,14 +123,16 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     model = resolve("smollm2-135m").load("cpu")
     b, n = 128, a.context
-    model.allocate((4 if a.compare == "mirror" else 1) * (n // b + 3), 0)   # mirror: a pool its budget fits in
+    mirrored = a.compare in ("mirror", "operators")
+    model.allocate((4 if mirrored else 1) * (n // b + 3), 0)   # mirror: a pool its budget fits in
     table = torch.arange(1, n // b + 3)
     ids = torch.randint(100, 40_000, (n + 6,), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         for s in range(0, n, 1024):
             model([Chunk(ids[s:min(n, s + 1024)], s, table)])
     patched = ((llama.Attention, "_attend_one"), (onednn.Linear, "forward"), (llama.Attention, "qkv"),
-               (llama.DecoderLayer, "mlp"))
+               (llama.DecoderLayer, "mlp"), (llama.RMSNorm, "forward"), (llama.Llama, "_rope"),
+               (llama.Attention, "forward"), (PagedKV, "write"))
     own = {where: getattr(*where) for where in patched}
     bf16 = {id(m): m.weight.data.to(torch.bfloat16) for m in model.modules() if isinstance(m, nn.Linear)}
 
@@ -93,8 +143,12 @@ def main() -> None:
              "bf16": {"float32": {}, "bf16": {patched[1]: bf16_linear}},
              "stacked": {"separate": {patched[2]: separate_qkv, patched[3]: separate_mlp}, "stacked": {}},
              "mirror": {"blocks": {}, "mirror": {}},
+             "operators": {"before": {patched[2]: old_qkv, patched[4]: old_rms_norm, patched[5]: old_rope,
+                                      patched[6]: old_attention, patched[7]: old_write}, "after": {}},
              }[a.compare]
-    seqs = {"mirror": new_uid()} if a.compare == "mirror" else {}   # the other sides' chunks have none: -1
+    # the sides' sequence ids: a chunk without one (-1) reads the blocks
+    seqs = {"mirror": new_uid()} if a.compare == "mirror" else {"before": new_uid(), "after": new_uid()} \
+        if a.compare == "operators" else {}
     times: dict[str, list[float]] = {name: [] for name in sides}
     logits: dict[str, torch.Tensor] = {}
     q = a.queries
@@ -103,13 +157,13 @@ def main() -> None:
             for name, patches in sides.items():
                 for where, fn in (own | patches).items():
                     setattr(*where, fn)
-                if a.compare == "mirror":   # the untimed step that builds the mirror
+                if mirrored:   # the untimed step that builds the mirror
                     with torch.inference_mode():
                         model([Chunk(ids[n:n + 1], n, table, seq=seqs.get(name, -1))])
                 t = time.perf_counter()
                 with torch.inference_mode():
                     for i in range(5):
-                        if a.compare == "mirror":   # successive decode steps after it
+                        if mirrored:   # successive decode steps after it
                             chunk = Chunk(ids[n + 1 + i:n + 2 + i], n + 1 + i, table, seq=seqs.get(name, -1))
                         else:
                             chunk = Chunk(ids[n + 1 - q:n + 1], n + 1 - q, table)

@@ -157,6 +157,11 @@ class PagedKV(LayerCache):
     def write(self, block_table: torch.Tensor, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """K, V ([n, kv_heads, head_dim]) of positions [start, start + n) into their blocks."""
         assert self.kv is not None
+        if k.shape[0] == 1:   # a decode step: one slot, written through views (no index tensors)
+            block = int(block_table[start // self.block_size])
+            assert block != NULL_BLOCK, "a write through the null block: block table too short"
+            self.kv[block, :, start % self.block_size].copy_(torch.stack((k[0], v[0])))
+            return
         pos = torch.arange(start, start + k.shape[0], device=k.device)
         blocks = block_table[pos // self.block_size]
         assert bool((blocks != NULL_BLOCK).all()), "a write through the null block: block table too short"

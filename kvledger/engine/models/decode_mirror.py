@@ -68,7 +68,7 @@ class DecodeMirror:
         end = start + 1
         entry = self.entries.get(seq)
         if entry is not None and entry.length == start and entry.kv.dtype == dtype and entry.kv.shape[2] >= end:
-            block = block_table[start // cache.block_size]
+            block = int(block_table[start // cache.block_size])
             entry.kv[:, :, start].copy_(cache.kv[block, :, start % cache.block_size])   # [2, kv_heads, d]
             entry.length = end
             self.reads_in_place += 1

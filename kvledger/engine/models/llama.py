@@ -68,14 +68,15 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        """x · rsqrt(mean(x²) + eps) · weight, HF Llama's formula, in one operator (torch's gives its bits)."""
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding, halves layout (HF Llama): x [T, heads, d], cos/sin [T, 1, d]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, halves layout (HF Llama): x [T, heads, d]; cos, signed_sin [T, 1, d] from `Llama._rope`.
+    HF's x·cos + (−x₂, x₁)·sin, with the sign moved into the first half of `signed_sin`: x₂·(−s) is −(x₂·s)
+    bit for bit, so this is HF's rotation with four operators where it took seven."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
 
 
 class Attention(nn.Module):
@@ -90,6 +91,10 @@ class Attention(nn.Module):
                 cache: PagedKV) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv(x, cos, sin)
+        if len(chunks) == 1:   # most forwards (a decode step, a prefill chunk): no slicing, no concatenation
+            c = chunks[0]
+            cache.write(c.block_table, c.start, k, v)
+            return self.o_proj(self._attend(q, c, cache).reshape(t, -1))
         outs, off = [], 0
         for c in chunks:
             n = c.end - c.start
@@ -100,11 +105,13 @@ class Attention(nn.Module):
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Q [t, heads, d] and K [t, kv_heads, d] rotated, V [t, kv_heads, d], from one stacked matmul."""
+        """Q [t, heads, d] and K [t, kv_heads, d] rotated, V [t, kv_heads, d], from one stacked matmul. Q and K are
+        side by side in its output, so one rotation turns both (views of it)."""
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.widths, dim=-1)
-        return (rotate(q.view(t, self.heads, self.head_dim), cos, sin),
-                rotate(k.view(t, self.kv_heads, self.head_dim), cos, sin), v.view(t, self.kv_heads, self.head_dim))
+        qkv = self.qkv_proj(x)
+        qk = qkv[:, :self.widths[0] + self.widths[1]].view(t, self.heads + self.kv_heads, self.head_dim)
+        q, k = rotate(qk, cos, sin).split((self.heads, self.kv_heads), dim=1)
+        return q, k, qkv[:, -self.widths[2]:].view(t, self.kv_heads, self.head_dim)
 
     def _attend(self, q: torch.Tensor, c: Chunk, cache: PagedKV) -> torch.Tensor:
         """Causal attention of the chunk's queries over keys [0, end), read back from the blocks."""
@@ -170,9 +177,12 @@ class Llama(Model):
         self.register_buffer("inv_freq", inv.float(), persistent=False)
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, signed_sin [T, 1, d] for `rotate`: HF's cos and sin of the positions, sin's first half negated."""
         freqs = positions.float().unsqueeze(1) * self.inv_freq.unsqueeze(0)
         emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)  # [T, 1, d]
-        return emb.cos(), emb.sin()
+        sin = emb.sin()
+        sin[..., :freqs.shape[1]].neg_()
+        return emb.cos(), sin
 
     @torch.inference_mode()
     def forward(self, chunks: Sequence[Chunk], before_layer: BeforeLayer | None = None) -> torch.Tensor:

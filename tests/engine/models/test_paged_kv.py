@@ -48,3 +48,23 @@ def test_one_query_attends_as_grouped_query_attention_does(filled):
                                           v.transpose(0, 1).unsqueeze(0), enable_gqa=True).squeeze(0).transpose(0, 1)
     assert got.shape == want.shape == (1, HEADS, D)
     assert float((got - want).abs().max()) <= 1e-6 * float(want.abs().max())
+
+
+def test_a_one_position_write_lands_as_a_many_position_write_does(filled):
+    """A decode step writes its one slot through views; the bytes are those of the index-tensor write of prefills."""
+    cache, table = filled
+    other = PagedKV(B, KV_HEADS, D, torch.bfloat16)
+    other.allocate(12, 0, torch.device("cpu"))
+    k, v = torch.randn(2, KV_HEADS, D), torch.randn(2, KV_HEADS, D)
+    for pos in (700, 766):   # the partial block's next slots, and its last two
+        other.kv.copy_(cache.kv)
+        other.write(table, pos, k, v)        # two positions: index tensors
+        cache.write(table, pos, k[:1], v[:1])
+        cache.write(table, pos + 1, k[1:], v[1:])
+        assert torch.equal(cache.kv, other.kv)
+
+
+def test_a_one_position_write_through_the_null_block_is_refused(filled):
+    cache, table = filled
+    with pytest.raises(AssertionError, match="null block"):
+        cache.write(torch.tensor([7, 0]), 130, torch.randn(1, KV_HEADS, D), torch.randn(1, KV_HEADS, D))
