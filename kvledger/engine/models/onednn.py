@@ -1,4 +1,5 @@
-"""float32 matmuls through oneDNN rather than MKL, for the reference engine's Llama (SmolLM2).
+"""float32 matmuls for the reference engine's Llama (SmolLM2): a decode step's few rows in kvledger's own kernel
+(`gemv.py`), the rest through oneDNN rather than MKL.
 
 torch's CPU build does a float32 `F.linear` in MKL, and MKL takes its AVX2 kernels on AMD CPUs even where the
 CPU has AVX-512 (`tests/engine/models/test_kernel_paths.py`). oneDNN, in the same build, picks its kernels by
@@ -21,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from kvledger.engine.models import gemv
+
 
 def _available() -> bool:
     if not torch.backends.mkldnn.is_available():
@@ -37,9 +40,11 @@ AVAILABLE = _available()
 
 class Linear(nn.Linear):
     """`nn.Linear`, the same parameters and state dict, whose float32 forward of a 2-D input on the CPU runs in
-    oneDNN (module docstring)."""
+    kvledger's kernel for a few rows without a bias (`gemv.fits`), and in oneDNN otherwise (module docstring)."""
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.bias is None and gemv.fits(x, self.weight):
+            return gemv.gemv(x, self.weight)
         if AVAILABLE and x.dim() == 2 and x.device.type == "cpu" and x.dtype == self.weight.dtype == torch.float32:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

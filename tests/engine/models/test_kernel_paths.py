@@ -22,7 +22,8 @@ different split of each GEMM across threads. The two claims checked, on the same
   checked under the path that differs here too, on its three hits that compare with the cold answer
   (the ledger's, the whole-prompt one and the handed tail's; its fault tests run no other GEMMs). Its
   matmuls run in oneDNN (`models/onednn.py`), not MKL, so that case also caps oneDNN at SSE4.1
-  (`ONEDNN_MAX_CPU_ISA`), which is another kernel path on every x86-64 CPU the suite runs on.
+  (`ONEDNN_MAX_CPU_ISA`), which is another kernel path on every x86-64 CPU the suite runs on, and turns off
+  kvledger's AVX2 kernel of its decode rows (`KVLEDGER_GEMV=0`), as a CPU without AVX2 would.
 
 `MKL_ENABLE_INSTRUCTIONS` can only lower MKL's instruction set, and only on Intel CPUs: on a CPU without
 AVX-512, or on an AMD one (checked on an AMD EPYC with AVX-512: GEMMs of the engine's shapes gave the
@@ -51,7 +52,8 @@ KERNEL_PATHS = {
     "mkl-avx512": {"MKL_ENABLE_INSTRUCTIONS": "AVX512"},
     "mkl-compatible": {"MKL_CBWR": "COMPATIBLE"},
     "one-thread": {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"},
-    "compatible-sse41": {"MKL_CBWR": "COMPATIBLE", "ONEDNN_MAX_CPU_ISA": "SSE41"},   # MKL's and oneDNN's
+    # MKL's and oneDNN's reference paths, and no AVX2 kernel of kvledger's own (`models/gemv.py`): an old CPU's
+    "compatible-sse41": {"MKL_CBWR": "COMPATIBLE", "ONEDNN_MAX_CPU_ISA": "SSE41", "KVLEDGER_GEMV": "0"},
 }
 
 

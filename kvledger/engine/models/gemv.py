@@ -1,0 +1,53 @@
+"""y = x · wᵀ for a decode step's few rows of x, in kvledger's own kernel (`_gemv.c`).
+
+A decode step multiplies one row per sequence by every weight of the model, so its matmuls read all the
+weights once a token and are bound by memory bandwidth. Measured on the 2-core AMD EPYC (AVX2), SmolLM2's 121
+float32 weights (540 MB) with one row, 2 threads, three rounds (`scripts/decode_step_ab.py gemv` measures the
+whole step):
+
+    | all of one token's matmuls            | ms          |
+    |---------------------------------------|-------------|
+    | oneDNN (`_linear_pointwise`)           | 22.9–24.3   |
+    | this kernel                            | 15.6–17.7   |
+    | reading the same 540 MB (`Tensor.sum`) | 13.2–16.3   |
+
+It stays ahead of oneDNN up to 16 rows (16 rows: 55 against 66 ms; 32 rows: 95 against 93), hence
+`MAX_ROWS`. Its results are within float32 rounding of oneDNN's (2e-7 to 4e-7 of the largest |y| against a
+float64 product, oneDNN's 2e-7 to 1e-6), in a fixed order of summation (`_gemv.c`).
+
+`AVAILABLE` is false where the extension was not built (it is optional), where the CPU lacks AVX2 or FMA, and
+where the environment says `KVLEDGER_GEMV=0`; the caller keeps oneDNN then.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+
+try:   # after torch, so the kernel joins torch's OpenMP runtime (libgomp.so.1) rather than loading another
+    from kvledger.engine.models import _gemv
+except ImportError:
+    _gemv = None
+
+MAX_ROWS = 16
+AVAILABLE: bool = _gemv is not None and _gemv.available() and os.environ.get("KVLEDGER_GEMV", "1") != "0"
+
+
+def fits(x: Tensor, w: Tensor) -> bool:
+    """Whether `gemv(x, w)` applies: the kernel is available, x is a CPU float32 matrix of at most MAX_ROWS rows
+    whose width is w's, w is contiguous float32, and nothing records a gradient."""
+    return (AVAILABLE and x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.dtype == w.dtype == torch.float32
+            and x.device.type == "cpu" and w.device.type == "cpu" and w.is_contiguous()
+            and x.shape[1] == w.shape[1] and not torch.is_grad_enabled())
+
+
+def gemv(x: Tensor, w: Tensor) -> Tensor:
+    """x · wᵀ, x [m × k] and w [n × k] float32 → [m × n], on torch's threads (`fits` must hold)."""
+    assert fits(x, w), (x.shape, x.dtype, w.shape, w.dtype)
+    x = x.contiguous()
+    y = torch.empty(x.shape[0], w.shape[0])
+    _gemv.gemv(x.data_ptr(), w.data_ptr(), y.data_ptr(), x.shape[0], w.shape[0], w.shape[1],
+               torch.get_num_threads())
+    return y
