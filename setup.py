@@ -2,8 +2,9 @@
 
 - `kvledger.core._chainhash`, the loop of chain keys, needs OpenSSL's headers (Debian: libssl-dev). Where it
   cannot be built, `kvledger.core.keys` uses its pure-Python loop (same keys).
-- `kvledger.engine.models._gemv`, the decode step's matmuls, needs an x86-64 compiler with AVX2 intrinsics and
-  OpenMP. Where it cannot be built, the engine's matmuls all run in oneDNN (`models/gemv.py`).
+- `kvledger.engine.models._gemv` and `_attend`, the decode step's matmuls and attention, need an x86-64 compiler
+  with AVX2 intrinsics and OpenMP. Where they cannot be built, the engine runs those in oneDNN and torch's SDPA
+  (`models/gemv.py`, `models/attend.py`).
 
 Where either cannot be built the install still succeeds."""
 
@@ -11,5 +12,6 @@ from setuptools import Extension, setup
 
 setup(ext_modules=[Extension("kvledger.core._chainhash", ["kvledger/core/_chainhash.c"],
                              libraries=["crypto"], optional=True),
-                   Extension("kvledger.engine.models._gemv", ["kvledger/engine/models/_gemv.c"],
-                             extra_compile_args=["-O3", "-fopenmp"], extra_link_args=["-fopenmp"], optional=True)])
+                   *(Extension(f"kvledger.engine.models.{name}", [f"kvledger/engine/models/{name}.c"],
+                               extra_compile_args=["-O3", "-fopenmp"], extra_link_args=["-fopenmp"], optional=True)
+                     for name in ("_gemv", "_attend"))])

@@ -6,6 +6,7 @@
     .venv/bin/python scripts/decode_step_ab.py mirror [--context 2304] [--threads 2]
     .venv/bin/python scripts/decode_step_ab.py operators [--context 2304] [--threads 2]
     .venv/bin/python scripts/decode_step_ab.py gemv [--context 2304] [--threads 2]
+    .venv/bin/python scripts/decode_step_ab.py attend [--context 2304] [--threads 2]
 
 `attention`: the one-query attention as it was (`PagedKV.gather`, then SDPA with `enable_gqa`) against
 `Attention._attend_one`. `bf16`: float32 weights (in oneDNN, `onednn.Linear`) against every `Linear` in bf16
@@ -17,7 +18,9 @@ an untimed one at position `--context`, which builds the mirror (the other side'
 `operators`: decode steps (both sides mirrored) with a layer's small operators as they were (HF's seven-operator
 rotation once for Q and once for K, the six-operator RMSNorm, a KV write through index tensors, one chunk sliced
 and concatenated) against the engine's. `gemv`: decode steps (both sides mirrored) with every matmul in oneDNN
-against the engine's, whose one-row matmuls run in kvledger's kernel (`models/gemv.py`). The prompt
+against the engine's, whose one-row matmuls run in kvledger's kernel (`models/gemv.py`). `attend`: decode steps
+(both sides mirrored) with the one-query attention in SDPA against the engine's kernel (`models/attend.py`). The
+prompt
 (random ids) is prefilled once; then `--rounds` rounds of 5 forwards of one query at position `--context` (or
 of the `--queries` positions up to it: a prefill chunk), the sides alternating. Prints per side the median ms of a
 forward over the rounds after the first 2 (warm-up) and the min–max of all, and the last logits' max
@@ -34,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvledger.engine.models import gemv, llama, onednn
+from kvledger.engine.models import attend, gemv, llama, onednn
 from kvledger.engine.models.base import Chunk, PagedKV
 from kvledger.engine.models.llama import rotate
 from kvledger.engine.models.registry import resolve
@@ -118,7 +121,7 @@ def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("compare", choices=("attention", "bf16", "stacked", "mirror", "operators", "gemv"))
+    p.add_argument("compare", choices=("attention", "bf16", "stacked", "mirror", "operators", "gemv", "attend"))
     p.add_argument("--context", type=int, default=2304)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=12)
@@ -127,7 +130,7 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     model = resolve("smollm2-135m").load("cpu")
     b, n = 128, a.context
-    mirrored = a.compare in ("mirror", "operators", "gemv")
+    mirrored = a.compare in ("mirror", "operators", "gemv", "attend")
     model.allocate((4 if mirrored else 1) * (n // b + 3), 0)   # mirror: a pool its budget fits in
     table = torch.arange(1, n // b + 3)
     ids = torch.randint(100, 40_000, (n + 6,), generator=torch.Generator().manual_seed(0))
@@ -136,7 +139,8 @@ def main() -> None:
             model([Chunk(ids[s:min(n, s + 1024)], s, table)])
     patched = ((llama.Attention, "_attend_one"), (onednn.Linear, "forward"), (llama.Attention, "qkv"),
                (llama.DecoderLayer, "mlp"), (llama.RMSNorm, "forward"), (llama.Llama, "_rope"),
-               (llama.Attention, "forward"), (PagedKV, "write"), (gemv, "AVAILABLE"))
+               (llama.Attention, "forward"), (PagedKV, "write"), (gemv, "AVAILABLE"),
+               (attend, "AVAILABLE"))
     own = {where: getattr(*where) for where in patched}
     bf16 = {id(m): m.weight.data.to(torch.bfloat16) for m in model.modules() if isinstance(m, nn.Linear)}
 
@@ -150,10 +154,12 @@ def main() -> None:
              "operators": {"before": {patched[2]: old_qkv, patched[4]: old_rms_norm, patched[5]: old_rope,
                                       patched[6]: old_attention, patched[7]: old_write}, "after": {}},
              "gemv": {"onednn": {patched[8]: False}, "gemv": {}},
+             "attend": {"sdpa": {patched[9]: False}, "kernel": {}},
              }[a.compare]
     # the sides' sequence ids: a chunk without one (-1) reads the blocks
     seqs = {"mirror": {"mirror": new_uid()}, "operators": {"before": new_uid(), "after": new_uid()},
-            "gemv": {"onednn": new_uid(), "gemv": new_uid()}}.get(a.compare, {})
+            "gemv": {"onednn": new_uid(), "gemv": new_uid()},
+            "attend": {"sdpa": new_uid(), "kernel": new_uid()}}.get(a.compare, {})
     times: dict[str, list[float]] = {name: [] for name in sides}
     logits: dict[str, torch.Tensor] = {}
     q = a.queries

