@@ -11,7 +11,7 @@
  * A span is read in tiles of TILE positions: the tile's scores (eight positions at a time, one AVX2 lane each),
  * then their exponentials against the running maximum (rescaling what was summed once per tile, not per
  * position), then the weighted sum of its V rows, each row loaded once for four query rows. The spans of a head are then merged in order, each weighed by
- * exp(its maximum − the head's). The exponential is Cephes' polynomial (within 2 ulp of expf over the range used).
+ * exp(its maximum − the head's). The exponential is Cephes' single-precision polynomial.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

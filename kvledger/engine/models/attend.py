@@ -44,8 +44,11 @@ def fits(q: Tensor, k: Tensor, v: Tensor) -> bool:
 
 def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     """softmax(q · kᵀ / √d) · v per KV head, q [kv_heads, group, d], k and v [kv_heads, end, d] → [kv_heads,
-    group, d]: what `scaled_dot_product_attention` gives for these shapes without a mask (`fits` must hold)."""
-    assert fits(q, k, v), (q.shape, k.shape, k.stride(), v.stride(), q.dtype)
+    group, d]: what `scaled_dot_product_attention` gives for these shapes without a mask (`fits` must hold;
+    ValueError otherwise)."""
+    if not fits(q, k, v):   # not an assert: the kernel reads raw pointers, so this check is what keeps it in bounds
+        raise ValueError(f"attend does not apply to q {tuple(q.shape)}, k {tuple(k.shape)} {k.stride()}, "
+                         f"v {tuple(v.shape)} {v.stride()}, {q.dtype}")
     out = torch.empty_like(q)
     h, group, d = q.shape
     _attend.attend(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), h, group, k.shape[1], d,

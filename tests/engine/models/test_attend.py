@@ -88,6 +88,8 @@ def test_fits_only_what_the_kernel_reads():
         assert not attend.fits(torch.randn(3, 17, 64), k, v)   # more query rows per KV head than MAX_GROUP
         assert not attend.fits(q, k[:, :50], v)
     assert not attend.fits(q, k, v)   # grad mode
+    with torch.inference_mode(), pytest.raises(ValueError, match="does not apply"):
+        attend.attend(q, k[:, :50], v)   # refused, not read past k's end
 
 
 def test_a_decode_step_takes_the_kernel_and_matches_sdpa(monkeypatch):

@@ -74,6 +74,8 @@ def test_fits_only_few_float32_rows_without_a_gradient():
         assert not gemv.fits(torch.randn(1, 31), w)
         assert not gemv.fits(torch.randn(1, 1, 32), w)
     assert not gemv.fits(torch.randn(1, 32), w)   # grad mode: autograd would not see the product
+    with torch.inference_mode(), pytest.raises(ValueError, match="does not apply"):
+        gemv.gemv(torch.randn(1, 31), w)   # refused, not read past w's rows
 
 
 def test_the_engines_linear_takes_the_kernel_for_decode_rows_and_onednn_for_a_prefill(monkeypatch):
