@@ -13,5 +13,6 @@ from setuptools import Extension, setup
 setup(ext_modules=[Extension("kvledger.core._chainhash", ["kvledger/core/_chainhash.c"],
                              libraries=["crypto"], optional=True),
                    *(Extension(f"kvledger.engine.models.{name}", [f"kvledger/engine/models/{name}.c"],
-                               extra_compile_args=["-O3", "-fopenmp"], extra_link_args=["-fopenmp"], optional=True)
+                               depends=["kvledger/engine/models/_avx2.h"], extra_compile_args=["-O3", "-fopenmp"],
+                               extra_link_args=["-fopenmp"], optional=True)
                      for name in ("_gemv", "_attend"))])

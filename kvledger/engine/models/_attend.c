@@ -13,9 +13,7 @@
  * position), then the weighted sum of its V rows, each row loaded once for four query rows. The spans of a head are then merged in order, each weighed by
  * exp(its maximum − the head's). The exponential is Cephes' single-precision polynomial.
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
-#include <immintrin.h>
+#include "_avx2.h"
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -50,13 +48,6 @@ __attribute__((target("avx2,fma"))) static inline __m256 sums8(const __m256 *a) 
     const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
     const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
     return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
-}
-
-__attribute__((target("avx2,fma"))) static inline float sum_lanes(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
 }
 
 /* One span [p0, p1) of one head: its maximum score m[g], its sum of exp(score − m[g]) l[g] and its weighted sum
@@ -219,15 +210,10 @@ static PyObject *attend(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-static PyObject *available(PyObject *self, PyObject *unused) {
-    __builtin_cpu_init();
-    return PyBool_FromLong(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"));
-}
-
 static PyMethodDef methods[] = {
     {"attend", attend, METH_VARARGS,
      "attend(q, k, v, out, kv_heads, group, end, d, k_head_stride, v_head_stride, scale, threads) (attend.py)"},
-    {"available", available, METH_NOARGS, "Whether this CPU has AVX2 and FMA, which the kernel uses."},
+    AVAILABLE_METHOD,
     {NULL, NULL, 0, NULL},
 };
 

@@ -14,20 +14,11 @@
  * Built only on x86-64 with a compiler that has the AVX2 intrinsics; `available()` is false where the CPU lacks
  * AVX2 or FMA, and the caller keeps oneDNN there.
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
-#include <immintrin.h>
+#include "_avx2.h"
 #include <omp.h>
 #include <stdint.h>
 
 #define ROWS 4   /* rows of w per step of the inner loop: four 8-lane accumulators, x's lanes loaded once */
-
-__attribute__((target("avx2,fma"))) static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
 
 /* y[i][r] for r in [r0, r1) and every row i of x. */
 __attribute__((target("avx2,fma"))) static void rows(const float *x, const float *w, float *y, Py_ssize_t m,
@@ -46,7 +37,7 @@ __attribute__((target("avx2,fma"))) static void rows(const float *x, const float
                 a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w2 + j), xv, a2);
                 a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w3 + j), xv, a3);
             }
-            float s0 = hsum(a0), s1 = hsum(a1), s2 = hsum(a2), s3 = hsum(a3);
+            float s0 = sum_lanes(a0), s1 = sum_lanes(a1), s2 = sum_lanes(a2), s3 = sum_lanes(a3);
             for (Py_ssize_t j = k8; j < k; j++) {
                 s0 += w0[j] * xi[j];
                 s1 += w1[j] * xi[j];
@@ -64,7 +55,7 @@ __attribute__((target("avx2,fma"))) static void rows(const float *x, const float
             __m256 a = _mm256_setzero_ps();
             for (Py_ssize_t j = 0; j < k8; j += 8)
                 a = _mm256_fmadd_ps(_mm256_loadu_ps(wr + j), _mm256_loadu_ps(xi + j), a);
-            float s = hsum(a);
+            float s = sum_lanes(a);
             for (Py_ssize_t j = k8; j < k; j++)
                 s += wr[j] * xi[j];
             y[i * n + r] = s;
@@ -102,14 +93,9 @@ static PyObject *gemv(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-static PyObject *available(PyObject *self, PyObject *unused) {
-    __builtin_cpu_init();
-    return PyBool_FromLong(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"));
-}
-
 static PyMethodDef methods[] = {
     {"gemv", gemv, METH_VARARGS, "gemv(x_ptr, w_ptr, y_ptr, m, n, k, threads): y = x · wᵀ, float32 (see gemv.py)"},
-    {"available", available, METH_NOARGS, "Whether this CPU has AVX2 and FMA, which the kernel uses."},
+    AVAILABLE_METHOD,
     {NULL, NULL, 0, NULL},
 };
 
