@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import queue
+import shutil
 import socket
 import statistics
 import struct
@@ -157,21 +158,25 @@ def background(side: str, root: str, sock: str, stop: str) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                epilog="example: .venv/bin/python scripts/put_group_commit_ab.py "
+                                       "--root /tmp/kvledger-scale/new-10000000 --burners 2.4")
     p.add_argument("--root", required=True, help="a store built by `kvledger bench scale`")
     p.add_argument("--burners", type=float, default=2.4, help="CPU burners, as `kvledger bench scale --burners`")
     p.add_argument("--puts", type=int, default=300, help="puts timed per side and round")
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=5, help="rounds, each timing both sides")
     p.add_argument("--warm-s", type=float, default=60.0, help="seconds the burners run before the first round")
     args = p.parse_args()
     here = Path(tempfile.mkdtemp(prefix="kvledger-group-"))
     sock = str(here / "writer.sock")
     me = [sys.executable, __file__]
     server = subprocess.Popen([*me, "serve", args.root, sock], stdout=subprocess.PIPE, text=True)
-    assert server.stdout is not None and server.stdout.readline().strip() == "ready"
-    sides = {"direct": putter("direct", args.root, sock), "group": putter("group", args.root, sock)}
-    results: dict[str, list[tuple[float, float]]] = {side: [] for side in sides}
+    bg: subprocess.Popen | None = None
+    results: dict[str, list[tuple[float, float]]] = {"direct": [], "group": []}
     try:
+        assert server.stdout is not None and server.stdout.readline().strip() == "ready"
+        sides = {side: putter(side, args.root, sock) for side in results}
         with burning(args.burners):
             time.sleep(args.warm_s if args.burners else 0)
             for r in range(args.rounds):
@@ -188,8 +193,11 @@ def main() -> None:
                     print(f"round {r} {side:6} p99 {results[side][-1][0]:6.2f} ms  p50 {results[side][-1][1]:5.2f} ms"
                           f"  the other process's puts {other}  load {os.getloadavg()[0]:.2f}", flush=True)
     finally:
-        server.kill()
-        server.wait()
+        for proc in (server, bg):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        shutil.rmtree(here, ignore_errors=True)
     for side, rs in results.items():
         print(f"{side:6} p99 median {statistics.median(x[0] for x in rs):6.2f} ms "
               f"({min(x[0] for x in rs):.2f}-{max(x[0] for x in rs):.2f}), "
