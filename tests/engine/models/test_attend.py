@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from kvledger.engine.models import attend
+from tests.engine.models.thread_counts import under_thread_counts
 
 pytestmark = pytest.mark.skipif(not attend.AVAILABLE, reason="the kernel is not built, or this CPU lacks AVX2/FMA")
 
@@ -65,15 +66,7 @@ def test_a_peaked_softmax_and_a_flat_one():
 
 def test_the_bits_are_the_same_for_any_thread_count():
     q, k, v = _case(3, 3, 2304, 64, seed=1)
-    threads = torch.get_num_threads()
-    outs = []
-    try:
-        for t in (1, 2, 3, 5):
-            torch.set_num_threads(t)
-            with torch.inference_mode():
-                outs.append(attend.attend(q, k, v))
-    finally:
-        torch.set_num_threads(threads)
+    outs = under_thread_counts(lambda: attend.attend(q, k, v), (1, 2, 3, 5))
     assert all(torch.equal(outs[0], o) for o in outs[1:])
 
 

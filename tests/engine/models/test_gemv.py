@@ -13,6 +13,7 @@ import torch
 
 from kvledger.engine.models import gemv
 from kvledger.engine.models.onednn import Linear
+from tests.engine.models.thread_counts import under_thread_counts
 
 pytestmark = pytest.mark.skipif(not gemv.AVAILABLE, reason="the kernel is not built, or this CPU lacks AVX2/FMA")
 
@@ -41,15 +42,7 @@ def test_the_product_is_a_float64_ones_to_float32_rounding(m, n, k):
 @pytest.mark.parametrize("n,k", [(3072, 576), (49157, 64), (13, 37)])
 def test_the_bits_are_the_same_for_any_thread_count(n, k):
     x, w = _case(3, n, k, seed=1)
-    threads = torch.get_num_threads()
-    ys = []
-    try:
-        for t in (1, 2, 3, 7):
-            torch.set_num_threads(t)
-            with torch.inference_mode():
-                ys.append(gemv.gemv(x, w))
-    finally:
-        torch.set_num_threads(threads)
+    ys = under_thread_counts(lambda: gemv.gemv(x, w), (1, 2, 3, 7))
     assert all(torch.equal(ys[0], y) for y in ys[1:])
 
 
