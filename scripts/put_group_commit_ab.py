@@ -38,24 +38,16 @@ import numpy as np
 
 from kvledger.bench import scale_roles as roles
 from kvledger.store import lmdb_write
+from kvledger.state.handshake import recv_exact
 from kvledger.store.backend import ChainWrite
 from kvledger.util.cpu_load import burning
 
 HEAD = struct.Struct("<IQdQ16s")        # rows, start position, TTL (s), file size, parent key
 ROW = struct.Struct("<16s16sQQQQ")      # key, parent, position, size, xxh3-64, offset: a segment's entry row
 LIVE = struct.Struct("<I")               # the answer: blocks indexed
+ANSWER_S = 30.0                          # a put's deadline for the writer's answer
+IDLE_S = 3600.0                          # how long the writer waits for a connection's next put
 NAMESPACE, TTL_CLASS = roles.NAMESPACE, "agent"
-
-
-def recv_exact(s: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
-        k = s.recv_into(view[got:])
-        if not k:
-            raise EOFError
-        got += k
-    return bytes(buf)
 
 
 def encode(write: ChainWrite, path: str, rows: list[tuple], file_size: int) -> bytes:
@@ -66,10 +58,11 @@ def encode(write: ChainWrite, path: str, rows: list[tuple], file_size: int) -> b
 
 
 def decode(s: socket.socket) -> tuple[ChainWrite, str, list[tuple], int]:
-    n, start, ttl_s, file_size, parent = HEAD.unpack(recv_exact(s, HEAD.size))
-    (plen,) = struct.unpack("<H", recv_exact(s, 2))
-    path = recv_exact(s, plen).decode()
-    raw = recv_exact(s, n * ROW.size)
+    deadline = time.monotonic() + IDLE_S
+    n, start, ttl_s, file_size, parent = HEAD.unpack(recv_exact(s, HEAD.size, deadline))
+    (plen,) = struct.unpack("<H", recv_exact(s, 2, deadline))
+    path = recv_exact(s, plen, deadline).decode()
+    raw = recv_exact(s, n * ROW.size, deadline)
     rows = [ROW.unpack_from(raw, i * ROW.size) for i in range(n)]
     keys = [r[0] for r in rows]
     return ChainWrite(keys, [b""] * n, start, parent, NAMESPACE, TTL_CLASS, ttl_s), path, rows, file_size
@@ -99,7 +92,7 @@ def serve(root: str, sock: str) -> None:
             try:
                 while True:
                     pending.put((conn, decode(conn)))
-            except EOFError:
+            except (EOFError, TimeoutError):
                 pass
 
     threading.Thread(target=index, daemon=True).start()
@@ -130,7 +123,7 @@ class GroupClient:
             return 0
         path, rows, size = st.writer.write_segment(write, sel, [memoryview(write.blocks[i]) for i in sel], now)
         self.sock.sendall(encode(write, path, rows, size))
-        return LIVE.unpack(recv_exact(self.sock, LIVE.size))[0]
+        return LIVE.unpack(recv_exact(self.sock, LIVE.size, time.monotonic() + ANSWER_S))[0]
 
 
 def putter(side: str, root: str, sock: str) -> Any:
