@@ -46,6 +46,8 @@ SHORT_HOLD = 0.5        # --short: holds (SIGSTOP, a full volume, a read-only fo
 WARMUP_S = 10.0         # load before the first fault: prefixes get cached, so faults hit a warm cluster
 SHORT_WARMUP_S = 5.0    # --short: enough for every conversation's first turns to be stored
 SHORT_SETTLE_S = 1.0    # --short's default --settle-s
+SETTLE_REPLIES = 3      # and on after it, until this many replies sent after the recovery are in (a slow machine
+                        # answers fewer a second; a trial's hit rate after it needs replies to be a rate)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -57,7 +59,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recovery-limit-s", type=float, default=120.0, help="a trial not back within this long "
                    "needs a manual restart (default %(default)s)")
     p.add_argument("--settle-s", type=float, default=None, help="load between one trial's recovery and the next "
-                   f"fault (default 3.0; {SHORT_SETTLE_S} with --short)")
+                   f"fault (default 3.0; {SHORT_SETTLE_S} with --short), and on until {SETTLE_REPLIES} replies sent "
+                   "after the recovery are in")
     p.add_argument("--data-dir", type=Path, default=None, help="the cluster's data dir (default: a temp dir, "
                    "removed after)")
     p.add_argument("--seed", type=int, default=1, help="the load's and the faults' random seed")
@@ -126,7 +129,7 @@ class Chaos:
             time.sleep(self.warmup_s)
             for kind, trial in plan:
                 self.trials.append(self._trial(load, kind, trial, scale))
-                time.sleep(self.settle_s)
+                self._settle(load, self.trials[-1])
         finally:
             load.stop()
             if self.cluster is not None:
@@ -153,6 +156,16 @@ class Chaos:
                 "hit_rate_before": _hit_rate(load.samples, t0 - 15, t0),
                 "hit_rate_during": _hit_rate(load.samples, t0, t1 + (recovery or 0)),
                 "hit_rate_after": None}   # filled in by _report, once later samples are in
+
+    def _settle(self, load: Load, trial: dict[str, Any]) -> None:
+        """Let the load run `settle_s` after a trial, and on until SETTLE_REPLIES replies sent after its recovery
+        have completed; at most the recovery limit."""
+        back = trial["ended_s"] + (trial["recovery_s"] or 0)
+        time.sleep(self.settle_s)
+        deadline = time.monotonic() + self.limit_s
+        while time.monotonic() < deadline and sum(s.sent >= back and s.completed
+                                                  for s in list(load.samples)) < SETTLE_REPLIES:
+            time.sleep(0.2)
 
     def _recovered(self, load: Load, trial: int) -> float | None:
         """Seconds from the fault's end until every engine is listed and a repeated probe hits exactly; None when
