@@ -6,9 +6,9 @@ docs/state.md names a frame whose payload starts at a cache-line offset as one w
 socket: kvledger's answer head is 72 bytes, so the payload lands 8 bytes off a 64-byte line in the receiver's
 socket buffer. This measures that alone, without kvledger's protocol: a server process answers each 64-byte
 request with one `sendmsg` of a zero head of the asked size and a 1,415,040-byte payload (one DeepSeek-V4
-snapshot) from anonymous shared memory; the client reads head and payload with one scatter `recvmsg_into` and
-then `recv_into` the rest, as `StateClient` does. Head sizes alternate in blocks of 20 pulls; prints each size's
-median and p10 pull (µs) over the pulls after the first tenth.
+snapshot) from anonymous shared memory; the client reads them with `StateClient`'s own calls on a non-blocking
+socket (one scatter read, then the rest into place; no MAC, no checksum). Head sizes alternate in blocks of 20
+pulls; prints each size's median and p10 pull (µs) over the pulls after the first tenth.
 """
 
 from __future__ import annotations
@@ -16,12 +16,17 @@ from __future__ import annotations
 import argparse
 import mmap
 import os
+import signal
 import socket
 import statistics
 import time
 
+from kvledger.state.client import _recv_into
+from kvledger.state.handshake import after_handshake, recvmsg_some, send_all
+
 PAYLOAD = 1_415_040   # bytes: 20 layers x 134 tokens x 528 B
 BLOCK = 20            # pulls in a row at one head size
+TIMEOUT_S = 30.0      # each pull's deadline
 
 
 def serve(conn: socket.socket, payload: memoryview) -> None:
@@ -32,13 +37,14 @@ def serve(conn: socket.socket, payload: memoryview) -> None:
 
 
 def pull(conn: socket.socket, head: bytearray, body: memoryview) -> None:
-    conn.sendall(len(head).to_bytes(2, "little") + bytes(62))
-    got = conn.recvmsg_into([head, body])[0]
-    while got < len(head) + len(body):   # the head's rest (rare: one sendmsg sent it first), then the body's
-        n = conn.recv_into(memoryview(head)[got:] if got < len(head) else body[got - len(head):])
-        if n == 0:
-            raise ConnectionError("the server closed the connection mid-pull")
-        got += n
+    """One pull as `StateClient._exchange` reads it: a scatter read of head and payload, then the rest in place."""
+    deadline = time.monotonic() + TIMEOUT_S
+    send_all(conn, [len(head).to_bytes(2, "little") + bytes(62)], deadline)
+    got = recvmsg_some(conn, [head, body], deadline)
+    if got < len(head):
+        _recv_into(conn, memoryview(head)[got:], deadline)
+        got = len(head)
+    _recv_into(conn, body[got - len(head):], deadline)
 
 
 def main() -> None:
@@ -64,8 +70,9 @@ def main() -> None:
         serve(conn, memoryview(shm))
         os._exit(0)
     try:
-        with socket.create_connection(listener.getsockname(), timeout=30) as conn:
+        with socket.create_connection(listener.getsockname(), timeout=TIMEOUT_S) as conn:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            after_handshake(conn)
             body = memoryview(bytearray(PAYLOAD))
             times: dict[int, list[float]] = {h: [] for h in sizes}
             for i in range(args.pulls):
@@ -74,7 +81,8 @@ def main() -> None:
                 pull(conn, bytearray(size), body)
                 times[size].append((time.perf_counter_ns() - t) / 1e3)
                 assert body[-1] == shm[PAYLOAD - 1]
-    finally:
+    finally:   # the server ends at the client's EOF; stopped here too, should the client end before connecting
+        os.kill(server, signal.SIGTERM)
         os.waitpid(server, 0)
     for size, ts in times.items():
         kept = sorted(ts[len(ts) // 10:])
@@ -83,4 +91,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:   # Ctrl-C: the server child is stopped in main's finally
+        raise SystemExit(130) from None
