@@ -13,6 +13,16 @@ KVLEDGER = Path(sys.executable).parent / "kvledger"
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (`make test`: `-n 2 --dist loadgroup`) the vLLM tests share one group, so one worker runs
+    them one after the other (each vLLM takes a core and gigabytes) while the other runs the rest; they go first,
+    so the longest group starts at once rather than last. Without xdist the mark does nothing."""
+    for item in items:
+        if item.get_closest_marker("vllm") is not None:
+            item.add_marker(pytest.mark.xdist_group("vllm"))
+    items.sort(key=lambda item: item.get_closest_marker("vllm") is None)   # stable: the others keep their order
+
+
 @pytest.fixture
 def run_cli():
     """Run the installed `kvledger` console script; returns the CompletedProcess (text). `env`: variables
