@@ -148,6 +148,7 @@ def test_an_approximate_request_stores_nothing_that_a_later_one_could_take_as_ex
     became snapshots at 768 and 896, and C was served a 'snapshot' hit computed from truncated windows.)"""
     from kvledger.core import chain_keys
 
+    tiny.clear_device_cache()   # else the cold prompt's block 2 (exact, B's block 2 too) may be there already
     b_prompt = PROMPT[:400] + [t % 32000 for t in prompt(500, seed=9)]
     _, usage, d = run_request(tiny, ledger, b_prompt, request_id="approx-b", max_tokens=40, state_ledger=holder,
                               spec=approximate(SPEC))
