@@ -13,18 +13,6 @@ KVLEDGER = Path(sys.executable).parent / "kvledger"
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (`make test`: `-n 2 --dist loadgroup`) each test file is one group, run whole and in order
-    by one worker, as in a serial run: a file's module fixtures (an engine, a server) are built once, and a test
-    finds them as the tests before it in the file left them. The vLLM tests share one group, so one worker runs
-    them one after the other (each vLLM takes a core and gigabytes), and they go first, so the longest group starts
-    at once rather than last. Without xdist the marks do nothing."""
-    for item in items:
-        vllm = item.get_closest_marker("vllm") is not None
-        item.add_marker(pytest.mark.xdist_group("vllm" if vllm else item.nodeid.split("::", 1)[0]))
-    items.sort(key=lambda item: item.get_closest_marker("vllm") is None)   # stable: the others keep their order
-
-
 @pytest.fixture
 def run_cli():
     """Run the installed `kvledger` console script; returns the CompletedProcess (text). `env`: variables
