@@ -13,12 +13,14 @@ burst of load from elsewhere on the machine hits every transport alike.
   plain_scatter    the stricter floor: kvledger's syscall pattern (one sendmsg of a 72-byte
                    header and the bytes; the client's first read scatters into header and
                    buffer) without its work: no token, parsing, pool, checksum or timeouts
+  plain_checksum   the floor of a pull that checks its bytes: plain_socket, each piece fed to
+                   kvledger's checksum (`pool.running_checksum`) as it lands, the digest compared
   asyncio_streams  (candidate) the same protocol and pool behind asyncio.start_server
                    (StreamWriter.write + drain), pulled by the same StateClient
   zeromq           (candidate) a ROUTER socket sending header + snapshot zero-copy to a
                    DEALER; the client copies the frame into a preallocated buffer
 `pull_ratio` = median over rounds of (kvledger throughput / plain throughput) in that round,
-`pull_ratio_vs_scatter` the same against plain_scatter;
+`pull_ratio_vs_scatter` and `pull_ratio_vs_checksum` the same against plain_scatter and plain_checksum;
 `candidates` the same ratio for the candidates. CPU per pull: the server process's user +
 system time over the timed pulls, and this thread's CPU time around its own pulls.
 
@@ -273,6 +275,29 @@ def _recv_rest(sock: socket.socket, view: memoryview, got: int) -> None:
         got += k
 
 
+def _pull_checksum(sock: socket.socket, buf: bytearray, n: int, checksum: int) -> list[float]:
+    """`_pull_plain` that hashes each piece as it lands, as `StateClient` does, and compares the digest."""
+    from kvledger.state.pool import running_checksum
+
+    req = bytes(REQUEST_BYTES)
+    view = memoryview(buf)
+    lat = []
+    for _ in range(n):
+        t = time.perf_counter()
+        sock.sendall(req)
+        digest, got = running_checksum(), 0
+        while got < view.nbytes:
+            k = sock.recv_into(view[got:], view.nbytes - got)
+            if k == 0:
+                raise RuntimeError("plain server closed the connection")
+            digest.update(view[got:got + k])
+            got += k
+        if digest.intdigest() != checksum:
+            raise RuntimeError("plain_checksum: the bytes do not match their checksum")
+        lat.append(time.perf_counter() - t)
+    return lat
+
+
 def _pull_scatter(sock: socket.socket, buf: bytearray, n: int) -> list[float]:
     from kvledger.state.wire import RESPONSE_BYTES
 
@@ -315,6 +340,7 @@ def _summary(lats: list[list[float]], size: int) -> dict[str, float]:
 def bench_pulls(size: int, rounds: int, pulls: int, timeout: float, candidates: bool) -> dict[str, Any]:
     """Pull figures per transport; `kvledger` and `plain_socket` always, the candidates on request."""
     from kvledger.state.client import StateClient, parse_address
+    from kvledger.state.pool import checksum as pool_checksum
 
     ctx = mp.get_context("spawn")
     token = uuid.uuid4().hex
@@ -337,7 +363,7 @@ def bench_pulls(size: int, rounds: int, pulls: int, timeout: float, candidates: 
         return {name: c.recv() for name, c in control.items()}
 
     clients = [StateClient(token, timeout_s=timeout), StateClient(token, timeout_s=timeout)]
-    plain = scatter = zsock = zctx = None
+    plain = scatter = checked = zsock = zctx = None
     try:
         buf = bytearray(size)
         kv_address, key = spawn("kvledger", _kvledger_server, size, token)
@@ -349,10 +375,16 @@ def bench_pulls(size: int, rounds: int, pulls: int, timeout: float, candidates: 
         scatter = socket.create_connection(parse_address(scatter_address), timeout=timeout)
         scatter.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         scatter.settimeout(None)
+        checked_address = spawn("plain_checksum", _plain_server, size)
+        checked = socket.create_connection(parse_address(checked_address), timeout=timeout)
+        checked.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        checked.settimeout(None)
+        checksum = pool_checksum(_payload(size))
         runs: dict[str, Any] = {
             "kvledger": lambda n: _pull_kvledger(clients[0], kv_address, key, buf, n, timeout),
             "plain_socket": lambda n: _pull_plain(plain, buf, n),
             "plain_scatter": lambda n: _pull_scatter(scatter, buf, n),
+            "plain_checksum": lambda n: _pull_checksum(checked, buf, n, checksum),
         }
         if candidates:
             import zmq
@@ -402,6 +434,7 @@ def bench_pulls(size: int, rounds: int, pulls: int, timeout: float, candidates: 
             "pull_ratio": round(statistics.median(ratio("kvledger")), 4),
             "pull_ratio_rounds": [round(x, 4) for x in ratio("kvledger")],
             "pull_ratio_vs_scatter": round(statistics.median(ratio("kvledger", "plain_scatter")), 4),
+            "pull_ratio_vs_checksum": round(statistics.median(ratio("kvledger", "plain_checksum")), 4),
             "pull": out,
             "client_misses": {k: v for c in clients for k, v in c.stats.items() if k != "hit"},
         }
@@ -412,7 +445,7 @@ def bench_pulls(size: int, rounds: int, pulls: int, timeout: float, candidates: 
     finally:
         for c in clients:
             c.close()
-        for sock in (plain, scatter):
+        for sock in (plain, scatter, checked):
             if sock is not None:
                 sock.close()
         if zsock is not None:

@@ -27,14 +27,15 @@ def small_run(tmp_path_factory, run_cli_module):
 def test_json_has_pulls_side_by_side_and_directory_rates(small_run):
     res, _ = small_run
     assert res["snapshot_bytes"] == 1_415_040 and res["model"] == "deepseek-v4.1-flash"
-    assert set(res["pull"]) == {"kvledger", "plain_socket", "plain_scatter", "asyncio_streams", "zeromq"}
+    assert set(res["pull"]) == {"kvledger", "plain_socket", "plain_scatter", "plain_checksum", "asyncio_streams",
+                                "zeromq"}
     for name, s in res["pull"].items():
         assert s["pulls"] == 20, name
         assert 0 < s["median_ms"] <= s["p99_ms"], name
         assert s["throughput_gb_s"] > 0 and s["server_cpu_us_per_pull"] >= 0, name
     assert len(res["pull_ratio_rounds"]) == 2 and res["pull_ratio"] > 0  # per round, kvledger over plain
     assert min(res["pull_ratio_rounds"]) <= res["pull_ratio"] <= max(res["pull_ratio_rounds"])
-    assert res["pull_ratio_vs_scatter"] > 0
+    assert res["pull_ratio_vs_scatter"] > 0 and res["pull_ratio_vs_checksum"] > 0
     assert res["client_misses"] == {}  # every pull hit
     assert set(res["directory"]) == {"embedded", "redis", "redis_get"}
     for name in ("embedded", "redis", "redis_get"):
@@ -56,7 +57,7 @@ def test_bench_against_a_given_redis(run_cli, shared_redis):
     assert r.returncode == 0, r.stderr
     res = json.loads(r.stdout)
     assert res["redis"] == "given" and "candidates" not in res
-    assert set(res["pull"]) == {"kvledger", "plain_socket", "plain_scatter"}
+    assert set(res["pull"]) == {"kvledger", "plain_socket", "plain_scatter", "plain_checksum"}
     import redis
 
     assert not redis.Redis.from_url(shared_redis.url).keys("kvl:bench:*")  # it cleaned up after itself
