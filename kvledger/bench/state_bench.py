@@ -254,29 +254,9 @@ def _pull_kvledger(client: Any, address: str, key: bytes, buf: bytearray, n: int
     return lat
 
 
-def _pull_plain(sock: socket.socket, buf: bytearray, n: int) -> list[float]:
-    req = bytes(REQUEST_BYTES)
-    view = memoryview(buf)
-    lat = []
-    for _ in range(n):
-        t = time.perf_counter()
-        sock.sendall(req)
-        _recv_rest(sock, view, 0)
-        lat.append(time.perf_counter() - t)
-    return lat
-
-
-def _recv_rest(sock: socket.socket, view: memoryview, got: int) -> None:
-    """Fill `view` from byte `got` on; RuntimeError when the baseline server closed."""
-    while got < view.nbytes:
-        k = sock.recv_into(view[got:], view.nbytes - got)
-        if k == 0:
-            raise RuntimeError("plain server closed the connection")
-        got += k
-
-
-def _pull_checksum(sock: socket.socket, buf: bytearray, n: int, checksum: int) -> list[float]:
-    """`_pull_plain` that hashes each piece as it lands, as `StateClient` does, and compares the digest."""
+def _pull_plain(sock: socket.socket, buf: bytearray, n: int, checksum: int | None = None) -> list[float]:
+    """Plain pulls into `buf`. With `checksum` (plain_checksum), each piece is fed to the pool's running checksum
+    as it lands, as `StateClient` does, and the digest compared."""
     from kvledger.state.pool import running_checksum
 
     req = bytes(REQUEST_BYTES)
@@ -285,17 +265,24 @@ def _pull_checksum(sock: socket.socket, buf: bytearray, n: int, checksum: int) -
     for _ in range(n):
         t = time.perf_counter()
         sock.sendall(req)
-        digest, got = running_checksum(), 0
-        while got < view.nbytes:
-            k = sock.recv_into(view[got:], view.nbytes - got)
-            if k == 0:
-                raise RuntimeError("plain server closed the connection")
-            digest.update(view[got:got + k])
-            got += k
-        if digest.intdigest() != checksum:
+        digest = None if checksum is None else running_checksum()
+        _recv_rest(sock, view, 0, digest)
+        if digest is not None and digest.intdigest() != checksum:
             raise RuntimeError("plain_checksum: the bytes do not match their checksum")
         lat.append(time.perf_counter() - t)
     return lat
+
+
+def _recv_rest(sock: socket.socket, view: memoryview, got: int, digest: Any = None) -> None:
+    """Fill `view` from byte `got` on, feeding each piece to `digest` when given; RuntimeError when the baseline
+    server closed."""
+    while got < view.nbytes:
+        k = sock.recv_into(view[got:], view.nbytes - got)
+        if k == 0:
+            raise RuntimeError("plain server closed the connection")
+        if digest is not None:
+            digest.update(view[got:got + k])
+        got += k
 
 
 def _pull_scatter(sock: socket.socket, buf: bytearray, n: int) -> list[float]:
@@ -384,7 +371,7 @@ def bench_pulls(size: int, rounds: int, pulls: int, timeout: float, candidates: 
             "kvledger": lambda n: _pull_kvledger(clients[0], kv_address, key, buf, n, timeout),
             "plain_socket": lambda n: _pull_plain(plain, buf, n),
             "plain_scatter": lambda n: _pull_scatter(scatter, buf, n),
-            "plain_checksum": lambda n: _pull_checksum(checked, buf, n, checksum),
+            "plain_checksum": lambda n: _pull_plain(checked, buf, n, checksum),
         }
         if candidates:
             import zmq
