@@ -243,6 +243,14 @@ def _zmq_server(conn: Any, size: int) -> None:
 
 # --- clients ---------------------------------------------------------------------------
 
+def _plain_connection(address: tuple[str, int], timeout: float) -> socket.socket:
+    """A connection to a floor's server: TCP_NODELAY as kvledger's, then blocking with no timeout (the floor)."""
+    sock = socket.create_connection(address, timeout=timeout)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.settimeout(None)
+    return sock
+
+
 def _pull_kvledger(client: Any, address: str, key: bytes, buf: bytearray, n: int, timeout: float) -> list[float]:
     lat = []
     for _ in range(n):
@@ -355,18 +363,13 @@ def bench_pulls(size: int, rounds: int, pulls: int, timeout: float, candidates: 
         buf = bytearray(size)
         kv_address, key = spawn("kvledger", _kvledger_server, size, token)
         plain_address = spawn("plain_socket", _plain_server, size)
-        plain = socket.create_connection(parse_address(plain_address), timeout=timeout)
-        plain.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        plain.settimeout(None)  # blocking, no timeout: the floor
+        plain = _plain_connection(parse_address(plain_address), timeout)
         scatter_address = spawn("plain_scatter", _plain_scatter_server, size)
-        scatter = socket.create_connection(parse_address(scatter_address), timeout=timeout)
-        scatter.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        scatter.settimeout(None)
+        scatter = _plain_connection(parse_address(scatter_address), timeout)
         checked_address = spawn("plain_checksum", _plain_server, size)
-        checked = socket.create_connection(parse_address(checked_address), timeout=timeout)
-        checked.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        checked.settimeout(None)
-        checksum = pool_checksum(_payload(size))
+        checked = _plain_connection(parse_address(checked_address), timeout)
+        expected = _payload(size)
+        checksum = pool_checksum(expected)
         runs: dict[str, Any] = {
             "kvledger": lambda n: _pull_kvledger(clients[0], kv_address, key, buf, n, timeout),
             "plain_socket": lambda n: _pull_plain(plain, buf, n),
@@ -386,7 +389,6 @@ def bench_pulls(size: int, rounds: int, pulls: int, timeout: float, candidates: 
             zsock.connect(zmq_address)
             runs["zeromq"] = lambda n: _pull_zmq(zsock, buf, n)
 
-        expected = _payload(size)
         for name, run in runs.items():  # warm up connections and caches; check the bytes once
             buf[:] = bytes(size)
             run(max(pulls // 10, 3))
