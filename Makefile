@@ -44,9 +44,14 @@ setup: system $(STAMP)
 demo: setup
 	$(VENV)/bin/kvledger demo
 
+# The fast suite on TEST_WORKERS processes (pytest-xdist; the vLLM tests keep to one of them, tests/conftest.py),
+# then the tests marked `serial` alone: they keep to a wall clock, which a second worker would upset.
+TEST_WORKERS ?= 2
+
 test: setup vllm-venv
 	$(VENV)/bin/ruff check kvledger tests
-	$(PY) -m pytest -q -m 'not slow' --durations=30
+	$(PY) -m pytest -q -m 'not slow and not serial' -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=30
+	$(PY) -m pytest -q -m 'not slow and serial' --durations=10
 
 test-all: setup
 	$(VENV)/bin/ruff check kvledger tests

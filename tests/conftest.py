@@ -13,6 +13,32 @@ KVLEDGER = Path(sys.executable).parent / "kvledger"
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+INTEGRATIONS = "tests/integrations/"   # the vLLM tests: each starts vLLM, which takes a core and gigabytes
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The vLLM tests go first, so under two workers (`make test`) the longest scope starts at once, not last."""
+    items.sort(key=lambda item: not item.nodeid.startswith(INTEGRATIONS))   # stable: the others keep their order
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """Under pytest-xdist (`make test`: `-n 2 --dist loadfile`) each test file runs whole and in order on one worker,
+    as in a serial run: a file's module fixtures (an engine, a server) are built once, and a test finds them as the
+    tests before it left them. tests/integrations/ is one scope, so one worker runs the vLLM tests one after the
+    other. (pytest-xdist's `loadgroup` cannot do this under pytest 9.2: it renames `item._nodeid`, which pytest 9.2
+    no longer reads, so its groups are ignored and files split across workers.)"""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class FileScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return INTEGRATIONS if nodeid.startswith(INTEGRATIONS) else super()._split_scope(nodeid)
+
+    return FileScheduling(config, log)
+
+
 @pytest.fixture
 def run_cli():
     """Run the installed `kvledger` console script; returns the CompletedProcess (text). `env`: variables

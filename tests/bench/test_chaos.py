@@ -16,6 +16,7 @@ from kvledger.bench.chaos_faults import FAULTS
 from kvledger.util.juicefs import fuse_unavailable
 
 
+@pytest.mark.serial   # each fault's recovery has a deadline
 def test_the_short_chaos_run_finds_no_wrong_answer_and_recovers_from_every_fault(tmp_path):
     if (why := fuse_unavailable()) is not None:
         pytest.skip(why)

@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 
 def whatif_bench(run_cli, out: Path, slower: int = 1) -> dict:
     """The short what-if: 52 requests over 30 s, a 4 s TTL. `slower` plays the same trace over that many times the
@@ -30,6 +32,7 @@ def late_sends(out: dict) -> int:
     return out["baseline"]["live"]["late_sends"] + sum(s["live"]["late_sends"] for s in out["settings"])
 
 
+@pytest.mark.serial   # the live runs send at the trace's times
 def test_the_what_if_predicts_a_live_rerun_within_005(run_cli, tmp_path):
     folder = tmp_path / "first"
     out = whatif_bench(run_cli, folder)

@@ -4,6 +4,8 @@ import os
 import time
 from pathlib import Path
 
+import pytest
+
 from kvledger.util.cpu_load import LoadSampler, burning
 
 
@@ -22,6 +24,7 @@ def test_burners_spin_while_the_block_runs_and_are_reaped_after():
     assert not any(Path(f"/proc/{p.pid}").exists() for p in procs)
 
 
+@pytest.mark.serial   # a share of a core, which another worker's tests would take from
 def test_a_fractional_burner_spins_that_share_of_the_time():
     with burning(1.4) as procs:
         assert len(procs) == 2
