@@ -35,7 +35,7 @@ def recorded(name: str, run: Callable[[Any], Any]) -> Callable[[Any], Any]:
         except OSError as e:
             raise CliError(f"--record {folder}: {e.strerror or e}") from None
         args.json = True
-        before, started, commit = os.getloadavg(), time.time(), _commit()   # the code that runs: read it first
+        before, started, commit = os.getloadavg(), time.time(), checkout_commit()   # the code that runs: read it first
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
             code = run(args)
@@ -68,7 +68,7 @@ def run_info(name: str, load_before: tuple[float, float, float], started: float,
             "load_avg_after": [round(x, 2) for x in os.getloadavg()]}
 
 
-def _commit() -> str | None:
+def checkout_commit() -> str | None:
     """The checkout's commit (with "-dirty" when its tracked files differ), or None outside a git checkout."""
     here = Path(__file__).resolve().parent
     try:

@@ -52,14 +52,17 @@ def mac(key: bytes | Keyed, *parts: bytes | bytearray | memoryview) -> bytes:
 class Keyed:
     """A key made ready for many MACs (a session's frames): `Keyed(k).mac(*parts) == mac(k, *parts)`.
 
-    The standard library's HMAC-SHA256 keyed once (its inner and outer padded-key states): each MAC copies
-    that object instead of keying an HMAC from scratch (a third of the cost of `hmac.digest` for a 72-byte
-    frame). `tests/state/test_wire.py` checks it against `hmac.digest`."""
+    HMAC-SHA256 keyed once (its inner and outer padded-key states): each MAC copies that state instead of keying
+    an HMAC from scratch (a third of the cost of `hmac.digest` for a 72-byte frame). The copy, updates and digest
+    go to the standard library's C object behind `hmac.HMAC` (its `_hmac`, OpenSSL's HMAC) when there is one: the
+    Python wrapper around it costs five interpreter calls a MAC, four MACs a pull on a cold cache
+    (docs/state.md). `tests/state/test_wire.py` checks it against `hmac.digest`."""
 
     __slots__ = ("_keyed",)
 
     def __init__(self, key: bytes) -> None:
-        self._keyed = hmac.new(key, digestmod="sha256")
+        h = hmac.new(key, digestmod="sha256")
+        self._keyed = getattr(h, "_hmac", None) or h   # the same copy/update/digest either way
 
     def mac(self, *parts: bytes | bytearray | memoryview) -> bytes:
         h = self._keyed.copy()
@@ -71,8 +74,7 @@ class Keyed:
         return "Keyed(<secret>)"
 
 
-def same(a: bytes | bytearray | memoryview, b: bytes) -> bool:
-    return hmac.compare_digest(a, b)
+same = hmac.compare_digest   # MACs are compared in constant time (the C function itself: no wrapper call a frame)
 
 
 def nonce() -> bytes:

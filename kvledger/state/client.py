@@ -199,12 +199,13 @@ class StateClient:
             buf, dest = None, out[:resp.length]
         digest = running_checksum()   # fed as the bytes arrive: hashed while the rest is still on its way
         digest.update(dest[:early])
-        try:
-            _recv_into(sock, dest[early:], deadline, digest)
-        except TimeoutError:
-            raise _Fault("timeout") from None
-        except OSError:
-            raise _Fault("reset") from None
+        if early < resp.length:   # usually the scatter read took it all
+            try:
+                _recv_into(sock, dest[early:], deadline, digest)
+            except TimeoutError:
+                raise _Fault("timeout") from None
+            except OSError:
+                raise _Fault("reset") from None
         if digest.intdigest() != resp.checksum:
             raise _Fault("corrupt")
         return buf, Pulled(resp.length, resp.position)

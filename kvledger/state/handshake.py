@@ -123,19 +123,27 @@ def wait_for(sock: socket.socket, events: int, deadline: float) -> None:
 
 
 def send_all(sock: socket.socket, buffers: Sequence[Any], deadline: float) -> None:
-    """Send every byte of `buffers` in order (sendmsg: straight out of them, no copy) before `deadline`."""
+    """Send every byte of `buffers` in order (sendmsg: straight out of them, no copy) before `deadline`.
+    Each buffer is bytes or a one-dimensional byte view (its len is its size in bytes)."""
+    try:   # the common case: one call takes everything, with no views made
+        n = sock.sendmsg(buffers)
+    except BlockingIOError:
+        n = 0
+    if n == sum(map(len, buffers)):
+        return
     views = [memoryview(b).cast("B") for b in buffers]
     while views:
-        try:
-            n = sock.sendmsg(views)
-        except BlockingIOError:
-            n = 0
         while views and n >= views[0].nbytes:
             n -= views.pop(0).nbytes
         if n:
             views[0] = views[0][n:]
-        if views:   # the send buffer is full: wait for room
-            wait_for(sock, select.POLLOUT, deadline)
+        if not views:
+            return
+        wait_for(sock, select.POLLOUT, deadline)   # the send buffer is full: wait for room
+        try:
+            n = sock.sendmsg(views)
+        except BlockingIOError:
+            n = 0
 
 
 def recv_some(sock: socket.socket, view: memoryview, deadline: float, *, ready: bool = True) -> int:
