@@ -22,7 +22,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.hookimpl(optionalhook=True)
-def pytest_xdist_make_scheduler(config: pytest.Config, log):
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     """Under pytest-xdist (`make test`: `-n 2 --dist loadfile`) each test file runs whole and in order on one worker,
     as in a serial run: a file's module fixtures (an engine, a server) are built once, and a test finds them as the
     tests before it left them. tests/integrations/ is one scope, so one worker runs the vLLM tests one after the

@@ -74,7 +74,7 @@ class Keyed:
         return "Keyed(<secret>)"
 
 
-same = hmac.compare_digest   # MACs are compared in constant time (the C function itself: no wrapper call a frame)
+same = hmac.compare_digest   # MACs compared in constant time: the C function itself, one interpreter call less
 
 
 def nonce() -> bytes:
