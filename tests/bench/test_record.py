@@ -30,7 +30,7 @@ def test_the_commit_is_the_one_checked_out_when_the_run_started(tmp_path, monkey
     from kvledger.bench import record
 
     head = ["a" * 40]
-    monkeypatch.setattr(record, "_commit", lambda: head[0])
+    monkeypatch.setattr(record, "checkout_commit", lambda: head[0])
 
     def run(args):
         head[0] = "b" * 40   # a commit lands while the bench runs
