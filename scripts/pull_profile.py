@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import multiprocessing as mp
 import os
 import shutil
 import signal
@@ -97,20 +96,9 @@ def profile_one(run: Any, server_pid: int, control: Any, pulls: int, freq: int, 
 
 
 def profile(rounds: int, pulls: int, freq: int, size: int) -> dict[str, Any]:
-    ctx = mp.get_context("spawn")
     token = uuid.uuid4().hex
-    procs, controls, pids = [], {}, {}
-
-    def spawn(name: str, target: Any, *args: Any) -> Any:
-        parent, child = ctx.Pipe()
-        p = ctx.Process(target=target, args=(child, *args), daemon=True)
-        p.start()
-        procs.append(p)
-        controls[name], pids[name] = parent, p.pid
-        if not parent.poll(60):
-            raise RuntimeError(f"{target.__name__} did not start")
-        return parent.recv()
-
+    servers = sb.Servers()
+    spawn, controls, pids = servers.spawn, servers.control, servers.pids
     client = StateClient(token)
     plain = None
     try:
@@ -137,12 +125,7 @@ def profile(rounds: int, pulls: int, freq: int, size: int) -> dict[str, Any]:
         client.close()
         if plain is not None:
             plain.close()
-        for c in controls.values():
-            c.send("stop")
-        for p in procs:
-            p.join(5)
-            if p.is_alive():
-                p.kill()
+        servers.close()
 
 
 def summarise(rounds: list[dict[str, Any]]) -> dict[str, Any]:

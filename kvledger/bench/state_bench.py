@@ -241,6 +241,44 @@ def _zmq_server(conn: Any, size: int) -> None:
     _control(conn)
 
 
+class Servers:
+    """The bench's server processes, spawned: each sends its address on its pipe, then answers "cpu" with its CPU
+    seconds until told "stop" (`_control`)."""
+
+    def __init__(self) -> None:
+        self._ctx = mp.get_context("spawn")
+        self._procs: list[Any] = []
+        self.control: dict[str, Any] = {}  # name -> pipe to its process
+        self.pids: dict[str, int] = {}
+
+    def spawn(self, name: str, target: Any, *args: Any) -> Any:
+        """Start `target(pipe, *args)` as `name`; what it sends first (its address), within 60 s."""
+        parent, child = self._ctx.Pipe()
+        p = self._ctx.Process(target=target, args=(child, *args), daemon=True)
+        p.start()
+        self._procs.append(p)
+        self.control[name], self.pids[name] = parent, p.pid
+        if not parent.poll(60):
+            raise RuntimeError(f"{target.__name__} did not start")
+        return parent.recv()
+
+    def cpu(self) -> dict[str, float]:
+        """Each process's CPU seconds so far, by name."""
+        for c in self.control.values():
+            c.send("cpu")
+        return {name: c.recv() for name, c in self.control.items()}
+
+    def close(self) -> None:
+        for c in self.control.values():
+            with contextlib.suppress(OSError):
+                c.send("stop")
+        for p in self._procs:
+            p.join(2)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
 # --- clients ---------------------------------------------------------------------------
 
 def _plain_connection(address: tuple[str, int], timeout: float) -> socket.socket:
@@ -337,26 +375,9 @@ def bench_pulls(size: int, rounds: int, pulls: int, timeout: float, candidates: 
     from kvledger.state.client import StateClient, parse_address
     from kvledger.state.pool import checksum as pool_checksum
 
-    ctx = mp.get_context("spawn")
     token = uuid.uuid4().hex
-    procs: list[Any] = []
-    control: dict[str, Any] = {}  # transport -> pipe to its server process
-
-    def spawn(name: str, target: Any, *args: Any) -> Any:
-        parent, child = ctx.Pipe()
-        p = ctx.Process(target=target, args=(child, *args), daemon=True)
-        p.start()
-        procs.append(p)
-        control[name] = parent
-        if not parent.poll(60):
-            raise RuntimeError(f"{target.__name__} did not start")
-        return parent.recv()
-
-    def server_cpu() -> dict[str, float]:
-        for c in control.values():
-            c.send("cpu")
-        return {name: c.recv() for name, c in control.items()}
-
+    servers = Servers()
+    spawn, server_cpu = servers.spawn, servers.cpu
     clients = [StateClient(token, timeout_s=timeout), StateClient(token, timeout_s=timeout)]
     plain = scatter = checked = zsock = zctx = None
     try:
@@ -440,14 +461,7 @@ def bench_pulls(size: int, rounds: int, pulls: int, timeout: float, candidates: 
         if zsock is not None:
             zsock.close()
             zctx.term()
-        for c in control.values():
-            with contextlib.suppress(OSError):
-                c.send("stop")
-        for p in procs:
-            p.join(2)
-            if p.is_alive():
-                p.kill()
-                p.join()
+        servers.close()
 
 
 # --- directory -------------------------------------------------------------------------
