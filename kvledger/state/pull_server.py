@@ -35,7 +35,8 @@ from dataclasses import dataclass
 from kvledger.core import KEY_BYTES
 from kvledger.state import auth
 from kvledger.state.pool import SlotPool
-from kvledger.state.handshake import Refused, accept_session, after_handshake, recv_exact, recv_some, send_all
+from kvledger.state.handshake import Refused, accept_session, after_handshake, recv_exact
+from kvledger.state.sockio import recv_fill, recv_some, send_all
 from kvledger.state.wire import REQUEST_BYTES, Op, ProtocolError, PullStatus, pack_response, unpack_request
 
 ACCEPT_POLL_S = 0.1
@@ -254,18 +255,16 @@ class StateServer:
         sock, view = conn.sock, memoryview(head)
         conn.idle_since = time.monotonic()
         try:
-            got = recv_some(sock, view, conn.idle_since + self.idle_timeout_s, ready=False)
+            got = recv_some(sock, view, conn.idle_since + self.idle_timeout_s, False)   # wait first: idle
         except TimeoutError:
             return False  # an idle kept-alive connection: close it quietly
         conn.idle_since = None
         if got == 0:
             return False
-        deadline = time.monotonic() + self.io_timeout_s  # a stalled request counts as a timeout
-        while got < REQUEST_BYTES:
-            n = recv_some(sock, view[got:], deadline)
-            if n == 0:
-                return False
-            got += n
+        if got < REQUEST_BYTES:   # the rest within io_timeout_s: a stalled request raises TimeoutError, a timeout
+            got += recv_fill(sock, view[got:], time.monotonic() + self.io_timeout_s)
+            if got < REQUEST_BYTES:
+                return False   # closed halfway
         try:
             req = unpack_request(head, session)
         except ProtocolError:
