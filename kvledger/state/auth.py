@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 NONCE_BYTES = 32
 MAC_BYTES = 32
@@ -42,36 +42,19 @@ def derive_keys(token: str | bytes) -> Keys:
     return Keys(*(mac(root, name.encode()) for name in Keys._fields))
 
 
-def mac(key: bytes | Keyed, *parts: bytes | bytearray | memoryview) -> bytes:
+def mac(key: bytes, *parts: bytes | bytearray | memoryview) -> bytes:
     """HMAC-SHA256 of the concatenated parts (callers use fixed-size or length-prefixed parts)."""
-    if isinstance(key, Keyed):
-        return key.mac(*parts)
     return hmac.digest(key, b"".join(parts), "sha256")
 
 
-class Keyed:
-    """A key made ready for many MACs (a session's frames): `Keyed(k).mac(*parts) == mac(k, *parts)`.
-
-    HMAC-SHA256 keyed once (its inner and outer padded-key states): each MAC copies that state instead of keying
-    an HMAC from scratch (a third of the cost of `hmac.digest` for a 72-byte frame). The copy, updates and digest
-    go to the standard library's C object behind `hmac.HMAC` (its `_hmac`, OpenSSL's HMAC) when there is one: the
-    Python wrapper around it costs five interpreter calls a MAC, four MACs a pull on a cold cache
-    (docs/state.md). `tests/state/test_wire.py` checks it against `hmac.digest`."""
-
-    __slots__ = ("_keyed",)
-
-    def __init__(self, key: bytes) -> None:
-        h = hmac.new(key, digestmod="sha256")
-        self._keyed = getattr(h, "_hmac", None) or h   # the same copy/update/digest either way
-
-    def mac(self, *parts: bytes | bytearray | memoryview) -> bytes:
-        h = self._keyed.copy()
-        for part in parts:
-            h.update(part)
-        return h.digest()
-
-    def __repr__(self) -> str:
-        return "Keyed(<secret>)"
+def keyed(key: bytes) -> Any:
+    """HMAC-SHA256 keyed once, for many MACs under one key (a connection's frames): `h = k.copy(); h.update(...);
+    h.digest()` is `mac(key, ...)`, at a third of its cost for a 72-byte frame (the padded key's inner and outer
+    states are hashed once, not per MAC). It is the standard library's C object behind `hmac.HMAC` (its `_hmac`,
+    OpenSSL's HMAC) where there is one, else that wrapper, which has the same three methods at five interpreter
+    calls more per MAC. `tests/state/test_wire.py` checks it against `hmac.digest`."""
+    h = hmac.new(key, digestmod="sha256")
+    return getattr(h, "_hmac", None) or h
 
 
 same = hmac.compare_digest   # MACs compared in constant time: the C function itself, one interpreter call less

@@ -29,8 +29,7 @@ from kvledger.state.pool import running_checksum
 from kvledger.state.handshake import Refused, after_handshake, open_session, recv_exact
 from kvledger.state.handshake import settimeout as _settimeout
 from kvledger.state.sockio import recv_fill, recvmsg_some, send_all
-from kvledger.state.wire import (RESPONSE_BYTES, Op, ProtocolError, PullResponse, PullStatus, pack_request,
-                                     unpack_response)
+from kvledger.state.wire import RESPONSE_BYTES, Op, ProtocolError, PullResponse, PullStatus, Session
 
 DEFAULT_TIMEOUT_S = 2.0
 MISS_CAUSES = ("miss", "denied", "auth", "busy", "bad", "unreachable", "timeout", "eof", "reset", "protocol",
@@ -48,13 +47,13 @@ class _Conn:
     """An authenticated connection: requests carry `seq` and a MAC under `session`."""
 
     sock: socket.socket
-    session: auth.Keyed
+    session: Session
     seq: int = 0
     pending: bytes = b""  # the handshake's proof, sent together with the first request
 
     def request(self, op: Op, key: bytes) -> tuple[int, bytes]:
         seq, self.seq = self.seq, self.seq + 1
-        frame = self.pending + pack_request(self.session, op, seq, key)
+        frame = self.pending + self.session.request(op, seq, key)
         self.pending = b""
         return seq, frame
 
@@ -112,7 +111,7 @@ class StateClient:
             seq, frame = conn.request(Op.PING, bytes(KEY_BYTES))
             _settimeout(conn.sock, deadline)
             conn.sock.sendall(frame)
-            resp = unpack_response(recv_exact(conn.sock, RESPONSE_BYTES, deadline), conn.session, bytes(KEY_BYTES))
+            resp = conn.session.read_answer(recv_exact(conn.sock, RESPONSE_BYTES, deadline), bytes(KEY_BYTES))
             return resp.status is PullStatus.OK and resp.seq == seq
         except (OSError, EOFError, _Fault, ProtocolError):
             return False
@@ -255,7 +254,7 @@ class StateClient:
         except OSError:
             raise _Fault("reset") from None
         after_handshake(sock)
-        return _Conn(sock, auth.Keyed(session), pending=proof)
+        return _Conn(sock, Session(session), pending=proof)
 
     def _checkin(self, address: str, conn: _Conn) -> None:
         with self._lock:
@@ -266,11 +265,11 @@ class StateClient:
         conn.sock.close()
 
 
-def _answer(head: bytearray, session: auth.Keyed, key: bytes, seq: int, extra: bool) -> PullResponse:
+def _answer(head: bytearray, session: Session, key: bytes, seq: int, extra: bool) -> PullResponse:
     """The checked answer header to request `seq` for `key` (OK or MISS); _Fault otherwise.
     `extra`: payload bytes already arrived behind the header."""
     try:
-        resp = unpack_response(head, session, key)
+        resp = session.read_answer(head, key)
     except ProtocolError:
         raise _Fault("protocol") from None
     if resp.status is PullStatus.DENIED:

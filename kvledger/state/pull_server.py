@@ -37,7 +37,7 @@ from kvledger.state import auth
 from kvledger.state.pool import SlotPool
 from kvledger.state.handshake import Refused, accept_session, after_handshake, recv_exact
 from kvledger.state.sockio import recv_fill, recv_some, send_all
-from kvledger.state.wire import REQUEST_BYTES, Op, ProtocolError, PullStatus, pack_response, unpack_request
+from kvledger.state.wire import REQUEST_BYTES, Op, ProtocolError, PullStatus, Session, pack_response
 
 ACCEPT_POLL_S = 0.1
 LINGER_S = 0.2          # how long a refused connection is drained before it is closed
@@ -192,7 +192,7 @@ class StateServer:
                 self._authed.pop(sock, None)
             sock.close()
 
-    def _handshake(self, sock: socket.socket) -> auth.Keyed | None:
+    def _handshake(self, sock: socket.socket) -> Session | None:
         """The session key once the peer proved the token within `handshake_timeout_s`; None
         (after answering DENIED, or closing unanswered a frame that does not parse) otherwise."""
         try:
@@ -207,7 +207,7 @@ class StateServer:
             self._refuse(sock, pack_response(None, PullStatus.DENIED, 0, _NO_KEY))
             return None
         self._count("authenticated")
-        return auth.Keyed(session)
+        return Session(session)
 
     def _admit(self, conn: _Conn) -> bool:
         """Count an authenticated connection; at the cap, close the least recently used idle one."""
@@ -225,14 +225,15 @@ class StateServer:
             self._authed[conn.sock] = conn
             return True
 
-    def _answer_busy(self, sock: socket.socket, session: auth.Keyed) -> None:
+    def _answer_busy(self, sock: socket.socket, session: Session) -> None:
         """Answer the request that came with the proof BUSY (authenticated), then close."""
         try:
-            req = unpack_request(recv_exact(sock, REQUEST_BYTES, time.monotonic() + self.handshake_timeout_s), session)
+            _, seq, key = session.read_request(recv_exact(sock, REQUEST_BYTES,
+                                                          time.monotonic() + self.handshake_timeout_s))
         except (ProtocolError, EOFError):
             return
         sock.settimeout(self.io_timeout_s)
-        self._refuse(sock, pack_response(session, PullStatus.BUSY, req.seq, req.key))
+        self._refuse(sock, session.answer(PullStatus.BUSY, seq, key))
 
     def _refuse(self, sock: socket.socket, frame: bytes) -> None:
         """Answer, then close so the answer arrives: half-close and discard what the peer already
@@ -250,7 +251,7 @@ class StateServer:
                     break
                 drained += n
 
-    def _one_request(self, conn: _Conn, session: auth.Keyed, seq: int, head: bytearray) -> bool:
+    def _one_request(self, conn: _Conn, session: Session, seq: int, head: bytearray) -> bool:
         """Answer request `seq`; False when the connection should close. Socket errors propagate."""
         sock, view = conn.sock, memoryview(head)
         conn.idle_since = time.monotonic()
@@ -266,27 +267,27 @@ class StateServer:
             if got < REQUEST_BYTES:
                 return False   # closed halfway
         try:
-            req = unpack_request(head, session)
+            op, got_seq, key = session.read_request(head)
         except ProtocolError:
-            req = None
-        if req is None or req.seq != seq:  # forged, replayed or injected: the stream is not ours
+            got_seq = -1
+        if got_seq != seq:  # forged, replayed or injected: the stream is not ours
             self._count("bad")
             return False
-        if req.op is Op.PING:
-            send_all(sock, [pack_response(session, PullStatus.OK, seq, req.key)], time.monotonic() + self.io_timeout_s)
+        if op is Op.PING:
+            send_all(sock, [session.answer(PullStatus.OK, seq, key)], time.monotonic() + self.io_timeout_s)
             return True
-        assert req.op is Op.GET
-        return self._send_snapshot(sock, session, req.seq, req.key)
+        assert op is Op.GET
+        return self._send_snapshot(sock, session, seq, key)
 
-    def _send_snapshot(self, sock: socket.socket, session: auth.Keyed, seq: int, key: bytes) -> bool:
+    def _send_snapshot(self, sock: socket.socket, session: Session, seq: int, key: bytes) -> bool:
         deadline = time.monotonic() + self.io_timeout_s  # the total time to send one answer
         pinned = self.pool.pin(key)
         if pinned is None:
             self._count("misses")
-            send_all(sock, [pack_response(session, PullStatus.MISS, seq, key)], deadline)
+            send_all(sock, [session.answer(PullStatus.MISS, seq, key)], deadline)
             return True
         try:
-            frame = pack_response(session, PullStatus.OK, seq, key, pinned.size, pinned.position, pinned.checksum)
+            frame = session.answer(PullStatus.OK, seq, key, pinned.size, pinned.position, pinned.checksum)
             send_all(sock, [frame, pinned.view], deadline)  # one sendmsg in the common case; the rest as room comes
         finally:
             try:   # noqa: SIM105 (not contextlib.suppress: three interpreter calls a pull)

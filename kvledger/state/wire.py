@@ -14,7 +14,7 @@ each answered in order. Keys are from `auth.py` (K = the token's handshake key, 
                         | position u64 | checksum u64 | mac 32 B, then `length` payload bytes
                                                        mac = HMAC(S, bytes 0..39 | request key)
 
-S = HMAC(K, "session" | cn | sn), one per connection (each side keys it once: `auth.Keyed`).
+S = HMAC(K, "session" | cn | sn), one per connection (each side keys it once: `Session`).
 The client checks the server's proof before it sends its own, so a server without the token
 learns only a random nonce. `seq` counts the connection's requests from 0: a request or answer
 that is replayed, reordered or injected fails its MAC or its seq. The answer's MAC binds its
@@ -34,7 +34,7 @@ from enum import IntEnum
 from typing import NamedTuple
 
 from kvledger.core import KEY_BYTES
-from kvledger.state.auth import MAC_BYTES, NONCE_BYTES, Keyed, mac, same
+from kvledger.state.auth import MAC_BYTES, NONCE_BYTES, keyed, same
 
 MAGIC_HELLO = b"KVLH"
 MAGIC_CHALLENGE = b"KVLC"
@@ -144,39 +144,76 @@ def unpack_proof(frame: bytes | bytearray | memoryview) -> bytes:
 
 # --- requests and answers --------------------------------------------------------------
 
-def pack_request(session: bytes | Keyed, op: Op, seq: int, key: bytes = bytes(KEY_BYTES)) -> bytes:
-    assert len(key) == KEY_BYTES and 0 <= seq < 2**64
-    head = _REQUEST_HEAD.pack(MAGIC_REQUEST, VERSION, int(op), 0, seq, key)
-    return head + mac(session, head)
+class Session:
+    """The request and answer frames of one authenticated connection, under its session key S.
+
+    HMAC-SHA256 keyed once (`auth.keyed`): each frame copies the keyed state instead of keying from scratch, and
+    packs, MACs and checks in one interpreter call (a pull's four frame calls are on its critical path, after a
+    1.4 MB copy has evicted the interpreter from the cache: docs/state.md). The module functions below are the
+    same frames for a key given per call."""
+
+    __slots__ = ("_hmac",)
+
+    def __init__(self, key: bytes) -> None:
+        self._hmac = keyed(key)
+
+    def request(self, op: Op, seq: int, key: bytes) -> bytes:
+        assert len(key) == KEY_BYTES and 0 <= seq < 2**64
+        head = _REQUEST_HEAD.pack(MAGIC_REQUEST, VERSION, op, 0, seq, key)
+        h = self._hmac.copy()
+        h.update(head)
+        return head + h.digest()
+
+    def read_request(self, frame: bytes | bytearray | memoryview) -> tuple[Op, int, bytes]:
+        """(op, seq, key) of an authentic 64-byte request; `ProtocolError` for anything else."""
+        if len(frame) != REQUEST_BYTES:
+            raise ProtocolError(f"request is {len(frame)} B, expected {REQUEST_BYTES}")
+        magic, version, op, _, seq, key = _REQUEST_HEAD.unpack_from(frame)
+        view = memoryview(frame)
+        h = self._hmac.copy()
+        h.update(view[:_REQUEST_HEAD.size])
+        if not same(h.digest(), view[_REQUEST_HEAD.size:]):
+            raise ProtocolError("bad request MAC")
+        _check_magic(magic, version, MAGIC_REQUEST)
+        known = _OPS.get(op)
+        if known is None:
+            raise ProtocolError(f"unknown op {op}")
+        return known, seq, key
+
+    def answer(self, status: PullStatus, seq: int, key: bytes, length: int = 0, position: int = 0,
+               checksum: int = 0) -> bytes:
+        """The answer to request `seq` for `key` (any status but DENIED, which has no session)."""
+        assert 0 <= length <= MAX_PAYLOAD and (status is PullStatus.OK or length == 0)
+        assert status is not PullStatus.DENIED
+        head = _RESPONSE_HEAD.pack(MAGIC_RESPONSE, VERSION, status, 0, seq, length, position, checksum)
+        h = self._hmac.copy()
+        h.update(head)
+        h.update(key)
+        return head + h.digest()
+
+    def read_answer(self, frame: bytes | bytearray | memoryview, key: bytes) -> PullResponse:
+        """A 72-byte answer to a request for `key`, its MAC checked unless it is DENIED (which ends the connection
+        either way); `ProtocolError` otherwise."""
+        resp = _parse_response(frame)
+        if resp.status is not PullStatus.DENIED:
+            view = memoryview(frame)
+            h = self._hmac.copy()
+            h.update(view[:_RESPONSE_HEAD.size])
+            h.update(key)
+            if not same(h.digest(), view[_RESPONSE_HEAD.size:]):
+                raise ProtocolError("bad response MAC")
+        return resp
+
+    def __repr__(self) -> str:
+        return "Session(<secret>)"
 
 
-def unpack_request(frame: bytes | bytearray | memoryview, session: bytes | Keyed) -> PullRequest:
-    """Parse and authenticate a 64-byte request; `ProtocolError` for anything else."""
-    if len(frame) != REQUEST_BYTES:
-        raise ProtocolError(f"request is {len(frame)} B, expected {REQUEST_BYTES}")
-    magic, version, op, _, seq, key = _REQUEST_HEAD.unpack_from(frame)
-    _check_magic(magic, version, MAGIC_REQUEST)
-    view = memoryview(frame)
-    if not same(view[_REQUEST_HEAD.size:], mac(session, view[:_REQUEST_HEAD.size])):
-        raise ProtocolError("bad request MAC")
-    known = _OPS.get(op)
-    if known is None:
-        raise ProtocolError(f"unknown op {op}")
-    return PullRequest(known, seq, key)
+def _session(session: bytes | Session) -> Session:
+    return session if isinstance(session, Session) else Session(session)
 
 
-def pack_response(session: bytes | Keyed | None, status: PullStatus, seq: int, key: bytes, length: int = 0,
-                  position: int = 0, checksum: int = 0) -> bytes:
-    """An answer to request `seq` for `key`; `session` None (no MAC) only for DENIED."""
-    assert 0 <= length <= MAX_PAYLOAD and (status is PullStatus.OK or length == 0)
-    assert (session is None) == (status is PullStatus.DENIED)
-    head = _RESPONSE_HEAD.pack(MAGIC_RESPONSE, VERSION, int(status), 0, seq, length, position, checksum)
-    return head + (mac(session, head, key) if session is not None else _ZERO_MAC)
-
-
-def unpack_response(frame: bytes | bytearray | memoryview, session: bytes | Keyed | None, key: bytes) -> PullResponse:
-    """Parse a 72-byte answer to a request for `key`; its MAC is checked unless it is DENIED
-    (which ends the connection either way) or `session` is None. `ProtocolError` otherwise."""
+def _parse_response(frame: bytes | bytearray | memoryview) -> PullResponse:
+    """The fields of a 72-byte answer, its MAC not checked; `ProtocolError` for a frame that is not one."""
     if len(frame) != RESPONSE_BYTES:
         raise ProtocolError(f"response is {len(frame)} B, expected {RESPONSE_BYTES}")
     magic, version, code, _, seq, length, position, checksum = _RESPONSE_HEAD.unpack_from(frame)
@@ -184,11 +221,32 @@ def unpack_response(frame: bytes | bytearray | memoryview, session: bytes | Keye
     status = _STATUSES.get(code)
     if status is None:
         raise ProtocolError(f"unknown status {code}")
-    view = memoryview(frame)
-    if status is not PullStatus.DENIED and session is not None and \
-            not same(view[_RESPONSE_HEAD.size:], mac(session, view[:_RESPONSE_HEAD.size], key)):
-        raise ProtocolError("bad response MAC")
     if length > MAX_PAYLOAD or (status is not PullStatus.OK and length):
         raise ProtocolError(f"absurd length {length} for status {status.name}")
     return PullResponse(status, seq, length, position, checksum)
 
+
+def pack_request(session: bytes | Session, op: Op, seq: int, key: bytes = bytes(KEY_BYTES)) -> bytes:
+    return _session(session).request(op, seq, key)
+
+
+def unpack_request(frame: bytes | bytearray | memoryview, session: bytes | Session) -> PullRequest:
+    """Parse and authenticate a 64-byte request; `ProtocolError` for anything else."""
+    return PullRequest(*_session(session).read_request(frame))
+
+
+def pack_response(session: bytes | Session | None, status: PullStatus, seq: int, key: bytes, length: int = 0,
+                  position: int = 0, checksum: int = 0) -> bytes:
+    """An answer to request `seq` for `key`; `session` None (no MAC) only for DENIED."""
+    assert (session is None) == (status is PullStatus.DENIED)
+    if session is None:
+        return _RESPONSE_HEAD.pack(MAGIC_RESPONSE, VERSION, status, 0, seq, length, position, checksum) + _ZERO_MAC
+    return _session(session).answer(status, seq, key, length, position, checksum)
+
+
+def unpack_response(frame: bytes | bytearray | memoryview, session: bytes | Session | None, key: bytes) -> PullResponse:
+    """Parse a 72-byte answer to a request for `key`; its MAC is checked unless it is DENIED
+    (which ends the connection either way) or `session` is None. `ProtocolError` otherwise."""
+    if session is None:
+        return _parse_response(frame)
+    return _session(session).read_answer(frame, key)

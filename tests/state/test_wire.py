@@ -12,6 +12,7 @@ from kvledger.state.wire import (
     Op,
     ProtocolError,
     PullStatus,
+    Session,
     pack_challenge,
     pack_hello,
     pack_proof,
@@ -102,27 +103,33 @@ def test_random_bytes_parse_or_raise_protocol_error_only(raw):
 
 
 @pytest.mark.parametrize("key_len", [0, 1, 16, 32, 63, 64, 65, 200])
-def test_a_keyed_session_macs_exactly_as_hmac_sha256(key_len):
-    """`auth.Keyed` is RFC 2104 HMAC-SHA256 with its pads hashed once: the same MAC as `hmac.digest` for any key
-    (shorter, equal to and longer than SHA-256's 64-byte block) and any split of the message."""
+def test_a_key_keyed_once_macs_exactly_as_hmac_sha256(key_len):
+    """`auth.keyed` is RFC 2104 HMAC-SHA256 with its pads hashed once: the same MAC as `hmac.digest` for any key
+    (shorter, equal to and longer than SHA-256's 64-byte block) and any split of the message, copy after copy."""
     import hmac
     import os
 
     key = os.urandom(key_len)
-    keyed = auth.Keyed(key)
+    k = auth.keyed(key)
     for msg in (b"", b"x", os.urandom(40), os.urandom(1000)):
         want = hmac.digest(key, msg, "sha256")
-        assert keyed.mac(msg) == want == auth.mac(keyed, msg[:3], msg[3:]) == auth.mac(key, msg)
-        assert keyed.mac(msg[:7], memoryview(msg)[7:]) == want
-    assert repr(keyed) == "Keyed(<secret>)"
+        h = k.copy()
+        h.update(msg[:7])
+        h.update(memoryview(msg)[7:])
+        assert h.digest() == want == auth.mac(key, msg[:3], msg[3:])
 
 
-def test_frames_under_a_keyed_session_are_the_same_bytes():
-    keyed = auth.Keyed(S)
-    assert pack_request(keyed, Op.GET, 7, K) == pack_request(S, Op.GET, 7, K)
-    frame = pack_response(keyed, PullStatus.OK, 7, K, 10, 128, 99)
+def test_frames_of_a_session_are_the_module_functions_frames():
+    session = Session(S)
+    assert session.request(Op.GET, 7, K) == pack_request(session, Op.GET, 7, K) == pack_request(S, Op.GET, 7, K)
+    frame = session.answer(PullStatus.OK, 7, K, 10, 128, 99)
     assert frame == pack_response(S, PullStatus.OK, 7, K, 10, 128, 99)
-    assert unpack_request(bytearray(pack_request(S, Op.PING, 3, K)), keyed).seq == 3
-    assert unpack_response(memoryview(frame), keyed, K).checksum == 99
+    assert session.read_request(bytearray(pack_request(S, Op.PING, 3, K))) == (Op.PING, 3, K)
+    assert unpack_request(pack_request(S, Op.PING, 3, K), session).seq == 3
+    assert session.read_answer(memoryview(frame), K) == unpack_response(frame, S, K)
+    assert session.read_answer(frame, K).checksum == 99
     with pytest.raises(ProtocolError, match="MAC"):
-        unpack_response(frame, auth.Keyed(bytes(32)), K)
+        Session(bytes(32)).read_answer(frame, K)
+    with pytest.raises(ProtocolError, match="MAC"):
+        session.read_answer(frame, b"y" * 16)   # an answer for another key
+    assert repr(session) == "Session(<secret>)"
