@@ -180,7 +180,7 @@ class StateServer:
                 return
             after_handshake(sock)
             head, seq = bytearray(REQUEST_BYTES), 0
-            while not self._stop.is_set() and self._one_request(conn, session, seq, head):
+            while self._one_request(conn, session, seq, head):   # stop() shuts the socket: this loop ends
                 seq += 1
         except TimeoutError:
             self._count("timeouts")
