@@ -63,8 +63,14 @@ static int wait_ready(int fd, short events, double deadline) {
 
 static int parse_fd_deadline(PyObject *sock, PyObject *deadline_obj, int *fd, double *deadline) {
     *fd = PyObject_AsFileDescriptor(sock);
-    if (*fd < 0)
+    if (*fd < 0) {
+        if (PyErr_ExceptionMatches(PyExc_ValueError)) {   /* a closed socket's fileno() is -1: EBADF, as Python's */
+            PyErr_Clear();
+            errno = EBADF;
+            PyErr_SetFromErrno(PyExc_OSError);
+        }
         return -1;
+    }
     *deadline = PyFloat_AsDouble(deadline_obj);
     return (*deadline == -1.0 && PyErr_Occurred()) ? -1 : 0;
 }

@@ -18,7 +18,9 @@ two behave the same: `tests/state/test_sockio.py` runs its cases on both.
 
 from __future__ import annotations
 
+import errno
 import math
+import os
 import select
 import socket
 import time
@@ -36,8 +38,11 @@ def wait_for(sock: socket.socket, events: int, deadline: float) -> None:
     remaining = deadline - time.monotonic()
     if remaining <= 0:
         raise TimeoutError
+    fd = sock.fileno()
+    if fd < 0:   # closed: the error a call on it gives, not poll's ValueError
+        raise OSError(errno.EBADF, os.strerror(errno.EBADF))
     poller = select.poll()
-    poller.register(sock, events)
+    poller.register(fd, events)
     if not poller.poll(math.ceil(remaining * 1000)):
         raise TimeoutError
 

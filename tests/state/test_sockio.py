@@ -90,6 +90,18 @@ def test_a_closed_peer_is_an_os_error_when_sending(io):
             send_all(a, [bytes(1 << 20)], time.monotonic() + 2)
 
 
+def test_a_closed_socket_is_an_os_error(io):
+    send_all, recv_some, recvmsg_some, recv_fill = io
+    a, b = _pair()
+    a.close()
+    with b:
+        deadline = time.monotonic() + 1
+        for call in (lambda: send_all(a, [b"x"], deadline), lambda: recv_some(a, bytearray(8), deadline),
+                     lambda: recvmsg_some(a, [bytearray(8)], deadline), lambda: recv_fill(a, bytearray(8), deadline)):
+            with pytest.raises(OSError):
+                call()
+
+
 def test_recv_fill_feeds_the_digest_every_byte_as_it_lands(io):
     send_all, _, _, recv_fill = io
     a, b = _pair()
