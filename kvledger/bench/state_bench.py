@@ -114,13 +114,13 @@ def _asyncio_server(conn: Any, size: int, token: str) -> None:
     key = bytes(range(16))
     hk = auth.derive_keys(token).handshake
 
-    async def handshake(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bytes | None:
+    async def handshake(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> P.Session | None:
         async with asyncio.timeout(1):
             cn = P.unpack_hello(await reader.readexactly(P.HELLO_BYTES))
             sn = auth.nonce()
             writer.write(P.pack_challenge(sn, auth.server_proof(hk, cn, sn)))
             proof = P.unpack_proof(await reader.readexactly(P.PROOF_BYTES))
-        return auth.session_key(hk, cn, sn) if auth.same(proof, auth.client_proof(hk, cn, sn)) else None
+        return P.Session(auth.session_key(hk, cn, sn)) if auth.same(proof, auth.client_proof(hk, cn, sn)) else None
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -129,22 +129,23 @@ def _asyncio_server(conn: Any, size: int, token: str) -> None:
             session, seq = await handshake(reader, writer), 0
             while session is not None:
                 async with asyncio.timeout(60):
-                    req = P.unpack_request(await reader.readexactly(P.REQUEST_BYTES), session)
-                if req.seq != seq:
+                    _, got_seq, want = session.read_request(await reader.readexactly(P.REQUEST_BYTES))
+                if got_seq != seq:
                     return
-                seq += 1
-                pinned = pool.pin(req.key)
+                pinned = pool.pin(want)
                 if pinned is None:
-                    writer.write(P.pack_response(session, P.PullStatus.MISS, req.seq, req.key))
+                    writer.write(session.answer(P.PullStatus.MISS, seq, want))
+                    seq += 1
                     continue
                 try:
-                    writer.write(P.pack_response(session, P.PullStatus.OK, req.seq, req.key, pinned.size,
-                                                 pinned.position, pinned.checksum))
+                    writer.write(session.answer(P.PullStatus.OK, seq, want, pinned.size, pinned.position,
+                                                pinned.checksum))
                     writer.write(pinned.view)
                     async with asyncio.timeout(5):
                         await writer.drain()
                 finally:
-                    pool.unpin(req.key)
+                    pool.unpin(want)
+                seq += 1
         except (asyncio.IncompleteReadError, OSError, TimeoutError, P.ProtocolError):
             pass
         finally:
