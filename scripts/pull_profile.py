@@ -11,6 +11,10 @@ blocking socket that `sendall`s the same bytes, the puller feeding each piece to
 It prints, per side and library, the median over rounds of the CPU µs per pull (samples / frequency / pulls), and
 beside it each side's CPU per pull from the OS, which the samples should match. Needs `perf` (Debian:
 linux-perf) with perf_event_paranoid <= 2 for one's own processes.
+
+`--block N` profiles the bench's own pattern instead: within a round the two transports take turns every N pulls
+(the bench takes 5, in the order A B B A A B ...), under one `perf record` of the puller and both servers. Each
+transport pulls from its own thread of the puller, waiting for its turn, so the puller's samples split by thread.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -95,7 +100,68 @@ def profile_one(run: Any, server_pid: int, control: Any, pulls: int, freq: int, 
     }
 
 
-def profile(rounds: int, pulls: int, freq: int, size: int) -> dict[str, Any]:
+def profile_interleaved(runs: dict[str, Any], pids: dict[str, int], controls: dict[str, Any], pulls: int,
+                        block: int, freq: int, folder: Path) -> dict[str, dict[str, Any]]:
+    """`pulls` of each transport taking turns every `block` pulls, as `kvledger bench state` does, under one perf
+    record: per transport, the same figures as `profile_one`. Each transport pulls from its own thread."""
+    names = list(runs)
+    schedule = [name for b in range(-(-pulls // block)) for name in (names if b % 2 == 0 else names[::-1])]
+    turn, lock = [0], threading.Condition()
+    ready = threading.Barrier(len(names) + 1)
+    got: dict[str, dict[str, Any]] = {}
+
+    def puller(name: str) -> None:
+        lat: list[float] = []
+        tid = threading.get_native_id()
+        ready.wait()   # perf is attached
+        cpu0 = time.thread_time()
+        for i, who in enumerate(schedule):
+            if who != name:
+                continue
+            with lock:
+                lock.wait_for(lambda i=i: turn[0] == i)
+            lat += runs[name](min(block, pulls - block * (i // len(names))))
+            with lock:
+                turn[0] += 1
+                lock.notify_all()
+        got[name] = {"lat": lat, "cpu": time.thread_time() - cpu0, "tid": tid}
+
+    workers = [threading.Thread(target=puller, args=(name,)) for name in names]
+    for w in workers:
+        w.start()
+    data = folder / "perf.data"
+    time.sleep(0.2)   # the pullers exist, so perf attaches to them
+    perf = subprocess.Popen(["perf", "record", "-q", "-e", "cpu-clock", "-F", str(freq), "-p",
+                             ",".join(str(pid) for pid in (os.getpid(), *pids.values())), "-o", str(data)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        time.sleep(0.5)
+        for c in controls.values():
+            c.send("cpu")
+        server0 = {name: controls[name].recv() for name in names}
+        ready.wait()
+        for w in workers:
+            w.join()
+        for c in controls.values():
+            c.send("cpu")
+        server1 = {name: controls[name].recv() for name in names}
+    finally:
+        perf.send_signal(signal.SIGINT)
+        perf.wait(30)
+    labels = {got[name]["tid"]: f"{name}/client" for name in names}
+    for name in names:
+        labels |= {tid: f"{name}/server" for tid in threads({pids[name]: "server"})}
+    samples = samples_by_side(data, labels)
+    per_pull = 1e6 / freq / pulls
+    return {name: {
+        "median_pull_us": statistics.median(got[name]["lat"]) * 1e6,
+        "cpu_us": {"client": got[name]["cpu"] * 1e6 / pulls, "server": (server1[name] - server0[name]) * 1e6 / pulls},
+        "sampled_us": {side: {lib: n * per_pull for lib, n in samples[f"{name}/{side}"].items()}
+                       for side in ("client", "server")},
+    } for name in names}
+
+
+def profile(rounds: int, pulls: int, freq: int, size: int, block: int = 0) -> dict[str, Any]:
     token = uuid.uuid4().hex
     servers = sb.Servers()
     spawn, controls, pids = servers.spawn, servers.control, servers.pids
@@ -117,9 +183,16 @@ def profile(rounds: int, pulls: int, freq: int, size: int) -> dict[str, Any]:
         got: dict[str, list[dict[str, Any]]] = {name: [] for name in runs}
         with tempfile.TemporaryDirectory(prefix="kvledger-pull-profile-") as tmp:
             for r in range(rounds):
+                if block:
+                    order = list(TRANSPORTS if r % 2 == 0 else TRANSPORTS[::-1])
+                    one = profile_interleaved({name: runs[name] for name in order}, pids, controls, pulls, block,
+                                              freq, Path(tmp))
+                    for name in TRANSPORTS:
+                        got[name].append(one[name])
+                    continue
                 for name in TRANSPORTS if r % 2 == 0 else TRANSPORTS[::-1]:
                     got[name].append(profile_one(runs[name], pids[name], controls[name], pulls, freq, Path(tmp)))
-        return {"size": size, "rounds": rounds, "pulls": pulls, "freq_hz": freq,
+        return {"size": size, "rounds": rounds, "pulls": pulls, "block": block, "freq_hz": freq,
                 "load_1m": os.getloadavg()[0], "transports": {name: summarise(rs) for name, rs in got.items()}}
     finally:
         client.close()
@@ -144,7 +217,8 @@ def summarise(rounds: list[dict[str, Any]]) -> dict[str, Any]:
 
 def table(res: dict[str, Any]) -> None:
     kv, floor = res["transports"]["kvledger"], res["transports"]["plain_checksum"]
-    print(f"µs per pull of {res['size']:,} B, median of {res['rounds']} rounds of {res['pulls']} pulls "
+    pattern = f", the two taking turns every {res['block']}" if res.get("block") else ""
+    print(f"µs per pull of {res['size']:,} B, median of {res['rounds']} rounds of {res['pulls']} pulls{pattern} "
           f"(perf cpu-clock at {res['freq_hz']} Hz; load {res['load_1m']:.2f})")
     print(f"{'':18s} {'kvledger':>10s} {'plain_checksum':>15s} {'difference':>11s}")
     print(f"{'median pull':18s} {kv['median_pull_us']:10.1f} {floor['median_pull_us']:15.1f} "
@@ -167,12 +241,14 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5, help="profiled rounds per transport, interleaved")
     p.add_argument("--pulls", type=int, default=400, help="pulls per profiled round")
     p.add_argument("--freq", type=int, default=4999, help="perf's sampling frequency, Hz")
+    p.add_argument("--block", type=int, default=0, help="take turns every N pulls, as the bench does (5); 0: each "
+                                                        "transport's pulls of a round in one run")
     p.add_argument("--json", action="store_true", help="print the result as JSON instead of a table")
     p.add_argument("--record", metavar="DIR", help="also write the JSON, with where and when it ran, to "
                                                    "DIR/pull-profile-<UTC time>.json (docs/results)")
     args = p.parse_args()
-    if min(args.rounds, args.pulls, args.freq) < 1:
-        p.error("--rounds, --pulls and --freq must be >= 1")
+    if min(args.rounds, args.pulls, args.freq) < 1 or args.block < 0:
+        p.error("--rounds, --pulls and --freq must be >= 1, --block >= 0")
     if shutil.which("perf") is None:
         print("pull_profile: `perf` is not installed (Debian: apt-get install linux-perf)", file=sys.stderr)
         raise SystemExit(2)
@@ -185,7 +261,7 @@ def main() -> None:
     size = spec.state_size_to_disk()
     before, started, commit = os.getloadavg(), time.time(), record.checkout_commit()
     try:
-        res = profile(args.rounds, args.pulls, args.freq, size)
+        res = profile(args.rounds, args.pulls, args.freq, size, args.block)
     except KeyboardInterrupt:
         raise SystemExit(130) from None
     if args.record:
