@@ -110,23 +110,33 @@ def profile_interleaved(runs: dict[str, Any], pids: dict[str, int], controls: di
     ready = threading.Barrier(len(names) + 1)
     got: dict[str, dict[str, Any]] = {}
 
+    failed: list[BaseException] = []
+
     def puller(name: str) -> None:
         lat: list[float] = []
         tid = threading.get_native_id()
         ready.wait()   # perf is attached
         cpu0 = time.thread_time()
-        for i, who in enumerate(schedule):
-            if who != name:
-                continue
+        try:
+            for i, who in enumerate(schedule):
+                if who != name:
+                    continue
+                with lock:
+                    lock.wait_for(lambda i=i: turn[0] == i or failed)
+                if failed:
+                    return
+                lat += runs[name](min(block, pulls - block * (i // len(names))))
+                with lock:
+                    turn[0] += 1
+                    lock.notify_all()
+        except BaseException as e:   # a missed pull: the other puller stops waiting for its turn
             with lock:
-                lock.wait_for(lambda i=i: turn[0] == i)
-            lat += runs[name](min(block, pulls - block * (i // len(names))))
-            with lock:
-                turn[0] += 1
+                failed.append(e)
                 lock.notify_all()
+            return
         got[name] = {"lat": lat, "cpu": time.thread_time() - cpu0, "tid": tid}
 
-    workers = [threading.Thread(target=puller, args=(name,)) for name in names]
+    workers = [threading.Thread(target=puller, args=(name,), daemon=True) for name in names]
     for w in workers:
         w.start()
     data = folder / "perf.data"
@@ -142,6 +152,8 @@ def profile_interleaved(runs: dict[str, Any], pids: dict[str, int], controls: di
         ready.wait()
         for w in workers:
             w.join()
+        if failed:
+            raise failed[0]
         for c in controls.values():
             c.send("cpu")
         server1 = {name: controls[name].recv() for name in names}
