@@ -46,11 +46,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_threads_arg(p)
 
 
-def all_layers_bytes_per_token(spec: Any) -> int:
-    """K and V of every layer for one token: what a store without a state ledger keeps per cached token."""
-    return spec.kv_bytes_per_token + spec.windowed_layers * spec.swa_bytes_per_token
-
-
 def _one_strategy(entry: Any, strategy: str, doc: list[int], questions: list[list[int]], root: Path
                   ) -> dict[str, Any]:
     from kvledger.engine.engine import Engine
@@ -102,8 +97,8 @@ def _one_strategy(entry: Any, strategy: str, doc: list[int], questions: list[lis
         "first_ttft_s": runs[0]["ttft_s"],
         "snapshots": snapshots, "snapshot_bytes": snapshot_bytes, "block_disk_bytes": stats.disk_bytes,
         "stored_tokens": stored_tokens, "bytes_per_stored_token": kept / stored_tokens if stored_tokens else None,
-        "all_layers_bytes_per_token": all_layers_bytes_per_token(spec),
-        "vs_all_layers": kept / (stored_tokens * all_layers_bytes_per_token(spec)) if stored_tokens else None,
+        "all_layers_bytes_per_token": spec.all_layers_bytes_per_token(),
+        "vs_all_layers": kept / (stored_tokens * spec.all_layers_bytes_per_token()) if stored_tokens else None,
         "runs": runs,
     }
 

@@ -32,7 +32,7 @@ and whether the 32 greedy tokens equal cold's. "stored" (n = 1) prices periodic 
 
 `bytes` says what the stored run left on the ledgers, measured: the block ledger's files and the snapshots in
 host memory, per stored token, with rule 4's snapshots only and with the checkpoints too, against a store
-that keeps every layer's K and V per token (`rag_bench.all_layers_bytes_per_token`).
+that keeps every layer's K and V per token (`ModelSpec.all_layers_bytes_per_token`).
 
 `floor`: what a hit cannot go below on this machine. Its bytes must be read: a plain `preadv` of as many bytes as
 the hit's blocks, from a file in the ledger's folder and the page cache as warm as the ledger's (the median of
@@ -248,14 +248,13 @@ def _floor(out: dict[str, Any], read_s: float) -> dict[str, Any]:
 
 def _bytes_kept(spec: Any, prompt: list[int], ledger: Any, states: Any) -> dict[str, Any]:
     """What the stored run put on the ledgers: block files and snapshots, per stored token (module docstring)."""
-    from kvledger.bench.rag_bench import all_layers_bytes_per_token
     from kvledger.core import chain_keys, prefill_store_positions
 
     disk = ledger.stats().disk_bytes
     stored = len(prompt) // spec.block_size * spec.block_size
     held = states.positions(chain_keys(prompt, spec, "bench")) if states is not None else set()
     rule4 = len(held & set(prefill_store_positions(len(prompt), spec)))
-    size, per_token = spec.state_size_to_disk(), all_layers_bytes_per_token(spec)
+    size, per_token = spec.state_size_to_disk(), spec.all_layers_bytes_per_token()
 
     def per(snapshots: int) -> float:
         return (disk + snapshots * size) / stored

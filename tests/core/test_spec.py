@@ -92,3 +92,10 @@ def test_invalid_specs_are_refused():
 
 def _fields(s: ModelSpec) -> dict:
     return {f: getattr(s, f) for f in s.__dataclass_fields__}
+
+
+def test_all_layers_bytes_per_token_counts_every_layers_kv_the_windowed_ones_too():
+    """The baseline the state ledger is measured against: a store that keeps every layer's K and V per token."""
+    smollm2, gemma3 = ModelSpec.preset("smollm2-135m"), ModelSpec.preset("gemma3-270m")
+    assert smollm2.all_layers_bytes_per_token() == smollm2.kv_bytes_per_token   # no windowed layer
+    assert gemma3.all_layers_bytes_per_token() == 18 * 2 * 256 * 2 > gemma3.kv_bytes_per_token   # K, V, bf16
