@@ -24,9 +24,6 @@ HELP = "live trace replay against a server or a local cluster, per routing polic
 EXAMPLES = ("kvledger bench replay --workload chat --json",)  # `--help`'s epilog
 POLICIES = ("cache-aware", "round-robin", "least-loaded", "prefix-affinity")
 SESSIONS = {"chat": 8, "agent": 2}
-HEADLINE = ("token_hit_rate", "sim_token_hit_rate", "hit_rate_gap", "ttft_p50_warm_s", "ttft_p50_cold_s",
-            "ttft_p99_warm_s", "ttft_p99_cold_s", "requests_per_s", "store_share_of_hits",
-            "prefill_tokens_per_s", "prefill_tokens_per_s_idle", "read_bytes_per_s")
 SCALING_HELP = (
     "Scaling (to fit a 2-core CPU): lengths × --length-scale in whole 128-token blocks — every k-th "
     "block id of the source is kept (k = round(128 / (source block × scale)); or each id becomes "

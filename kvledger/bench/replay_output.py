@@ -12,12 +12,14 @@ from typing import Any
 
 from kvledger.bench.replay_scale import Scaling, ScaledRequest
 
+HEADLINE = ("token_hit_rate", "sim_token_hit_rate", "hit_rate_gap", "ttft_p50_warm_s", "ttft_p50_cold_s",
+            "ttft_p99_warm_s", "ttft_p99_cold_s", "requests_per_s", "store_share_of_hits",
+            "prefill_tokens_per_s", "prefill_tokens_per_s_idle", "read_bytes_per_s")   # the first policy's, at the top
+
 
 def report(source: str, scaling: Scaling, requests: list[ScaledRequest], runs: list[dict[str, Any]]
            ) -> dict[str, Any]:
     """The JSON object: headline figures of the first policy at the top, every policy under `policies`."""
-    from kvledger.bench.replay import HEADLINE
-
     prompts = [r.tokens.size for r in requests]
     scale = {**scaling.describe(), "requests": len(requests), "prompt_tokens": sum(prompts),
              "prompt_tokens_max": max(prompts), "max_tokens_total": sum(r.max_tokens for r in requests),
