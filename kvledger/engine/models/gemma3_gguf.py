@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from kvledger.engine.models.gemma3 import LOCAL_ROPE_THETA
-from kvledger.engine.models.hf_folder import hf_tensor_name
+from kvledger.engine.models.model_files import hf_tensor_name
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",

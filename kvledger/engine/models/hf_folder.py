@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from kvledger.engine.models.tokenizer import load_tokenizer
-from kvledger.engine.models.weights import ROLE_TOKENS, file_digest
+from kvledger.engine.models.model_files import ROLE_TOKENS, cache_dir, file_digest, hf_tensor_name
 
 FORMAT = 1  # bump when the folder's contents change shape; old folders are then rebuilt
 
@@ -61,8 +61,7 @@ _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.
 
 
 def cache_root() -> Path:
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "kvledger" / "models"
+    return cache_dir() / "models"
 
 
 def gguf_to_hf_folder(gguf_path: Path, name: str) -> Path:
@@ -163,25 +162,13 @@ def _write_weights(reader: Any, config: dict[str, Any], path: Path) -> None:
     tensors: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
         w = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)  # a writable copy
-        hf_name = hf_tensor_name(t.name)
+        hf_name = hf_tensor_name(t.name, _GLOBAL_NAMES, _LAYER_NAMES)
         if hf_name.endswith("q_proj.weight"):
             w = _unpermute(w, heads)
         elif hf_name.endswith("k_proj.weight"):
             w = _unpermute(w, kv_heads)
         tensors[hf_name] = torch.from_numpy(w).to(torch.bfloat16)
     save_file(tensors, str(path), metadata={"format": "pt"})
-
-
-def hf_tensor_name(gguf_name: str, global_names: dict[str, str] = _GLOBAL_NAMES,
-                   layer_names: dict[str, str] = _LAYER_NAMES, what: str = "GGUF tensor") -> str:
-    """The Hugging Face name of a GGUF tensor: a global one by `global_names`, `blk.<i>.<part>.<suffix>` as
-    `model.layers.<i>.<layer_names[part]>.<suffix>`; ValueError naming `what` for any other."""
-    if gguf_name in global_names:
-        return global_names[gguf_name]
-    blk, layer, part, suffix = gguf_name.split(".")
-    if blk != "blk" or part not in layer_names:
-        raise ValueError(f"unexpected {what} {gguf_name!r}")
-    return f"model.layers.{int(layer)}.{layer_names[part]}.{suffix}"
 
 
 def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:

@@ -35,8 +35,8 @@ from typing import Any
 
 from kvledger.core import DEFAULT_MODEL, ModelSpec
 from kvledger.engine.models import gemma3_chat
-from kvledger.engine.models.weights import (GgufFile, HfFolder, ModelError, assembled_file, file_digest, gguf_fields,
-                                            package_file)
+from kvledger.engine.models.model_files import ModelError, file_digest, gguf_fields
+from kvledger.engine.models.weights import GgufFile, HfFolder, assembled_file, package_file
 
 __all__ = ["ARCHITECTURES", "DEFAULT_MODEL", "NAMES", "TEXT_MODELS", "ModelEntry", "ModelError", "add_checkpoint_arg",
            "add_model_arg", "cli_checkpoint", "cli_resolve", "load_tokenizer", "model_help", "resolve"]

@@ -16,6 +16,8 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
+from kvledger.engine.models.model_files import cache_dir
+
 _CONTROL = 3  # GGUF token type of special (control) tokens
 _USER_DEFINED = 4  # GGUF token type of added tokens matched whole but not special (Gemma's <unused…>, tabs …)
 _SPACE = "\u2581"  # sentencepiece's visible space "▁"
@@ -88,8 +90,7 @@ class PieceEncoder:
 def _cache_path(gguf: Path) -> Path:
     st = gguf.stat()
     tag = hashlib.sha256(f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "kvledger" / "tokenizers" / f"{gguf.stem}-{tag}.json"
+    return cache_dir() / "tokenizers" / f"{gguf.stem}-{tag}.json"
 
 
 def _from_gguf(path: Path) -> Tokenizer:

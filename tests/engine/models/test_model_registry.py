@@ -12,7 +12,7 @@ import pytest
 
 from kvledger.core import ModelSpec, chain_keys
 from kvledger.engine.models import registry
-from kvledger.engine.models.weights import file_digest, gguf_fields
+from kvledger.engine.models.model_files import file_digest, gguf_fields
 
 # every command that runs a model (the others size by a ModelSpec preset: plan, diff, bench store/state/sim)
 SERVING = (("serve",), ("entrypoint",), ("engine",), ("up",), ("bench", "ttft"), ("bench", "serve"),
@@ -121,12 +121,12 @@ def test_a_digest_is_cached_until_the_file_changes(tmp_path, monkeypatch):
     mtime kept (as `cp -p` keeps them), is hashed again: a stale digest would let two models share blocks."""
     import hashlib
 
-    from kvledger.engine.models import weights
+    from kvledger.engine.models import model_files
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     hashed = []
     real = hashlib.file_digest
-    monkeypatch.setattr(weights.hashlib, "file_digest", lambda f, algo: hashed.append(f.name) or real(f, algo))
+    monkeypatch.setattr(model_files.hashlib, "file_digest", lambda f, algo: hashed.append(f.name) or real(f, algo))
     f = tmp_path / "w.bin"
     f.write_bytes(b"x" * 1000)
     first = file_digest(f)
