@@ -133,7 +133,7 @@ def _write_folder(gguf_path: Path, out: Path, source: dict[str, Any]) -> None:
 
 
 def llama_config(field: Callable[[str], Any], tied: bool = True) -> dict[str, Any]:
-    """config.json of a Llama GGUF from its metadata (`field(key)` → value; `weights.gguf_fields` or the
+    """config.json of a Llama GGUF from its metadata (`field(key)` → value; `model_files.gguf_fields` or the
     reader); `tied`: no separate output.weight."""
     if field("general.architecture") != "llama":
         raise ValueError("only Llama GGUFs are converted")
