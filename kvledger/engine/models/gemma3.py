@@ -253,19 +253,18 @@ class Gemma3(Model):
         assert kinds == spec.layers and spec.window == cfg.sliding_window, "the spec must describe this Gemma 3"
         self.cfg, self.spec = cfg, spec
         self.vocab_size, self.eos_token_ids, self.max_model_len = cfg.vocab, cfg.eos_token_ids, cfg.max_positions
-        self.embed_tokens = nn.Embedding(cfg.vocab, cfg.hidden)
+        # an empty weight, not a random one: normal_ on the meta device imports torch._dynamo (~2 s a start)
+        self.embed_tokens = nn.Embedding(cfg.vocab, cfg.hidden, _weight=torch.empty(cfg.vocab, cfg.hidden))
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.layers))
         self.norm = RMSNorm(cfg.hidden, cfg.rms_eps)
         self.caches = [PagedKV(spec.block_size, cfg.kv_heads, cfg.head_dim, kv_dtype) if kind is LayerKind.FULL
                        else RingKV(spec, cfg.kv_heads, cfg.head_dim, kv_dtype) for kind in kinds]
         self.embed_scale = math.sqrt(cfg.hidden)
-        self.set_rope()
-
-    def set_rope(self) -> None:
-        """inv_freq per layer kind (float32, as transformers computes it); again after a meta-device load."""
-        dims = torch.arange(0, self.cfg.head_dim, 2, dtype=torch.int64).float() / self.cfg.head_dim
-        self.inv_freq = {LayerKind.SWA: 1.0 / self.cfg.rope_local_theta ** dims,
-                         LayerKind.FULL: 1.0 / self.cfg.rope_global_theta ** dims}
+        # inv_freq per layer kind, float32 as transformers computes it, on the CPU even while the model is built
+        # on the meta device, whose arithmetic imports torch._dynamo too
+        dims = torch.arange(0, cfg.head_dim, 2, dtype=torch.int64, device="cpu").float() / cfg.head_dim
+        self.inv_freq = {LayerKind.SWA: 1.0 / cfg.rope_local_theta ** dims,
+                         LayerKind.FULL: 1.0 / cfg.rope_global_theta ** dims}
 
     def _rope(self, positions: Tensor, kind: LayerKind) -> tuple[Tensor, Tensor]:
         freqs = positions.float().unsqueeze(1) * self.inv_freq[kind].to(positions.device).unsqueeze(0)
@@ -305,7 +304,6 @@ def load_gemma3(folder: Path, spec: ModelSpec, device: torch.device, kv_dtype: t
             state[name.removeprefix("model.")] = tensor.float()
     state.pop("lm_head.weight", None)   # tied: the embeddings are the head
     model.load_state_dict(state, strict=True, assign=True)
-    model.set_rope()
     model = model.to(device).eval()
     for module in model.modules():   # `linear` multiplies by weightᵀ: keep that contiguous (measured ~1.5× on 16 rows)
         if isinstance(module, nn.Linear):

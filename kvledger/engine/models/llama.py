@@ -172,14 +172,16 @@ class Llama(Model):
         assert spec.n_layers == cfg.layers and not spec.has_swa, "the spec must describe this Llama"
         self.cfg, self.spec = cfg, spec
         self.vocab_size, self.eos_token_ids, self.max_model_len = cfg.vocab, cfg.eos_token_ids, cfg.max_positions
-        self.embed_tokens = nn.Embedding(cfg.vocab, cfg.hidden)
+        # an empty weight, not a random one: normal_ on the meta device imports torch._dynamo (~2 s a start)
+        self.embed_tokens = nn.Embedding(cfg.vocab, cfg.hidden, _weight=torch.empty(cfg.vocab, cfg.hidden))
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.layers))
         self.norm = RMSNorm(cfg.hidden, cfg.rms_eps)
         self.lm_head = Linear(cfg.hidden, cfg.vocab, bias=False)
         self.caches = [PagedKV(spec.block_size, cfg.kv_heads, cfg.head_dim, kv_dtype, MIRROR_SHARE)
                        for _ in range(cfg.layers)]
-        inv = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim)
-        self.register_buffer("inv_freq", inv.float(), persistent=False)
+        # on the CPU even while the model is built on the meta device, whose arithmetic imports torch._dynamo too
+        dims = torch.arange(0, cfg.head_dim, 2, dtype=torch.float64, device="cpu") / cfg.head_dim
+        self.register_buffer("inv_freq", (1.0 / cfg.rope_theta ** dims).float(), persistent=False)
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, signed_sin [T, 1, d] for `rotate`: HF's cos and sin of the positions, sin's first half negated."""
@@ -253,6 +255,4 @@ def load_llama(folder: Path, spec: ModelSpec, device: torch.device) -> Llama:
     if "lm_head.weight" not in state:
         state["lm_head.weight"] = state["embed_tokens.weight"]
     model.load_state_dict(_stacked(state, cfg.layers), strict=True, assign=True)
-    model.inv_freq = (1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64)
-                                                / cfg.head_dim)).float()
     return model.to(device).eval()
