@@ -1,18 +1,18 @@
 """kvledger under a real vLLM (CPU build, `.venv-vllm`) with vLLM's hybrid KV cache manager on:
 Gemma 3 270M (15 sliding-window layers, W = 512, and 3 full-attention layers), float32, a prompt of
-1,800 tokens, longer than the window.
+1,000 tokens, longer than the window.
 
 Two engines at once: a plain vLLM (the reference greedy tokens; asked twice, the second time from its
 own prefix cache) beside vLLM with the connector on an empty store (it computes, saves the full
-group's 14 blocks to the block ledger and the window [1280, 1792) of the sliding-window groups as
-the snapshot at p = ⌊(L − 1)/128⌋·128 = 1792). Then a fresh vLLM with the connector on the same
-store: vLLM reports 1,792 cached tokens (rule 3′ with R = 1: the blocks up to 1792 and the snapshot
+group's 7 blocks to the block ledger and the window [384, 896) of the sliding-window groups as
+the snapshot at p = ⌊(L − 1)/128⌋·128 = 896). Then a fresh vLLM with the connector on the same
+store: vLLM reports 896 cached tokens (rule 3′ with R = 1: the blocks up to 896 and the snapshot
 there), loaded from kvledger, and answers the plain engine's tokens; a next turn (the prompt and
-300 more tokens: L1 = 1792 < its cap 1920) resumes at the same snapshot. A corrupted snapshot file then
+300 more tokens: L1 = 896 < its cap 1280) resumes at the same snapshot. A corrupted snapshot file then
 ends in a recompute from 0 with the same tokens (rule 8), which saves the snapshot anew: the next
 request hits again.
 
-Float32 for the reason test_vllm_connector.py gives: a hit computes the last 8 prompt tokens in a
+Float32 for the reason test_vllm_connector.py gives: a hit computes the last 104 prompt tokens in a
 batch of another shape than a cold prefill.
 """
 
@@ -32,9 +32,9 @@ from kvledger.store.ledger import BlockLedger
 
 needs_vllm = pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="run `make vllm-venv`")
 
-PROMPT_TOKENS = 1800
-HIT = (PROMPT_TOKENS - 1) // 128 * 128   # 1792: rule 4′'s p, and rule 3′'s hit for this prompt
-NEXT_TURN = 300                          # tokens a next turn appends (its own p: 2048)
+PROMPT_TOKENS = 1000
+HIT = (PROMPT_TOKENS - 1) // 128 * 128   # 896: rule 4′'s p, and rule 3′'s hit for this prompt
+NEXT_TURN = 300                          # tokens a next turn appends (its own p: 1280)
 MAX_TOKENS = 16
 DTYPE = "float32"
 GEMMA_LAYERS = tuple(LayerKind.FULL if (i + 1) % 6 == 0 else LayerKind.SWA for i in range(18))
