@@ -86,7 +86,23 @@ class Reply(NamedTuple):
     legs: dict           # the checked server's engine legs for it, by (leg kind, hit kind); {} for `serve`
 
 
-def run_workload(server: ServeProcess | ClusterProcess | Node, no_cache: ServeProcess,
+class Reference:
+    """The no-cache server's greedy replies, each asked once per module: the tests of this file send the same
+    workload, so while their servers answer right they ask the same requests (a wrong reply makes new ones).
+    tiny-v4's no-cache reply to a request is one fixed list of floats' argmaxes, so a kept one is the reply."""
+
+    def __init__(self, server: ServeProcess) -> None:
+        self.server = server
+        self.replies: dict[tuple[tuple[int, ...], int], list[int]] = {}
+
+    def complete(self, tokens: list[int], n: int) -> list[int]:
+        key = (tuple(tokens), n)
+        if key not in self.replies:
+            self.replies[key] = complete(self.server, tokens, n)[0]
+        return list(self.replies[key])   # a copy: the caller extends it
+
+
+def run_workload(server: ServeProcess | ClusterProcess | Node, no_cache: Reference,
                  fault: Callable[[], None] | None = None, fault_at: int = 12) -> list[Reply]:
     """Every request of the workload, in order, each checked against the no-cache server along the legs the
     server took: split after the first token when a prefill leg ran (P/D: the decode leg is a new forward
@@ -107,10 +123,10 @@ def run_workload(server: ServeProcess | ClusterProcess | Node, no_cache: ServePr
             ids, usage = complete(server, tokens, reply)
             taken = {k: n - before.get(k, 0) for k, n in legs(server.url).items() if n > before.get(k, 0)}
             if any(kind == "prefill" for kind, _ in taken):
-                ref = complete(no_cache, tokens, 1)[0]
-                ref += complete(no_cache, tokens + ref, reply - 1)[0]
+                ref = no_cache.complete(tokens, 1)
+                ref += no_cache.complete(tokens + ref, reply - 1)
             else:
-                ref = complete(no_cache, tokens, reply)[0]
+                ref = no_cache.complete(tokens, reply)
             results.append(Reply(len(tokens), ids, ref, usage, taken))
             tokens += ids
     return results
@@ -126,7 +142,7 @@ def complete(server: ServeProcess | ClusterProcess, tokens: list[int], n: int) -
 @pytest.fixture(scope="module")
 def no_cache(tmp_path_factory):
     server = ServeProcess(tmp_path_factory.mktemp("reference") / "data", "--no-cache", model="tiny-v4").start()
-    yield server
+    yield Reference(server)
     server.stop()
 
 
