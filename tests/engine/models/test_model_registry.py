@@ -228,3 +228,17 @@ def test_the_engine_and_its_models_import_nothing_above_them():
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else []
             for name in names:
                 assert not name.startswith(above), f"{path.name} imports {name}"
+
+
+def test_loading_a_model_leaves_torchs_compiler_unimported():
+    """A model is built on the meta device and then given its weights: its random initialisation and meta
+    arithmetic would import torch._dynamo, ~2 s of every server's and engine's start on a 2-core machine."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from kvledger.engine.models.registry import resolve\n"
+            "for name in ('smollm2-135m', 'gemma3-270m', 'tiny-v4'):\n"
+            "    resolve(name).load()\n"
+            "    assert 'torch._dynamo' not in sys.modules, name")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
