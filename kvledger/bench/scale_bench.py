@@ -17,7 +17,9 @@ runs with the same N), then, each in fresh processes (scale_roles.py):
     gc_s          one gc() removing `--gc-blocks` expired blocks (written just before, 1-second TTL)
     gc_idle_s     one gc() with nothing expired
     max_stall_ms  the longest put or CHECK (128K tokens) of another process during that gc(); beside it that
-                  process's put p99 and the major page faults (index pages read from disk) of its slowest put
+                  process's put p99 and the major page faults (index pages read from disk) of its slowest put;
+                  stall_slowest says where the slowest op's time went: its own CPU, its voluntary and
+                  involuntary switches, its page faults, the system's I/O and CPU pressure (scale_roles.OpCost)
 
 `--burners N` runs N processes spinning on the CPU while each design is measured (after `--warm-load-s` of
 them alone, so the machine is at that load and not climbing to it); `load_1m` is the 1-minute load average
@@ -146,7 +148,8 @@ def measure(design: str, root: Path, base: dict, gc_blocks: int, warm: bool) -> 
                                    "max_stall_put_ms": stalled["max_put_ms"],
                                    "max_stall_check_ms": stalled["max_check_ms"],
                                    "stall_put_p99_ms": stalled.get("put_p99_ms"),
-                                   "max_stall_put_major_faults": stalled.get("max_put_major_faults")}
+                                   "max_stall_put_major_faults": stalled.get("max_put_major_faults"),
+                                   "stall_slowest": stalled.get("slowest")}
 
 
 def run(args: argparse.Namespace) -> int:

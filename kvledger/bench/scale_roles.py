@@ -31,6 +31,7 @@ import resource
 import statistics
 import sys
 import time
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
@@ -245,31 +246,76 @@ def role_writer(a: dict) -> dict:
     return {"puts": n}
 
 
+PRESSURE_FILES = ("/proc/pressure/io", "/proc/pressure/cpu")   # Linux PSI; each line 1: "some ... total=µs"
+
+
+def pressure_ms() -> tuple[float, float]:
+    """The system's I/O and CPU pressure so far (PSI `some` totals, ms: time at least one task waited for the
+    disk, or for a core); NaN where the kernel does not offer it."""
+    out = []
+    for path in PRESSURE_FILES:
+        try:
+            with open(path) as f:
+                out.append(int(f.readline().rsplit("total=", 1)[1]) / 1e3)
+        except (OSError, IndexError, ValueError):
+            out.append(float("nan"))
+    return out[0], out[1]
+
+
+@dataclass(slots=True)
+class OpCost:
+    """Where one put or CHECK's wall time went. `cpu_ms` is its own thread's CPU time; a voluntary switch is a
+    wait (a lock, the disk), an involuntary one the scheduler giving its core to another process; major faults
+    are index pages read from disk; the pressures are the system's PSI `some` time across it (ms). Wall far
+    above CPU with involuntary switches: the CPU was taken; with voluntary ones and I/O pressure: the disk."""
+
+    kind: str
+    wall_ms: float
+    cpu_ms: float
+    voluntary_switches: int
+    involuntary_switches: int
+    major_faults: int
+    io_pressure_ms: float
+    cpu_pressure_ms: float
+
+    @classmethod
+    def of(cls, kind: str, op: Any) -> OpCost:
+        """Run `op()` and measure it."""
+        (io0, cpu0), r0, c0 = pressure_ms(), resource.getrusage(resource.RUSAGE_THREAD), time.thread_time()
+        t0 = time.perf_counter()
+        op()
+        wall = (time.perf_counter() - t0) * 1e3
+        c1, r1, (io1, cpu1) = time.thread_time(), resource.getrusage(resource.RUSAGE_THREAD), pressure_ms()
+        return cls(kind, wall, (c1 - c0) * 1e3, r1.ru_nvcsw - r0.ru_nvcsw, r1.ru_nivcsw - r0.ru_nivcsw,
+                   r1.ru_majflt - r0.ru_majflt, io1 - io0, cpu1 - cpu0)
+
+
 def role_stall(a: dict) -> dict:
     store = open_store(a["design"], a["root"], fsync=False)
     led = BlockLedger(store)
     tokens = check_tokens()[:a.get("stall_check_tokens", 131072)]
     block = bytes(a["block_bytes"])
     base = 3 * 10**9 + os.getpid() * 10**5
-    put_ms, check_ms, put_faults = [0.0], [0.0], [0]
+    puts: list[OpCost] = []
+    checks: list[OpCost] = []
 
     def step(i: int) -> None:
         keys = synthetic_keys(base + i, 0, a["per_put"])
-        faults = resource.getrusage(resource.RUSAGE_THREAD).ru_majflt
-        put_ms.append(put_chain(store, keys, 0, bytes(16), block))
-        put_faults.append(resource.getrusage(resource.RUSAGE_THREAD).ru_majflt - faults)
-        t = time.perf_counter()
-        led.match_tokens(tokens, SPEC, namespace=NAMESPACE)
-        check_ms.append((time.perf_counter() - t) * 1e3)
+        puts.append(OpCost.of("put", lambda: put_chain(store, keys, 0, bytes(16), block)))
+        checks.append(OpCost.of("check", lambda: led.match_tokens(tokens, SPEC, namespace=NAMESPACE)))
         time.sleep(0.005)
 
     print(json.dumps({"ready": True}), flush=True)
     n = _until_stop(a, step)
     store.close()
-    worst = max(range(len(put_ms)), key=put_ms.__getitem__)
-    return {"ops": n, "max_put_ms": max(put_ms), "max_check_ms": max(check_ms),
-            "put_p99_ms": float(np.percentile(put_ms[1:] or [0.0], 99)),
-            "max_put_major_faults": put_faults[worst]}   # page-cache misses (disk reads) of the slowest put
+    if not puts:
+        return {"ops": 0, "max_put_ms": 0.0, "max_check_ms": 0.0, "put_p99_ms": 0.0, "max_put_major_faults": 0}
+    worst_put = max(puts, key=lambda c: c.wall_ms)
+    worst_check = max(checks, key=lambda c: c.wall_ms)
+    return {"ops": n, "max_put_ms": worst_put.wall_ms, "max_check_ms": worst_check.wall_ms,
+            "put_p99_ms": float(np.percentile([c.wall_ms for c in puts], 99)),
+            "max_put_major_faults": worst_put.major_faults,   # page-cache misses (disk reads) of the slowest put
+            "slowest": asdict(max(worst_put, worst_check, key=lambda c: c.wall_ms))}
 
 
 def resident_share(path: str) -> float | None:

@@ -31,6 +31,9 @@ def test_small_run_both_designs_side_by_side(run_cli, tmp_path):
     assert res["gc_expired"] == 640 and res["gc_idle_expired"] == 0   # the victims, and nothing else
     assert res["old"]["blocks"] == 8192 and res["fsync_p99_ms"] > 0
     assert res["index_cached"] > 0.95 and "index_cached" not in res["old"]   # warmed: the new index only
+    slowest = res["stall_slowest"]   # the longest stall, taken apart
+    assert slowest["kind"] in ("put", "check") and slowest["wall_ms"] == res["max_stall_ms"]
+    assert 0 <= slowest["cpu_ms"] <= slowest["wall_ms"] + 1.0 and slowest["voluntary_switches"] >= 0
     again = json.loads(run_cli(*args, timeout=900).stdout)
     assert again["build_reused"] is True and again["old"]["build_reused"] is True
 
