@@ -33,7 +33,7 @@ def test_small_run_both_designs_side_by_side(run_cli, tmp_path):
     assert res["index_cached"] > 0.95 and "index_cached" not in res["old"]   # warmed: the new index only
     slowest = res["stall_slowest"]   # the longest stall, taken apart
     assert slowest["kind"] in ("put", "check") and slowest["wall_ms"] == res["max_stall_ms"]
-    assert 0 <= slowest["cpu_ms"] <= slowest["wall_ms"] + 1.0 and slowest["voluntary_switches"] >= 0
+    assert 0 <= slowest["cpu_ms"] <= slowest["wall_ms"] + 1.0
     again = json.loads(run_cli(*args, timeout=900).stdout)
     assert again["build_reused"] is True and again["old"]["build_reused"] is True
 

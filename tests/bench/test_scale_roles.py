@@ -22,7 +22,6 @@ def test_an_ops_cost_tells_a_wait_from_its_own_cpu():
     assert slept.cpu_ms < 10.0 and slept.voluntary_switches >= 1     # it waited: off the CPU, by its own call
     spun = OpCost.of("check", lambda: spin_ms(0.03))
     assert spun.cpu_ms >= 30.0 and spun.wall_ms >= spun.cpu_ms - 1.0  # its own CPU time, within the clocks' ticks
-    assert spun.major_faults >= 0 and spun.involuntary_switches >= 0
 
 
 def test_pressure_totals_only_grow_where_the_kernel_offers_them():
