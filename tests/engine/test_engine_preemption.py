@@ -2,9 +2,10 @@
 the most recently admitted one, and every request still answers exactly what it answers alone on a big pool —
 the same greedy tokens and `torch.equal` logits at every token — with the usage of its first admission.
 
-The prompts are 420 tokens: the hit cap is 256, so a resume has a block (and, with the state ledger, rule 4's
-snapshot at 256) to reuse, and a truncated-window resume would show. Admission reserves ⌈421/128⌉ + 1 = 5 blocks;
-decoding past 640 takes a 6th, which a pool of 10 does not have while two run."""
+The prompts are 639 tokens: the hit cap is 384, so a resume has 3 blocks (and, with the state ledger, rule 4's
+snapshot at 384) to reuse, and a truncated-window resume would show. Admission reserves ⌈640/128⌉ + 1 = 6 blocks;
+decoding past 768 takes a 7th, which a pool of 12 does not have while two run. A prompt one token short of a block
+boundary needs the fewest decode steps before that (130): tiny-v4's decode steps are most of this file's time."""
 
 import os
 import signal
@@ -23,9 +24,10 @@ from kvledger.state.ledger import StateLedger
 from tests.engine.helpers import prompt
 
 SPEC = ModelSpec.preset("tiny-v4")
-PROMPTS = [[t % 32000 for t in prompt(420, seed=20 + i)] for i in range(3)]
-MAX_TOKENS = 240                       # 420 + 240 = 660 tokens: past 640, a 6th block
-POOL_BLOCKS = 10                       # two requests hold 5 each at admission: the 6th is not there
+PROMPT_LEN = 639
+PROMPTS = [[t % 32000 for t in prompt(PROMPT_LEN, seed=20 + i)] for i in range(3)]
+MAX_TOKENS = 150                       # 639 + 150 = 789 tokens: past 768, a 7th block
+POOL_BLOCKS = 12                       # two requests hold 6 each at admission: the 7th is not there
 
 
 @dataclass
@@ -48,7 +50,7 @@ def _engine(ledger, state_ledger, *, blocks=None, preemption=True, **kw):
 
     kv = (blocks + 1) * SPEC.block_bytes() if blocks else 64 << 20
     return Engine("tiny-v4", block_ledger=ledger, state_ledger=state_ledger, kv_cache_bytes=kv,
-                  max_seq_tokens=420 + MAX_TOKENS if blocks else None, preemption=preemption, **kw)
+                  max_seq_tokens=PROMPT_LEN + MAX_TOKENS if blocks else None, preemption=preemption, **kw)
 
 
 def _spy(engine, run: Run) -> None:
@@ -124,8 +126,8 @@ def _assert_as_alone(run: Run, alone: Run, rids) -> None:
 @pytest.mark.parametrize("with_states", [True, False], ids=["snapshot-resume", "replay-resume"])
 def test_oversubscribed_requests_answer_as_alone(alone, ledger, states, with_states):
     """Three requests on a pool that holds two at admission: the second is preempted when the first needs a
-    block past 640, resumes across the prompt's end and the output's block boundary at 640 — from rule 4's
-    snapshot at 256 with the state ledger, by an exact replay over the held blocks without — and everyone's
+    block past 768, resumes across the prompt's end and the output's block boundaries at 640 and 768 — from rule
+    4's snapshot at 384 with the state ledger, by an exact replay over the held blocks without — and everyone's
     answer is the one alone, bit for bit."""
     state_ledger = states if with_states else None
     engine = _engine(ledger, state_ledger, blocks=POOL_BLOCKS)
@@ -143,19 +145,19 @@ def test_oversubscribed_requests_answer_as_alone(alone, ledger, states, with_sta
         _assert_as_alone(run, alone, ["r0", "r1", "r2"])
         assert run.resumes and not engine.loader.faults
         if with_states:
-            assert all((p.start, p.blocks) == (256, 2) for p in run.resumes), run.resumes
+            assert all((p.start, p.blocks) == (384, 3) for p in run.resumes), run.resumes
         else:
-            assert all((p.start, p.keep_until) == (0, 256) for p in run.resumes), run.resumes
+            assert all((p.start, p.keep_until) == (0, 384) for p in run.resumes), run.resumes
     finally:
         engine.close()
 
 
 def test_a_fallback_resume_would_show(alone, ledger, states, monkeypatch):
-    """The check above is sharp: a resume through rule 3's truncated-window fallback (at L1 = 256, window cut at
-    128), the path the loader never takes, changes the answer's logits."""
+    """The check above is sharp: a resume through rule 3's truncated-window fallback (at L1 = 384, window cut at
+    256), the path the loader never takes, changes the answer's logits."""
     from kvledger.engine.loader import HitLoader, ResumePoint
 
-    monkeypatch.setattr(HitLoader, "_resume_point", lambda self, seq, slot, held: ResumePoint(128, 1, 0, 128))
+    monkeypatch.setattr(HitLoader, "_resume_point", lambda self, seq, slot, held: ResumePoint(256, 2, 0, 256))
     engine = _engine(ledger, None, blocks=POOL_BLOCKS)
     run = Run()
     sample = engine._sample
@@ -225,7 +227,7 @@ def test_preempted_while_loading(alone, ledger, states):
         assert engine.scheduler.find("r1").status is SequenceStatus.LOADING
         _drain(engine, run, resume_fetcher)
         assert not stopped[0] and run.usage["r1"].preemptions == 1 and not run.resumes   # a first admission again
-        assert run.usage["r1"].hit_kind == "snapshot" and run.usage["r1"].cached_tokens == 256
+        assert run.usage["r1"].hit_kind == "snapshot" and run.usage["r1"].cached_tokens == 384
         for _ in range(100):   # the orphaned job ends in the fetcher; the next steps retire it
             if not engine.orphans:
                 break
