@@ -4,8 +4,8 @@ torch's CPU build does float32 matmuls in MKL, and MKL picks its kernels by CPU 
 AMX) and by matrix shape. A kernel choice is made at MKL's start, so each path needs a process of
 its own. `MKL_ENABLE_INSTRUCTIONS` caps the instruction set on Intel CPUs; on AMD ones MKL takes
 its AVX2 path whatever it says, so `MKL_CBWR=COMPATIBLE` (MKL's SSE2 reference kernels, which
-round differently from the fast ones) is the path that differs on every machine. One thread is a
-different split of each GEMM across threads. The two claims checked, on the same machine:
+round differently from the fast ones) is the path that differs on every machine. The two claims checked, on the
+same machine:
 
 - tiny-v4 is bit-exact: a resume, any chunking and a decode step give `torch.equal` logits to
   the cold prefill, whichever kernels the machine's MKL picks (tiny_v4_attention.py says how);
@@ -30,7 +30,9 @@ different split of each GEMM across threads. The two claims checked, on the same
 AVX-512, or on an AMD one (checked on an AMD EPYC with AVX-512: GEMMs of the engine's shapes gave the
 same bits capped at AVX, AVX2, AVX-512 or not at all, and other bits under `MKL_CBWR=COMPATIBLE`),
 capping it leaves MKL on the very path the suite itself runs these tests on, so those cases are skipped
-there, saying so (2.5 to 3 minutes of duplicate model runs on a 2-core machine).
+there, saying so (2.5 to 3 minutes of duplicate model runs on a 2-core machine). One thread is not a case of
+its own for the same reason: the suite runs every model test on one torch thread (tests/conftest.py, and the
+tiny-v4 fixture), so a one-thread rerun was the suite's own path again.
 """
 
 from __future__ import annotations
@@ -52,14 +54,13 @@ KERNEL_PATHS = {
     "mkl-avx2": {"MKL_ENABLE_INSTRUCTIONS": "AVX2"},
     "mkl-avx512": {"MKL_ENABLE_INSTRUCTIONS": "AVX512"},
     "mkl-compatible": {"MKL_CBWR": "COMPATIBLE"},
-    "one-thread": {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"},
     # MKL's and oneDNN's reference paths, and no AVX2 kernel of kvledger's own (`models/gemv.py`, `attend.py`)
     "compatible-sse41": {"MKL_CBWR": "COMPATIBLE", "ONEDNN_MAX_CPU_ISA": "SSE41", "KVLEDGER_GEMV": "0",
                          "KVLEDGER_ATTEND": "0"},
 }
 
 
-CASES = [*((path, BIT_EXACT) for path in ("mkl-avx2", "mkl-avx512", "mkl-compatible", "one-thread")),
+CASES = [*((path, BIT_EXACT) for path in ("mkl-avx2", "mkl-avx512", "mkl-compatible")),
          ("compatible-sse41", WITHIN_ROUNDING),
          *((path, GEMMA_BIT_EXACT) for path in ("mkl-avx2", "mkl-avx512")),
          ("mkl-compatible", GEMMA_BIT_EXACT_SLOW_KERNELS)]
