@@ -164,21 +164,22 @@ def _assert_snapshot_hit_is_cold(gemma, ledger, holder, tokens, namespace, name,
 
 
 def test_a_checkpoint_lets_another_question_on_the_same_document_resume_exactly(gemma, ledger, holder):
-    """Rule 4′, periodic (P = 512), the RAG shape: a 1,451-token document, then two different questions. A's
-    prefill snapshots at 512 and 1,024 as well as at its own p = 1,664. B shares 11 blocks (1,408 tokens) with A
-    and no snapshot at 1,408: it resumes exactly at 1,024 (rule 3′), reports 1,024 cached, answers as cold."""
-    doc = PROMPTS["long"]["ids"] + PROMPTS["long"]["ids"][1:]
+    """Rule 4′, periodic (P = 512), the RAG shape: a 726-token document (longer than the window), then two
+    different questions. A's prefill snapshots at 512 as well as at its own p = 1,024. B shares 5 blocks (640
+    tokens) with A and no snapshot at 640: it resumes exactly at 512 (rule 3′), reports 512 cached, answers as
+    cold."""
+    doc = PROMPTS["long"]["ids"]
     a = doc + _text_ids(" To sum up the passage in other words:") + PROMPTS["long"]["ids"][1:300]
     b = doc + _text_ids("\n\nQuestion: What is this text about?\nAnswer:")
-    assert len(doc) == 1451 and (len(a) - 1) // 128 * 128 == 1664
+    assert len(doc) == 726 and (len(a) - 1) // 128 * 128 == 1024 and (len(b) - 1) // 128 * 128 == 640
     gemma.checkpoint_every = 512
     try:
         run_request(gemma, ledger, a, request_id="rag-a", namespace="rag", max_tokens=1, state_ledger=holder)
     finally:
         gemma.checkpoint_every = 0
     keys = chain_keys(a, SPEC, "rag")
-    assert holder.positions(keys, at=[512, 1024, 1408, 1664]) == {512, 1024, 1664}
-    _assert_snapshot_hit_is_cold(gemma, ledger, holder, b, "rag", "rag-b", 1024)
+    assert holder.positions(keys, at=[512, 640, 896, 1024]) == {512, 1024}
+    _assert_snapshot_hit_is_cold(gemma, ledger, holder, b, "rag", "rag-b", 512)
 
 
 def test_a_decode_window_is_the_next_turns_snapshot(gemma, ledger, holder):
