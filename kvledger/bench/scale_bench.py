@@ -30,8 +30,11 @@ cores and `--burners 3` as 4.7; issue 25's "at load 4" is about `--burners 2.4`.
 Before measuring, the index file is read once (`--cold`: not), so the page cache holds it as it
 would on a serving node with the memory for it; `index_cached_before` / `index_cached` are the
 shares of its pages cached before and after that read (this machine's page cache loses cold pages
-to other sessions). The roles before GC write with fsync off; their dirty pages are written out
-(`sync`) before GC starts, so GC's syncs carry GC's writes and the stall process's, not a backlog.
+to other sessions), `index_cached_after` the share after GC. With `--pin-index` the bench's own
+process pins the index in memory after that read (store/index_pin.py, as `kvledger serve` does):
+`pin_mode` says how ("locked", or "mapped" where mlock is refused), `pin_s` how long it took. The
+roles before GC write with fsync off; their dirty pages are written out (`sync`) before GC starts,
+so GC's syncs carry GC's writes and the stall process's, not a backlog.
 
 The baseline, "old", is what the previous design (the retired scan index, rebuilt in memory at
 every open) and the migration from it pay: a store written in the previous layout (segment files,
@@ -48,9 +51,11 @@ import os
 import subprocess
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
+from kvledger.store.index_pin import IndexPin, cached_share
 from kvledger.util.cpu_load import LoadSampler, burning
 from kvledger.util.output import CliError, emit_json
 
@@ -73,6 +78,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--burners", type=float, default=0, help="processes spinning on the CPU while each design is "
                    "measured (not built), a fraction one more spinning that share of the time: the load the figures "
                    "are taken under; `load_1m` reports it")
+    p.add_argument("--pin-index", action="store_true", help="keep the index in memory while measuring, as "
+                   "`kvledger serve` does (store/index_pin.py): the bench's own process holds the pin")
     p.add_argument("--warm-load-s", type=float, default=60.0, help="with --burners, seconds the burners run "
                    "before measuring, so the machine is at that load, not climbing to it")
 
@@ -118,13 +125,24 @@ def _ensure_built(design: str, root: Path, base: dict, blocks: int) -> dict:
     return res | {"reused": False}
 
 
-def measure(design: str, root: Path, base: dict, gc_blocks: int, warm: bool) -> dict[str, Any]:
-    """Every figure of one design on its built store (fresh processes)."""
+def measure(design: str, root: Path, base: dict, gc_blocks: int, warm: bool, pin: bool = False) -> dict[str, Any]:
+    """Every figure of one design on its built store (fresh processes); `pin`: with the index pinned in memory by
+    this process (IndexPin) from after the warm read to the end."""
     a = base | {"design": design, "root": str(root)}
-    stop = root.parent / f".stop-{design}-{os.getpid()}"
-    stop.unlink(missing_ok=True)
     rebuild = _role("rebuild", a) if design == "old" else {}   # the baseline's open (then an LMDB store)
     probe: dict[str, Any] = _role("warm", a) if warm and design == "new" else {}
+    with IndexPin(str(root / "index.lmdb" / "data.mdb"), lock=True) if pin else nullcontext() as held:
+        if held is not None:
+            t = time.perf_counter()
+            held.start().wait()
+            probe |= {"pin_s": time.perf_counter() - t, "pin_mode": held.mode}
+        figures = _measure(design, root, a, gc_blocks, probe)
+    return rebuild | figures | {"index_cached_after": cached_share(root / "index.lmdb" / "data.mdb")}
+
+
+def _measure(design: str, root: Path, a: dict, gc_blocks: int, probe: dict[str, Any]) -> dict[str, Any]:
+    stop = root.parent / f".stop-{design}-{os.getpid()}"
+    stop.unlink(missing_ok=True)
     for fsync in (False, True):
         writer = _start("writer", a | {"stop": str(stop), "fsync": fsync})
         try:
@@ -138,12 +156,12 @@ def measure(design: str, root: Path, base: dict, gc_blocks: int, warm: bool) -> 
     stall = _start("stall", a | {"stop": str(stop)})
     try:
         time.sleep(0.5)
-        gc = _role("gc", a | {"batch": base["gc_batch"]})
+        gc = _role("gc", a | {"batch": a["gc_batch"]})
         time.sleep(0.2)
     finally:
         stalled = _finish(stall, stop)
     stop.unlink(missing_ok=True)
-    return probe | gc | victims | rebuild | {"stall_ops": stalled["ops"],
+    return probe | gc | victims | {"stall_ops": stalled["ops"],
                                    "max_stall_ms": max(stalled["max_put_ms"], stalled["max_check_ms"]),
                                    "max_stall_put_ms": stalled["max_put_ms"],
                                    "max_stall_check_ms": stalled["max_check_ms"],
@@ -174,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
         with burning(args.burners):
             time.sleep(args.warm_load_s if args.burners else 0)
             with LoadSampler() as load:
-                figures = measure(design, root, base, gc_blocks, warm=not args.cold)
+                figures = measure(design, root, base, gc_blocks, warm=not args.cold, pin=args.pin_index)
         figures |= {"blocks": n, "build_s": built["build_s"], "build_reused": built["reused"],
                     "burners": args.burners, "load_1m": load.summary()}
         if design == "new":

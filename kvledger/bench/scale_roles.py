@@ -39,6 +39,7 @@ import numpy as np
 from kvledger.core import ModelSpec
 from kvledger.core.spec import PUBLISHED_MODEL
 from kvledger.store.backend import ChainWrite
+from kvledger.store.index_pin import cached_share
 from kvledger.store.ledger import BlockLedger
 
 SPEC = ModelSpec.preset(PUBLISHED_MODEL)
@@ -318,44 +319,15 @@ def role_stall(a: dict) -> dict:
             "slowest": asdict(max(worst_put, worst_check, key=lambda c: c.wall_ms))}
 
 
-def resident_share(path: str) -> float | None:
-    """Share of the file's pages in the page cache (mincore(2)); None where that cannot be asked."""
-    import ctypes
-    import mmap
-
-    size = os.path.getsize(path)
-    if size == 0 or not sys.platform.startswith("linux"):
-        return None
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-        if addr in (None, ctypes.c_void_p(-1).value):
-            return None
-        try:
-            vec = np.zeros(-(-size // mmap.PAGESIZE), dtype=np.uint8)
-            if libc.mincore(addr, size, vec.ctypes.data) != 0:
-                return None
-            return float((vec & 1).mean())
-        finally:
-            libc.munmap(addr, size)
-    finally:
-        os.close(fd)
-
-
 def role_warm(a: dict) -> dict:
     path = os.path.join(a["root"], "index.lmdb", "data.mdb")
-    before = resident_share(path)
+    before = cached_share(path)
     t = time.perf_counter()
     with open(path, "rb", buffering=0) as f:
         buf = bytearray(8 << 20)
         while f.readinto(buf):
             pass
-    return {"index_cached_before": before, "index_cached": resident_share(path), "warm_s": time.perf_counter() - t}
+    return {"index_cached_before": before, "index_cached": cached_share(path), "warm_s": time.perf_counter() - t}
 
 
 def role_victims(a: dict) -> dict:

@@ -6,8 +6,8 @@
 
 | part       | block ledger                            | state ledger (models with sliding-window layers)      |
 |------------|-----------------------------------------|--------------------------------------------------------|
-| embedded   | `<data_dir>/blocks` (segments + LMDB)   | this process's pool, snapshots also on disk beside the |
-|            |                                         | blocks (a restart keeps exact hits), no state server  |
+| embedded   | `<data_dir>/blocks` (segments + LMDB,   | this process's pool, snapshots also on disk beside the |
+|            | its index pinned in memory)             | blocks (a restart keeps exact hits), no state server  |
 | entrypoint | Redis index, segment files on the mount | the Redis directory only: it holds no snapshot (CHECK) |
 | engine     | Redis index, segment files on the mount | its own pool and state server, the Redis directory     |
 """
@@ -47,12 +47,13 @@ def open_ledgers(spec: ModelSpec, data_dir: Path, part: Part, *, redis_url: str 
                  policy: TtlPolicy | None = None, capacity_bytes: int | None = None) -> Ledgers:
     """Both ledgers of a process playing `part` (the module's table). The cluster parts need `redis_url` and
     the cluster `token` (the state server's and the directory's keys derive from it); the engine its id.
-    `capacity_bytes`: the embedded block ledger's limit (least recently hit blocks evicted past it)."""
+    `capacity_bytes`: the embedded block ledger's limit (least recently hit blocks evicted past it). The embedded
+    server pins its LMDB index in memory (store/index_pin.py): it is the node's one long-lived process."""
     assert (part is Part.EMBEDDED) == (redis_url is None) == (token is None), "the cluster parts need both"
     assert (part is Part.ENGINE) == (engine_id is not None), "an engine is named in the directory"
     assert capacity_bytes is None or part is Part.EMBEDDED, "the cluster's Redis index has no capacity limit"
     block = BlockLedger.open(path=blocks_dir(data_dir), redis_url=redis_url, policy=policy,
-                             capacity_bytes=capacity_bytes)
+                             capacity_bytes=capacity_bytes, pin_index=part is Part.EMBEDDED)
     try:
         return Ledgers(block, _state_ledger(spec, data_dir, part, redis_url, token, engine_id, host))
     except BaseException:

@@ -43,6 +43,7 @@ from kvledger.core.attribution import MissCause
 from kvledger.store.backend import (BlockInfo, ChainWrite, Dest, Counters, GcResult, Gone, Match, PutResult,
                                     StoreStats, VerifyResult, probe_folder, shown_name)
 from kvledger.store.chain_check import leading_present
+from kvledger.store.index_pin import IndexPin
 from kvledger.store.lmdb_index import BLOCK, BlockRec, LmdbIndex, SegRec
 from kvledger.store.lmdb_tombs import DEFAULT_CAP, Tombstones
 from kvledger.store.segment_files import HOST, Location, PartDone, SegmentFiles, bytes_view
@@ -91,13 +92,15 @@ class LmdbStore:
 
     `capacity_bytes`: when live bytes would exceed it, put evicts least recently hit segments
     (tails first) down to `low_watermark` × capacity. `fsync=False` skips fsyncs (tests, bench builds).
-    `tombstones`: how many tombstones of removed blocks the index keeps at most (oldest dropped)."""
+    `tombstones`: how many tombstones of removed blocks the index keeps at most (oldest dropped).
+    `pin_index`: keep the index file in memory while the store is open (index_pin.py): for the one long-lived
+    process of a node that serves from it, not for each process that opens the store."""
 
     backend = "file"
 
     def __init__(self, root: str | os.PathLike, *, capacity_bytes: int | None = None, fsync: bool = True,
                  clock: Clock = wall_clock, create: bool = True, low_watermark: float = 0.9,
-                 tombstones: int = DEFAULT_CAP) -> None:
+                 tombstones: int = DEFAULT_CAP, pin_index: bool = False) -> None:
         self.root = Path(root)
         if not create and not self.root.is_dir():
             raise FileNotFoundError(f"{self.root}: no such directory")
@@ -111,6 +114,7 @@ class LmdbStore:
         self.clock = clock
         self.counters = Counters()
         self.index = _open_index(self.root, fsync)
+        self.pin = IndexPin(str(self.root / "index.lmdb" / "data.mdb")).start() if pin_index else None
         self.tombs = Tombstones(self.index, tombstones)
         self.refresher = Refresher(self._write_refresh)
         self.writer = lmdb_write.Writer(self.index, self.root, fsync, self._expiry, self.unlink)
@@ -384,6 +388,8 @@ class LmdbStore:
     def close(self) -> None:
         self.refresher.close()
         self.files.close()
+        if self.pin is not None:
+            self.pin.close()
         self.index.close()
 
     def __enter__(self) -> LmdbStore:

@@ -34,8 +34,10 @@ def test_small_run_both_designs_side_by_side(run_cli, tmp_path):
     slowest = res["stall_slowest"]   # the longest stall, taken apart
     assert slowest["kind"] in ("put", "check") and slowest["wall_ms"] == res["max_stall_ms"]
     assert 0 <= slowest["cpu_ms"] <= slowest["wall_ms"] + 1.0
-    again = json.loads(run_cli(*args, timeout=900).stdout)
+    assert "pin_mode" not in res and 0 < res["index_cached_after"] <= 1
+    again = json.loads(run_cli(*args, "--pin-index", timeout=900).stdout)   # as `kvledger serve` keeps it
     assert again["build_reused"] is True and again["old"]["build_reused"] is True
+    assert again["pin_mode"] == again["old"]["pin_mode"] == "locked" and again["pin_s"] >= 0
 
 
 def _children(pid: int) -> list[int]:
