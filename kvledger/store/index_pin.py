@@ -10,10 +10,13 @@ is writing: the 10M bench's slowest puts during GC.
 `IndexPin` maps the file read-only and locks the mapping (mlock(2)): each page is read in once, then stays
 resident until the pin closes, whatever reclaims. The file only grows (LMDB reuses freed pages and never
 truncates it), so every `every_s` the pin extends itself over the new tail; pages written in between are
-fresh in the page cache. Locking takes RLIMIT_MEMLOCK ≥ the file's size, or CAP_IPC_LOCK. Where it is refused,
-the pin keeps the pages mapped and populated instead (mode "mapped": out of reach of a reclaimer of unmapped
-pages, not of memory pressure) and logs that once. The cost is the index's size in memory (2.3 GB at 10M
-blocks), counted in this process's RSS as shared file pages. Linux only; elsewhere the mode is "off".
+fresh in the page cache. Locking takes RLIMIT_MEMLOCK ≥ the file's size, or CAP_IPC_LOCK, and a locked page cannot be
+reclaimed even when the node runs short, so the pin locks at most `lock_budget` bytes (default a quarter of
+the machine's memory: a 100M-block index of 15 GB is not locked on a 32 GB node). Beyond the budget, or where
+mlock is refused, the pin keeps the pages mapped and populated instead (mode "mapped": out of reach of a
+reclaimer of unmapped pages, not of memory pressure) and logs that once. The cost is the index's size in
+memory (2.3 GB at 10M blocks), counted in this process's RSS as shared file pages. Linux only; elsewhere the
+mode is "off".
 
 One pin per node is enough (the pages are shared): the embedded server's process holds it, not its fetcher.
 """
@@ -34,6 +37,12 @@ log = logging.getLogger("kvledger.store")
 MADV_POPULATE_READ = 22          # Linux ≥ 5.14: fault the range in (readable) without touching it from Python
 CHUNK = 64 << 20                 # bytes locked per mlock call: the mapping's lock is not held long at once
 EVERY_S = 5.0                    # seconds between looks at the file's size
+LOCK_SHARE = 0.25                # default lock budget: this share of the machine's physical memory
+
+
+def default_lock_budget() -> int:
+    """LOCK_SHARE of physical memory, bytes."""
+    return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * LOCK_SHARE)
 
 
 def _libc() -> ctypes.CDLL:
@@ -76,14 +85,16 @@ _LOW_BIT = bytes(b & 1 for b in range(256))
 class IndexPin:
     """Pins `path` (the index's data.mdb) in memory from `start()` to `close()`; see the module docstring.
 
-    Invariant: the file's bytes [0, pinned_bytes) are mapped by `_regions` (page-aligned, in order, no gaps),
-    locked when `mode` is "locked"."""
+    Invariant: the file's bytes [0, pinned_bytes) are mapped by `_regions` (page-aligned, in order, no gaps), and
+    the first `locked_bytes` of them locked (≤ lock_budget); `mode` is "locked" while every pinned byte is."""
 
     path: str
     lock: bool = True                  # False: map and populate only (mode "mapped")
+    lock_budget: int = field(default_factory=default_lock_budget)   # bytes locked at most
     every_s: float = EVERY_S
     mode: str = "off"                  # "locked" | "mapped" | "off" (not started, closed, or not Linux)
     pinned_bytes: int = 0
+    locked_bytes: int = 0
     _regions: list[tuple[int, int]] = field(default_factory=list)   # (address, bytes)
     _stop: threading.Event = field(default_factory=threading.Event)
     _ready: threading.Event = field(default_factory=threading.Event)
@@ -149,12 +160,17 @@ class IndexPin:
                 return
             step = min(CHUNK, n - off)
             if self.mode == "locked":
-                if libc.mlock(addr + off, step) == 0:
+                if self.locked_bytes + step > self.lock_budget:
+                    log.warning("index pin of %s: over its lock budget of %d MiB: the rest is kept mapped, not "
+                                "locked", self.path, self.lock_budget >> 20)
+                    self.mode = "mapped"
+                elif libc.mlock(addr + off, step) == 0:
+                    self.locked_bytes += step
                     continue
-                err = ctypes.get_errno()
-                log.warning("index pin of %s: mlock refused (%s; RLIMIT_MEMLOCK or CAP_IPC_LOCK): its pages are kept "
-                            "mapped, not locked", self.path, os.strerror(err))
-                self.mode = "mapped"
+                else:
+                    log.warning("index pin of %s: mlock refused (%s; RLIMIT_MEMLOCK or CAP_IPC_LOCK): its pages are "
+                                "kept mapped, not locked", self.path, os.strerror(ctypes.get_errno()))
+                    self.mode = "mapped"
             if libc.madvise(addr + off, step, MADV_POPULATE_READ) != 0 and ctypes.get_errno() == errno.EINVAL:
                 self._touch(addr + off, step)   # a kernel older than 5.14: read one byte of each page
 
@@ -173,7 +189,7 @@ class IndexPin:
                 assert self._libc is not None
                 self._libc.munmap(addr, n)
             self._regions.clear()
-            self.pinned_bytes = 0
+            self.pinned_bytes = self.locked_bytes = 0
             self.mode = "off"
 
     def __enter__(self) -> IndexPin:

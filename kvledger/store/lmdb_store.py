@@ -114,7 +114,6 @@ class LmdbStore:
         self.clock = clock
         self.counters = Counters()
         self.index = _open_index(self.root, fsync)
-        self.pin = IndexPin(str(self.root / "index.lmdb" / "data.mdb")).start() if pin_index else None
         self.tombs = Tombstones(self.index, tombstones)
         self.refresher = Refresher(self._write_refresh)
         self.writer = lmdb_write.Writer(self.index, self.root, fsync, self._expiry, self.unlink)
@@ -125,6 +124,7 @@ class LmdbStore:
         self._walked: dict[bytes, float] = {}   # chain tail → expiry its last walk noted (this process)
         lmdb_upkeep.remove_dead_tmp(self.root / "tmp", HOST)
         lmdb_upkeep.migrate(self.index, self.root)
+        self.pin = IndexPin(str(self.root / "index.lmdb" / "data.mdb")).start() if pin_index else None
 
     # --- CHECK -----------------------------------------------------------------
 

@@ -49,7 +49,7 @@ def test_a_pinned_file_survives_a_drop_of_its_cache_and_a_closed_pin_lets_it_go(
     before = locked_kib()
     with IndexPin(str(path)) as pin:
         assert pin.start().wait(30)
-        assert pin.mode == "locked" and pin.pinned_bytes == 4 * MIB
+        assert pin.mode == "locked" and pin.pinned_bytes == pin.locked_bytes == 4 * MIB
         assert locked_kib() - before == 4 * 1024
         assert cached_share(path) == 1.0    # pinning read the file back in
         assert drop_cache(path) == 1.0
@@ -76,6 +76,16 @@ def test_unlocked_the_pin_keeps_the_pages_mapped_which_a_drop_of_the_cache_spare
         assert locked_kib() == before
         assert drop_cache(path) == 1.0
     assert drop_cache(path) == 0.0
+
+
+def test_past_its_lock_budget_the_pin_maps_instead_of_locking(tmp_path):
+    path = written(tmp_path / "data.mdb", 4 * MIB)
+    drop_cache(path)
+    before = locked_kib()
+    with IndexPin(str(path), lock_budget=MIB) as pin:   # a node whose memory is short for its index
+        assert pin.start().wait(30) and pin.mode == "mapped"
+        assert pin.locked_bytes == 0 and pin.pinned_bytes == 4 * MIB and locked_kib() == before
+        assert drop_cache(path) == 1.0
 
 
 def test_a_store_opened_to_pin_its_index_pins_it_and_unpins_at_close(tmp_path):
