@@ -10,13 +10,13 @@ is writing: the 10M bench's slowest puts during GC.
 `IndexPin` maps the file read-only and locks the mapping (mlock(2)): each page is read in once, then stays
 resident until the pin closes, whatever reclaims. The file only grows (LMDB reuses freed pages and never
 truncates it), so every `every_s` the pin extends itself over the new tail; pages written in between are
-fresh in the page cache. Locking takes RLIMIT_MEMLOCK ≥ the file's size, or CAP_IPC_LOCK, and a locked page cannot be
-reclaimed even when the node runs short, so the pin locks at most `lock_budget` bytes (default a quarter of
-the machine's memory: a 100M-block index of 15 GB is not locked on a 32 GB node). Beyond the budget, or where
-mlock is refused, the pin keeps the pages mapped and populated instead (mode "mapped": out of reach of a
-reclaimer of unmapped pages, not of memory pressure) and logs that once. The cost is the index's size in
-memory (2.3 GB at 10M blocks), counted in this process's RSS as shared file pages. Linux only; elsewhere the
-mode is "off".
+fresh in the page cache. Locking takes RLIMIT_MEMLOCK ≥ the file's size, or CAP_IPC_LOCK, and a locked page
+is not reclaimed even when the node runs short, so the pin locks at most `lock_budget` bytes (default a
+quarter of the machine's memory: a 100M-block index of 15 GB is not locked on a 32 GB node). Beyond the
+budget, or where mlock is refused, the pin keeps the pages mapped and populated instead (mode "mapped": out
+of reach of a reclaimer of unmapped pages, not of memory pressure) and logs that once. The cost is the
+index's size in memory (2.6 GB for the bench's 10M-block store), counted in this process's RSS as shared
+file pages. Linux only; elsewhere the mode is "off".
 
 One pin per node is enough (the pages are shared): the embedded server's process holds it, not its fetcher.
 """
