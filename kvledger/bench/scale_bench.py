@@ -131,13 +131,14 @@ def measure(design: str, root: Path, base: dict, gc_blocks: int, warm: bool, pin
     a = base | {"design": design, "root": str(root)}
     rebuild = _role("rebuild", a) if design == "old" else {}   # the baseline's open (then an LMDB store)
     probe: dict[str, Any] = _role("warm", a) if warm and design == "new" else {}
-    with IndexPin(str(root / "index.lmdb" / "data.mdb"), lock=True) if pin else nullcontext() as held:
+    data = root / "index.lmdb" / "data.mdb"
+    with IndexPin(str(data)) if pin else nullcontext() as held:
         if held is not None:
             t = time.perf_counter()
             held.start().wait()
             probe |= {"pin_s": time.perf_counter() - t, "pin_mode": held.mode}
         figures = _measure(design, root, a, gc_blocks, probe)
-    return rebuild | figures | {"index_cached_after": cached_share(root / "index.lmdb" / "data.mdb")}
+    return rebuild | figures | {"index_cached_after": cached_share(data)}
 
 
 def _measure(design: str, root: Path, a: dict, gc_blocks: int, probe: dict[str, Any]) -> dict[str, Any]:
