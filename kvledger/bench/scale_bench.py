@@ -56,6 +56,7 @@ from pathlib import Path
 from typing import Any
 
 from kvledger.store.index_pin import IndexPin, cached_share
+from kvledger.store.lmdb_index import data_file
 from kvledger.util.cpu_load import LoadSampler, burning
 from kvledger.util.output import CliError, emit_json
 
@@ -131,7 +132,7 @@ def measure(design: str, root: Path, base: dict, gc_blocks: int, warm: bool, pin
     a = base | {"design": design, "root": str(root)}
     rebuild = _role("rebuild", a) if design == "old" else {}   # the baseline's open (then an LMDB store)
     probe: dict[str, Any] = _role("warm", a) if warm and design == "new" else {}
-    data = root / "index.lmdb" / "data.mdb"
+    data = data_file(root)
     with IndexPin(str(data)) if pin else nullcontext() as held:
         if held is not None:
             t = time.perf_counter()

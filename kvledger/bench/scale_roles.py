@@ -32,6 +32,7 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -41,6 +42,7 @@ from kvledger.core.spec import PUBLISHED_MODEL
 from kvledger.store.backend import ChainWrite
 from kvledger.store.index_pin import cached_share
 from kvledger.store.ledger import BlockLedger
+from kvledger.store.lmdb_index import INDEX_DIR, data_file
 
 SPEC = ModelSpec.preset(PUBLISHED_MODEL)
 CHAIN_BLOCKS = 8192            # a 1M-token prompt at 128 tokens per block
@@ -187,7 +189,7 @@ def role_probe(a: dict) -> dict:
     if not a["fsync"]:
         out |= {"rss_bytes": _rss(), "rss_anon_bytes": _rss("RssAnon"), "rss_file_bytes": _rss("RssFile")}
         out["store_blocks"] = _blocks(store)
-        out["index_bytes"] = os.path.getsize(os.path.join(a["root"], "index.lmdb", "data.mdb"))
+        out["index_bytes"] = os.path.getsize(data_file(Path(a["root"])))
     store.close()
     return out
 
@@ -203,7 +205,7 @@ def role_rebuild(a: dict) -> dict:
 
     import kvledger.store.lmdb_store  # noqa: F401  (imports are not the open)
 
-    shutil.rmtree(os.path.join(a["root"], "index.lmdb"), ignore_errors=True)
+    shutil.rmtree(os.path.join(a["root"], INDEX_DIR), ignore_errors=True)
     t = time.perf_counter()
     store = open_store(a["design"], a["root"], fsync=False)
     open_s = time.perf_counter() - t
@@ -320,7 +322,7 @@ def role_stall(a: dict) -> dict:
 
 
 def role_warm(a: dict) -> dict:
-    path = os.path.join(a["root"], "index.lmdb", "data.mdb")
+    path = data_file(Path(a["root"]))
     before = cached_share(path)
     t = time.perf_counter()
     with open(path, "rb", buffering=0) as f:

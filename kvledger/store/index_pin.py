@@ -32,9 +32,10 @@ import sys
 import threading
 from dataclasses import dataclass, field
 
+from kvledger.util.libc import MADV_POPULATE_READ, MAP_FAILED, libc
+
 log = logging.getLogger("kvledger.store")
 
-MADV_POPULATE_READ = 22          # Linux ≥ 5.14: fault the range in (readable) without touching it from Python
 CHUNK = 64 << 20                 # bytes locked per mlock call: the mapping's lock is not held long at once
 EVERY_S = 5.0                    # seconds between looks at the file's size
 LOCK_SHARE = 0.25                # default lock budget: this share of the machine's physical memory
@@ -45,37 +46,26 @@ def default_lock_budget() -> int:
     return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * LOCK_SHARE)
 
 
-def _libc() -> ctypes.CDLL:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    for name in ("munmap", "mlock"):
-        getattr(libc, name).argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    return libc
-
-
 def cached_share(path: str | os.PathLike) -> float | None:
     """Share of the file's pages in the page cache now (mincore(2)); None where that cannot be asked."""
     size = os.path.getsize(path)
     if size == 0 or not sys.platform.startswith("linux"):
         return None
-    libc = _libc()
+    lib = libc()
     fd = os.open(path, os.O_RDONLY)
     try:
-        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        addr = lib.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
     finally:
         os.close(fd)
-    if addr in (None, ctypes.c_void_p(-1).value):
+    if addr in (None, MAP_FAILED):
         return None
     try:
         vec = (ctypes.c_ubyte * -(-size // mmap.PAGESIZE))()
-        if libc.mincore(addr, size, vec) != 0:
+        if lib.mincore(addr, size, vec) != 0:
             return None
         return bytes(vec).translate(_LOW_BIT).count(1) / len(vec)   # bit 0: cached; the others are reserved
     finally:
-        libc.munmap(addr, size)
+        lib.munmap(addr, size)
 
 
 _LOW_BIT = bytes(b & 1 for b in range(256))
@@ -108,7 +98,7 @@ class IndexPin:
         if not sys.platform.startswith("linux"):
             self._ready.set()
             return self
-        self._libc = _libc()
+        self._libc = libc()
         self.mode = "locked" if self.lock else "mapped"
         self._thread = threading.Thread(target=self._run, name="kvledger-index-pin", daemon=True)
         self._thread.start()
@@ -119,12 +109,16 @@ class IndexPin:
         return self._ready.wait(timeout_s)
 
     def _run(self) -> None:
+        failing = False   # warned of the current run of failed looks: once, not every `every_s`
         try:
             while True:
                 try:
                     self.extend()
+                    failing = False
                 except OSError as e:   # the file gone or unreadable: nothing to keep; a later look may find it
-                    log.warning("index pin of %s: %s", self.path, e)
+                    if not failing:
+                        log.warning("index pin of %s: %s", self.path, e)
+                    failing = True
                 self._ready.set()
                 if self._stop.wait(self.every_s):
                     return
@@ -145,7 +139,7 @@ class IndexPin:
                 addr = self._libc.mmap(None, n, mmap.PROT_READ, mmap.MAP_SHARED, fd, self.pinned_bytes)
             finally:
                 os.close(fd)
-            if addr in (None, ctypes.c_void_p(-1).value):
+            if addr in (None, MAP_FAILED):
                 raise OSError(ctypes.get_errno(), f"mmap: {os.strerror(ctypes.get_errno())}")
             self._regions.append((addr, n))
             self.pinned_bytes = size
@@ -153,8 +147,8 @@ class IndexPin:
             return n
 
     def _hold(self, addr: int, n: int) -> None:
-        libc = self._libc
-        assert libc is not None
+        lib = self._libc
+        assert lib is not None
         for off in range(0, n, CHUNK):
             if self._stop.is_set():   # closing: its regions are unmapped next
                 return
@@ -164,14 +158,14 @@ class IndexPin:
                     log.warning("index pin of %s: over its lock budget of %d MiB: the rest is kept mapped, not "
                                 "locked", self.path, self.lock_budget >> 20)
                     self.mode = "mapped"
-                elif libc.mlock(addr + off, step) == 0:
+                elif lib.mlock(addr + off, step) == 0:
                     self.locked_bytes += step
                     continue
                 else:
                     log.warning("index pin of %s: mlock refused (%s; RLIMIT_MEMLOCK or CAP_IPC_LOCK): its pages are "
                                 "kept mapped, not locked", self.path, os.strerror(ctypes.get_errno()))
                     self.mode = "mapped"
-            if libc.madvise(addr + off, step, MADV_POPULATE_READ) != 0 and ctypes.get_errno() == errno.EINVAL:
+            if lib.madvise(addr + off, step, MADV_POPULATE_READ) != 0 and ctypes.get_errno() == errno.EINVAL:
                 self._touch(addr + off, step)   # a kernel older than 5.14: read one byte of each page
 
     @staticmethod

@@ -39,6 +39,14 @@ import lmdb
 
 from kvledger.store.map_trim import MapTrim
 
+INDEX_DIR = "index.lmdb"   # the index's folder under a store's root
+DATA_FILE = "data.mdb"     # LMDB's one data file in it: what MapTrim trims and IndexPin pins
+
+
+def data_file(root: Path) -> Path:
+    """The index's data file of the store at `root`."""
+    return root / INDEX_DIR / DATA_FILE
+
 FORMAT = 2                    # 1 = segment files only (the previous design), 2 = this index
 MAP_SIZE = 1 << 40            # address space reserved for the index (sparse: the file grows as needed)
 BLOCK = struct.Struct("<QIIIQQ16s")   # seg, idx, pos, size, xxh, offset, parent
@@ -142,7 +150,7 @@ class LmdbIndex:
             if shared is None:
                 env = lmdb.open(self._name, map_size=MAP_SIZE, max_dbs=16, sync=False, metasync=False,
                                 readahead=False, max_readers=1024)
-                trim = MapTrim(os.path.join(self._name, "data.mdb"))
+                trim = MapTrim(os.path.join(self._name, DATA_FILE))
                 shared = _SHARED[self._name] = _SharedEnv(env, _open_dbs(env), trim)
             _USERS[self._name] = _USERS.get(self._name, 0) + 1
         self.env, dbs, trim = shared

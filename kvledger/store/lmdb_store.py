@@ -44,7 +44,7 @@ from kvledger.store.backend import (BlockInfo, ChainWrite, Dest, Counters, GcRes
                                     StoreStats, VerifyResult, probe_folder, shown_name)
 from kvledger.store.chain_check import leading_present
 from kvledger.store.index_pin import IndexPin
-from kvledger.store.lmdb_index import BLOCK, BlockRec, LmdbIndex, SegRec
+from kvledger.store.lmdb_index import BLOCK, INDEX_DIR, BlockRec, LmdbIndex, SegRec, data_file
 from kvledger.store.lmdb_tombs import DEFAULT_CAP, Tombstones
 from kvledger.store.segment_files import HOST, Location, PartDone, SegmentFiles, bytes_view
 from kvledger.store.refresher import Refresher
@@ -77,7 +77,7 @@ def check_local_folder(root: Path) -> None:
 
 def _open_index(root: Path, sync: bool) -> LmdbIndex:
     """The index; one LMDB cannot read is set aside and rebuilt from the segment files (lmdb_upkeep.migrate)."""
-    path = root / "index.lmdb"
+    path = root / INDEX_DIR
     try:
         return LmdbIndex(path, sync=sync)
     except (lmdb.CorruptedError, lmdb.InvalidError, lmdb.VersionMismatchError) as e:
@@ -124,7 +124,7 @@ class LmdbStore:
         self._walked: dict[bytes, float] = {}   # chain tail → expiry its last walk noted (this process)
         lmdb_upkeep.remove_dead_tmp(self.root / "tmp", HOST)
         lmdb_upkeep.migrate(self.index, self.root)
-        self.pin = IndexPin(str(self.root / "index.lmdb" / "data.mdb")).start() if pin_index else None
+        self.pin = IndexPin(str(data_file(self.root))).start() if pin_index else None
 
     # --- CHECK -----------------------------------------------------------------
 

@@ -23,9 +23,10 @@ import os
 import sys
 import threading
 
+from kvledger.util.libc import MADV_DONTNEED, libc
+
 log = logging.getLogger("kvledger.store")
 
-MADV_DONTNEED = 4
 TRIM_EVERY = 4096      # key lookups between trims: ~200 MiB mapped at most (measured: ~48 KiB per key a put
 #                        looks up, the pages its commit wrote elsewhere, copy-on-write, included)
 
@@ -63,7 +64,6 @@ class MapTrim:
         self._busy = False
         self._lock = threading.Lock()   # a trim and `close` exclude each other
         self._range = find_mapping(data_path) if sys.platform.startswith("linux") else None
-        self._madvise = ctypes.CDLL(None, use_errno=True).madvise if self._range else None
         if self._range is None:
             log.debug("no mapping of %s found: RSS is not trimmed", data_path)
 
@@ -86,10 +86,10 @@ class MapTrim:
 
     def trim(self) -> None:
         with self._lock:
-            if self._range is None or self._madvise is None:
+            if self._range is None:
                 return
             start, end = self._range
-            rc = self._madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), ctypes.c_int(MADV_DONTNEED))
+            rc = libc().madvise(start, end - start, MADV_DONTNEED)
             if rc != 0:
                 log.warning("madvise of the index map failed (errno %d): RSS not trimmed", ctypes.get_errno())
                 self._range = None
