@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from kvledger.core.spec import LayerKind, ModelSpec
 from kvledger.engine.models.base import BeforeLayer, Chunk, Model
-from kvledger.engine.models.fixed_rows import mm
+from kvledger.engine.models.fixed_rows import mm_rows
 from kvledger.engine.models.tiny_v4_cache import TinyV4LayerCache
 from kvledger.engine.models.tiny_v4_engine import engine_forward
 from kvledger.engine.models.tiny_v4_layers import MLP, Attention, RMSNorm
@@ -132,7 +132,7 @@ class TinyV4(Model):
         if lo >= q1:
             return None
         first = max(state.anchor, lo) if all_logits else q1 - 1
-        return self.head(y[first - lo:], first)
+        return self.head(y[first - lo:])
 
     def encode(self, state: SeqState, i: int, x: Tensor, lo: int, compress: bool) -> Tensor:
         """Encoder layer i over rows [lo, lo + len(x)) (state.pos = lo)."""
@@ -145,9 +145,9 @@ class TinyV4(Model):
             self.layers[i].attn.compressor.update(state, i, h)
         return self._layer(state, i, y, lo, state.anchor, False) if y.shape[0] else y
 
-    def head(self, y: Tensor, first: int) -> Tensor:
-        """Logits of the rows of positions [first, first + len(y))."""
-        return mm(self.final_norm(y), self.lm_head, first)
+    def head(self, y: Tensor) -> Tensor:
+        """Logits of the rows of y, each computed alone (`mm_rows`)."""
+        return mm_rows(self.final_norm(y), self.lm_head)
 
     def _consumer_start(self, state: SeqState, q0: int, q1: int, yoco: YocoMode) -> int:
         """First row the consumer layers compute in this chunk (see the module docstring)."""

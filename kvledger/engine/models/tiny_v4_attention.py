@@ -8,17 +8,24 @@ Keys of a query at position i (one softmax over both sets):
     (entry g covers positions [g·ratio, (g + 1)·ratio) and is visible once its group is closed)
 
 `floor` is 0 normally, s = L1 − 128 after a truncation (fallback / replay), and the YoCo anchor
-for the consumer layers. Queries run in tiles of 128 aligned to absolute positions, so a window
-never spans more than 255 keys and no L × L mask is ever built.
+for the consumer layers. Queries run in tiles of TILE = 32 aligned to absolute positions, each over the
+W + 32 = 160 keys from W before the tile to its end, so no L × L mask is ever built.
 
 Why a resume, a chunked prefill and a cold prefill compute the same floats on every CPU
 (`fixed_rows`): no product here ever has a row count that depends on how the positions were split;
 every row is computed at a place fixed by its absolute position p:
 
     product                      GEMM shape (rows)           row of position p at
-    projections, MLP, head       ROW_TILE = 16               slot p % 16 of the 16-row GEMM
-    attention of one query tile  TILE = 128 query rows       slot p % 128 of its tile
+    projections, MLP             ROW_TILE = 16               slot p % 16 of the 16-row GEMM
+    logits head                  1                           a GEMM of its own (`mm_rows`)
+    attention of one query tile  TILE = 32 query rows        slot p % 32 of its tile, over 160 keys
     (rows not held are zeros; their results are dropped)
+
+Why 32: a decode step computes one query in a whole tile, so the tile sets what a decode step costs,
+while each tile is a few Python calls, which a prefill makes per tile. Medians of 5 on the 2-core CPU, one
+thread, a 639-token prompt, the head one row at a time (decode ms per token / prefill ms): tile 128: 46 /
+195; 64: 37 / 191; 32: 32 / 206; 16: 29 / 249. Before, with tiles of 128 and the head in 16-row GEMMs:
+55 / 210 (a 16-row GEMM of the head's 32,000 columns took 8.4 ms, one row 1.1).
 
 Whatever kernel a machine picks for those fixed shapes, it picks it for every split alike, so a
 row's floats depend only on its inputs. Elementwise ops, norms and softmax are per row already.
@@ -38,7 +45,7 @@ from torch import Tensor
 
 from kvledger.engine.models.fixed_rows import place_rows
 
-TILE = 128
+TILE = 32
 
 
 class Rope:
@@ -77,6 +84,13 @@ class Compressed(NamedTuple):
     valid: Tensor   # [q, n] or [q, k] bool
 
 
+def tile_keys(t0: int, window: int, base: int) -> slice:
+    """The keys of the query tile holding t0, as a slice of `canonical_keys`' rows: TILE + window of them, a
+    span fixed by the tile's absolute position whatever the split."""
+    t = t0 // TILE * TILE
+    return slice(t - window - base, t + TILE - base)
+
+
 def tiles(lo: int, hi: int) -> list[tuple[int, int]]:
     """[lo, hi) cut at multiples of TILE."""
     out, start = [], lo
@@ -87,12 +101,12 @@ def tiles(lo: int, hi: int) -> list[tuple[int, int]]:
     return out
 
 
-def canonical_keys(rows: Tensor, first: int, lo: int, hi: int) -> tuple[Tensor, int]:
-    """Window keys laid out so that the tile at [128·b, ...) reads positions [128·b − 128, 128·b + 128).
+def canonical_keys(rows: Tensor, first: int, lo: int, hi: int, window: int) -> tuple[Tensor, int]:
+    """Window keys laid out so that the tile at [t, t + TILE) reads positions [t − window, t + TILE) (`tile_keys`).
 
-    `rows` hold positions [first, hi). Returns (keys, base): keys[j] is position base + j, zeros where
-    no row is held (always masked: before the window, or in the future of every query)."""
-    base = (lo // TILE - 1) * TILE
+    `rows` hold positions [first, hi), first >= lo − window + 1. Returns (keys, base): keys[j] is position
+    base + j, zeros where no row is held (always masked: before the window, or in the future of every query)."""
+    base = lo // TILE * TILE - window
     end = ((hi - 1) // TILE + 1) * TILE
     keys = rows.new_zeros(end - base, rows.shape[1])
     keys[first - base:hi - base] = rows

@@ -64,7 +64,7 @@ def engine_forward(model: TinyV4, chunks: Sequence[Chunk], before_layer: BeforeL
     logits = torch.zeros(len(chunks), model.vocab_size, device=model.device)
     for job in jobs:
         if job.hi == chunks[job.chunk].end and job.x.shape[0]:
-            logits[job.chunk] = model.head(job.x[-1:], job.hi - 1)[0].float()
+            logits[job.chunk] = model.head(job.x[-1:])[0].float()
     return logits
 
 

@@ -23,6 +23,7 @@ from kvledger.engine.models.tiny_v4_attention import (
     csa_keys,
     hca_keys,
     prepare_entries,
+    tile_keys,
     tiles,
     window_mask,
 )
@@ -134,7 +135,7 @@ class Attention(nn.Module):
         window = state.windows[layer]
         assert window.start <= need, f"layer {layer}: window starts at {window.start}, rows from {lo} need {need}"
         first = max(window.start, lo - self.window + 1)
-        keys, base = canonical_keys(window.rows(first, hi), first, lo, hi)
+        keys, base = canonical_keys(window.rows(first, hi), first, lo, hi, self.window)
         k_pos = torch.arange(base, base + keys.shape[0], device=xn.device)
         q_pos = torch.arange(lo, hi, device=xn.device)
         q = self.rope.apply(mm(xn, self.wq, lo).view(-1, self.heads, keys.shape[1]).transpose(0, 1), q_pos)
@@ -148,12 +149,10 @@ class Attention(nn.Module):
                                       self.rope)
         outs = []
         for t0, t1 in tiles(lo, hi):
-            tile = t0 // TILE
-            k0, k1 = (tile - 1) * TILE - base, (tile + 1) * TILE - base
-            rows = slice(t0 - lo, t1 - lo)
-            valid = window_mask(q_pos[rows], k_pos[k0:k1], self.window, floor)
+            tile, span, rows = t0 // TILE, tile_keys(t0, self.window, base), slice(t0 - lo, t1 - lo)
+            valid = window_mask(q_pos[rows], k_pos[span], self.window, floor)
             comp = self._compressed(entries, q_pos[rows], tile, None if idx is None else idx[rows])
-            outs.append(attend(q[:, rows], k_roped[k0:k1], keys[k0:k1], valid, comp, t0 % TILE))
+            outs.append(attend(q[:, rows], k_roped[span], keys[span], valid, comp, t0 % TILE))
         return mm(torch.cat(outs), self.wo, lo)
 
     def _compressed(self, entries: Entries | None, q_pos: Tensor, tile: int, idx: Tensor | None
