@@ -15,11 +15,12 @@ manual restart needed (the cluster is then restarted, to go on).
 
 ("Every engine" means the entrypoint lists 3 and each answers its internal health as ok.)
 
-The check, after the run: every completed reply against a no-cache single-process server along the same
-legs (chaos_load.py). The JSON: `requests`, `completed`, `failed` (by fault kind and HTTP status),
-`wrong_answers`, `hung` (over 60 s), `max_recovery_s` per fault kind, `cached_overclaimed` (usage claiming
-more reuse than the engine's own forward count allows), `manual_restart_needed`, and each trial's figures
-(what the fault did, its recovery, the hit rate before, during and after).
+The check, after the run: every completed reply against no-cache single-process servers (one per usable CPU,
+up to MAX_REFERENCES) along the same legs (chaos_load.py). The JSON: `requests`, `completed`, `failed` (by
+fault kind and HTTP status), `wrong_answers`, `hung` (over 60 s), `max_recovery_s` per fault kind,
+`cached_overclaimed` (usage claiming more reuse than the engine's own forward count allows),
+`manual_restart_needed`, and each trial's figures (what the fault did, its recovery, the hit rate before,
+during and after).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ SHORT_HOLD = 0.5        # --short: holds (SIGSTOP, a full volume, a read-only fo
 WARMUP_S = 10.0         # load before the first fault: prefixes get cached, so faults hit a warm cluster
 SHORT_WARMUP_S = 5.0    # --short: enough for every conversation's first turns to be stored
 SHORT_SETTLE_S = 1.0    # --short's default --settle-s
+MAX_REFERENCES = 4      # no-cache reference servers the check runs at once
 SETTLE_REPLIES = 3      # and on after it, until this many replies sent after the recovery are in (a slow machine
                         # answers fewer a second; a trial's hit rate after it needs replies to be a rate)
 
@@ -61,8 +63,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--settle-s", type=float, default=None, help="load between one trial's recovery and the next "
                    f"fault (default 3.0; {SHORT_SETTLE_S} with --short), and on until {SETTLE_REPLIES} replies sent "
                    "after the recovery are in")
-    p.add_argument("--data-dir", type=Path, default=None, help="the cluster's data dir (default: a temp dir, "
-                   "removed after)")
+    p.add_argument("--data-dir", type=Path, default=None, help="the cluster's data dir, empty or absent (default: a "
+                   "temp dir, removed after)")
     p.add_argument("--seed", type=int, default=1, help="the load's and the faults' random seed")
 
 
@@ -74,6 +76,10 @@ def run(args: argparse.Namespace) -> int:
         args.settle_s = SHORT_SETTLE_S if args.short else 3.0
     if args.trials < 1 or args.clients < 1 or args.recovery_limit_s <= 0 or args.settle_s < 0:
         raise CliError("--trials and --clients must be >= 1, --recovery-limit-s > 0, --settle-s >= 0")
+    if args.data_dir is not None and args.data_dir.exists() and any(args.data_dir.iterdir()):
+        # a cluster left there would serve this run blocks and states of the last one, which another kvledger
+        # version may have computed with other floats: its replies would differ from the reference's
+        raise CliError(f"--data-dir {args.data_dir}: not empty (the chaos run starts its cluster from nothing)")
     from kvledger.util.juicefs import fuse_unavailable
 
     if (why := fuse_unavailable()) is not None:
@@ -243,14 +249,22 @@ class Chaos:
         }
 
     def _check(self, samples: list[Sample]) -> Any:
+        """On one no-cache reference server per usable CPU (up to MAX_REFERENCES), each on one torch thread: the
+        check is CPU-bound, and tiny-v4 computes each sequence of a batch on its own, so a server uses one core."""
+        from kvledger.engine.threads import usable_cpus
         from kvledger.util.serve_process import ServeProcess
 
-        reference = ServeProcess(self.data / "reference", "--no-cache", "--max-num-seqs", "8",
-                                 model="tiny-v4").start()
+        references = [ServeProcess(self.data / f"reference-{i}", "--no-cache", "--max-num-seqs", "8", "--threads",
+                                   "1", model="tiny-v4") for i in range(min(MAX_REFERENCES, usable_cpus()))]
         try:
-            return check_against(reference.url, samples)
+            for reference in references:
+                reference.launch()
+            for reference in references:
+                reference.wait_ready()
+            return check_against([r.url for r in references], samples)
         finally:
-            reference.stop()
+            for reference in references:
+                reference.stop()
 
 
 def _hit_rate(samples: list[Sample], start: float, end: float) -> float | None:

@@ -158,11 +158,12 @@ class Checked:
     unchecked: int                   # completed replies the reference did not answer for
 
 
-def check_against(url: str, samples: list[Sample], workers: int = 4) -> Checked:
-    """Every completed sample against the reference server at `url` (`workers` requests at once: it batches)."""
+def check_against(urls: list[str], samples: list[Sample], workers_per_url: int = 2) -> Checked:
+    """Every completed sample against the reference servers at `urls` (sample i on urls[i % len(urls)];
+    `workers_per_url` requests at once on each, so each computes while the next request arrives)."""
     done = [s for s in samples if s.completed]
-    with ThreadPoolExecutor(workers) as pool:
-        refs = list(pool.map(lambda s: reference_of(url, s), done))
+    with ThreadPoolExecutor(workers_per_url * len(urls)) as pool:
+        refs = list(pool.map(lambda i: reference_of(urls[i % len(urls)], done[i]), range(len(done))))
     wrong = [{"client": s.client, "sent_s": round(s.sent, 2), "fault": s.fault, "prompt_tokens": len(s.prompt),
               "legs": ((s.usage or {}).get("kvledger") or {}).get("legs"), "got": s.output, "reference": ref}
              for s, ref in zip(done, refs) if ref is not None and ref != s.output]

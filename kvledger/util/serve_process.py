@@ -114,6 +114,12 @@ class ServeProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> ServeProcess:
+        """Launch and wait until healthy."""
+        return self.launch().wait_ready()
+
+    def launch(self) -> ServeProcess:
+        """Spawn the server, not waiting for it (`wait_ready`): several start at once. Launch from the thread that
+        stops it: the child dies with the thread that spawned it (`spawn`)."""
         self.port = free_port()
         cmd = [str(KVLEDGER), "serve", "--port", str(self.port), "--data-dir", str(self.data_dir),
                "--model", self.model, *self.args]
@@ -121,10 +127,10 @@ class ServeProcess:
             cmd += ["--api-keys", str(self.keys_file)]
         with open(self.log, "ab") as log:
             self.proc = spawn(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
-        self._wait_healthy()
         return self
 
-    def _wait_healthy(self) -> None:
+    def wait_ready(self) -> ServeProcess:
+        """Until /health answers 200; RuntimeError (the log's tail) when the server exits or takes too long."""
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             assert self.proc is not None
@@ -133,7 +139,7 @@ class ServeProcess:
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
                     if r.status == 200:
-                        return
+                        return self
             except (urllib.error.URLError, OSError):
                 pass
             time.sleep(0.3)

@@ -37,3 +37,11 @@ def test_the_short_chaos_run_finds_no_wrong_answer_and_recovers_from_every_fault
     assert "No space left on device" in notes["fill_volume"], notes
     damaged = re.findall(r"(?:corrupt|truncate|delete) (\d+)", notes["damage_segments"])
     assert len(damaged) == 3 and sum(map(int, damaged)) > 0, notes
+
+
+def test_a_data_dir_left_by_another_run_is_refused(run_cli, tmp_path):
+    """Its cluster would serve blocks and states of the last run, maybe computed by another version's floats."""
+    (tmp_path / "cluster").mkdir()
+    p = run_cli("bench", "chaos", "--short", "--json", "--data-dir", str(tmp_path))
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and p.stdout == "" and len(lines) == 1 and "not empty" in lines[0], p.stderr
