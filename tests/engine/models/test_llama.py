@@ -85,15 +85,17 @@ def test_the_tokenizer_gives_transformers_ids():
         assert encode_ids(tok, ref["text"]) == ref["ids"], ref["name"]
 
 
+@pytest.mark.parametrize("chunk", [256, 1024], ids=["chunks of 256", "one forward"])
 @pytest.mark.parametrize("name", sorted(PROMPTS))
-def test_with_float32_kv_the_forward_is_transformers_to_float32_rounding(smollm2, name):
+def test_with_float32_kv_the_forward_is_transformers_to_float32_rounding(smollm2, name, chunk):
+    """The prompt in chunks of 256, or in one forward as the engine prefills a prompt of up to 4,096 tokens."""
     caches = smollm2.caches
     assert caches[0].dtype == torch.bfloat16   # the engine's own; this test swaps float32 ones in for its run
     smollm2.caches = [PagedKV(c.block_size, c.kv_heads, c.head_dim, torch.float32, llama.MIRROR_SHARE) for c in caches]
     try:
         for cache in smollm2.caches:
             cache.allocate(POOL_BLOCKS, 0, torch.device("cpu"))
-        logits, tokens = _prefill_and_decode(smollm2, PROMPTS[name])
+        logits, tokens = _prefill_and_decode(smollm2, PROMPTS[name], chunk)
     finally:
         smollm2.caches = caches
     assert _rel_to_reference(logits, PROMPTS[name]) <= FLOAT32_BOUND
