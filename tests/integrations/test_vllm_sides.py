@@ -86,6 +86,18 @@ def test_the_scheduler_and_worker_sides_of_one_process_share_one_open_store(tmp_
     assert SchedulerSide(scheduler, SPEC).matched_tokens(req, 0) == 2 * B
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the pin is Linux's (mlock)")
+def test_the_shared_store_keeps_its_index_in_memory_unless_told_not_to(tmp_path):
+    from kvledger.integrations.vllm.config import shared_ledger
+
+    pinned = shared_ledger(ConnectorConfig.from_extra({"path": str(tmp_path / "pinned"), "fsync": False}))
+    pin = pinned.store.pin
+    assert pin is not None and pin.wait(30) and pin.mode in ("locked", "mapped") and pin.pinned_bytes > 0
+    unpinned = shared_ledger(ConnectorConfig.from_extra({"path": str(tmp_path / "unpinned"), "fsync": False,
+                                                         "pin_index": "false"}))
+    assert unpinned.store.pin is None
+
+
 def test_check_counts_leading_blocks_caps_and_subtracts_the_local_hit(ledger):
     side = SchedulerSide(ledger, SPEC)
     req = request("a", 500)

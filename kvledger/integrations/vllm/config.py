@@ -50,6 +50,7 @@ class ConnectorConfig:
     ttl_class: str = DEFAULT_CLASS
     fsync: bool = True
     events: str | None = None
+    pin_index: bool = True   # keep the embedded store's LMDB index in memory, as `kvledger serve` does (index_pin.py)
 
     def __post_init__(self) -> None:
         if self.path is None and self.redis_url is None:
@@ -66,8 +67,9 @@ class ConnectorConfig:
         extra.setdefault("path", os.environ.get("KVLEDGER_PATH"))
         extra.setdefault("redis_url", None)
         extra.setdefault("model", None)
-        fsync = extra.get("fsync", True)
-        extra["fsync"] = fsync if isinstance(fsync, bool) else str(fsync).lower() not in ("0", "false", "no")
+        for flag in ("fsync", "pin_index"):   # JSON true/false, or a string from the command line
+            value = extra.get(flag, True)
+            extra[flag] = value if isinstance(value, bool) else str(value).lower() not in ("0", "false", "no")
         return cls(**extra)
 
     def policy(self) -> TtlPolicy:
@@ -79,10 +81,12 @@ _LEDGERS: dict[ConnectorConfig, BlockLedger] = {}
 
 def shared_ledger(config: ConnectorConfig) -> BlockLedger:
     """One open ledger per store and process: vLLM's scheduler-side and worker-side connectors
-    often live in one process (the CPU build's engine core), and a store's index opens once per process."""
+    often live in one process (the CPU build's engine core), and a store's index opens once per process, with
+    its pin (`pin_index`: an embedded store's index kept in memory while the process lives)."""
     ledger = _LEDGERS.get(config)
     if ledger is None:
-        ledger = BlockLedger.open(config.path, config.redis_url, policy=config.policy(), fsync=config.fsync)
+        ledger = BlockLedger.open(config.path, config.redis_url, policy=config.policy(), fsync=config.fsync,
+                                  pin_index=config.pin_index)
         _LEDGERS[config] = ledger
     return ledger
 
