@@ -30,7 +30,7 @@ import contextlib
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvledger.core import KEY_BYTES
 from kvledger.state import auth
@@ -66,6 +66,7 @@ class ServerStats:
 class _Conn:
     sock: socket.socket
     idle_since: float | None = None  # monotonic seconds; None while a request is being answered
+    used_at: float = field(default_factory=time.monotonic)   # when its last request arrived: the LRU order
 
 
 class StateServer:
@@ -93,6 +94,12 @@ class StateServer:
         self._handshaking = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
+
+    @property
+    def idle_connections(self) -> int:
+        """Authenticated connections waiting for their next request: the ones `max_connections` may evict."""
+        with self._lock:
+            return sum(c.idle_since is not None for c in self._authed.values())
 
     @property
     def address(self) -> str:
@@ -217,7 +224,7 @@ class StateServer:
                 if not idle:
                     self.stats.busy += 1
                     return False
-                victim = min(idle, key=lambda c: c.idle_since)
+                victim = min(idle, key=lambda c: c.used_at)
                 del self._authed[victim.sock]
                 self.stats.evicted += 1
                 with contextlib.suppress(OSError):
@@ -259,7 +266,7 @@ class StateServer:
             got = recv_some(sock, view, conn.idle_since + self.idle_timeout_s, False)   # wait first: idle
         except TimeoutError:
             return False  # an idle kept-alive connection: close it quietly
-        conn.idle_since = None
+        conn.idle_since, conn.used_at = None, time.monotonic()
         if got == 0:
             return False
         if got < REQUEST_BYTES:   # the rest within io_timeout_s: a stalled request raises TimeoutError, a timeout
