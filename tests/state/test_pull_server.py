@@ -245,15 +245,6 @@ def test_idle_unauthenticated_connections_do_not_block_pulls(served):
             s.close()
 
 
-def _until_all_idle(server: StateServer, n: int) -> None:
-    """Wait until the server has `n` connections waiting for their next request: a thread that has sent its
-    answer may not be back waiting yet when the client already has it."""
-    deadline = time.monotonic() + 10
-    while server.idle_connections != n:
-        assert time.monotonic() < deadline, f"{server.idle_connections} of {n} connections idle"
-        time.sleep(0.005)
-
-
 def test_at_the_cap_the_least_recently_used_idle_connection_makes_room(served):
     """Least recently used: the oldest last request, whatever order the server's threads went back to waiting in."""
     server, _, data = served
@@ -261,10 +252,10 @@ def test_at_the_cap_the_least_recently_used_idle_connection_makes_room(served):
     try:
         for c in clients[:-1]:  # every slot taken by a kept-alive, idle connection
             assert c.pull(server.address, bytes([0]) * 16) == data[0]
-        _until_all_idle(server, server.max_connections)
+        assert _wait_for(lambda: server.idle_connections == server.max_connections)   # every thread back waiting
         assert clients[-1].pull(server.address, bytes([1]) * 16) == data[1]  # one more: room is made
         assert server.stats.evicted == 1 and server.stats.busy == 0
-        _until_all_idle(server, server.max_connections)
+        assert _wait_for(lambda: server.idle_connections == server.max_connections)   # every thread back waiting
         assert clients[0].pull(server.address, bytes([2]) * 16) == data[2]  # the evicted one reconnects
         assert clients[0].stats["hit"] == 2 and server.stats.evicted == 2  # ... in its turn evicting the LRU
     finally:
