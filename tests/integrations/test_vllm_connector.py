@@ -30,8 +30,8 @@ from kvledger.store.ledger import BlockLedger
 
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="run `make vllm-venv`")]
 
-# Short prompts: vLLM's CPU build prefills SmolLM2 in float32 at about 130 tokens/s here (a 2,000-token prompt
-# took 14-18 s on both cores), and nothing checked here grows with the length.
+# Short prompts: vLLM's CPU build prefills SmolLM2 in float32 at about 130 tokens/s on a 2-core AMD EPYC (a
+# 2,000-token prompt took 14-18 s on both cores), and nothing checked here grows with the length.
 PROMPT_TOKENS = 600
 HIT = (PROMPT_TOKENS - 1) // 128 * 128  # 512: every full block (the last 88 tokens are in none)
 WHOLE_TOKENS = 640                      # 5 whole blocks: the hit is 639 tokens
