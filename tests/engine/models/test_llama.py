@@ -15,7 +15,8 @@ import torch
 
 from kvledger.engine.models import llama
 from kvledger.engine.models.base import Chunk, PagedKV
-from kvledger.engine.models.llama import RMSNorm, rotate
+from kvledger.engine.models.llama import RMSNorm
+from kvledger.engine.models.rowwise import rotate
 from kvledger.engine.sequence import new_uid
 
 REFERENCE = json.loads((Path(__file__).parent / "data" / "smollm2_reference.json").read_text())

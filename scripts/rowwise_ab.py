@@ -1,0 +1,76 @@
+"""SmolLM2 forwards with a layer's row-wise operators in torch, in kvledger's kernel (`models/rowwise.py`), and made
+free: the measurement behind rowwise.py's figures.
+
+    .venv/bin/python scripts/rowwise_ab.py [--context 2304] [--hit 2048] [--threads 2] [--rounds 6]
+
+Each round runs, per side, one untimed cold forward of `--context` random tokens, then a timed one, then a timed
+hit: the last context − hit tokens over the first `hit` already in the blocks (the L − 1 cap's chunk of a served
+hit). Sides: `torch` (`rowwise.AVAILABLE` off), `kernel` (on), `free` (the RMSNorm, rotation and silu · up replaced
+by no-ops: wrong logits, the bound on what fusing them can save). Prints per side the median seconds over the rounds
+and the min–max, then the kernel's cold logits against torch's: max |difference| / max |logit| and whether the
+argmax agrees.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from kvledger.engine.models import llama, rowwise
+from kvledger.engine.models.base import Chunk
+from kvledger.engine.models.registry import resolve
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--context", type=int, default=2304)
+    p.add_argument("--hit", type=int, default=2048)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=6)
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    model = resolve("smollm2-135m").load("cpu")
+    n = a.context
+    model.allocate(n // 128 + 3, 0)
+    table = torch.arange(1, n // 128 + 3)
+    ids = torch.randint(100, 40_000, (n,), generator=torch.Generator().manual_seed(0))
+    own = {"norm": llama.RMSNorm.forward, "rotate": rowwise.rotate_, "silu_mul": rowwise.silu_mul,
+           "available": rowwise.AVAILABLE}
+
+    def side(name: str) -> None:
+        rowwise.AVAILABLE = own["available"] and name == "kernel"
+        free = name == "free"
+        llama.RMSNorm.forward = (lambda self, x, add=None: x if add is None else x.add_(add)) if free else own["norm"]
+        rowwise.rotate_ = (lambda x, cos, sin: x) if free else own["rotate"]
+        rowwise.silu_mul = (lambda gu: gu[:, :gu.shape[1] // 2]) if free else own["silu_mul"]
+
+    times: dict[tuple[str, str], list[float]] = {}
+    logits: dict[str, torch.Tensor] = {}
+    try:
+        with torch.inference_mode():
+            for _ in range(a.rounds):
+                for name in ("torch", "kernel", "free"):
+                    side(name)
+                    model([Chunk(ids, 0, table)])
+                    t = time.perf_counter()
+                    logits[name] = model([Chunk(ids, 0, table)])
+                    times.setdefault((name, "cold"), []).append(time.perf_counter() - t)
+                    t = time.perf_counter()
+                    model([Chunk(ids[a.hit:], a.hit, table)])
+                    times.setdefault((name, "hit"), []).append(time.perf_counter() - t)
+    finally:
+        side("kernel")
+        rowwise.AVAILABLE = own["available"]
+    for (name, kind), ts in times.items():
+        print(f"{name:>6} {kind:>4}: {statistics.median(ts):.3f} s ({min(ts):.3f}–{max(ts):.3f})")
+    first, second = logits["torch"], logits["kernel"]
+    print(f"cold logits, kernel against torch: max |difference| / max |logit| = "
+          f"{float((first - second).abs().max() / first.abs().max()):.1e}, "
+          f"same argmax: {bool(first.argmax() == second.argmax())}")
+
+
+if __name__ == "__main__":
+    main()
