@@ -1,5 +1,6 @@
-/* A Llama layer's row-wise operators, each in one pass over its rows: the RMSNorm (with the residual add before
- * it), the rotary embedding of Q and K, and the MLP's silu(gate) · up.
+/* A decoder layer's row-wise operators, each in one pass over its rows: the RMSNorm (with the residual add before
+ * it, Llama's, or after it, Gemma 3's), the rotary embedding of Q and K, and the MLP's act(gate) · up (Llama's silu,
+ * Gemma 3's tanh GELU).
  *
  * torch runs each of them as a few operators, each a pass over the whole [tokens × width] tensor and an OpenMP
  * region of its own: about 12 a layer, 0.36 s of a 2,304-token SmolLM2 prefill on a 2-core Xeon (rowwise.py).
@@ -9,8 +10,8 @@
  * Every row is computed on its own, in a fixed order: a row's result does not depend on the other rows, on how
  * many there are, or on the thread count. The rotation is torch's formula operator for operator (x·cos, the
  * rolled x·signed sin, their sum: this file is built with -ffp-contract=off, so no product is fused into a sum),
- * so its bits are torch's. The RMSNorm's sum of squares runs in eight lanes, not torch's order, and the silu's
- * exponential is Cephes' (`exp_lanes`), not Sleef's: those two agree with torch to float32 rounding.
+ * so its bits are torch's. The RMSNorm's sum of squares runs in eight lanes, not torch's order, and the activations'
+ * exponential is Cephes' (`exp_lanes`), not Sleef's: those agree with torch to float32 rounding.
  *
  * Built only on x86-64 with a compiler that has the AVX2 intrinsics; `available()` is false where the CPU lacks
  * AVX2 or FMA, and the caller keeps torch's operators there.
@@ -30,9 +31,10 @@ static int team(Py_ssize_t rows, Py_ssize_t width, int threads) {
     return threads < rows ? threads : (int)rows;
 }
 
-/* x += add (when add is not NULL), then out = x · rsqrt(mean(x²) + eps) · w over each row of h floats. */
+/* x += add (when add is not NULL); then y = x · rsqrt(mean(x²) + eps) · w over the row's h floats, written to out,
+ * or added into it when `accumulate` (out += y, y rounded first, as torch's two operators round). */
 __attribute__((target("avx2,fma"))) static void rms_norm_row(float *x, const float *add, const float *w,
-                                                             float *out, Py_ssize_t h, float eps) {
+                                                             float *out, Py_ssize_t h, float eps, int accumulate) {
     const Py_ssize_t h8 = h - h % 8;
     __m256 sq = _mm256_setzero_ps();
     Py_ssize_t j = 0;
@@ -52,10 +54,16 @@ __attribute__((target("avx2,fma"))) static void rms_norm_row(float *x, const flo
     }
     const float inv = 1.0f / sqrtf(s / (float)h + eps);
     const __m256 iv = _mm256_set1_ps(inv);
-    for (j = 0; j < h8; j += 8)
-        _mm256_storeu_ps(out + j, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + j), iv), _mm256_loadu_ps(w + j)));
-    for (; j < h; j++)
-        out[j] = x[j] * inv * w[j];
+    for (j = 0; j < h8; j += 8) {
+        __m256 y = _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + j), iv), _mm256_loadu_ps(w + j));
+        if (accumulate)
+            y = _mm256_add_ps(_mm256_loadu_ps(out + j), y);
+        _mm256_storeu_ps(out + j, y);
+    }
+    for (; j < h; j++) {
+        const float y = x[j] * inv * w[j];
+        out[j] = accumulate ? out[j] + y : y;
+    }
 }
 
 /* One row's heads rotated in place: x[i] · cos[i] + x[(i + d/2) mod d] · sin[i], heads of d floats, d a multiple
@@ -77,26 +85,34 @@ __attribute__((target("avx2,fma"))) static void rotate_row(float *x, Py_ssize_t 
     }
 }
 
-/* out[j] = silu(g[j]) · u[j] = g[j] / (1 + exp(−g[j])) · u[j] for j < n, n a multiple of 8. */
-__attribute__((target("avx2,fma"))) static void silu_mul_row(const float *g, const float *u, float *out,
-                                                             Py_ssize_t n) {
+enum { SILU = 0, GELU_TANH = 1 };
+
+/* out[j] = act(g[j]) · u[j] for j < n, n a multiple of 8. Both activations are g / (1 + exp(z)): silu's z = −g, and
+ * the tanh GELU's 0.5 · g · (1 + tanh(y)) with y = √(2/π) · (g + 0.044715 · g³) is g / (1 + exp(−2y)), the same value
+ * without the cancellation of 1 + tanh(y) where tanh(y) is near −1. */
+__attribute__((target("avx2,fma"))) static void act_mul_row(int act, const float *g, const float *u, float *out,
+                                                            Py_ssize_t n) {
     const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+    const __m256 c = _mm256_set1_ps(-2.0f * 0.7978845608028654f), k = _mm256_set1_ps(0.044715f);
     for (Py_ssize_t j = 0; j < n; j += 8) {
-        const __m256 vg = _mm256_loadu_ps(g + j);
-        const __m256 e = exp_lanes(_mm256_sub_ps(zero, vg));
-        _mm256_storeu_ps(out + j, _mm256_mul_ps(_mm256_div_ps(vg, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + j)));
+        const __m256 vg = _mm256_loadu_ps(g + j), cube = _mm256_mul_ps(_mm256_mul_ps(vg, vg), vg);
+        const __m256 z = act == SILU ? _mm256_sub_ps(zero, vg)   /* −2y = −2√(2/π) · (g + 0.044715 · g³) */
+                                     : _mm256_mul_ps(c, _mm256_add_ps(vg, _mm256_mul_ps(k, cube)));
+        const __m256 a = _mm256_div_ps(vg, _mm256_add_ps(one, exp_lanes(z)));
+        _mm256_storeu_ps(out + j, _mm256_mul_ps(a, _mm256_loadu_ps(u + j)));
     }
 }
 
-/* rms_norm(x_ptr, add_ptr, w_ptr, out_ptr, rows, h, eps, threads): x and add are [rows × h] contiguous (add_ptr 0:
- * none), w [h], out [rows × h]; x is updated in place when add is given. The caller (rowwise.py) checks shapes,
- * dtypes and contiguity and keeps the tensors alive; the GIL is released while it runs. */
+/* rms_norm(x_ptr, add_ptr, w_ptr, out_ptr, rows, h, eps, accumulate, threads): x, add and out are [rows × h]
+ * contiguous (add_ptr 0: none), w [h]; x is updated in place when add is given, out is added into when accumulate is
+ * 1. The caller (rowwise.py) checks shapes, dtypes and contiguity and keeps the tensors alive; the GIL is released
+ * while it runs. */
 static PyObject *rms_norm(PyObject *self, PyObject *args) {
     uintptr_t xp, ap, wp, op;
     Py_ssize_t rows, h;
     float eps;
-    int threads;
-    if (!PyArg_ParseTuple(args, "kkkknnfi", &xp, &ap, &wp, &op, &rows, &h, &eps, &threads))
+    int accumulate, threads;
+    if (!PyArg_ParseTuple(args, "kkkknnfpi", &xp, &ap, &wp, &op, &rows, &h, &eps, &accumulate, &threads))
         return NULL;
     if (rows < 1 || h < 1 || threads < 1) {
         PyErr_SetString(PyExc_ValueError, "rms_norm: rows, h and threads must be positive");
@@ -108,7 +124,7 @@ static PyObject *rms_norm(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (Py_ssize_t r = 0; r < rows; r++)
-        rms_norm_row(x + r * h, add != NULL ? add + r * h : NULL, w, out + r * h, h, eps);
+        rms_norm_row(x + r * h, add != NULL ? add + r * h : NULL, w, out + r * h, h, eps, accumulate);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -136,33 +152,34 @@ static PyObject *rotate(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* silu_mul(gu_ptr, out_ptr, rows, n, threads): gu is [rows × 2n] contiguous (gate, then up, in each row), out
- * [rows × n]; n a multiple of 8. */
-static PyObject *silu_mul(PyObject *self, PyObject *args) {
-    uintptr_t gp, op;
-    Py_ssize_t rows, n;
-    int threads;
-    if (!PyArg_ParseTuple(args, "kknni", &gp, &op, &rows, &n, &threads))
+/* act_mul(act, g_ptr, u_ptr, out_ptr, rows, n, g_stride, u_stride, threads): out [rows × n] contiguous = act(g) · u,
+ * g's and u's rows of n contiguous floats starting g_stride and u_stride floats apart (gate and up side by side in
+ * one matrix, or two matrices); act 0 silu, 1 gelu_tanh; n a multiple of 8. */
+static PyObject *act_mul(PyObject *self, PyObject *args) {
+    uintptr_t gp, up, op;
+    Py_ssize_t rows, n, gs, us;
+    int act, threads;
+    if (!PyArg_ParseTuple(args, "ikkknnnni", &act, &gp, &up, &op, &rows, &n, &gs, &us, &threads))
         return NULL;
-    if (rows < 1 || n < 8 || n % 8 || threads < 1) {
-        PyErr_SetString(PyExc_ValueError, "silu_mul: bad shape (n a multiple of 8)");
+    if ((act != SILU && act != GELU_TANH) || rows < 1 || n < 8 || n % 8 || gs < n || us < n || threads < 1) {
+        PyErr_SetString(PyExc_ValueError, "act_mul: bad arguments (act 0 or 1, n a multiple of 8, strides ≥ n)");
         return NULL;
     }
-    const float *gu = (const float *)gp;
+    const float *g = (const float *)gp, *u = (const float *)up;
     float *out = (float *)op;
     threads = team(rows, n, threads);
     Py_BEGIN_ALLOW_THREADS
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (Py_ssize_t r = 0; r < rows; r++)
-        silu_mul_row(gu + r * 2 * n, gu + r * 2 * n + n, out + r * n, n);
+        act_mul_row(act, g + r * gs, u + r * us, out + r * n, n);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
 
 static PyMethodDef methods[] = {
-    {"rms_norm", rms_norm, METH_VARARGS, "rms_norm(x, add, w, out, rows, h, eps, threads) (rowwise.py)"},
+    {"rms_norm", rms_norm, METH_VARARGS, "rms_norm(x, add, w, out, rows, h, eps, accumulate, threads) (rowwise.py)"},
     {"rotate", rotate, METH_VARARGS, "rotate(x, row_stride, rows, heads, d, cos, sin, threads) (rowwise.py)"},
-    {"silu_mul", silu_mul, METH_VARARGS, "silu_mul(gate_up, out, rows, n, threads) (rowwise.py)"},
+    {"act_mul", act_mul, METH_VARARGS, "act_mul(act, g, u, out, rows, n, g_stride, u_stride, threads) (rowwise.py)"},
     AVAILABLE_METHOD,
     {NULL, NULL, 0, NULL},
 };

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kvledger.core import LayerKind, ModelSpec
+from kvledger.engine.models import rowwise
 from kvledger.engine.models.base import BeforeLayer, Chunk, Model, PagedKV, window_start
 from kvledger.engine.models.fixed_rows import mm, place_rows
 from kvledger.engine.models.ring_kv import RingKV
@@ -110,14 +111,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim))
         self.eps = eps
 
-    def forward(self, x: Tensor) -> Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight)
-
-
-def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotary embedding, halves layout: x [T, heads, d], cos/sin [T, 1, d]."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+    def forward(self, x: Tensor, into: Tensor | None = None) -> Tensor:
+        """The norm over x's last dimension (any leading shape), in `rowwise.rms_norm`; with `into`, added into it
+        in place (the residual stream), which is returned."""
+        shape = x.shape
+        y = rowwise.rms_norm(x.reshape(-1, shape[-1]), 1.0 + self.weight, self.eps,
+                             into=None if into is None else into.view(-1, shape[-1]))
+        return into if into is not None else y.view(shape)
 
 
 def linear(x: Tensor, layer: nn.Linear, chunks: Sequence[Chunk]) -> Tensor:
@@ -182,8 +182,9 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, chunks: Sequence[Chunk], cache: PagedKV | RingKV
                 ) -> Tensor:
         t = x.shape[0]
-        q = rotate(self.q_norm(linear(x, self.q_proj, chunks).view(t, self.heads, self.head_dim)), cos, sin)
-        k = rotate(self.k_norm(linear(x, self.k_proj, chunks).view(t, self.kv_heads, self.head_dim)), cos, sin)
+        q = rowwise.rotate_(self.q_norm(linear(x, self.q_proj, chunks).view(t, self.heads, self.head_dim)), cos, sin)
+        k = rowwise.rotate_(self.k_norm(linear(x, self.k_proj, chunks).view(t, self.kv_heads, self.head_dim)), cos,
+                            sin)
         v = linear(x, self.v_proj, chunks).view(t, self.kv_heads, self.head_dim)
         outs, off = [], 0
         for c in chunks:
@@ -223,7 +224,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate, cfg.hidden, bias=False)
 
     def forward(self, x: Tensor, chunks: Sequence[Chunk]) -> Tensor:
-        hidden = F.gelu(linear(x, self.gate_proj, chunks), approximate="tanh") * linear(x, self.up_proj, chunks)
+        hidden = rowwise.gelu_tanh_mul(linear(x, self.gate_proj, chunks), linear(x, self.up_proj, chunks))
         return linear(hidden, self.down_proj, chunks)
 
 
@@ -239,8 +240,9 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, chunks: Sequence[Chunk], cache: PagedKV | RingKV
                 ) -> Tensor:
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, chunks, cache))
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x), chunks))
+        """The layer's output, written into x (the residual stream, which the caller does not keep) and returned."""
+        self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, chunks, cache), into=x)
+        return self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x), chunks), into=x)
 
 
 class Gemma3(Model):
@@ -267,9 +269,12 @@ class Gemma3(Model):
                          LayerKind.FULL: 1.0 / cfg.rope_global_theta ** dims}
 
     def _rope(self, positions: Tensor, kind: LayerKind) -> tuple[Tensor, Tensor]:
+        """cos, signed_sin [T, 1, d] for `rowwise.rotate_`: cos and sin of the positions, sin's first half negated."""
         freqs = positions.float().unsqueeze(1) * self.inv_freq[kind].to(positions.device).unsqueeze(0)
         emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)  # [T, 1, d]
-        return emb.cos(), emb.sin()
+        sin = emb.sin()
+        sin[..., :freqs.shape[1]].neg_()
+        return emb.cos(), sin
 
     @torch.inference_mode()
     def forward(self, chunks: Sequence[Chunk], before_layer: BeforeLayer | None = None) -> Tensor:

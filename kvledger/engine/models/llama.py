@@ -73,7 +73,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
         """x · rsqrt(mean(x²) + eps) · weight, HF Llama's formula (within float32 rounding,
         `tests/engine/models/test_llama.py`); with `add`, of x += add, updated in place (`rowwise.rms_norm`)."""
-        return rowwise.rms_norm(x, self.weight, self.eps, add)
+        return rowwise.rms_norm(x, self.weight, self.eps, add=add)
 
 
 class Attention(nn.Module):

@@ -1,7 +1,7 @@
-"""kvledger's kernel for a Llama layer's row-wise operators (`models/rowwise.py`, `_rowwise.c`): torch's formulas
-(the rotation bit for bit, the RMSNorm and silu · up to float32 rounding), each row alike whatever rows surround it
-and whatever the thread count, torch's own operators wherever the kernel does not apply, and the engine's layer
-taking it."""
+"""kvledger's kernel for a decoder layer's row-wise operators (`models/rowwise.py`, `_rowwise.c`): torch's formulas
+(the rotation bit for bit, the RMSNorm, silu · up and tanh-GELU · up to float32 rounding), each row alike whatever
+rows surround it and whatever the thread count, torch's own operators wherever the kernel does not apply, and the
+engine's Llama layer taking it (Gemma 3's: `test_gemma3.py`)."""
 
 from __future__ import annotations
 
@@ -62,6 +62,18 @@ def test_rms_norm_with_add_updates_the_residual_in_place_then_norms_the_sum():
         rowwise.rms_norm(x, w, 1e-6, add=add[:10])
 
 
+def test_rms_norm_into_adds_the_norm_to_the_residual_in_place():
+    """Gemma 3's order: residual + norm(x), the norm rounded before the add, as torch's two operators round."""
+    x, residual, w = _randn(300, 640), _randn(300, 640, seed=2), _randn(640, seed=3, spread=1.0)
+    before = residual.clone()
+    with torch.inference_mode():
+        norm = rowwise.rms_norm(x, w, 1e-6)
+        got = rowwise.rms_norm(x, w, 1e-6, into=residual)
+    assert got.data_ptr() == residual.data_ptr() and torch.equal(got, before + norm)
+    with torch.inference_mode(), pytest.raises(ValueError, match="not x's shape"):
+        rowwise.rms_norm(x, w, 1e-6, into=residual[:10])
+
+
 def test_rotation_is_torchs_bit_for_bit_on_a_view_of_wider_rows():
     """Q and K heads inside the stacked QKV output, as `Attention.qkv` rotates them: only those columns change."""
     t, heads, d = 517, 12, 64
@@ -85,6 +97,17 @@ def test_silu_mul_is_torchs_to_float32_rounding(rows, n):
     assert got.shape == (rows, n) and err <= 1e-6 and err <= 4 * torch_err + 2e-7, (err, torch_err)
 
 
+@pytest.mark.parametrize("rows,n", [(4096, 2048), (1, 2048), (3, 8)])
+def test_gelu_tanh_mul_is_torchs_to_float32_rounding(rows, n):
+    gate, up = _randn(rows, n, spread=4.0), _randn(rows, n, seed=1)
+    want = F.gelu(gate.double(), approximate="tanh") * up.double()
+    with torch.inference_mode():
+        got = rowwise.gelu_tanh_mul(gate, up)
+        torch_err = _rel(F.gelu(gate, approximate="tanh") * up, want)
+    err = _rel(got, want)
+    assert got.shape == (rows, n) and err <= 1e-6 and err <= 4 * torch_err + 2e-7, (err, torch_err)
+
+
 def test_silu_mul_at_the_ends_of_the_float_range():
     g = torch.tensor([-1e30, -200.0, -88.5, -88.0, -87.5, -20.0, -1e-30, 0.0, 1e-30, 20.0, 87.5, 88.5, 200.0, 1e30,
                       3.0, -3.0])
@@ -92,6 +115,11 @@ def test_silu_mul_at_the_ends_of_the_float_range():
     with torch.inference_mode():
         got = rowwise.silu_mul(gu)[0]
     want = F.silu(g.double())
+    assert torch.isfinite(got).all()
+    assert torch.allclose(got.double(), want, rtol=1e-6, atol=1e-30), (got, want)
+    with torch.inference_mode():
+        got = rowwise.gelu_tanh_mul(g.unsqueeze(0), torch.ones(1, 16))[0]
+    want = F.gelu(g.double(), approximate="tanh")
     assert torch.isfinite(got).all()
     assert torch.allclose(got.double(), want, rtol=1e-6, atol=1e-30), (got, want)
 
@@ -102,6 +130,9 @@ def test_each_row_is_the_same_alone_or_among_others_and_for_any_thread_count():
     gu = _randn(2304, 3072, seed=2)
     norms = under_thread_counts(lambda: rowwise.rms_norm(x.clone(), w, 1e-5), (1, 2, 3))
     mlps = under_thread_counts(lambda: rowwise.silu_mul(gu), (1, 2, 3))
+    gelus = under_thread_counts(lambda: rowwise.gelu_tanh_mul(gu[:, :1536].contiguous(), gu[:, 1536:].contiguous()),
+                                (1, 2, 3))
+    assert all(torch.equal(gelus[0], o) for o in gelus[1:])
     assert all(torch.equal(norms[0], o) for o in norms[1:]) and all(torch.equal(mlps[0], o) for o in mlps[1:])
     with torch.inference_mode():
         assert torch.equal(rowwise.rms_norm(x[1000:1001].clone(), w, 1e-5), norms[0][1000:1001])
@@ -111,20 +142,22 @@ def test_each_row_is_the_same_alone_or_among_others_and_for_any_thread_count():
 def test_what_the_kernel_does_not_take_is_torchs(monkeypatch):
     """A strided or float64 input, or grad mode, runs torch's operators with torch's result."""
     calls = []
-    for name in ("rms_norm", "rotate", "silu_mul"):
+    for name in ("rms_norm", "rotate", "act_mul"):
         kernel = getattr(rowwise._rowwise, name)
         monkeypatch.setattr(rowwise._rowwise, name, lambda *a, _k=kernel, _n=name: calls.append(_n) or _k(*a))
     x, w = _randn(64, 576).t(), _randn(64)          # rows not contiguous
     gu = _randn(16, 3072).double()                  # float64
+    gate, up = _randn(16, 3072).chunk(2, dim=1)    # views whose rows are not contiguous
     with torch.inference_mode():
         assert torch.equal(rowwise.rms_norm(x, w, 1e-5), F.rms_norm(x, (64,), w, 1e-5))
         assert torch.equal(rowwise.silu_mul(gu), F.silu(gu[:, :1536]) * gu[:, 1536:])
+        assert torch.equal(rowwise.gelu_tanh_mul(gate, up), F.gelu(gate, approximate="tanh") * up)
     gu = _randn(16, 3072)
     assert torch.equal(rowwise.silu_mul(gu), F.silu(gu[:, :1536]) * gu[:, 1536:])   # grad mode
     assert calls == []
     with torch.inference_mode():
         rowwise.silu_mul(gu)
-    assert calls == ["silu_mul"]
+    assert calls == ["act_mul"]
 
 
 def test_the_llama_layer_takes_the_kernel_and_matches_torchs_operators(monkeypatch):
@@ -142,7 +175,7 @@ def test_the_llama_layer_takes_the_kernel_and_matches_torchs_operators(monkeypat
     cos, sin = _cos_sin(300, 64, 1e5)
     table, x = torch.arange(1, 5), _randn(300, 576, spread=1.0)
     outs, kv, calls = {}, {}, []
-    for name in ("rms_norm", "rotate", "silu_mul"):
+    for name in ("rms_norm", "rotate", "act_mul"):
         kernel = getattr(rowwise._rowwise, name)
         monkeypatch.setattr(rowwise._rowwise, name, lambda *a, _k=kernel, _n=name: calls.append(_n) or _k(*a))
     for on in (True, False):
@@ -152,7 +185,7 @@ def test_the_llama_layer_takes_the_kernel_and_matches_torchs_operators(monkeypat
         with torch.inference_mode():
             outs[on] = layer(x.clone(), cos, sin, [Chunk(torch.zeros(300, dtype=torch.long), 0, table)], cache)
             kv[on] = cache.gather(table, 300, torch.float32)
-    assert sorted(set(calls)) == ["rms_norm", "rotate", "silu_mul"] and calls.count("rms_norm") == 2
+    assert sorted(set(calls)) == ["act_mul", "rms_norm", "rotate"] and calls.count("rms_norm") == 2
     assert _rel(outs[True], outs[False]) <= 1e-5
     assert all(_rel(kv[True][i], kv[False][i]) <= 1e-2 for i in (0, 1))   # K and V, rounded to bf16
 
