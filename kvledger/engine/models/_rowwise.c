@@ -67,7 +67,7 @@ __attribute__((target("avx2,fma"))) static void rms_norm_row(float *x, const flo
 }
 
 /* One row's heads rotated in place: x[i] · cos[i] + x[(i + d/2) mod d] · sin[i], heads of d floats, d a multiple
- * of 16 (each half a whole number of lanes); sin's first half is negated (llama.rotate's `signed_sin`). */
+ * of 16 (each half a whole number of lanes); sin's first half is negated (rowwise.rotate's `signed_sin`). */
 __attribute__((target("avx2,fma"))) static void rotate_row(float *x, Py_ssize_t heads, Py_ssize_t d,
                                                            const float *cos, const float *sin) {
     const Py_ssize_t half = d / 2;
@@ -95,9 +95,14 @@ __attribute__((target("avx2,fma"))) static void act_mul_row(int act, const float
     const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
     const __m256 c = _mm256_set1_ps(-2.0f * 0.7978845608028654f), k = _mm256_set1_ps(0.044715f);
     for (Py_ssize_t j = 0; j < n; j += 8) {
-        const __m256 vg = _mm256_loadu_ps(g + j), cube = _mm256_mul_ps(_mm256_mul_ps(vg, vg), vg);
-        const __m256 z = act == SILU ? _mm256_sub_ps(zero, vg)   /* −2y = −2√(2/π) · (g + 0.044715 · g³) */
-                                     : _mm256_mul_ps(c, _mm256_add_ps(vg, _mm256_mul_ps(k, cube)));
+        const __m256 vg = _mm256_loadu_ps(g + j);
+        __m256 z;
+        if (act == SILU) {
+            z = _mm256_sub_ps(zero, vg);
+        } else {   /* −2y = −2√(2/π) · (g + 0.044715 · g³) */
+            const __m256 cube = _mm256_mul_ps(_mm256_mul_ps(vg, vg), vg);
+            z = _mm256_mul_ps(c, _mm256_add_ps(vg, _mm256_mul_ps(k, cube)));
+        }
         const __m256 a = _mm256_div_ps(vg, _mm256_add_ps(one, exp_lanes(z)));
         _mm256_storeu_ps(out + j, _mm256_mul_ps(a, _mm256_loadu_ps(u + j)));
     }
