@@ -59,13 +59,15 @@ def spread(xs: list[float], digits: int = 4) -> dict[str, float]:
 def run_info(name: str, load_before: tuple[float, float, float], started: float, commit: str | None
              ) -> dict[str, Any]:
     """Where and when a run ran: what a reader needs to judge its figures. `commit`: the checkout's when the run
-    started (a run takes minutes; a commit landing meanwhile is not what ran)."""
+    started (a run takes minutes; a commit landing meanwhile is not what ran). `env`: the `KVLEDGER_*` variables
+    set, which turn kernels on or off."""
     return {"bench": name, "command": "kvledger " + " ".join(sys.argv[1:]), "commit": commit,
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
             "wall_s": round(time.time() - started, 1),
             "cpu": _cpu_model(), "cores": os.cpu_count(), "python": platform.python_version(),
             "load_avg_before": [round(x, 2) for x in load_before],
-            "load_avg_after": [round(x, 2) for x in os.getloadavg()]}
+            "load_avg_after": [round(x, 2) for x in os.getloadavg()],
+            "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("KVLEDGER_")}}   # kernel switches
 
 
 def checkout_commit() -> str | None:

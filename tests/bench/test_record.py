@@ -17,6 +17,21 @@ def test_a_recorded_run_is_the_printed_json_plus_its_run(run_cli, tmp_path):
     assert printed["block_hit_rate"] >= 0   # the bench's own figures are all there
 
 
+def test_a_run_records_the_kvledger_switches_it_ran_with(tmp_path, monkeypatch, capsys):
+    """`KVLEDGER_*` variables turn kernels on or off: two runs of one commit may differ by them alone."""
+    from types import SimpleNamespace
+
+    from kvledger.bench import record
+
+    monkeypatch.setenv("KVLEDGER_BF16_PREFILL", "1")
+    monkeypatch.setenv("NOT_OURS", "x")
+    record.recorded("fake", lambda args: print(json.dumps({"figure": 1})))(SimpleNamespace(record=str(tmp_path),
+                                                                                          json=False))
+    (kept,) = tmp_path.glob("fake-*.json")
+    env = json.loads(kept.read_text())["run"]["env"]
+    assert env["KVLEDGER_BF16_PREFILL"] == "1" and "NOT_OURS" not in env
+
+
 def test_an_unwritable_record_folder_is_one_line(run_cli, tmp_path):
     (tmp_path / "file").write_text("")
     r = run_cli("bench", "sim", "--record", str(tmp_path / "file" / "results"))

@@ -40,11 +40,53 @@ AVAILABLE = _available()
 
 class Linear(nn.Linear):
     """`nn.Linear`, the same parameters and state dict, whose float32 forward of a 2-D input on the CPU runs in
-    kvledger's kernel for a few rows without a bias (`gemv.fits`), and in oneDNN otherwise (module docstring)."""
+    kvledger's kernel for a few rows without a bias (`gemv.fits`), and in oneDNN otherwise (module docstring).
 
-    def forward(self, x: Tensor) -> Tensor:
-        if self.bias is None and gemv.fits(x, self.weight):
+    `steps`, for a forward with a prompt's rows: the rows computed as a decode step's are (`Llama.forward` says
+    which). The others take oneDNN however few they are (one row computed as the first of two), the step rows
+    the few-rows kernel, so that a row rounds alike in a hit's few rows and a cold prefill's many where oneDNN's
+    rows do not depend on their count (`rows_invariant` checks that). None: every row is a decode step's."""
+
+    def forward(self, x: Tensor, steps: Tensor | None = None) -> Tensor:
+        if steps is None and self._few(x):
             return gemv.gemv(x, self.weight)
-        if AVAILABLE and x.dim() == 2 and x.device.type == "cpu" and x.dtype == self.weight.dtype == torch.float32:
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+        if not (AVAILABLE and x.dim() == 2 and x.device.type == "cpu"
+                and x.dtype == self.weight.dtype == torch.float32):
+            return F.linear(x, self.weight, self.bias)
+        if steps is None:
+            return self._onednn(x)
+        y = self._onednn(x.expand(2, -1))[:1] if x.shape[0] == 1 else self._onednn(x)   # one-row kernel: other order
+        if steps.numel() == 1:   # most prompt forwards: one prompt, its last row; a slice, not an index
+            row = int(steps)
+            if self._few(x[row:row + 1]):
+                y[row:row + 1] = gemv.gemv(x[row:row + 1], self.weight)
+        elif steps.numel() and self._few(x[steps]):
+            y[steps] = gemv.gemv(x[steps], self.weight)
+        return y
+
+    def _few(self, x: Tensor) -> bool:
+        return self.bias is None and gemv.fits(x, self.weight)
+
+    def _onednn(self, x: Tensor) -> Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "none", [], "")
+
+
+PROBE_ROWS = (1, 2, 3, 7, 16, 17, 31, 64, 129, 256, 1000)   # row counts `rows_invariant` compares
+NO_STEPS = torch.zeros(0, dtype=torch.long)   # a prompt's rows, none computed as a decode step's
+
+
+def rows_invariant(linears: list[nn.Module], max_rows: int) -> bool:
+    """Whether each of `linears`, given a prompt's rows and no step rows, gives a row the same floats alone, among
+    a few rows, or among `max_rows`, on this CPU and torch's thread count now: the rows of a product of `max_rows`
+    random rows against the same rows as the first and the last of `PROBE_ROWS` counts. A check over the counts
+    that decide oneDNN's blocking, not a proof for every count."""
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for linear in linears:
+            x = torch.randn(max_rows, linear.in_features, generator=gen)
+            whole = linear(x, NO_STEPS)
+            for m in (m for m in PROBE_ROWS if m < max_rows):
+                if not (torch.equal(linear(x[:m], NO_STEPS), whole[:m])
+                        and torch.equal(linear(x[-m:], NO_STEPS), whole[-m:])):
+                    return False
+    return True

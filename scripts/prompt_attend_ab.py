@@ -1,0 +1,75 @@
+"""SmolLM2 prompt forwards with a prompt chunk's attention in float32 and in bf16 (`models/prompt_attend.py`): the
+measurement behind prompt_attend.py's figures.
+
+    .venv/bin/python scripts/prompt_attend_ab.py [--context 2304] [--hit 2048] [--threads 2] [--rounds 7]
+
+Each round runs, per side, one untimed cold forward of `--context` random tokens, then a timed one, a timed hit
+(the last context − hit tokens over the first `hit` already in the blocks: the chunk of a served hit) and a timed
+one-token hit (every block present: the L − 1 cap). Sides: `float32` (the default) and `bf16`
+(`KVLEDGER_BF16_PREFILL=1`, where `Llama.bf16_prompts` finds this CPU's rows invariant; the script says when it
+does not). Prints per side the median seconds over the rounds and the min–max, then each hit's logits against the
+same side's cold ones and the bf16 cold logits against the float32 ones: max |difference| / max |logit|.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+from kvledger.engine.models.base import Chunk
+from kvledger.engine.models.registry import resolve
+
+SIDES = {"float32": "0", "bf16": "1"}   # KVLEDGER_BF16_PREFILL
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--context", type=int, default=2304)
+    p.add_argument("--hit", type=int, default=2048)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=7)
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    model = resolve("smollm2-135m").load("cpu")
+    n = a.context
+    model.allocate(n // 128 + 3, 0)
+    table = torch.arange(1, n // 128 + 3)
+    ids = torch.randint(100, 40_000, (n,), generator=torch.Generator().manual_seed(0))
+    times: dict[tuple[str, str], list[float]] = {}
+    logits: dict[tuple[str, str], torch.Tensor] = {}
+    own = os.environ.get("KVLEDGER_BF16_PREFILL")
+    try:
+        for _ in range(a.rounds):
+            for name, env in SIDES.items():
+                os.environ["KVLEDGER_BF16_PREFILL"] = env
+                if name == "bf16" and not model.bf16_prompts():
+                    print("this CPU's rows are not invariant at this thread count: bf16 is float32 here")
+                model([Chunk(ids, 0, table, prompt_len=n)])
+                for kind, start in (("cold", 0), ("hit", a.hit), ("one", n - 1)):
+                    t = time.perf_counter()
+                    logits[name, kind] = model([Chunk(ids[start:], start, table, prompt_len=n)])[0]
+                    times.setdefault((name, kind), []).append(time.perf_counter() - t)
+    finally:
+        if own is None:
+            os.environ.pop("KVLEDGER_BF16_PREFILL", None)
+        else:
+            os.environ["KVLEDGER_BF16_PREFILL"] = own
+    for (name, kind), ts in times.items():
+        print(f"{name:>7} {kind:>4}: {statistics.median(ts):.4f} s ({min(ts):.4f}–{max(ts):.4f})")
+    for name in SIDES:
+        print(f"{name}: hit against cold {rel(logits[name, 'hit'], logits[name, 'cold']):.1e}, "
+              f"one-token hit against cold {rel(logits[name, 'one'], logits[name, 'cold']):.1e}")
+    print(f"cold logits, bf16 against float32: {rel(logits['bf16', 'cold'], logits['float32', 'cold']):.1e}, "
+          f"same argmax: {bool(logits['bf16', 'cold'].argmax() == logits['float32', 'cold'].argmax())}")
+
+
+if __name__ == "__main__":
+    main()
