@@ -13,7 +13,6 @@ same side's cold ones and the bf16 cold logits against the float32 ones: max |di
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import time
@@ -21,7 +20,7 @@ import time
 import torch
 
 from kvledger.engine.models.base import Chunk
-from kvledger.engine.models.registry import resolve
+from smollm2_forward_ab import parse, smollm2_prompt
 
 SIDES = {"float32": "0", "bf16": "1"}   # KVLEDGER_BF16_PREFILL
 
@@ -31,18 +30,9 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--context", type=int, default=2304)
-    p.add_argument("--hit", type=int, default=2048)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--rounds", type=int, default=7)
-    a = p.parse_args()
-    torch.set_num_threads(a.threads)
-    model = resolve("smollm2-135m").load("cpu")
+    a = parse(__doc__, rounds=7)
+    model, table, ids = smollm2_prompt(a)
     n = a.context
-    model.allocate(n // 128 + 3, 0)
-    table = torch.arange(1, n // 128 + 3)
-    ids = torch.randint(100, 40_000, (n,), generator=torch.Generator().manual_seed(0))
     times: dict[tuple[str, str], list[float]] = {}
     logits: dict[tuple[str, str], torch.Tensor] = {}
     own = os.environ.get("KVLEDGER_BF16_PREFILL")

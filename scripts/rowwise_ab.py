@@ -13,7 +13,6 @@ argmax agrees.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
@@ -21,22 +20,12 @@ import torch
 
 from kvledger.engine.models import llama, rowwise
 from kvledger.engine.models.base import Chunk
-from kvledger.engine.models.registry import resolve
+from smollm2_forward_ab import parse, smollm2_prompt
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--context", type=int, default=2304)
-    p.add_argument("--hit", type=int, default=2048)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--rounds", type=int, default=6)
-    a = p.parse_args()
-    torch.set_num_threads(a.threads)
-    model = resolve("smollm2-135m").load("cpu")
-    n = a.context
-    model.allocate(n // 128 + 3, 0)
-    table = torch.arange(1, n // 128 + 3)
-    ids = torch.randint(100, 40_000, (n,), generator=torch.Generator().manual_seed(0))
+    a = parse(__doc__, rounds=6)
+    model, table, ids = smollm2_prompt(a)
     own = {"norm": llama.RMSNorm.forward, "rotate": rowwise.rotate_, "silu_mul": rowwise.silu_mul,
            "available": rowwise.AVAILABLE}
 
