@@ -20,4 +20,5 @@ setup(ext_modules=[Extension("kvledger.core._chainhash", ["kvledger/core/_chainh
                                extra_compile_args=["-O3", "-fopenmp", *flags], extra_link_args=["-fopenmp"],
                                optional=True)
                      # _rowwise's rotation is torch's formula operator for operator: no product fused into a sum
-                     for name, flags in (("_gemv", []), ("_attend", []), ("_rowwise", ["-ffp-contract=off"])))])
+                     for name, flags in (("_gemv", []), ("_attend", []), ("_prompt_attend", []),
+                                         ("_rowwise", ["-ffp-contract=off"])))])

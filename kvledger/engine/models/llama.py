@@ -132,12 +132,15 @@ class Attention(nn.Module):
     def _attend(self, q: torch.Tensor, c: Chunk, cache: PagedKV, prompt: Bf16Prompt | None = None
                 ) -> torch.Tensor:
         """Causal attention of the chunk's queries over keys [0, end), in float32: one query over the sequence's
-        mirror (`_attend_one`), several over the blocks. With `prompt` (bf16 prompts) a step row (`ends_in_step`)
-        attends over the mirror, the chunk's other rows in bf16 over the blocks, padded to whole key tiles."""
+        mirror (`_attend_one`), several over the blocks (`prompt_attend`: kvledger's kernel where it applies,
+        torch's over gathered K and V otherwise). With `prompt` (bf16 prompts) a step row (`ends_in_step`) attends
+        over the mirror, the chunk's other rows in bf16 over the blocks, padded to whole key tiles."""
         n = q.shape[0]
         if prompt is None:
             if n == 1:
                 return self._attend_one(q, c, cache)
+            if prompt_attend.blocks_fit(q, cache.kv, c.block_table):
+                return prompt_attend.causal_blocks(q, cache.kv, c.block_table, c.start)
             k, v = cache.gather(c.block_table, c.end, q.dtype)
             return prompt_attend.causal(q, k, v, c.start)
         if n == 1 and ends_in_step(c):

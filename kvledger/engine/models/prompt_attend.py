@@ -1,13 +1,25 @@
-"""A prompt chunk's causal attention over keys [0, end) read back from the blocks; in bf16 where asked and exact.
+"""A prompt chunk's causal attention over keys [0, end) of the paged blocks: float32 in kvledger's kernel by
+default, bf16 where asked and exact.
 
 The engine keeps K and V in bf16 blocks and by default attends in float32, as `vllm serve --dtype float32` does.
-Converting the blocks to float32 for torch's flash kernel makes a prompt chunk's attention the largest cost of a
-SmolLM2 hit on the 2-core Xeon (AVX-512, AMX): 8.5 ms a layer for 256 queries over 2,304 keys, against 3.4 ms with
-Q rounded to bf16 to meet K and V; 32 against 12 ms for a cold 2,304-token prompt (`scripts/prompt_attend_ab.py`
-measures whole forwards). In bf16 the flash kernel multiplies bf16 tiles (AMX, or AVX-512 BF16) and sums in
-float32, as a bf16 server's attention does; Q and the softmax's probabilities are rounded to bf16 on the way in,
-the output on the way out. `KVLEDGER_BF16_PREFILL=1` asks for it. Against transformers' float32 SmolLM2 the logits
-stay within the bf16 blocks' own error (`tests/engine/models/test_llama.py`).
+Gathering the blocks, converting them to float32 and running torch's flash kernel made a prompt chunk's attention
+the largest cost of a SmolLM2 hit on the 2-core Xeon (AVX-512, AMX): 7 to 8.5 ms a layer for 256 queries over
+2,304 keys, 31 to 35 ms for a cold 2,304-token prompt.
+
+**The float32 kernel** (`_prompt_attend.c`, `causal_blocks`) reads the bf16 blocks through the block table itself
+and puts queries in the vector lanes: each K and V value is broadcast to 48 queries (16 positions × the query heads
+that share its KV head), so the products run as a GEMM's do, and the softmax runs down the lanes without a
+horizontal sum. On that Xeon: 5.4 ms for the hit's chunk, 23 ms for the cold prompt (`scripts/prompt_attend_ab.py`
+measures whole forwards). Keys come in tiles at fixed absolute positions and every query's sums run in a fixed
+order, so a query's floats do not depend on the chunk it came in, nor on the thread count: a hit's rows attend
+exactly as the cold prefill's did. It needs AVX-512F (`KERNEL`); elsewhere, or with `KVLEDGER_PROMPT_ATTEND=0`,
+the blocks are gathered for torch's flash kernel (`causal`), within float32 rounding of it.
+
+**bf16 prompts**, opt-in (`KVLEDGER_BF16_PREFILL=1`): with Q rounded to bf16 to match K and V, torch's flash kernel
+multiplies bf16 tiles (AMX, or AVX-512 BF16) and sums in float32, as a bf16 server's attention does: 3.4 ms for the
+hit's chunk, 12 ms for the cold prompt. Q and the softmax's probabilities are rounded to bf16 on the way in, the
+output on the way out. Against transformers' float32 SmolLM2 the logits stay within the bf16 blocks' own error
+(`tests/engine/models/test_llama.py`).
 
 Those roundings magnify a last-bit difference: a hit whose rows were computed in another float32 order than the
 cold prefill's (another kernel for fewer rows) moved the logits by 7e-4 of the largest with bf16 attention,
@@ -27,12 +39,21 @@ another greedy token where float32 would not. That is why it is not the default.
 from __future__ import annotations
 
 import functools
+import math
 import os
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+try:   # after torch, so the kernel joins torch's OpenMP runtime (libgomp.so.1) rather than loading another
+    from kvledger.engine.models import _prompt_attend
+except ImportError:
+    _prompt_attend = None
+
+KERNEL: bool = (_prompt_attend is not None and _prompt_attend.available()
+                and os.environ.get("KVLEDGER_PROMPT_ATTEND", "1") != "0")
+KERNEL_KEY_TILE, KERNEL_MAX_D, KERNEL_MAX_GROUP = 64, 256, 64   # _prompt_attend.c's bounds
 KV_TILE = 512   # torch 2.13's flash kernel takes the keys in tiles of 512 (of all of them when fewer)
 PROBE_QUERIES = (1, 2, 17, 64, 300)   # chunk lengths `rows_invariant` compares with a whole prompt's rows
 
@@ -46,6 +67,40 @@ def padded_length(end: int) -> int:
     """Keys [0, end) padded to whole key tiles: every query then meets its keys in the same tiles, tile by tile,
     however many keys its chunk has (a tile's sum of probabilities runs over the tile's width)."""
     return -(-end // KV_TILE) * KV_TILE
+
+
+def blocks_fit(q: Tensor, pool: Tensor, block_table: Tensor) -> bool:
+    """Whether `causal_blocks(q, pool, block_table, start)` applies: the kernel is available; q is CPU float32
+    [n >= 1, heads, d] with contiguous heads of d (rows any distance apart); pool a contiguous CPU bf16 [blocks, 2,
+    B, kv_heads, d] with B a multiple of 64; the table CPU int64, contiguous; d a multiple of 8 up to 256, up to 64
+    query heads per KV head; nothing records a gradient."""
+    if not KERNEL or q.dim() != 3 or pool.dim() != 5 or torch.is_grad_enabled():
+        return False
+    n, heads, d = q.shape
+    kv_heads = pool.shape[3]
+    return (n >= 1 and pool.shape[1] == 2 and pool.shape[4] == d and heads % kv_heads == 0
+            and heads // kv_heads <= KERNEL_MAX_GROUP and d % 8 == 0 and d <= KERNEL_MAX_D
+            and pool.shape[2] % KERNEL_KEY_TILE == 0 and q.dtype == torch.float32 and pool.dtype == torch.bfloat16
+            and block_table.dtype == torch.int64 and q.device.type == pool.device.type == block_table.device.type
+            == "cpu" and q.stride(2) == 1 and q.stride(1) == d and q.stride(0) >= heads * d
+            and pool.is_contiguous() and block_table.is_contiguous())
+
+
+def causal_blocks(q: Tensor, pool: Tensor, block_table: Tensor, start: int) -> Tensor:
+    """softmax(q · kᵀ / √d + causal mask) · v for queries at positions [start, start + n), q [n, heads, d] float32,
+    over keys [0, start + n) of the bf16 blocks `pool` [blocks, 2 (K, V), B, kv_heads, d] in `block_table`'s order
+    (their K and V written) → [n, heads, d] float32, query head i reading KV head i // group. Each query's floats
+    are the same in a chunk of any length (`_prompt_attend.c`). `blocks_fit` must hold (ValueError otherwise, and
+    for a block id outside the pool)."""
+    if not blocks_fit(q, pool, block_table):   # not an assert: the kernel reads raw pointers
+        raise ValueError(f"causal_blocks does not apply to q {tuple(q.shape)} {q.stride()} {q.dtype}, pool "
+                         f"{tuple(pool.shape)} {pool.dtype}, table {block_table.dtype}")
+    n, heads, d = q.shape
+    out = torch.empty(n, heads, d)
+    _prompt_attend.causal(q.data_ptr(), q.stride(0), pool.data_ptr(), pool.shape[0], block_table.data_ptr(),
+                          block_table.numel(), out.data_ptr(), start, n, heads, pool.shape[3], d, pool.shape[2],
+                          math.log2(math.e) / math.sqrt(d), torch.get_num_threads())
+    return out
 
 
 def causal(q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:

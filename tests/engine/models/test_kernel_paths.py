@@ -24,6 +24,7 @@ same machine:
   matmuls run in oneDNN (`models/onednn.py`), not MKL, so that case also caps oneDNN at SSE4.1
   (`ONEDNN_MAX_CPU_ISA`), which is another kernel path on every x86-64 CPU the suite runs on, and turns off
   kvledger's AVX2 kernels of its decode step (`KVLEDGER_GEMV=0`, `KVLEDGER_ATTEND=0`), as a CPU without AVX2
+  would, and its AVX-512 kernel of a prompt's attention (`KVLEDGER_PROMPT_ATTEND=0`), as a CPU without AVX-512
   would.
 
 `MKL_ENABLE_INSTRUCTIONS` can only lower MKL's instruction set, and only on Intel CPUs: on a CPU without
@@ -54,9 +55,9 @@ KERNEL_PATHS = {
     "mkl-avx2": {"MKL_ENABLE_INSTRUCTIONS": "AVX2"},
     "mkl-avx512": {"MKL_ENABLE_INSTRUCTIONS": "AVX512"},
     "mkl-compatible": {"MKL_CBWR": "COMPATIBLE"},
-    # MKL's and oneDNN's reference paths, and no AVX2 kernel of kvledger's own (`models/gemv.py`, `attend.py`)
+    # MKL's and oneDNN's reference paths, and no kernel of kvledger's own (`gemv.py`, `attend.py`, `prompt_attend.py`)
     "compatible-sse41": {"MKL_CBWR": "COMPATIBLE", "ONEDNN_MAX_CPU_ISA": "SSE41", "KVLEDGER_GEMV": "0",
-                         "KVLEDGER_ATTEND": "0"},
+                         "KVLEDGER_ATTEND": "0", "KVLEDGER_PROMPT_ATTEND": "0"},
 }
 
 
