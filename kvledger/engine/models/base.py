@@ -162,12 +162,17 @@ class PagedKV(LayerCache):
             assert block != NULL_BLOCK, "a write through the null block: block table too short"
             self.kv[block, :, start % self.block_size].copy_(torch.stack((k[0], v[0])))
             return
-        pos = torch.arange(start, start + k.shape[0], device=k.device)
-        blocks = block_table[pos // self.block_size]
-        assert bool((blocks != NULL_BLOCK).all()), "a write through the null block: block table too short"
-        offs = pos % self.block_size
-        self.kv[blocks, 0, offs] = k.to(self.dtype)
-        self.kv[blocks, 1, offs] = v.to(self.dtype)
+        n, size = k.shape[0], self.block_size
+        blocks = block_table[start // size:(start + n - 1) // size + 1].tolist()
+        assert len(blocks) == (start + n - 1) // size - start // size + 1 and NULL_BLOCK not in blocks, \
+            "a write through the null block: block table too short"
+        done = 0
+        for block in blocks:   # block by block through views: no index tensors, one converting copy each
+            off = (start + done) % size
+            m = min(size - off, n - done)
+            self.kv[block, 0, off:off + m].copy_(k[done:done + m])
+            self.kv[block, 1, off:off + m].copy_(v[done:done + m])
+            done += m
 
     def gather(self, block_table: torch.Tensor, length: int, dtype: torch.dtype, padded: int = 0
                ) -> tuple[torch.Tensor, torch.Tensor]:

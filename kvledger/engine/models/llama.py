@@ -245,10 +245,13 @@ class Llama(Model):
         prompt = None   # float32 prompts, or no prompt row (every row a step row)
         if any(c.tokens.numel() > 1 or not ends_in_step(c) for c in chunks) and self.bf16_prompts():
             prompt = Bf16Prompt(last[torch.tensor([ends_in_step(c) for c in chunks])])
-        for i, layer in enumerate(self.layers):
-            if before_layer is not None:
-                before_layer(i)
-            x = layer(x, cos, sin, chunks, self.caches[i], prompt)
+        try:
+            for i, layer in enumerate(self.layers):
+                if before_layer is not None:
+                    before_layer(i)
+                x = layer(x, cos, sin, chunks, self.caches[i], prompt)
+        finally:
+            prompt_attend.drop_masks()
         return self.lm_head(self.norm(x[last])).float()
 
 

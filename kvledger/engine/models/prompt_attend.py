@@ -122,11 +122,17 @@ def causal(q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:
     return out.squeeze(0).transpose(0, 1)[:n].to(dtype)
 
 
+def drop_masks() -> None:
+    """Free the masks `causal` made for a forward's layers; `Llama.forward` calls it as it ends (a chunk of 4,096
+    queries over 8,192 keys has a mask of 134 MB)."""
+    _mask.cache_clear()
+
+
 @functools.lru_cache(maxsize=2)
 def _mask(start: int, n: int, keys: int, dtype: torch.dtype, device: torch.device) -> Tensor:
     """The additive causal mask of queries [start, start + n) over `keys` keys: 0 where a query sees the key,
-    −inf elsewhere; two rows for one query (`causal`). Made once for a forward's layers (the same bits as a
-    bool mask, which torch turns into this one at every call)."""
+    −inf elsewhere; two rows for one query (`causal`). Made once for a forward's layers and dropped at its end
+    (`drop_masks`); the same bits as a bool mask, which torch turns into this one at every call."""
     rows = torch.arange(start, start + max(n, 2), device=device).clamp_(max=start + n - 1).unsqueeze(1)
     hidden = torch.arange(keys, device=device).unsqueeze(0) > rows
     return torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(hidden, float("-inf"))
