@@ -36,7 +36,8 @@ FAILURE_BACKOFF_S = 0.1   # after a failed step, so a broken engine cannot spin 
 
 class StepEngine(Protocol):
     def add_request(self, req: EngineRequest) -> None: ...
-    def step(self) -> list[TokenEvent]: ...
+    def step(self, *, defer_stores: bool = False) -> list[TokenEvent]: ...
+    def flush_stores(self) -> None: ...
     def abort(self, request_id: str) -> None: ...
     def hand_off(self, request_id: str) -> None: ...
     def request_ids(self) -> list[str]: ...
@@ -128,7 +129,7 @@ class AsyncEngine:
             if self._stop.is_set() or not self.engine.has_unfinished():
                 continue
             try:
-                events = self.engine.step()
+                events = self.engine.step(defer_stores=True)
             except Exception as e:  # an engine bug: fail what runs, keep serving
                 log.exception("engine step failed")
                 self.failures += 1
@@ -138,6 +139,7 @@ class AsyncEngine:
             self.steps += 1
             if events:
                 self._deliver(events)
+            self.engine.flush_stores()   # the step's block copies, once its events are on their way
 
     def _drain(self, block: bool) -> None:
         try:

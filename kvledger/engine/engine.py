@@ -155,7 +155,21 @@ class Engine:
         seq.generator = make_generator(req.sampling)
         self.scheduler.add(seq)
 
-    def step(self) -> list[TokenEvent]:
+    def step(self, *, defer_stores: bool = False) -> list[TokenEvent]:
+        """One batch forward; the events it produced. Blocks it finished are copied out for the block ledger
+        before it returns, or with `defer_stores` at the next `flush_stores()` or step (the caller delivers the
+        events first, so a first token does not wait on that copy)."""
+        self.writer.flush()   # what an earlier step put off, before this one allocates a block
+        events = self._step()
+        if not defer_stores:
+            self.writer.flush()
+        return events
+
+    def flush_stores(self) -> None:
+        """Copy out the blocks a `step(defer_stores=True)` left for the block ledger (on the engine's thread)."""
+        self.writer.flush()
+
+    def _step(self) -> list[TokenEvent]:
         events, self.pending = self.pending, []
         swaps = self._collect_fetches()
         reserve = self.loader.reserve if self.loader.preemption else None
@@ -202,6 +216,7 @@ class Engine:
         seq = self.scheduler.find(request_id)
         if seq is not None:
             self._finish(seq, "handoff", store=True)
+            self.writer.flush()
             self.pending.append(TokenEvent(seq.request_id, (), True, "handoff", self._usage(seq)))
 
     def request_ids(self) -> list[str]:
@@ -214,6 +229,7 @@ class Engine:
     def close(self) -> None:
         for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
             self._finish(seq, "abort", store=False)
+        self.writer.flush()
         self.writer.wait()
         self.writer.close()
         if self.fetcher is not None:

@@ -9,11 +9,13 @@
 
 Rule 9: a sequence that is not exact (`Sequence.exact`: a window was truncated) stores nothing.
 
-Blocks are copied from the device to host memory on the engine's thread (the device blocks may
-be reused right after); `put_chain` runs on a writer thread, so the engine never waits on the
-disk. `wait()` blocks until every put queued before the call is done (a prefill leg's end, tests, the
-demo's next turn); puts queued later do not lengthen it. A failed put is logged by the ledger and counted
-there; nothing here raises (rule 8).
+Blocks are copied from the device to host memory on the engine's thread, at `flush()`: `store_blocks` only
+notes them, and the engine flushes before it next allocates a block (the start of a step), so a step's copies
+can wait until its events are out (`Engine.step(defer_stores=True)`: a prefill's first token does not wait on
+copying its blocks, 53 MB for a SmolLM2 prompt of 2,304 tokens). `put_chain` runs on a writer thread, so the
+engine never waits on the disk. `wait()` blocks until every put noted before the call is done (a prefill leg's
+end, tests, the demo's next turn); puts noted later do not lengthen it. A failed put is logged by the ledger and
+counted there; nothing here raises (rule 8).
 """
 
 from __future__ import annotations
@@ -34,6 +36,17 @@ from kvledger.engine.state_slots import StateSlots
 log = logging.getLogger(__name__)
 
 
+class _Export(NamedTuple):
+    """A put whose blocks are still in the device pool, to be copied out at `flush()`."""
+
+    block_ids: list[int]
+    keys: list[bytes]
+    start_pos: int
+    parent: bytes | None
+    namespace: str
+    ttl_class: str | None
+
+
 class PutJob(NamedTuple):
     keys: list[bytes]
     blocks: np.ndarray       # uint8 [n, block_bytes]
@@ -51,7 +64,8 @@ class LedgerWriter:
         self.queue: queue.Queue[PutJob | None] = queue.Queue()
         self.blocks_written = 0
         self._done = threading.Condition()
-        self._queued = self._finished = 0   # puts queued / finished so far (the writer is FIFO)
+        self._queued = self._finished = 0   # puts queued (noted ones included) / finished so far (FIFO)
+        self._exports: list[_Export] = []   # puts noted since the last flush, in order
         self.thread = threading.Thread(target=self._run, name="kvledger-writer", daemon=True)
         self.thread.start()
 
@@ -95,12 +109,27 @@ class LedgerWriter:
         seq.stored_blocks = upto
         if self.block_ledger is None:
             return
-        blocks = self.export_blocks(seq.block_table[first:upto])
         parent = seq.keys[first - 1] if first else None
         with self._done:
             self._queued += 1
-        self.queue.put(PutJob(seq.keys[first:upto], blocks, first, parent, seq.request.namespace,
-                              seq.request.ttl_class))
+        self._exports.append(_Export(list(seq.block_table[first:upto]), seq.keys[first:upto], first, parent,
+                                     seq.request.namespace, seq.request.ttl_class))
+
+    def flush(self) -> None:
+        """Copy the blocks of the puts noted since the last flush out of the device pool and queue them, in order.
+        On the engine's thread, before it allocates a block again (the blocks of a finished sequence stay as
+        they are until then)."""
+        exports, self._exports = self._exports, []
+        for e in exports:
+            try:
+                blocks = self.export_blocks(e.block_ids)
+            except Exception:  # noqa: BLE001 - a lost put is a later miss (rule 8), never an engine error
+                log.exception("copying blocks out for the block ledger failed")
+                with self._done:
+                    self._finished += 1
+                    self._done.notify_all()
+                continue
+            self.queue.put(PutJob(e.keys, blocks, e.start_pos, e.parent, e.namespace, e.ttl_class))
 
     def store_prefill_snapshots(self, seq: Sequence) -> None:
         """Rule 4: the windows at the prompt's own cap and at its last boundary (rule 9: exact ones only). A
