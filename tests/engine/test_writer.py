@@ -1,5 +1,5 @@
 """The ledger writer's wait: bounded, and blind to puts queued after it began (a prefill leg's end waits for its
-own blocks, not for every later request's)."""
+own blocks, not for every later request's); a step's block copies left until its events are out."""
 
 import threading
 import time
@@ -49,4 +49,40 @@ def test_wait_stored_is_bounded_and_waits_only_for_what_was_queued_before(tmp_pa
         finally:
             for _ in range(4):
                 permits.release()
+            engine.close()
+
+
+def test_a_step_can_leave_its_block_copies_until_its_events_are_out(tmp_path):
+    """`step(defer_stores=True)` (the async engine's, which delivers the events first) notes a prefill's blocks
+    and copies them out at `flush_stores()`; the next step flushes what is left before it allocates. The blocks
+    stored are the ones computed, whichever way."""
+    with BlockLedger.open(path=tmp_path, fsync=False) as ledger:
+        engine = Engine("tiny-v4", block_ledger=ledger)
+        copied: list[list[int]] = []
+        export = engine.writer.export_blocks
+        engine.writer.export_blocks = lambda ids: copied.append(list(ids)) or export(ids)
+        def add(request_id: str, seed: int) -> list[bytes]:
+            tokens = [t % 32000 for t in prompt(300, seed)]
+            keys, decision = check_prompt(tokens, engine.spec, block_ledger=ledger, state_ledger=None)
+            engine.add_request(EngineRequest(request_id, tokens, keys, decision,
+                                             SamplingParams(max_tokens=3, ignore_eos=True)))
+            return keys
+
+        try:
+            a = add("a", 3)
+            first = engine.step(defer_stores=True)
+            assert len(first) == 1 and len(first[0].token_ids) == 1   # a's first token, out of this step
+            assert copied == []                                # the prefill's 2 blocks: noted, not yet copied
+            engine.flush_stores()
+            assert copied == [copied[0]] and len(copied[0]) == 2
+            assert engine.wait_stored(20) is True and ledger.match(a) == 2
+            drain(engine)                                      # plain steps: each copies before it returns
+            b = add("b", 4)
+            engine.step(defer_stores=True)
+            assert len(copied) == 1                            # b's blocks: noted
+            engine.step()                                      # the next step copies them before anything else
+            assert len(copied) == 2 and len(copied[1]) == 2
+            drain(engine)
+            assert engine.wait_stored(20) is True and ledger.match(b) == 2
+        finally:
             engine.close()
