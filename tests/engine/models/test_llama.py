@@ -129,11 +129,11 @@ def test_a_hit_computing_its_last_tokens_gives_the_cold_prefills_logits(smollm2,
     float32 prompts its rows come from other row counts than the cold prefill's: a hit of 2–16 tokens takes the
     few-rows kernel where the cold prefill took oneDNN, and a one-token hit attends over the mirror; bf16 K and V
     then round some of those last-bit differences to the other neighbour (measured 1.15e-4 of max |logit| for the
-    2-token hit with torch's attention, at most 2.1e-6 for the others). A hit of more rows takes oneDNN as the
-    cold prefill did and kvledger's attention kernel, which gives a query the same floats in any chunk: where
-    oneDNN's rows do not depend on their count either (checked here as `bf16_prompts` checks it), its logits are
-    the cold prefill's, bit for bit. With bf16 prompts (on a CPU whose rows do not depend on their count) every
-    row is the cold prefill's, bit for bit."""
+    2-token hit with torch's attention, at most 2.1e-6 for the others). A hit of more rows takes the cold
+    prefill's GEMM (MKL on an Intel CPU, oneDNN elsewhere) and kvledger's attention kernel, which gives a query
+    the same floats in any chunk: where the GEMM's rows do not depend on their count either (checked here),
+    its logits are the cold prefill's, bit for bit. With bf16 prompts (on a CPU whose rows do not depend on
+    their count in oneDNN) every row is the cold prefill's, bit for bit."""
     ids = torch.randint(100, 40_000, (600,), generator=torch.Generator().manual_seed(computed))
     cold_table, hit_table = torch.arange(1, 6), torch.arange(6, 11)
     cold = smollm2([Chunk(ids, 0, cold_table, prompt_len=600)])[0]
@@ -141,16 +141,25 @@ def test_a_hit_computing_its_last_tokens_gives_the_cold_prefills_logits(smollm2,
         cache.kv[hit_table] = cache.kv[cold_table]
     start = 600 - computed
     hit = smollm2([Chunk(ids[start:], start, hit_table, prompt_len=600)])[0]
-    if prompts == "bf16" or (computed > gemv.MAX_ROWS and prompt_attend.KERNEL and _onednn_rows_invariant(smollm2)):
+    if prompts == "bf16" or (computed > gemv.MAX_ROWS and prompt_attend.KERNEL and _gemm_rows_invariant(smollm2)):
         assert torch.equal(hit, cold)
     else:
         assert float((hit - cold).abs().max() / cold.abs().max()) <= 2e-4
 
 
-def _onednn_rows_invariant(model) -> bool:
+def _gemm_rows_invariant(model) -> bool:
+    """Whether the layers' float32 products of a prompt's rows (more than 16, no steps) give a row the same
+    floats among 17 to 1,000 rows as among the 600 of the test's cold prefill and among 4,096."""
     layer = model.layers[0]
-    linears = [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.gate_up_proj, layer.down_proj]
-    return onednn.rows_invariant(linears, llama.PROBE_ROWS)
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.gate_up_proj, layer.down_proj):
+            x = torch.randn(llama.PROBE_ROWS, linear.in_features, generator=gen)
+            whole = linear(x)
+            for m in (*(m for m in onednn.PROBE_ROWS if m > gemv.MAX_ROWS), 600):
+                if not (torch.equal(linear(x[:m]), whole[:m]) and torch.equal(linear(x[-m:]), whole[-m:])):
+                    return False
+    return True
 
 
 def test_prompts_attend_in_float32_unless_asked_and_over_bf16_blocks(smollm2, monkeypatch):

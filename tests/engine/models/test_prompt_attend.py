@@ -206,3 +206,22 @@ def test_a_prompts_rows_take_onednn_however_few_and_its_step_rows_the_few_rows_k
     assert torch.equal(prompt, onednn_rows) and torch.equal(one, linear._onednn(x[:1].expand(2, -1))[:1])
     assert torch.equal(mixed[:2], onednn_rows[:2]) and torch.equal(mixed[2], steps_only[2])
     assert _rel(prompt, steps_only.double()) <= 1e-6
+
+
+def test_a_prompts_many_rows_take_mkl_on_an_intel_cpu_unless_told_otherwise():
+    """MKL's float32 GEMM is the faster on an Intel CPU, oneDNN's elsewhere (`onednn.py`); `KVLEDGER_MATMUL=onednn`
+    keeps oneDNN. A forward with steps (bf16 prompts) takes oneDNN whichever the CPU."""
+    code = "from kvledger.engine.models import onednn; print(onednn.MKL_ROWS)"
+    runs = {env: subprocess.run([sys.executable, "-c", code], env={**os.environ, "KVLEDGER_MATMUL": env},
+                                capture_output=True, text=True, timeout=120).stdout.strip() for env in ("", "onednn")}
+    with open("/proc/cpuinfo") as f:
+        intel = "GenuineIntel" in f.read()
+    assert runs == {"": str(intel), "onednn": "False"}
+    if not onednn.AVAILABLE:
+        return
+    linear = onednn.Linear(64, 48, bias=False)
+    x = torch.randn(40, 64)
+    with torch.inference_mode():
+        many, with_steps = linear(x), linear(x, onednn.NO_STEPS)
+        assert torch.equal(many, torch.nn.functional.linear(x, linear.weight) if onednn.MKL_ROWS else linear._onednn(x))
+        assert torch.equal(with_steps, linear._onednn(x))
