@@ -134,6 +134,7 @@ class AsyncEngine:
                 log.exception("engine step failed")
                 self.failures += 1
                 self._fail_all(e)
+                self.engine.flush_stores()   # what the failed step noted, while its blocks are as they were
                 time.sleep(FAILURE_BACKOFF_S)
                 continue
             self.steps += 1

@@ -112,7 +112,7 @@ class LedgerWriter:
         parent = seq.keys[first - 1] if first else None
         with self._done:
             self._queued += 1
-        self._exports.append(_Export(list(seq.block_table[first:upto]), seq.keys[first:upto], first, parent,
+        self._exports.append(_Export(seq.block_table[first:upto], seq.keys[first:upto], first, parent,
                                      seq.request.namespace, seq.request.ttl_class))
 
     def flush(self) -> None:
