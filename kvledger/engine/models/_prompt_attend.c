@@ -9,13 +9,14 @@
  * share the KV head, up to GV at a time (16 lanes each), so each K and V value is loaded once for GV × 16 queries
  * and multiplied in with a broadcast: no horizontal sum anywhere, and the softmax runs down the lanes.
  *
- * Keys are taken in tiles of KT at absolute positions (tile t is keys [t·KT, (t + 1)·KT)), converted from bf16
- * into a float32 tile in L1. Per tile: every lane's scores, each summed over d in order from 0; keys after a
- * lane's position masked to −inf; the running maximum m and sum l updated, what was summed rescaled by
- * exp(m_old − m_new); then the V rows weighed in, key by key in order. A lane's arithmetic is therefore fixed by
- * its own query, its position and the keys before it: the same floats whichever chunk, task or thread computed
- * it (a tile past a lane's position adds exact zeros and rescales by exactly 1), so a hit's rows are a cold
- * prefill's bit for bit. The exponential is Cephes' single-precision polynomial, as in `_attend.c`.
+ * First K and V of keys [0, end) are widened from bf16 to float32 rows, per KV head, in whole tiles (one pass,
+ * shared by every task). Keys are then taken in tiles of KT at absolute positions (tile t is keys [t·KT,
+ * (t + 1)·KT)). Per tile: every lane's scores, each summed over d in order from 0, in powers of 2 (Q is scaled by
+ * log2(e)/√d); keys after a lane's position masked to −inf; the running maximum m and sum l updated, what was
+ * summed rescaled by 2^(m_old − m_new); then the V rows weighed in, key by key in order. A lane's arithmetic is
+ * therefore fixed by its own query, its position and the keys before it: the same floats whichever chunk, task or
+ * thread computed it (a tile past a lane's position adds exact zeros and rescales by exactly 1), so a hit's rows
+ * are a cold prefill's bit for bit.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
