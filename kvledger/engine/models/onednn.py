@@ -14,9 +14,9 @@ the CPU's instruction set on either vendor. Measured on an AMD EPYC with AVX-512
 with results within 1e-6 of MKL's, relative (another order of summation). On an Intel Xeon (AVX-512, AMX) MKL
 is the faster: a 2,304-row prefill's four products take 42.9 ms a layer against 47.2 in oneDNN (the up
 projection 21.6 against 24.0), and a SmolLM2 cold forward of 2,304 tokens 2.12 s against 2.27 (medians of 5,
-interleaved); 256 rows gain nothing measurable. MKL's rows do depend on their count (3 rows, 64, 129 of the
-down projection round otherwise than among 4,096), oneDNN's only for one row, so prompt rows that must not
-(`steps`: bf16 prompts) take oneDNN everywhere. `KVLEDGER_MATMUL=onednn` keeps oneDNN on an Intel CPU too.
+interleaved); 256 rows gain nothing measurable. MKL's rows do depend on their count (at two threads 3 rows, 64
+and 129 of the down projection round otherwise than among 4,096), oneDNN's only for one row, so prompt rows
+that must not (`steps`: bf16 prompts) take oneDNN everywhere. `KVLEDGER_MATMUL=onednn` keeps oneDNN on an Intel CPU too.
 `ONEDNN_MAX_CPU_ISA` caps oneDNN's kernels as `MKL_ENABLE_INSTRUCTIONS` caps MKL's. Where torch has no oneDNN,
 or its operator is missing, the forward is `F.linear`.
 """
