@@ -1,5 +1,5 @@
 """float32 matmuls for the reference engine's Llama (SmolLM2): a decode step's few rows in kvledger's own kernel
-(`gemv.py`), the rest in MKL on an Intel CPU and in oneDNN elsewhere (`MKL_ROWS`).
+(`gemv.py`), the rest in MKL on an Intel CPU with AVX-512 and in oneDNN elsewhere (`MKL_ROWS`).
 
 torch's CPU build does a float32 `F.linear` in MKL, and MKL takes its AVX2 kernels on AMD CPUs even where the
 CPU has AVX-512 (`tests/engine/models/test_kernel_paths.py`). oneDNN, in the same build, picks its kernels by
@@ -42,18 +42,25 @@ def _available() -> bool:
     return True
 
 
-def _intel() -> bool:
-    """Whether this is an Intel CPU (Linux's /proc/cpuinfo; False where it cannot be read)."""
+def _mkl_avx512() -> bool:
+    """Whether MKL runs its AVX-512 GEMM here: an Intel CPU with AVX-512F (Linux's /proc/cpuinfo; False where it
+    cannot be read), MKL neither capped below AVX-512 (`MKL_ENABLE_INSTRUCTIONS`) nor on its reference kernels
+    (`MKL_CBWR`). Its AVX2 kernels round a prompt's rows further from the few-rows GEMV's (a 2-token SmolLM2 hit
+    4.1e-4 of max |logit| from cold, against 1.2e-4 with oneDNN), so they are not taken."""
+    cap = (os.environ.get("MKL_ENABLE_INSTRUCTIONS") or "AVX512").upper()
+    if not cap.startswith(("AVX512", "AVX10")) or os.environ.get("MKL_CBWR"):
+        return False
     try:
         with open("/proc/cpuinfo") as f:
-            return any(line.startswith("vendor_id") and "GenuineIntel" in line for line in f)
+            info = f.read()
     except OSError:
         return False
+    return "GenuineIntel" in info and " avx512f" in info
 
 
 AVAILABLE = _available()
 # a prompt's many rows in MKL rather than oneDNN (module docstring); never the rows of a forward with `steps`
-MKL_ROWS: bool = _intel() and os.environ.get("KVLEDGER_MATMUL", "") != "onednn"
+MKL_ROWS: bool = _mkl_avx512() and os.environ.get("KVLEDGER_MATMUL", "") != "onednn"
 
 
 class Linear(nn.Linear):

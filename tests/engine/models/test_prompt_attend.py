@@ -209,14 +209,20 @@ def test_a_prompts_rows_take_onednn_however_few_and_its_step_rows_the_few_rows_k
 
 
 def test_a_prompts_many_rows_take_mkl_on_an_intel_cpu_unless_told_otherwise():
-    """MKL's float32 GEMM is the faster on an Intel CPU, oneDNN's elsewhere (`onednn.py`); `KVLEDGER_MATMUL=onednn`
-    keeps oneDNN. A forward with steps (bf16 prompts) takes oneDNN whichever the CPU."""
+    """MKL's AVX-512 float32 GEMM is the faster on an Intel CPU, oneDNN's elsewhere (`onednn.py`); MKL capped below
+    AVX-512 or on its reference kernels, or `KVLEDGER_MATMUL=onednn`, keeps oneDNN. A forward with steps (bf16
+    prompts) takes oneDNN whichever the CPU."""
     code = "from kvledger.engine.models import onednn; print(onednn.MKL_ROWS)"
-    runs = {env: subprocess.run([sys.executable, "-c", code], env={**os.environ, "KVLEDGER_MATMUL": env},
-                                capture_output=True, text=True, timeout=120).stdout.strip() for env in ("", "onednn")}
+    base = {k: v for k, v in os.environ.items() if k not in ("MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR")}
+    runs = {name: subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True,
+                                 timeout=120).stdout.strip()
+            for name, env in (("default", {}), ("onednn", {"KVLEDGER_MATMUL": "onednn"}),
+                              ("mkl-avx2", {"MKL_ENABLE_INSTRUCTIONS": "AVX2"}),
+                              ("mkl-cbwr", {"MKL_CBWR": "COMPATIBLE"}))}
     with open("/proc/cpuinfo") as f:
-        intel = "GenuineIntel" in f.read()
-    assert runs == {"": str(intel), "onednn": "False"}
+        info = f.read()
+    mkl_avx512 = "GenuineIntel" in info and " avx512f" in info
+    assert runs == {"default": str(mkl_avx512), "onednn": "False", "mkl-avx2": "False", "mkl-cbwr": "False"}
     if not onednn.AVAILABLE:
         return
     linear = onednn.Linear(64, 48, bias=False)
