@@ -1,21 +1,19 @@
-"""SmolLM2 prompt forwards with a prompt chunk's attention in torch's float32 kernel over gathered K and V, in
-kvledger's float32 kernel over the blocks (the default where the CPU has AVX-512F) and in bf16
-(`models/prompt_attend.py`): the measurement behind prompt_attend.py's figures.
+"""SmolLM2 prompt forwards with a prompt chunk's attention in torch's float32 kernel over gathered K and V, and in
+kvledger's float32 kernel over the blocks (the default where the CPU has AVX-512F) (`models/prompt_attend.py`):
+the measurement behind prompt_attend.py's figures.
 
     .venv/bin/python scripts/prompt_attend_ab.py [--context 2304] [--hit 2048] [--threads 2] [--rounds 7]
 
 Each round runs, per side, one untimed cold forward of `--context` random tokens, then a timed one, a timed hit
 (the last context − hit tokens over the first `hit` already in the blocks: the chunk of a served hit) and a timed
 one-token hit (every block present: the L − 1 cap). Sides: `torch` (`prompt_attend.KERNEL` off, as
-`KVLEDGER_PROMPT_ATTEND=0` or a CPU without AVX-512F has it), `kernel` (the default) and `bf16`
-(`KVLEDGER_BF16_PREFILL=1`, where `Llama.bf16_prompts` finds this CPU's rows invariant; the script says when it
-does not). Prints per side the median seconds over the rounds and the min–max, then each hit's logits against the
-same side's cold ones, and the other sides' cold logits against `torch`'s: max |difference| / max |logit|.
+`KVLEDGER_PROMPT_ATTEND=0` or a CPU without AVX-512F has it) and `kernel` (the default). Prints per side the median
+seconds over the rounds and the min–max, then each hit's logits against the same side's cold ones, and the kernel's
+cold logits against `torch`'s: max |difference| / max |logit|.
 """
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 
@@ -25,7 +23,7 @@ from kvledger.engine.models import prompt_attend
 from kvledger.engine.models.base import Chunk
 from smollm2_forward_ab import parse, smollm2_prompt
 
-SIDES = {"torch": (False, "0"), "kernel": (True, "0"), "bf16": (True, "1")}   # KERNEL, KVLEDGER_BF16_PREFILL
+SIDES = {"torch": False, "kernel": True}   # prompt_attend.KERNEL
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -38,16 +36,13 @@ def main() -> None:
     n = a.context
     times: dict[tuple[str, str], list[float]] = {}
     logits: dict[tuple[str, str], torch.Tensor] = {}
-    own, kernel = os.environ.get("KVLEDGER_BF16_PREFILL"), prompt_attend.KERNEL
+    kernel = prompt_attend.KERNEL
     if not kernel:
         print("kvledger's prompt kernel is off here (no AVX-512F, or KVLEDGER_PROMPT_ATTEND=0): `kernel` is `torch`")
     try:
         for _ in range(a.rounds):
-            for name, (use_kernel, env) in SIDES.items():
+            for name, use_kernel in SIDES.items():
                 prompt_attend.KERNEL = kernel and use_kernel
-                os.environ["KVLEDGER_BF16_PREFILL"] = env
-                if name == "bf16" and not model.bf16_prompts():
-                    print("this CPU's rows are not invariant at this thread count: bf16 is float32 here")
                 model([Chunk(ids, 0, table, prompt_len=n)])
                 for kind, start in (("cold", 0), ("hit", a.hit), ("one", n - 1)):
                     t = time.perf_counter()
@@ -55,18 +50,13 @@ def main() -> None:
                     times.setdefault((name, kind), []).append(time.perf_counter() - t)
     finally:
         prompt_attend.KERNEL = kernel
-        if own is None:
-            os.environ.pop("KVLEDGER_BF16_PREFILL", None)
-        else:
-            os.environ["KVLEDGER_BF16_PREFILL"] = own
     for (name, kind), ts in times.items():
         print(f"{name:>7} {kind:>4}: {statistics.median(ts):.4f} s ({min(ts):.4f}–{max(ts):.4f})")
     for name in SIDES:
         print(f"{name}: hit against cold {rel(logits[name, 'hit'], logits[name, 'cold']):.1e}, "
               f"one-token hit against cold {rel(logits[name, 'one'], logits[name, 'cold']):.1e}")
-    for name in ("kernel", "bf16"):
-        print(f"cold logits, {name} against torch: {rel(logits[name, 'cold'], logits['torch', 'cold']):.1e}, "
-              f"same argmax: {bool(logits[name, 'cold'].argmax() == logits['torch', 'cold'].argmax())}")
+    print(f"cold logits, kernel against torch: {rel(logits['kernel', 'cold'], logits['torch', 'cold']):.1e}, "
+          f"same argmax: {bool(logits['kernel', 'cold'].argmax() == logits['torch', 'cold'].argmax())}")
 
 
 if __name__ == "__main__":

@@ -23,13 +23,13 @@ def test_a_run_records_the_kvledger_switches_it_ran_with(tmp_path, monkeypatch, 
 
     from kvledger.bench import record
 
-    monkeypatch.setenv("KVLEDGER_BF16_PREFILL", "1")
+    monkeypatch.setenv("KVLEDGER_PROMPT_ATTEND", "0")
     monkeypatch.setenv("NOT_OURS", "x")
     record.recorded("fake", lambda args: print(json.dumps({"figure": 1})))(SimpleNamespace(record=str(tmp_path),
                                                                                           json=False))
     (kept,) = tmp_path.glob("fake-*.json")
     env = json.loads(kept.read_text())["run"]["env"]
-    assert env["KVLEDGER_BF16_PREFILL"] == "1" and "NOT_OURS" not in env
+    assert env["KVLEDGER_PROMPT_ATTEND"] == "0" and "NOT_OURS" not in env
 
 
 def test_an_unwritable_record_folder_is_one_line(run_cli, tmp_path):

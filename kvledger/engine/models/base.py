@@ -174,25 +174,14 @@ class PagedKV(LayerCache):
             self.kv[block, 1, off:off + m].copy_(v[done:done + m])
             done += m
 
-    def gather(self, block_table: torch.Tensor, length: int, dtype: torch.dtype, padded: int = 0
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V of positions [0, length) as [length, kv_heads, head_dim] in `dtype`; with `padded` (a multiple of
-        B, >= length), as [padded, kv_heads, head_dim] with zeros after `length`."""
+    def gather(self, block_table: torch.Tensor, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of positions [0, length) as [length, kv_heads, head_dim] in `dtype`."""
         assert self.kv is not None
         n = -(-length // self.block_size)
-        if not padded:
-            kv = self.kv[block_table[:n]]  # [n, 2, B, h, d]
-            k = kv[:, 0].reshape(-1, self.kv_heads, self.head_dim)[:length]
-            v = kv[:, 1].reshape(-1, self.kv_heads, self.head_dim)[:length]
-            return k.to(dtype), v.to(dtype)
-        assert padded >= length and padded % self.block_size == 0, (padded, length)
-        out = torch.empty(2, padded, self.kv_heads, self.head_dim, dtype=self.dtype, device=self.kv.device)
-        blocks = out[:, :n * self.block_size].view(2, n, self.block_size, self.kv_heads, self.head_dim)
-        for i in (0, 1):   # K, then V: one copy each, block by block into place (5x faster than an index and a copy)
-            torch.index_select(self.kv[:, i], 0, block_table[:n], out=blocks[i])
-        out[:, length:].zero_()
-        out = out.to(dtype)
-        return out[0], out[1]
+        kv = self.kv[block_table[:n]]  # [n, 2, B, h, d]
+        k = kv[:, 0].reshape(-1, self.kv_heads, self.head_dim)[:length]
+        v = kv[:, 1].reshape(-1, self.kv_heads, self.head_dim)[:length]
+        return k.to(dtype), v.to(dtype)
 
     def gather_heads(self, block_table: torch.Tensor, length: int, dtype: torch.dtype,
                      out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

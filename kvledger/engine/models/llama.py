@@ -9,16 +9,16 @@ and V are kept in bf16 blocks (`PagedKV`), so one block on the block ledger is 3
 98,304 B = 2,949,120 B = `ModelSpec.preset("smollm2-135m").block_bytes()`.
 Every attention reads K and V back from those blocks, cold or hit alike, so a hit sees exactly
 the values a cold prefill saw; a decode step reads the same values from its sequence's decode mirror
-(`decode_mirror`). With `KVLEDGER_BF16_PREFILL=1`, a prompt's tokens but its last attend in bf16 where this CPU's
-rows do not depend on how many share a product (`bf16_prompts`, `prompt_attend`): a hit then computes each of its
-rows to the cold prefill's floats. Full attention only: the window parts of `Chunk` are unused.
+(`decode_mirror`). Exactness is a bound, not bits: a hit computes its last rows in products of another row count
+than the cold prefill's, whose roundings may differ (`tests/engine/models/test_llama.py` bounds the logits).
+Full attention only: the window parts of `Chunk` are unused.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -26,11 +26,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvledger.core import LayerKind, ModelSpec
-from kvledger.engine.models import attend, onednn, prompt_attend, rowwise
+from kvledger.engine.models import attend, prompt_attend, rowwise
 from kvledger.engine.models.base import BeforeLayer, Chunk, Model, PagedKV
 from kvledger.engine.models.onednn import Linear
 
-PROBE_ROWS = 4096   # rows of the whole product `bf16_prompts` compares fewer rows with: a prefill chunk's default
 MIRROR_SHARE = 0.5   # each layer's decode mirrors hold at most half its pool's bytes (a quarter of its tokens in f32)
 
 
@@ -79,23 +78,6 @@ class RMSNorm(nn.Module):
         return rowwise.rms_norm(x, self.weight, self.eps, add=add)
 
 
-def ends_in_step(c: Chunk) -> bool:
-    """Whether the chunk's last row is a step row, computed as a decode step is (the few-rows kernel, float32
-    attention over the mirror): a decode step's, and a prompt's last token (with bf16 prompts). So a prompt's
-    last token, whose logits a prefill returns, rounds alike at the end of a cold prefill's many rows, of a hit's
-    few, or alone: a hit on every block, or a P/D decode leg given its tail, whose one token the prefill leg
-    computed as a decode step."""
-    return c.end == c.prompt_len or (c.tokens.numel() == 1 and c.start >= c.prompt_len)
-
-
-@dataclass(frozen=True, slots=True)
-class Bf16Prompt:
-    """A forward whose prompt rows attend in bf16 (`Llama.bf16_prompts`): `steps`, int64 indices of its step rows
-    (`ends_in_step`) among the forward's rows, computed as decode steps are."""
-
-    steps: torch.Tensor
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
@@ -105,55 +87,41 @@ class Attention(nn.Module):
         self.o_proj = Linear(cfg.heads * cfg.head_dim, cfg.hidden, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, chunks: Sequence[Chunk],
-                cache: PagedKV, prompt: Bf16Prompt | None = None) -> torch.Tensor:
-        t, steps = x.shape[0], None if prompt is None else prompt.steps
-        q, k, v = self.qkv(x, cos, sin, steps)
+                cache: PagedKV) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv(x, cos, sin)
         if len(chunks) == 1:   # most forwards (a decode step, a prefill chunk): no slicing, no concatenation
             c = chunks[0]
             cache.write(c.block_table, c.start, k, v)
-            return self.o_proj(self._attend(q, c, cache, prompt).reshape(t, -1), steps)
+            return self.o_proj(self._attend(q, c, cache).reshape(t, -1))
         outs, off = [], 0
         for c in chunks:
             n = c.end - c.start
             cache.write(c.block_table, c.start, k[off:off + n], v[off:off + n])
-            outs.append(self._attend(q[off:off + n], c, cache, prompt))
+            outs.append(self._attend(q[off:off + n], c, cache))
             off += n
-        return self.o_proj(torch.cat(outs).reshape(t, -1), steps)
+        return self.o_proj(torch.cat(outs).reshape(t, -1))
 
-    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, steps: torch.Tensor | None = None
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Q [t, heads, d] and K [t, kv_heads, d] rotated, V [t, kv_heads, d]: views of one stacked matmul's output.
         Q and K are side by side in it, so one rotation in place turns both."""
         t = x.shape[0]
-        qkv = self.qkv_proj(x, steps)
+        qkv = self.qkv_proj(x)
         qk = qkv[:, :self.widths[0] + self.widths[1]].view(t, self.heads + self.kv_heads, self.head_dim)
         q, k = rowwise.rotate_(qk, cos, sin).split((self.heads, self.kv_heads), dim=1)
         return q, k, qkv[:, -self.widths[2]:].view(t, self.kv_heads, self.head_dim)
 
-    def _attend(self, q: torch.Tensor, c: Chunk, cache: PagedKV, prompt: Bf16Prompt | None = None
-                ) -> torch.Tensor:
+    def _attend(self, q: torch.Tensor, c: Chunk, cache: PagedKV) -> torch.Tensor:
         """Causal attention of the chunk's queries over keys [0, end), in float32: one query over the sequence's
         mirror (`_attend_one`), several over the blocks (`prompt_attend`: kvledger's kernel where it applies,
-        torch's over gathered K and V otherwise). With `prompt` (bf16 prompts) a step row (`ends_in_step`) attends
-        over the mirror, the chunk's other rows in bf16 over the blocks, padded to whole key tiles."""
-        n = q.shape[0]
-        if prompt is None:
-            if n == 1:
-                return self._attend_one(q, c, cache)
-            if prompt_attend.blocks_fit(q, cache.kv, c.block_table):
-                return prompt_attend.causal_blocks(q, cache.kv, c.block_table, c.start)
-            k, v = cache.gather(c.block_table, c.end, q.dtype)
-            return prompt_attend.causal(q, k, v, c.start)
-        if n == 1 and ends_in_step(c):
+        torch's over gathered K and V otherwise)."""
+        if q.shape[0] == 1:
             return self._attend_one(q, c, cache)
-        ends_prompt = c.end == c.prompt_len
-        rows = n - 1 if ends_prompt else n
-        k, v = cache.gather(c.block_table, c.start + rows, torch.bfloat16, prompt_attend.padded_length(c.start + rows))
-        out = prompt_attend.causal(q[:rows], k, v, c.start)
-        if not ends_prompt:
-            return out
-        last = replace(c, tokens=c.tokens[-1:], start=c.end - 1)
-        return torch.cat((out, self._attend_one(q[-1:], last, cache)))
+        if prompt_attend.blocks_fit(q, cache.kv, c.block_table):
+            return prompt_attend.causal_blocks(q, cache.kv, c.block_table, c.start)
+        k, v = cache.gather(c.block_table, c.end, q.dtype)
+        return prompt_attend.causal(q, k, v, c.start)
 
     def _attend_one(self, q: torch.Tensor, c: Chunk, cache: PagedKV) -> torch.Tensor:
         """One query (a decode step, or a hit's last token) over keys [0, end): the query heads that share a KV
@@ -179,14 +147,14 @@ class DecoderLayer(nn.Module):
         self.down_proj = Linear(cfg.intermediate, cfg.hidden, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, chunks: Sequence[Chunk],
-                cache: PagedKV, prompt: Bf16Prompt | None = None) -> torch.Tensor:
+                cache: PagedKV) -> torch.Tensor:
         """The layer's output, written into x (the residual stream, which the caller does not keep) and returned:
         x + attn(norm(x)), then that + mlp(norm(that)), HF's order of additions."""
-        h = self.self_attn(self.input_layernorm(x), cos, sin, chunks, cache, prompt)
-        return x.add_(self.mlp(self.post_attention_layernorm(x, add=h), None if prompt is None else prompt.steps))
+        h = self.self_attn(self.input_layernorm(x), cos, sin, chunks, cache)
+        return x.add_(self.mlp(self.post_attention_layernorm(x, add=h)))
 
-    def mlp(self, h: torch.Tensor, steps: torch.Tensor | None = None) -> torch.Tensor:
-        return self.down_proj(rowwise.silu_mul(self.gate_up_proj(h, steps)), steps)
+    def mlp(self, h: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(rowwise.silu_mul(self.gate_up_proj(h)))
 
 
 class Llama(Model):
@@ -207,22 +175,6 @@ class Llama(Model):
         # on the CPU even while the model is built on the meta device, whose arithmetic imports torch._dynamo too
         dims = torch.arange(0, cfg.head_dim, 2, dtype=torch.float64, device="cpu") / cfg.head_dim
         self.register_buffer("inv_freq", (1.0 / cfg.rope_theta ** dims).float(), persistent=False)
-        self._exact_bf16: dict[int, bool] = {}   # torch's thread count → `bf16_prompts`' check
-
-    def bf16_prompts(self) -> bool:
-        """Whether a prompt's rows attend in bf16 (`prompt_attend`): asked for (`KVLEDGER_BF16_PREFILL=1`), K and
-        V kept in bf16, and this CPU, at torch's thread count now, computing a row to the same floats however many
-        rows share it, in the layers' matmuls and in the attention (checked once per thread count, ~0.3 s)."""
-        if not prompt_attend.wanted() or self.caches[0].dtype != torch.bfloat16:
-            return False
-        threads = torch.get_num_threads()
-        if threads not in self._exact_bf16:
-            layer, cfg = self.layers[0], self.cfg
-            linears = [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.gate_up_proj, layer.down_proj]
-            self._exact_bf16[threads] = (
-                onednn.rows_invariant(linears, PROBE_ROWS)
-                and prompt_attend.rows_invariant(cfg.heads, cfg.kv_heads, cfg.head_dim, PROBE_ROWS, torch.bfloat16))
-        return self._exact_bf16[threads]
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, signed_sin [T, 1, d] for `rowwise.rotate_`: HF's cos and sin of the positions, sin's first half
@@ -243,14 +195,11 @@ class Llama(Model):
         positions = torch.cat([torch.arange(c.start, c.end, device=dev) for c in chunks])
         cos, sin = self._rope(positions)
         last = torch.tensor([c.end - c.start for c in chunks], device=dev).cumsum(0) - 1
-        prompt = None   # float32 prompts, or no prompt row (every row a step row)
-        if any(c.tokens.numel() > 1 or not ends_in_step(c) for c in chunks) and self.bf16_prompts():
-            prompt = Bf16Prompt(last[torch.tensor([ends_in_step(c) for c in chunks])])
         try:
             for i, layer in enumerate(self.layers):
                 if before_layer is not None:
                     before_layer(i)
-                x = layer(x, cos, sin, chunks, self.caches[i], prompt)
+                x = layer(x, cos, sin, chunks, self.caches[i])
         finally:
             prompt_attend.drop_masks()
         return self.lm_head(self.norm(x[last])).float()

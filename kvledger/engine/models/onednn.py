@@ -14,9 +14,10 @@ the CPU's instruction set on either vendor. Measured on an AMD EPYC with AVX-512
 with results within 1e-6 of MKL's, relative (another order of summation). On an Intel Xeon (AVX-512, AMX) MKL
 is the faster: a 2,304-row prefill's four products take 42.9 ms a layer against 47.2 in oneDNN (the up
 projection 21.6 against 24.0), and a SmolLM2 cold forward of 2,304 tokens 2.12 s against 2.27 (medians of 5,
-interleaved); 256 rows gain nothing measurable. MKL's rows do depend on their count (at two threads 3 rows, 64
-and 129 of the down projection round otherwise than among 4,096), oneDNN's only for one row, so prompt rows
-that must not (`steps`: bf16 prompts) take oneDNN everywhere. `KVLEDGER_MATMUL=onednn` keeps oneDNN on an Intel CPU too.
+interleaved); 256 rows gain nothing measurable. A row's floats may depend on how many rows share its product
+(MKL's do at two threads: 3 rows, 64 and 129 of the down projection round otherwise than among 4,096), so a hit's
+rows are the cold prefill's within float32 rounding, never claimed bit for bit (`tests/engine/models/test_llama.py`
+bounds them). `KVLEDGER_MATMUL=onednn` keeps oneDNN on an Intel CPU too.
 `ONEDNN_MAX_CPU_ISA` caps oneDNN's kernels as `MKL_ENABLE_INSTRUCTIONS` caps MKL's. Where torch has no oneDNN,
 or its operator is missing, the forward is `F.linear`.
 """
@@ -65,53 +66,15 @@ MKL_ROWS: bool = _mkl_avx512() and os.environ.get("KVLEDGER_MATMUL", "") != "one
 
 class Linear(nn.Linear):
     """`nn.Linear`, the same parameters and state dict, whose float32 forward of a 2-D input on the CPU runs in
-    kvledger's kernel for a few rows without a bias (`gemv.fits`), and in MKL or oneDNN otherwise (`MKL_ROWS`).
+    kvledger's kernel for a few rows without a bias (`gemv.fits`: a decode step's), and in MKL or oneDNN otherwise
+    (`MKL_ROWS`)."""
 
-    `steps`, for a forward with a prompt's rows: the rows computed as a decode step's are (`Llama.forward` says
-    which). The others take oneDNN however few they are (one row computed as the first of two), the step rows
-    the few-rows kernel, so that a row rounds alike in a hit's few rows and a cold prefill's many where oneDNN's
-    rows do not depend on their count (`rows_invariant` checks that). None: every row is a decode step's."""
-
-    def forward(self, x: Tensor, steps: Tensor | None = None) -> Tensor:
-        if steps is None and self._few(x):
+    def forward(self, x: Tensor) -> Tensor:
+        if self.bias is None and gemv.fits(x, self.weight):
             return gemv.gemv(x, self.weight)
         if not (AVAILABLE and x.dim() == 2 and x.device.type == "cpu"
                 and x.dtype == self.weight.dtype == torch.float32):
             return F.linear(x, self.weight, self.bias)
-        if steps is None:
-            return F.linear(x, self.weight, self.bias) if MKL_ROWS else self._onednn(x)
-        y = self._onednn(x.expand(2, -1))[:1] if x.shape[0] == 1 else self._onednn(x)   # one-row kernel: other order
-        if steps.numel() == 1:   # most prompt forwards: one prompt, its last row; a slice, not an index
-            row = int(steps)
-            if self._few(x[row:row + 1]):
-                y[row:row + 1] = gemv.gemv(x[row:row + 1], self.weight)
-        elif steps.numel() and self._few(x[steps]):
-            y[steps] = gemv.gemv(x[steps], self.weight)
-        return y
-
-    def _few(self, x: Tensor) -> bool:
-        return self.bias is None and gemv.fits(x, self.weight)
-
-    def _onednn(self, x: Tensor) -> Tensor:
+        if MKL_ROWS:
+            return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "none", [], "")
-
-
-PROBE_ROWS = (1, 2, 3, 7, 16, 17, 31, 64, 129, 256, 1000)   # row counts `rows_invariant` compares
-NO_STEPS = torch.zeros(0, dtype=torch.long)   # a prompt's rows, none computed as a decode step's
-
-
-def rows_invariant(linears: list[nn.Module], max_rows: int) -> bool:
-    """Whether each of `linears`, given a prompt's rows and no step rows, gives a row the same floats alone, among
-    a few rows, or among `max_rows`, on this CPU and torch's thread count now: the rows of a product of `max_rows`
-    random rows against the same rows as the first and the last of `PROBE_ROWS` counts. A check over the counts
-    that decide oneDNN's blocking, not a proof for every count."""
-    gen = torch.Generator().manual_seed(0)
-    with torch.inference_mode():
-        for linear in linears:
-            x = torch.randn(max_rows, linear.in_features, generator=gen)
-            whole = linear(x, NO_STEPS)
-            for m in (m for m in PROBE_ROWS if m < max_rows):
-                if not (torch.equal(linear(x[:m], NO_STEPS), whole[:m])
-                        and torch.equal(linear(x[-m:], NO_STEPS), whole[-m:])):
-                    return False
-    return True

@@ -1,39 +1,24 @@
-"""A prompt chunk's causal attention over keys [0, end) of the paged blocks: float32 in kvledger's kernel by
-default, bf16 where asked and exact.
+"""A prompt chunk's causal attention over keys [0, end) of the paged blocks, in float32.
 
-The engine keeps K and V in bf16 blocks and by default attends in float32, as `vllm serve --dtype float32` does.
+The engine keeps K and V in bf16 blocks and attends in float32, as `vllm serve --dtype float32` does.
 Gathering the blocks, converting them to float32 and running torch's flash kernel made a prompt chunk's attention
 the largest cost of a SmolLM2 hit on the 2-core Xeon (AVX-512, AMX): 7 to 8.5 ms a layer for 256 queries over
 2,304 keys, 31 to 35 ms for a cold 2,304-token prompt.
 
-**The float32 kernel** (`_prompt_attend.c`, `causal_blocks`) reads the bf16 blocks through the block table itself
-and puts queries in the vector lanes: each K and V value is broadcast to 48 queries (16 positions × the query heads
-that share its KV head), so the products run as a GEMM's do, and the softmax runs down the lanes without a
-horizontal sum. On that Xeon: 5.4 ms for the hit's chunk, 23 ms for the cold prompt (`scripts/prompt_attend_ab.py`
-measures whole forwards). Keys come in tiles at fixed absolute positions and every query's sums run in a fixed
-order, so a query's floats do not depend on the chunk it came in, nor on the thread count: a hit's rows attend
+**The kernel** (`_prompt_attend.c`, `causal_blocks`) reads the bf16 blocks through the block table itself and puts
+queries in the vector lanes: each K and V value is broadcast to 48 queries (16 positions × the query heads that
+share its KV head), so the products run as a GEMM's do, and the softmax runs down the lanes without a horizontal
+sum. On that Xeon: 5.4 ms for the hit's chunk, 23 ms for the cold prompt (`scripts/prompt_attend_ab.py` measures
+whole forwards). Keys come in tiles at fixed absolute positions and every query's sums run in a fixed order, so a
+query's floats do not depend on the chunk it came in, nor on the thread count: by construction, a hit's rows attend
 exactly as the cold prefill's did. It needs AVX-512F (`KERNEL`); elsewhere, or with `KVLEDGER_PROMPT_ATTEND=0`,
-the blocks are gathered for torch's flash kernel (`causal`), within float32 rounding of it.
+the blocks are gathered for torch's flash kernel (`causal`), within float32 rounding of it, and a query's floats
+may then depend on its chunk's length.
 
-**bf16 prompts**, opt-in (`KVLEDGER_BF16_PREFILL=1`): with Q rounded to bf16 to match K and V, torch's flash kernel
-multiplies bf16 tiles (AMX, or AVX-512 BF16) and sums in float32, as a bf16 server's attention does: 3.4 ms for the
-hit's chunk, 12 ms for the cold prompt. Q and the softmax's probabilities are rounded to bf16 on the way in, the
-output on the way out. Against transformers' float32 SmolLM2 the logits stay within the bf16 blocks' own error
-(`tests/engine/models/test_llama.py`).
-
-Those roundings magnify a last-bit difference: a hit whose rows were computed in another float32 order than the
-cold prefill's (another kernel for fewer rows) moved the logits by 7e-4 of the largest with bf16 attention,
-against 4e-5 with float32. So bf16 is taken only where a row's floats do not depend on how many rows share its
-products, checked on this CPU at the thread count in use (`Llama.bf16_prompts`): the model's matmuls
-(`onednn.rows_invariant`) and this attention (`rows_invariant` below). The keys are padded with zeros to whole
-tiles of the kernel (`KV_TILE`), so a query meets its keys in the same tiles in a chunk of any length; one query
-is computed as the first of two. A prompt's last token attends in float32 over the mirror and takes a decode
-step's matmul kernel (`llama.ends_in_step`). There a hit's rows are the cold prefill's, bit for bit.
-
-What bf16 prompts give up: a row computed as a decode step in one request (the first generated token, or a
-prompt's last token) and as a prompt row in another (a next turn, or a P/D decode leg that recomputes its tail
-after the hand-off failed) now differs by bf16's rounding, not float32's, so such a recompute may continue with
-another greedy token where float32 would not. That is why it is not the default.
+There is no bf16 path. One was tried (2026-12-06, `KVLEDGER_BF16_PREFILL=1`): torch's bf16 flash kernel on AMX
+tiles, 15 % faster cold, exact only where a query's floats did not depend on its chunk's length, which a runtime
+check over a few lengths decided. On an AMD EPYC with AVX-512 BF16 the check passed and a length it had not tried
+differed, so the claim was a guess; it was removed rather than kept as an exactness no construction backs.
 """
 
 from __future__ import annotations
@@ -54,19 +39,6 @@ except ImportError:
 KERNEL: bool = (_prompt_attend is not None and _prompt_attend.available()
                 and os.environ.get("KVLEDGER_PROMPT_ATTEND", "1") != "0")
 KERNEL_KEY_TILE, KERNEL_MAX_D, KERNEL_MAX_GROUP = 64, 256, 64   # _prompt_attend.c's bounds
-KV_TILE = 512   # torch 2.13's flash kernel takes the keys in tiles of 512 (of all of them when fewer)
-PROBE_QUERIES = (1, 2, 17, 64, 300)   # chunk lengths `rows_invariant` compares with a whole prompt's rows
-
-
-def wanted() -> bool:
-    """bf16 attention for prompt chunks is asked for (`KVLEDGER_BF16_PREFILL=1`; off by default)."""
-    return os.environ.get("KVLEDGER_BF16_PREFILL", "0") == "1"
-
-
-def padded_length(end: int) -> int:
-    """Keys [0, end) padded to whole key tiles: every query then meets its keys in the same tiles, tile by tile,
-    however many keys its chunk has (a tile's sum of probabilities runs over the tile's width)."""
-    return -(-end // KV_TILE) * KV_TILE
 
 
 def blocks_fit(q: Tensor, pool: Tensor, block_table: Tensor) -> bool:
@@ -104,12 +76,11 @@ def causal_blocks(q: Tensor, pool: Tensor, block_table: Tensor, start: int) -> T
 
 
 def causal(q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:
-    """softmax(q · kᵀ / √d + causal mask) · v for queries at positions [start, start + n): q [n, heads, d], k and
-    v [>= start + n, kv_heads, d], zeros (or any finite values) after start + n, with heads a multiple of kv_heads
-    (query head i reads KV head i // group) → [n, heads, d] in q's dtype. The computation runs in k's dtype.
-
-    A chunk after the first takes a mask, as is_causal aligns its diagonal at key 0; one query is computed as the
-    first of two, as torch's one-query kernel differs from its tiled one."""
+    """softmax(q · kᵀ / √d + causal mask) · v for queries at positions [start, start + n) in torch's flash kernel:
+    q [n, heads, d], k and v [>= start + n, kv_heads, d], any finite values after start + n, with heads a multiple
+    of kv_heads (query head i reads KV head i // group) → [n, heads, d] in q's dtype. The computation runs in k's
+    dtype. A chunk after the first takes a mask, as is_causal aligns its diagonal at key 0; one query is computed
+    as the first of two, as torch's one-query kernel sums in another order than its tiled one."""
     n, end, dtype = q.shape[0], start + q.shape[0], q.dtype
     assert k.shape == v.shape and k.shape[0] >= end and q.shape[1] % k.shape[1] == 0, (q.shape, k.shape, start)
     q = q.to(k.dtype)
@@ -136,35 +107,3 @@ def _mask(start: int, n: int, keys: int, dtype: torch.dtype, device: torch.devic
     rows = torch.arange(start, start + max(n, 2), device=device).clamp_(max=start + n - 1).unsqueeze(1)
     hidden = torch.arange(keys, device=device).unsqueeze(0) > rows
     return torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(hidden, float("-inf"))
-
-
-def rows_invariant(heads: int, kv_heads: int, head_dim: int, max_keys: int, dtype: torch.dtype) -> bool:
-    """Whether `causal` in `dtype`, over keys padded to whole tiles, gives each query the same floats as one of a
-    chunk of any of `PROBE_QUERIES` lengths (ending at eight positions), of a shorter prompt, or of a whole prompt
-    of `max_keys`, on this CPU and torch's thread count now; False too where torch's kernel fails here (torch
-    2.13's bf16 kernel does when `ATEN_CPU_CAPABILITY` lowers its kernels below the CPU's AMX). A check over the
-    lengths that decide the kernel's tiling, with enough rows that a last-bit difference shows in the rounding
-    to bf16 of some; not a proof for every length."""
-    gen = torch.Generator().manual_seed(0)
-    q = torch.randn(max_keys, heads, head_dim, generator=gen) * 3   # scores of a few units, as a model's are
-    kv = (torch.randn(2, padded_length(max_keys), kv_heads, head_dim, generator=gen) * 3).to(dtype)
-
-    def keys(end: int) -> tuple[Tensor, Tensor]:
-        out = torch.zeros(2, padded_length(end), kv_heads, head_dim, dtype=dtype)
-        out[:, :end] = kv[:, :end]
-        return out[0], out[1]
-
-    try:
-        with torch.inference_mode():
-            whole = causal(q, *keys(max_keys), 0)
-            ends = [max_keys - i * (max_keys // 8) for i in range(8)]
-            for end in (ends[3], 129):
-                if not torch.equal(causal(q[:end], *keys(end), 0), whole[:end]):
-                    return False
-            for n in PROBE_QUERIES:
-                for end in ends:
-                    if not torch.equal(causal(q[end - n:end], *keys(end), end - n), whole[end - n:end]):
-                        return False
-    except RuntimeError:
-        return False
-    return True

@@ -4,8 +4,8 @@ claim is exact), and SmolLM2's logits and greedy tokens against transformers' ow
 
 With float32 K and V the forward is transformers' to float32 rounding (measured 1.5e-6 and 1.1e-6 of max |logit|
 on the two prompts). The engine keeps K and V in bf16 blocks, which moves the logits by 4.3e-3 and 1.0e-3 of max
-|logit| on the short and the long prompt (the short prompt's few positions weigh each rounded one more); with bf16
-prompts (`KVLEDGER_BF16_PREFILL=1`, `prompt_attend`) by 2.4e-3 and 1.0e-3. Its greedy tokens are the reference's.
+|logit| on the short and the long prompt (the short prompt's few positions weigh each rounded one more). Its greedy
+tokens are the reference's.
 """
 
 import json
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvledger.engine.models import gemv, llama, onednn, prompt_attend
+from kvledger.engine.models import llama
 from kvledger.engine.models.base import Chunk, PagedKV
 from kvledger.engine.models.llama import RMSNorm
 from kvledger.engine.models.rowwise import rotate
@@ -104,36 +104,27 @@ def test_with_float32_kv_the_forward_is_transformers_to_float32_rounding(smollm2
     assert tokens == PROMPTS[name]["greedy_ids"]
 
 
-@pytest.fixture(params=["float32", "bf16"], ids=["float32 prompts", "bf16 prompts"])
-def prompts(request, smollm2, monkeypatch):
-    """The model with a prompt's attention in float32 (the default) or in bf16 (`KVLEDGER_BF16_PREFILL=1`;
-    skipped where this CPU's rows are not invariant, as the engine then keeps float32)."""
-    monkeypatch.setenv("KVLEDGER_BF16_PREFILL", "1" if request.param == "bf16" else "0")
-    smollm2.allocate(POOL_BLOCKS, 0)
-    if smollm2.bf16_prompts() != (request.param == "bf16"):
-        pytest.skip("this CPU's rows depend on their count: bf16 prompts fall back to float32 here")
-    return request.param
-
-
 @pytest.mark.parametrize("name", sorted(PROMPTS))
-def test_with_the_engines_bf16_blocks_the_logits_are_close_and_the_greedy_tokens_equal(smollm2, prompts, name):
+def test_with_the_engines_bf16_blocks_the_logits_are_close_and_the_greedy_tokens_equal(smollm2, name):
+    smollm2.allocate(POOL_BLOCKS, 0)
     logits, tokens = _prefill_and_decode(smollm2, PROMPTS[name])
     assert _rel_to_reference(logits, PROMPTS[name]) <= BF16_BOUND
     assert tokens == PROMPTS[name]["greedy_ids"]
     assert smollm2.caches[0].mirror.reads_in_place > 0   # the decode steps read their mirrors
 
 
+HIT_BOUND = 2e-4   # a hit's logits from the cold prefill's, of max |logit|: float32 rounding through bf16 K and V
+
+
 @pytest.mark.parametrize("computed", [1, 2, 3, 17, 129, 256])
-def test_a_hit_computing_its_last_tokens_gives_the_cold_prefills_logits(smollm2, prompts, computed):
-    """A hit reads K and V of [0, L − computed) from blocks the cold prefill wrote and computes the rest. With
-    float32 prompts its rows come from other row counts than the cold prefill's: a hit of 2–16 tokens takes the
-    few-rows kernel where the cold prefill took oneDNN, and a one-token hit attends over the mirror; bf16 K and V
-    then round some of those last-bit differences to the other neighbour (measured 1.15e-4 of max |logit| for the
-    2-token hit with torch's attention, at most 2.1e-6 for the others). A hit of more rows takes the cold
-    prefill's GEMM (MKL on an Intel CPU, oneDNN elsewhere) and kvledger's attention kernel, which gives a query
-    the same floats in any chunk: where the GEMM's rows do not depend on their count either (checked here),
-    its logits are the cold prefill's, bit for bit. With bf16 prompts (on a CPU whose rows do not depend on
-    their count in oneDNN) every row is the cold prefill's, bit for bit."""
+def test_a_hit_computing_its_last_tokens_gives_the_cold_prefills_logits_within_rounding(smollm2, computed):
+    """A hit reads K and V of [0, L − computed) from blocks the cold prefill wrote and computes the rest, in products
+    of another row count than the cold prefill's (a hit of 2–16 tokens takes the few-rows kernel where the cold
+    prefill took oneDNN or MKL, a one-token hit attends over the mirror), whose roundings may differ in the last
+    bits; bf16 K and V then round some of those differences to the other neighbour. Measured on an Intel Xeon: at
+    most 1.15e-4 of max |logit| (the 2-token hit); 0 for the longer hits where the GEMM's rows happen not to depend
+    on their count. That is not a property any kernel here promises on every CPU, so the claim is the bound."""
+    smollm2.allocate(POOL_BLOCKS, 0)
     ids = torch.randint(100, 40_000, (600,), generator=torch.Generator().manual_seed(computed))
     cold_table, hit_table = torch.arange(1, 6), torch.arange(6, 11)
     cold = smollm2([Chunk(ids, 0, cold_table, prompt_len=600)])[0]
@@ -141,34 +132,6 @@ def test_a_hit_computing_its_last_tokens_gives_the_cold_prefills_logits(smollm2,
         cache.kv[hit_table] = cache.kv[cold_table]
     start = 600 - computed
     hit = smollm2([Chunk(ids[start:], start, hit_table, prompt_len=600)])[0]
-    if prompts == "bf16" or (computed > gemv.MAX_ROWS and prompt_attend.KERNEL and _gemm_rows_invariant(smollm2)):
-        assert torch.equal(hit, cold)
-    else:
-        assert float((hit - cold).abs().max() / cold.abs().max()) <= 2e-4
+    assert float((hit - cold).abs().max() / cold.abs().max()) <= HIT_BOUND
 
 
-def _gemm_rows_invariant(model) -> bool:
-    """Whether the layers' float32 products of a prompt's rows (more than 16, no steps) give a row the same
-    floats among 17 to 1,000 rows as among the 600 of the test's cold prefill and among 4,096."""
-    layer = model.layers[0]
-    gen = torch.Generator().manual_seed(0)
-    with torch.inference_mode():
-        for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.gate_up_proj, layer.down_proj):
-            x = torch.randn(llama.PROBE_ROWS, linear.in_features, generator=gen)
-            whole = linear(x)
-            for m in (*(m for m in onednn.PROBE_ROWS if m > gemv.MAX_ROWS), 600):
-                if not (torch.equal(linear(x[:m]), whole[:m]) and torch.equal(linear(x[-m:]), whole[-m:])):
-                    return False
-    return True
-
-
-def test_prompts_attend_in_float32_unless_asked_and_over_bf16_blocks(smollm2, monkeypatch):
-    monkeypatch.delenv("KVLEDGER_BF16_PREFILL", raising=False)
-    assert not smollm2.bf16_prompts()
-    monkeypatch.setenv("KVLEDGER_BF16_PREFILL", "1")
-    caches = smollm2.caches
-    smollm2.caches = [PagedKV(c.block_size, c.kv_heads, c.head_dim, torch.float32) for c in caches]
-    try:
-        assert not smollm2.bf16_prompts()
-    finally:
-        smollm2.caches = caches

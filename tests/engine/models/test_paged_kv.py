@@ -31,20 +31,6 @@ def test_gather_heads_is_gather_heads_first(filled, length):
     assert torch.equal(kh, k.transpose(0, 1)) and torch.equal(vh, v.transpose(0, 1))
 
 
-@pytest.mark.parametrize("length", [1, 128, 300, 700])
-def test_a_padded_gather_is_the_gather_then_zeros(filled, length):
-    """`prompt_attend`'s read: the blocks' own bf16 values, then zeros up to whole 512-key tiles."""
-    cache, table = filled
-    cache.kv[1, :, 700 - 5 * B:].fill_(float("nan"))   # past the sequence in its last block: must not leak in
-    k, v = cache.gather(table, length, torch.bfloat16)
-    kp, vp = cache.gather(table, length, torch.bfloat16, padded=1024)
-    assert kp.shape == vp.shape == (1024, KV_HEADS, D)
-    assert torch.equal(kp[:length], k) and torch.equal(vp[:length], v)
-    assert not kp[length:].any() and not vp[length:].any()
-    kf, vf = cache.gather(table, length, torch.float32, padded=1024)
-    assert kf.dtype == torch.float32 and torch.equal(kf, kp.float()) and torch.equal(vf, vp.float())
-
-
 def test_one_query_attends_as_grouped_query_attention_does(filled):
     """Query head i reads KV head i // 3, as SDPA's `enable_gqa` (which repeats each KV head 3 times) does."""
     cache, table = filled
