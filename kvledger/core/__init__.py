@@ -9,6 +9,7 @@ from kvledger.core.hit import (
     check_decision,
     checkpoint_positions,
     decide_hit,
+    decided_length,
     decode_replica_positions,
     decode_store_position,
     exact_replay,
@@ -29,8 +30,8 @@ from kvledger.core.spec import DEFAULT_MODEL, LayerKind, ModelSpec
 __all__ = [
     "DEFAULT_MODEL", "FORMAT_VERSION", "KEY_BYTES", "CapacityPlan", "HitDecision", "HitKind", "LayerKind", "Link",
     "ModelSpec", "PromptDiff", "Traffic", "blocks_spanned", "break_even_tokens", "cap_blocks", "chain_keys",
-    "check_decision", "checkpoint_positions", "decide_hit", "decode_replica_positions", "decode_store_position",
-    "diff_prompts", "exact_replay", "extend_chain", "hit_cap", "is_handed", "plan", "prefill_store_positions",
-    "resumes_exactly", "root_key", "salted_namespace", "snapshot_candidates", "tail_key", "tail_parts", "takes_tail",
-    "tenant_of", "token_bytes", "with_tail",
+    "check_decision", "checkpoint_positions", "decide_hit", "decided_length", "decode_replica_positions",
+    "decode_store_position", "diff_prompts", "exact_replay", "extend_chain", "hit_cap", "is_handed", "plan",
+    "prefill_store_positions", "resumes_exactly", "root_key", "salted_namespace", "snapshot_candidates", "tail_key",
+    "tail_parts", "takes_tail", "tenant_of", "token_bytes", "with_tail",
 ]

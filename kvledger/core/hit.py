@@ -87,6 +87,21 @@ def hit_cap(prompt_len: int, spec: ModelSpec) -> int:
     return max((prompt_len - spec.reserve_tokens) // b * b, 0)
 
 
+def decided_length(tokens: int, prompt_len: int, spec: ModelSpec) -> int:
+    """The length whose hit rule decides a leg that computes `tokens` positions of a request whose own prompt is
+    `prompt_len` tokens (a later leg continues it: tokens = the prompt + the output so far; rule 10).
+
+    A model whose computation is anchored at its prompt's end (V4's YoCo: the consumer layers start at
+    a = L − yoco_keep of the *request's* prompt, whatever leg computes them) can resume no later than the
+    request's own cap, ⌊(L − R)/B⌋·B ≤ a: a snapshot past a would need consumer windows no snapshot holds. So its
+    legs are decided as its prompt is (`prompt_len`). Every other model's leg is decided on what it computes
+    (`tokens`), which may reach further: a decode leg of Gemma 3 or SmolLM2 hits the blocks its prefill leg
+    stored. Example, tiny-v4, L = 645 (a = 511), a decode leg of 646 tokens: its own cap would be 512 > a; decided
+    on 645 it is 384."""
+    assert 0 < prompt_len <= tokens, (prompt_len, tokens)
+    return prompt_len if spec.yoco_keep else tokens
+
+
 def blocks_spanned(tokens: int, spec: ModelSpec) -> int:
     """⌈tokens / B⌉: the leading blocks that positions [0, tokens) touch. Of a hit's `reused_block_tokens`,
     the blocks whose KV the request takes (the last one only in part at a full-attention hit of L − 1)."""

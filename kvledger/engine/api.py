@@ -49,7 +49,12 @@ class SamplingParams:
 
 @dataclass(frozen=True, slots=True)
 class EngineRequest:
-    """One prompt, its chain keys (one per full block, `core.chain_keys`) and the CHECK's decision."""
+    """One prompt, its chain keys (one per full block, `core.chain_keys`) and the CHECK's decision.
+
+    A later leg of a cluster request continues it: `tokens` are the request's prompt and the output so far, and
+    `prompt_len` says where the prompt ends. Every per-request constant of the model's computation (tiny-v4's YoCo
+    anchor L − 134) and the hit rule's length (`core.decided_length`) come from that prompt, never from the leg's
+    tokens (rule 10). Invariant: 0 <= prompt_len <= len(tokens)."""
 
     request_id: str
     tokens: Any                  # tuple[int, ...] | np.ndarray: the prompt's token ids
@@ -60,6 +65,16 @@ class EngineRequest:
     ttl_class: str | None = None
     keep_tail: bool = False      # a P/D prefill leg: keep the prompt's partial last block for the decode engine
     tail_kv: bytes | None = None  # a P/D decode leg: that block, handed over (`core.with_tail` raised the decision)
+    prompt_len: int = 0          # the request's own prompt length, when `tokens` continue it; 0: all of `tokens`
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.prompt_len <= len(self.tokens):
+            raise ValueError(f"prompt_len {self.prompt_len} must be in [0, {len(self.tokens)}] (the tokens given)")
+
+    @property
+    def own_prompt_len(self) -> int:
+        """L of the request this leg is part of: `prompt_len`, or every token when it is 0."""
+        return self.prompt_len or len(self.tokens)
 
 
 def check_request_keys(req: EngineRequest, tokens: np.ndarray, spec: ModelSpec) -> None:

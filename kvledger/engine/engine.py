@@ -28,8 +28,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from kvledger.core import (ModelSpec, check_decision, checkpoint_positions, hit_cap, is_handed, root_key, tail_key,
-                           tail_parts, takes_tail)
+from kvledger.core import (ModelSpec, check_decision, checkpoint_positions, decided_length, hit_cap, is_handed,
+                           root_key, tail_key, tail_parts, takes_tail)
 from kvledger.engine.api import EngineRequest, RequestUsage, TokenEvent, check_request_keys
 from kvledger.engine.block_pool import BlockPool
 from kvledger.engine.fetch_target import PoolTarget, StagingTarget
@@ -143,7 +143,7 @@ class Engine:
         if self.scheduler.find(req.request_id) is not None:
             raise ValueError(f"request {req.request_id!r} is already running")
         check_request_keys(req, tokens, self.spec)
-        check_decision(req.decision, tokens.size, self.spec)
+        check_decision(req.decision, decided_length(tokens.size, req.own_prompt_len, self.spec), self.spec)
         if req.tail_kv is not None or req.decision.hit_tokens > hit_cap(tokens.size, self.spec):
             self._check_tail(req, tokens.size)
         seq = Sequence.from_request(req)

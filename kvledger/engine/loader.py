@@ -82,7 +82,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvledger.core import (HitDecision, blocks_spanned, cap_blocks, decide_hit, exact_replay, is_handed,
+from kvledger.core import (HitDecision, blocks_spanned, cap_blocks, decide_hit, decided_length, exact_replay, is_handed,
                            resumes_exactly, snapshot_candidates, tail_parts)
 from kvledger.engine.block_pool import BlockPool
 from kvledger.engine.fetch_target import PoolTarget, StagingTarget
@@ -196,19 +196,24 @@ class HitLoader:
             return None
         return self.slots.allocate() if self.spec.has_swa else -1
 
+    def _decided(self, seq: Sequence) -> int:
+        """The length the hit rule decides this sequence on (`core.decided_length`: a later leg of a model anchored
+        at its prompt is decided as its prompt is)."""
+        return decided_length(seq.prompt_len, seq.request_prompt_len, self.spec)
+
     def _with_device_cache(self, seq: Sequence) -> HitDecision:
         """The device prefix cache may hold more leading blocks than the CHECK found: blocks this engine
         computed whose write to the block ledger is still queued. Taking them reads no KV from anywhere,
         so the decision is raised to them (the snapshot, for windowed models, looked up as the CHECK does)."""
         d, b = seq.decision, self.spec.block_size
-        held = self.pool.cached_prefix(seq.keys[:cap_blocks(seq.prompt_len, self.spec)])
+        held = self.pool.cached_prefix(seq.keys[:cap_blocks(self._decided(seq), self.spec)])
         if min(held * b, d.cap) <= d.block_hit_tokens:
             return d
         snapshots: set[int] = set()
         if self.spec.has_swa and self.state_ledger is not None:
-            at = snapshot_candidates(seq.prompt_len, held, self.spec, replay=self.replay)
+            at = snapshot_candidates(self._decided(seq), held, self.spec, replay=self.replay)
             snapshots = self.state_ledger.positions(seq.keys, at=at)
-        better = decide_hit(seq.prompt_len, held, snapshots, self.spec, replay=self.replay)
+        better = decide_hit(self._decided(seq), held, snapshots, self.spec, replay=self.replay)
         return better if better.hit_tokens > d.hit_tokens else d
 
     def _snapshot(self, seq: Sequence, slot: int) -> HitDecision:
@@ -259,7 +264,7 @@ class HitLoader:
         if not seq.exact:
             return seq.keys[:blocks_spanned(seq.decision.reused_block_tokens, self.spec)]
         if self.spec.has_swa:
-            return seq.keys[:cap_blocks(seq.prompt_len, self.spec)]
+            return seq.keys[:cap_blocks(self._decided(seq), self.spec)]
         return seq.keys[:(len(seq.tokens) - 1) // self.spec.block_size]
 
     def _resume_point(self, seq: Sequence, slot: int, held: int) -> ResumePoint:
@@ -272,7 +277,7 @@ class HitLoader:
         q = self._resume_snapshot(seq, slot, held * b)
         if q:
             return ResumePoint(q, q // b)
-        d = exact_replay(seq.prompt_len, held, self.spec)
+        d = exact_replay(self._decided(seq), held, self.spec)
         return ResumePoint(d.recompute_from, held, keep_until=d.reused_block_tokens)
 
     def _resume_snapshot(self, seq: Sequence, slot: int, l1: int) -> int:
@@ -302,8 +307,8 @@ class HitLoader:
         does not fall back keeps its blocks and replays exactly from 0 (rule 3′: `exact_replay`)."""
         self.faults[cause] += 1
         if resumes_exactly(self.spec, replay=self.replay):
-            return exact_replay(seq.prompt_len, blocks, self.spec)
-        return decide_hit(seq.prompt_len, blocks, set(), self.spec, replay=self.replay)
+            return exact_replay(self._decided(seq), blocks, self.spec)
+        return decide_hit(self._decided(seq), blocks, set(), self.spec, replay=self.replay)
 
     def stream(self, seq: Sequence) -> bool:
         """Start a LOADING sequence's first forward before its fetch ends, as if every block will arrive (module

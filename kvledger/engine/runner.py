@@ -36,7 +36,7 @@ class ModelRunner:
         start = seq.computed
         tokens = torch.tensor(seq.tokens[start:start + n], dtype=torch.long, device=dev)
         table = torch.tensor(seq.block_table, dtype=torch.long, device=dev)
-        return Chunk(tokens, start, table, seq.slot, seq.keep_blocks_until, seq.truncate_from, seq.prompt_len,
+        return Chunk(tokens, start, table, seq.slot, seq.keep_blocks_until, seq.truncate_from, seq.request_prompt_len,
                      seq.uid)
 
     def run(self, batch: list[tuple[Sequence, int]], swaps: list[SwapItem],

@@ -53,7 +53,7 @@ class SequenceStatus(Enum):
 class Sequence:
     request: EngineRequest
     tokens: list[int]
-    prompt_len: int
+    prompt_len: int                        # the tokens given: the prompt, or for a later leg the prompt + output so far
     decision: HitDecision                  # the decision actually followed (may be lowered on a fault)
     keys: list[bytes]                      # chain keys of the full blocks known so far (prompt, then decode)
     status: SequenceStatus = SequenceStatus.WAITING
@@ -113,6 +113,12 @@ class Sequence:
     def from_request(cls, req: EngineRequest) -> Sequence:
         tokens = [int(t) for t in req.tokens]
         return cls(req, tokens, len(tokens), req.decision, list(req.keys))
+
+    @property
+    def request_prompt_len(self) -> int:
+        """L of the request this sequence computes (a later leg's tokens go past it): what the model's per-request
+        constants derive from (`Chunk.prompt_len`), and the hit rule's length (`decided_length`)."""
+        return self.request.own_prompt_len
 
     @property
     def request_id(self) -> str:

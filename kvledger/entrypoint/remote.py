@@ -45,7 +45,8 @@ from kvledger.engine.wire import KEEPALIVE_S, GenerateBody, WireEvent
 from kvledger.entrypoint.router import Load, PromptView, Router
 
 log = logging.getLogger("kvledger.cluster")
-CheckFn = Callable[[np.ndarray, str, "str | None", list[bytes]], tuple[list[bytes], HitDecision]]  # + known keys
+# tokens, namespace, TTL class, the keys known so far, the request's own prompt length → keys, decision
+CheckFn = Callable[[np.ndarray, str, "str | None", list[bytes], int], tuple[list[bytes], HitDecision]]
 MAX_LEGS = 8
 NO_ENGINE_WAIT_S = 15.0
 SUSPECT_S = 5.0   # a broken stream keeps other requests off its engine this long (> the registry's TTL)
@@ -157,7 +158,8 @@ class RemoteEngines:
         for leg in range(1, MAX_LEGS + 1):
             if leg > 1:   # the keys so far are kept: only the output's new blocks are hashed
                 tokens = np.asarray(prompt + output, dtype=np.uint32)
-                keys, decision = await asyncio.to_thread(self.check, tokens, req.namespace, req.ttl_class, keys)
+                keys, decision = await asyncio.to_thread(self.check, tokens, req.namespace, req.ttl_class, keys,
+                                                         len(prompt))
             left = budget - len(output)
             if left <= 0:   # every token arrived and the end did not (the engine died right after)
                 yield TokenEvent(req.request_id, (), True, "length", self._usage(first, prompt, output, legs))
@@ -167,7 +169,8 @@ class RemoteEngines:
             sampling = replace(req.sampling, max_tokens=1 if phase == "prefill" else left)
             keep_tail = phase == "prefill" and self.tail_handoff and takes_tail(self.spec)
             body = GenerateBody.of(replace(req, request_id=f"{req.request_id}.{leg}", tokens=prompt + output,
-                                           keys=keys, decision=decision, sampling=sampling, keep_tail=keep_tail),
+                                           keys=keys, decision=decision, sampling=sampling, keep_tail=keep_tail,
+                                           prompt_len=len(prompt)),
                                    wait_stored=phase == "prefill", tail_from=tail_from if kind == "decode" else None)
             reason, leg_usage = None, None
             events = self._leg(engine, body, decision.hit_tokens, leg == 1 and not output)

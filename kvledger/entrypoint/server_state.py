@@ -124,10 +124,11 @@ class ServerState:
         from kvledger.entrypoint.router import Router
         from kvledger.state.auth import derive_keys
 
-        def check(tokens: Any, namespace: str, ttl_class: str | None, known_keys: list[bytes]) -> Any:
+        def check(tokens: Any, namespace: str, ttl_class: str | None, known_keys: list[bytes], prompt_len: int
+                  ) -> Any:
             return check_prompt(tokens, self.spec, block_ledger=self.block_ledger, state_ledger=self.state_ledger,
                                 namespace=namespace, ttl_class=ttl_class, replay=self.config.replay,
-                                known_keys=known_keys)
+                                known_keys=known_keys, prompt_len=prompt_len)
 
         assert self.config.redis_url is not None and self.config.cluster_token is not None
         registry = Registry.from_url(self.config.redis_url, derive_keys(self.config.cluster_token).registry)

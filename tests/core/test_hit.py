@@ -12,8 +12,8 @@ from kvledger import (
 )
 from dataclasses import replace
 
-from kvledger.core import (blocks_spanned, cap_blocks, check_decision, checkpoint_positions, exact_replay, hit_cap,
-                           is_handed, snapshot_candidates, tail_parts, takes_tail, with_tail)
+from kvledger.core import (blocks_spanned, cap_blocks, check_decision, checkpoint_positions, decided_length,
+                           exact_replay, hit_cap, is_handed, snapshot_candidates, tail_parts, takes_tail, with_tail)
 
 V4 = ModelSpec.preset("deepseek-v4.1-flash")
 TINY = ModelSpec.preset("tiny-v4")
@@ -449,3 +449,16 @@ def test_tail_parts():
     assert tail_parts(727, GEMMA) == (3 * 1024 * 128, 15 * 518 * 1024)
     assert tail_parts(769, GEMMA) == (0, 15 * 518 * 1024)
     assert tail_parts(501, LLAMA) == (LLAMA.block_bytes(), 0) and tail_parts(257, LLAMA) == (0, 0)
+
+
+def test_a_later_leg_of_a_model_anchored_at_its_prompt_is_decided_on_that_prompt():
+    """tiny-v4, L = 645 (YoCo anchor a = 511): its decode leg of 646 tokens would cap at 512, past a, where no
+    snapshot holds the consumer windows; decided on the request's 645 it caps at 384. Gemma 3's and SmolLM2's
+    legs are decided on what they compute: a decode leg reaches the blocks its prefill leg stored."""
+    tiny = ModelSpec.preset("tiny-v4")
+    assert hit_cap(646, tiny) == 512 > 645 - tiny.yoco_keep
+    assert decided_length(646, 645, tiny) == 645 and hit_cap(645, tiny) == 384
+    for name in ("gemma3-270m", "smollm2-135m"):
+        assert decided_length(646, 645, ModelSpec.preset(name)) == 646
+    with pytest.raises(AssertionError):
+        decided_length(645, 646, tiny)   # a prompt longer than the tokens given is no leg of it

@@ -13,13 +13,15 @@ from kvledger.entrypoint.check import check_prompt
 
 
 def run_request(engine, ledger, tokens, *, request_id, max_tokens=8, namespace="default", state_ledger=None,
-                replay=False, spec=None):
+                replay=False, spec=None, prompt_len=0):
     """CHECK, add, step to the end; (output tokens, usage of the last event, decision). `spec`: the one the
-    CHECK decides with (default the engine's; `approximate(spec)` asks for the fallback)."""
+    CHECK decides with (default the engine's; `approximate(spec)` asks for the fallback). `prompt_len`: a later
+    leg's request prompt (`tokens` continue it), as the entrypoint sends it."""
     keys, decision = check_prompt(tokens, spec or engine.spec, block_ledger=ledger, state_ledger=state_ledger,
-                                  namespace=namespace, replay=replay)
+                                  namespace=namespace, replay=replay, prompt_len=prompt_len or None)
     sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    engine.add_request(EngineRequest(request_id, tokens, keys, decision, sampling, namespace=namespace))
+    engine.add_request(EngineRequest(request_id, tokens, keys, decision, sampling, namespace=namespace,
+                                     prompt_len=prompt_len))
     out, usage = drain(engine)
     engine.wait_stored()
     return out, usage, decision

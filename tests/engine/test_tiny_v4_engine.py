@@ -69,6 +69,20 @@ def test_fallback_and_replay_error_is_bounded(cold, tiny, ledger, replay):
     assert 0 < err < 0.2, err  # the truncated window's error (measured ~0.04 on this prompt)
 
 
+def test_a_decode_leg_continues_its_request_with_the_prompts_anchor(cold, tiny, ledger, holder):
+    """P/D on one engine: a prefill leg computes the first token and stores; a decode leg of prompt + that token
+    resumes from a snapshot and recomputes its tail through the consumer layers, anchored at a = L − 134 of the
+    request's prompt (700), not of its own 701 tokens: the cold run's tokens, one by one (rule 10)."""
+    tiny.clear_device_cache()
+    first, _, _ = run_request(tiny, ledger, PROMPT, request_id="pd-prefill", max_tokens=1, state_ledger=holder)
+    assert first == cold[0][:1]
+    tiny.clear_device_cache()
+    rest, usage, d = run_request(tiny, ledger, PROMPT + first, request_id="pd-decode", max_tokens=31,
+                                 state_ledger=holder, prompt_len=len(PROMPT))
+    assert d.kind is HitKind.SNAPSHOT and d.hit_tokens == 512 == usage.cached_tokens   # the tail [512, 701) computed
+    assert first + rest == cold[0]
+
+
 def test_next_turn_hits_the_decode_replica(cold, tiny, ledger, holder):
     turn2 = PROMPT + cold[0] + [t % 32000 for t in prompt(200, seed=4)]
     tiny.clear_device_cache()

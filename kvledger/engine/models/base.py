@@ -74,7 +74,8 @@ class Chunk:
     slot: int = -1               # state slot (window ring) of the sequence; -1 for models without SWA
     keep_blocks_until: int = 0   # block KV of positions < this is reused, never written (replay)
     truncate_from: int | None = None
-    prompt_len: int = 0          # L, the sequence's prompt length (tiny-v4: YoCo anchor L − 134); 0: not given
+    prompt_len: int = 0          # L, the request's own prompt length, also in a later leg whose tokens go past it
+                                 # (tiny-v4: YoCo anchor L − 134; rule 10); 0: not given
     seq: int = -1                # the sequence's process-unique id (`Sequence.uid`; decode_mirror); -1: none
 
     def __post_init__(self) -> None:

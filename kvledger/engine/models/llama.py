@@ -189,7 +189,7 @@ class Llama(Model):
     def forward(self, chunks: Sequence[Chunk], before_layer: BeforeLayer | None = None) -> torch.Tensor:
         assert all(c.keep_blocks_until == 0 and c.truncate_from is None for c in chunks), "no window to replay"
         for cache in self.caches:   # the sequences `_attend_one` may read
-            cache.mirror.retain([c.seq for c in chunks if c.tokens.numel() == 1 or c.end == c.prompt_len])
+            cache.mirror.retain([c.seq for c in chunks if c.tokens.numel() == 1 or c.end >= c.prompt_len])
         dev = self.embed_tokens.weight.device
         x = self.embed_tokens(torch.cat([c.tokens for c in chunks]))
         positions = torch.cat([torch.arange(c.start, c.end, device=dev) for c in chunks])
