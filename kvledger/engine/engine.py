@@ -37,7 +37,7 @@ from kvledger.engine.fetcher import Fetcher
 from kvledger.engine.loader import HitLoader
 from kvledger.engine.models.registry import ModelEntry, resolve
 from kvledger.engine.runner import ModelRunner, StepCost
-from kvledger.engine.sampler import make_generator, sample_one
+from kvledger.engine.sampler import draw_generator, make_generator, sample_one
 from kvledger.engine.scheduler import Scheduler
 from kvledger.engine.sequence import Sequence, SequenceStatus, new_uid
 from kvledger.engine.shared_area import SharedArea
@@ -353,7 +353,8 @@ class Engine:
         first = seq.first_token_at is None
         if first and self.record_logits:
             self.first_logits[seq.request_id] = logits.clone()
-        token = sample_one(logits, seq.sampling, seq.tokens, seq.generator)
+        draw = len(seq.tokens) - seq.request_prompt_len   # this token's index in the request's output
+        token = sample_one(logits, seq.sampling, seq.tokens, draw_generator(seq.sampling, draw, seq.generator))
         seq.tokens.append(token)
         if first:
             seq.first_token_at = time.perf_counter()

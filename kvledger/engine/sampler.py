@@ -1,13 +1,17 @@
 """Next-token sampling: repetition penalty, then greedy or temperature with top-k and top-p.
 
-Sampling runs on the host in float32 with each request's own generator (seeded from
-`SamplingParams.seed` when given), so a seeded request draws the same tokens on any device.
+Sampling runs on the host in float32 with each request's own generator. A seeded request's n-th draw takes a
+generator seeded from (`SamplingParams.seed`, n) alone (`draw_generator`), so it draws the same tokens on any
+device and on any topology: a P/D decode leg, a continuation on another engine or a preempted sequence draws its
+n-th token as one engine running the whole request would (rule 10).
 Whatever the parameters, a draw is well defined while one logit is finite: NaN logits are never
 drawn, ±inf ones are clamped to float32's range (after the penalty and the temperature, which can
 overflow), and every filter keeps the most likely token.
 """
 
 from __future__ import annotations
+
+import hashlib
 
 import torch
 
@@ -66,11 +70,20 @@ def sample_one(logits: torch.Tensor, params: SamplingParams, seen: list[int],
 
 
 def make_generator(params: SamplingParams) -> torch.Generator | None:
-    if params.greedy:
+    """A sequence's running generator: for unseeded sampling only (a seeded draw takes `draw_generator`'s)."""
+    if params.greedy or params.seed is not None:
         return None
     g = torch.Generator(device="cpu")
-    if params.seed is not None:
-        g.manual_seed(params.seed)
-    else:
-        g.seed()
+    g.seed()
+    return g
+
+
+def draw_generator(params: SamplingParams, draw: int, running: torch.Generator | None) -> torch.Generator | None:
+    """The generator of a request's `draw`-th sampled token (0: its first): seeded from (seed, draw) for a seeded
+    request, whatever drew before it in this process; the sequence's `running` one otherwise."""
+    if params.greedy or params.seed is None:
+        return running
+    digest = hashlib.blake2b(f"{params.seed}:{draw}".encode(), digest_size=8).digest()
+    g = torch.Generator(device="cpu")
+    g.manual_seed(int.from_bytes(digest, "little"))
     return g

@@ -20,8 +20,8 @@ at most R + B tokens for windowed ones). A decode leg after a prefill leg recomp
 block and its windows at the prompt's end (`keep_tail`, `core.tail_parts`) and the decode engine pulls them
 from there (`tail_from`, engine/process.py), so it computes one token; a tail it cannot get is recomputed.
 The client sees one stream: tokens are passed on as they come, none is repeated (a continuation starts after
-the last token the client got) and none is lost (greedy decoding continues exactly; a seeded sampler is
-re-seeded per leg).
+the last token the client got) and none is lost (greedy decoding continues exactly; a seeded request's n-th draw
+depends on its seed and n alone, `engine/sampler.py`, so a leg draws what one engine would).
 """
 
 from __future__ import annotations

@@ -5,17 +5,28 @@ import pytest
 import torch
 
 from kvledger.engine.api import SamplingParams
-from kvledger.engine.sampler import (SamplingError, apply_repetition_penalty, filter_top_k_top_p, make_generator,
-                                     sample_one)
+from kvledger.engine.sampler import (SamplingError, apply_repetition_penalty, draw_generator, filter_top_k_top_p,
+                                     make_generator, sample_one)
 
 
 def test_greedy_and_seeded():
     logits = torch.tensor([0.0, 3.0, 1.0, 2.9])
     assert sample_one(logits, SamplingParams(max_tokens=1), [], None) == 1
     sp = SamplingParams(max_tokens=1, temperature=1.0, seed=7)
-    a = [sample_one(logits, sp, [], g) for g in [make_generator(sp)] for _ in range(20)]
-    b = [sample_one(logits, sp, [], g) for g in [make_generator(sp)] for _ in range(20)]
+    a = [sample_one(logits, sp, [], draw_generator(sp, n, make_generator(sp))) for n in range(20)]
+    b = [sample_one(logits, sp, [], draw_generator(sp, n, make_generator(sp))) for n in range(20)]
     assert a == b and len(set(a)) > 1
+
+
+def test_a_seeded_draw_depends_on_the_seed_and_its_index_alone():
+    """A later leg (P/D, a continuation elsewhere) draws its n-th token as one engine would, whatever it drew
+    before: draws 10-19 alone are draws 10-19 of the whole run; another seed draws otherwise."""
+    logits = torch.zeros(64)
+    sp = SamplingParams(max_tokens=1, temperature=1.0, seed=7)
+    whole = [sample_one(logits, sp, [], draw_generator(sp, n, None)) for n in range(20)]
+    assert [sample_one(logits, sp, [], draw_generator(sp, n, None)) for n in range(10, 20)] == whole[10:]
+    other = SamplingParams(max_tokens=1, temperature=1.0, seed=8)
+    assert [sample_one(logits, other, [], draw_generator(other, n, None)) for n in range(20)] != whole
 
 
 def test_filters():
