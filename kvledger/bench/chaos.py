@@ -16,11 +16,11 @@ manual restart needed (the cluster is then restarted, to go on).
 ("Every engine" means the entrypoint lists 3 and each answers its internal health as ok.)
 
 The check, after the run: every completed reply against no-cache single-process servers (one per usable CPU,
-up to MAX_REFERENCES) along the same legs (chaos_load.py). The JSON: `requests`, `completed`, `failed` (by
-fault kind and HTTP status), `wrong_answers`, `hung` (over 60 s), `max_recovery_s` per fault kind,
-`cached_overclaimed` (usage claiming more reuse than the engine's own forward count allows),
-`manual_restart_needed`, and each trial's figures (what the fault did, its recovery, the hit rate before,
-during and after).
+up to MAX_REFERENCES), each reply asked in one request whatever legs it took (chaos_load.py). The JSON:
+`requests`, `completed`, `failed` (by fault kind and HTTP status), `wrong_answers`, `hung` (over 60 s),
+`max_recovery_s` per fault kind, `cached_overclaimed` (usage claiming more reuse than the engine's own forward
+count allows), `manual_restart_needed`, and each trial's figures (what the fault did, its recovery, the hit rate
+before, during and after).
 """
 
 from __future__ import annotations

@@ -6,12 +6,11 @@ reply, up to TURNS turns; a failed turn ends its conversation. Every request is 
 prompt, the reply, the usage (with the engine legs it ran as), the HTTP status, the time, and the fault in
 effect when it was sent.
 
-The check. A reply is right when it equals what a no-cache single-process server (`kvledger serve
---no-cache`) computes for the same prompt along the same legs: each leg computed prompt + the tokens before
-it, from scratch, and generated its part. (tiny-v4 computes the same floats however a forward's positions are
-split, given where the forward starts: test_reference_check.py.) Anything else is a wrong answer. A usage
-that claims more cached tokens than the prompt minus what the engine ran through the model is an
-over-claim.
+The check. A reply is right when it equals what one no-cache engine (`kvledger serve --no-cache`) computes
+for the same prompt and max_tokens in one request, whatever legs, engines and hits the cluster used (DESIGN
+rule 10: the answer does not depend on the topology, and the reference is never split the way the system
+under test is). tiny-v4 claims bit-exactness, so any other reply is a wrong answer. A usage that claims more
+cached tokens than the prompt minus what the engine ran through the model is an over-claim.
 """
 
 from __future__ import annotations
@@ -65,14 +64,6 @@ class Sample:
         """The usage says more prompt tokens were reused than the engine did not compute."""
         computed = ((self.usage or {}).get("kvledger") or {}).get("computed_prompt_tokens")
         return computed is not None and self.cached > len(self.prompt) - int(computed)
-
-    def legs(self) -> list[tuple[int, int]]:
-        """(first, end) output index ranges of the legs that produced tokens, in order; the last one ends at
-        max_tokens (a reply cut short differs from its reference)."""
-        legs = ((self.usage or {}).get("kvledger") or {}).get("legs") or []
-        starts = sorted({0, *(int(leg["start"]) for leg in legs if int(leg["start"]) < self.max_tokens)})
-        ends = [*starts[1:], self.max_tokens]
-        return [(s, e) for s, e in zip(starts, ends) if e > s]
 
 
 def complete(url: str, tokens: list[int], max_tokens: int, timeout_s: float = CLIENT_TIMEOUT_S
@@ -142,14 +133,12 @@ class Load:
 
 
 def reference_of(url: str, sample: Sample) -> list[int] | None:
-    """The reply a no-cache server at `url` computes along the sample's legs; None when it did not answer."""
-    out: list[int] = []
-    for first, end in sample.legs():
-        status, body, _ = complete(url, sample.prompt + out, end - first)
-        if status != 200:
-            return None
-        out += [int(t) for t in body["choices"][0]["token_ids"]]
-    return out
+    """The reply the no-cache server at `url` computes for the sample's prompt, in one request (never split
+    along the legs the sample took: rule 10); None when it did not answer."""
+    status, body, _ = complete(url, sample.prompt, sample.max_tokens)
+    if status != 200:
+        return None
+    return [int(t) for t in body["choices"][0]["token_ids"]]
 
 
 @dataclass(slots=True)

@@ -1,6 +1,6 @@
 """The chaos run's short form (issue 23): the cluster on a real JuiceFS volume (two clients), kvledger's Redis, 2
 prefill engines and 1 decode engine (tiny-v4), 3 clients of multi-turn conversations, and each fault kind
-once. Every reply is checked against a no-cache single-process server along its legs: no wrong answer, no
+once. Every reply is checked against one no-cache engine asked in one request: no wrong answer, no
 failed or hung request, no over-claimed cached tokens, and every fault recovered by the cluster itself."""
 
 from __future__ import annotations

@@ -3,10 +3,12 @@
 A multi-turn chat workload on tiny-v4: shared system prompts, user turns of 10 to 150 tokens, each
 next prompt = the previous prompt + its reply + a new user turn, with prompt lengths L chosen so that
 L mod 128 covers the residues next to every boundary (0-6 and 122-127, where the cap, the stored
-snapshot positions and the decode boundaries meet). The cached server and the reference run the same
-requests in the same order; 0 mismatches are allowed. tiny-v4 computes the same floats however the
-positions are split (tiny_v4_attention.py), so a no-cache run of the same request is the exact
-reference: any difference is a wrong answer, not rounding.
+snapshot positions and the decode boundaries meet). Each request is also sent, whole, to one no-cache
+engine (`kvledger serve --no-cache`): that is the reference, however the server checked split the request
+(prefill and decode legs, other engines, hits). DESIGN rule 10: the answer does not depend on the topology,
+and the reference is never split the way the system under test is (a reference that followed the P/D legs
+hid 12 wrong replies of 120 through `kvledger up`). tiny-v4 claims bit-exactness (tiny_v4_attention.py),
+so 0 mismatches are allowed: any difference is a wrong answer, not rounding.
 
 Rule 9 is what this guards: before it, a fallback's truncated windows were stored as snapshots and
 later conversations that resumed from them answered wrongly (4.7% of replies on such a workload).
@@ -81,7 +83,7 @@ class Node:
 class Reply(NamedTuple):
     length: int          # the prompt's length
     ids: list[int]       # the greedy reply of the server checked
-    reference: list[int]  # the no-cache server's, along the same legs
+    reference: list[int]  # one no-cache engine's, for the whole request in one request
     usage: dict
     legs: dict           # the checked server's engine legs for it, by (leg kind, hit kind); {} for `serve`
 
@@ -104,12 +106,11 @@ class Reference:
 
 def run_workload(server: ServeProcess | ClusterProcess | Node, no_cache: Reference,
                  fault: Callable[[], None] | None = None, fault_at: int = 12) -> list[Reply]:
-    """Every request of the workload, in order, each checked against the no-cache server along the legs the
-    server took: split after the first token when a prefill leg ran (P/D: the decode leg is a new forward
-    from prompt + that token), whole otherwise. (tiny-v4's YoCo anchor is L − 134 of the prompt a forward
-    starts from, so where a reply is split is part of what the model computes; tiny_reference in
-    test_cluster.py does the same.) Each next turn extends the server's own reply. `fault` is called once,
-    before request `fault_at` (12: halfway; conversations 3-5 share their system prompts with 0-2)."""
+    """Every request of the workload, in order, each with the no-cache server's reply to the same prompt and
+    max_tokens, asked in one request whatever legs the server took (rule 10: a P/D decode leg continues the
+    request, so tiny-v4's YoCo anchor stays L − 134 of the original prompt, and the reply is the one engine's).
+    The legs are kept for the report only. Each next turn extends the server's own reply. `fault` is called
+    once, before request `fault_at` (12: halfway; conversations 3-5 share their system prompts with 0-2)."""
     rng = random.Random(11)
     systems = {n: [rng.randrange(3, 32000) for _ in range(n)] for n in (300, 520, 700)}
     results = []
@@ -122,12 +123,7 @@ def run_workload(server: ServeProcess | ClusterProcess | Node, no_cache: Referen
             before = legs(server.url)
             ids, usage = complete(server, tokens, reply)
             taken = {k: n - before.get(k, 0) for k, n in legs(server.url).items() if n > before.get(k, 0)}
-            if any(kind == "prefill" for kind, _ in taken):
-                ref = no_cache.complete(tokens, 1)
-                ref += no_cache.complete(tokens + ref, reply - 1)
-            else:
-                ref = no_cache.complete(tokens, reply)
-            results.append(Reply(len(tokens), ids, ref, usage, taken))
+            results.append(Reply(len(tokens), ids, no_cache.complete(tokens, reply), usage, taken))
             tokens += ids
     return results
 
