@@ -34,6 +34,7 @@ BENCHES = {
     "whatif": "kvledger.bench.whatif_bench",  # kvledger whatif's prediction vs a live rerun, per changed setting
     "pd": "kvledger.bench.pd_bench",         # P/D decode leg: the prompt's tail handed over vs recomputed
     "threads": "kvledger.bench.threads_bench",   # kvledger serve per torch thread count, quiet and loaded
+    "topology": "kvledger.bench.topology_bench",  # multi-turn replies per topology vs one no-cache engine
 }
 
 
