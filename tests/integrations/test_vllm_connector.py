@@ -24,7 +24,9 @@ import pytest
 
 from kvledger.core import chain_keys
 from kvledger.integrations.vllm.client import VLLM_PYTHON, VllmProcess, wait_all
+from kvledger.engine.models.model_files import folder_digest
 from kvledger.integrations.vllm.config import KvGeometry, connector_spec
+from kvledger.integrations.vllm.identity import ModelIdentity
 from kvledger.integrations.vllm.prompts import long_prompt
 from kvledger.store.ledger import BlockLedger
 
@@ -36,7 +38,7 @@ PROMPT_TOKENS = 600
 HIT = (PROMPT_TOKENS - 1) // 128 * 128  # 512: every full block (the last 88 tokens are in none)
 WHOLE_TOKENS = 640                      # 5 whole blocks: the hit is 639 tokens
 MAX_TOKENS = 16
-SPEC = connector_spec("smollm2-135m", KvGeometry(30, 3, 64, 4, "cpu", "float32"))
+GEOMETRY = KvGeometry(30, 3, 64, 4, "cpu", "float32")
 DTYPE = "float32"
 
 
@@ -45,6 +47,12 @@ def model_dir() -> Path:
     from kvledger.engine.models.registry import resolve
 
     return resolve("smollm2-135m").weights.folder()
+
+
+@pytest.fixture(scope="module")
+def spec(model_dir: Path):
+    """The connector's spec: the folder's weights, computed in float32, salted with the name the tests give."""
+    return connector_spec(ModelIdentity(folder_digest(model_dir), DTYPE, salt="smollm2-135m"), GEOMETRY)
 
 
 def kvledger_opts(model_dir: Path, store: Path, events: Path) -> dict:
@@ -68,7 +76,7 @@ def events(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def test_prompt_saved_by_one_vllm_is_loaded_by_a_fresh_one(tmp_path, model_dir, run_cli):
+def test_prompt_saved_by_one_vllm_is_loaded_by_a_fresh_one(tmp_path, model_dir, spec, run_cli):
     store, log = tmp_path / "store", tmp_path / "events.jsonl"
     prompt, whole = long_prompt(PROMPT_TOKENS), long_prompt(WHOLE_TOKENS, variant=1)
     plain = VllmProcess({"model": str(model_dir), "connector": None, "dtype": DTYPE, "prefix_caching": True})
@@ -89,7 +97,7 @@ def test_prompt_saved_by_one_vllm_is_loaded_by_a_fresh_one(tmp_path, model_dir, 
 
     # kvledger's own CHECK and CLI see what vLLM stored
     with BlockLedger.open(store) as ledger:
-        assert ledger.match_tokens(prompt, SPEC)[1] == PROMPT_TOKENS // 128
+        assert ledger.match_tokens(prompt, spec)[1] == PROMPT_TOKENS // 128
     stats = json.loads(run_cli("store", "stats", "--path", str(store), "--json").stdout)
     assert stats["blocks"] == (PROMPT_TOKENS + WHOLE_TOKENS) // 128
 
@@ -106,7 +114,7 @@ def test_prompt_saved_by_one_vllm_is_loaded_by_a_fresh_one(tmp_path, model_dir, 
         assert hit_whole["kv_transfer_params"]["kvledger"]["loaded_tokens"] == WHOLE_TOKENS - 1
         assert [(e["event"], e["ok"]) for e in events(log)[before:]] == [("load", WHOLE_TOKENS // 128)]  # no save
 
-        corrupt_block(store, chain_keys(prompt, SPEC)[HIT // 256])   # the middle block of the prompt
+        corrupt_block(store, chain_keys(prompt, spec)[HIT // 256])   # the middle block of the prompt
         before = len(events(log))
         fallback = fresh.generate(prompt, max_tokens=MAX_TOKENS)
         assert fallback["tokens"] == reference

@@ -25,7 +25,9 @@ import pytest
 
 from kvledger.core import LayerKind, chain_keys
 from kvledger.integrations.vllm.client import VLLM_PYTHON, VllmProcess, wait_all
+from kvledger.engine.models.model_files import folder_digest
 from kvledger.integrations.vllm.config import KvGeometry, connector_spec
+from kvledger.integrations.vllm.identity import ModelIdentity
 from kvledger.integrations.vllm.prompts import long_prompt
 from kvledger.state.files import SnapshotFiles
 from kvledger.store.ledger import BlockLedger
@@ -38,7 +40,8 @@ NEXT_TURN = 300                          # tokens a next turn appends (its own p
 MAX_TOKENS = 16
 DTYPE = "float32"
 GEMMA_LAYERS = tuple(LayerKind.FULL if (i + 1) % 6 == 0 else LayerKind.SWA for i in range(18))
-SPEC = connector_spec("gemma3-270m", KvGeometry(18, 1, 256, 4, "cpu", "float32", GEMMA_LAYERS, 512))
+GEOMETRY = KvGeometry(18, 1, 256, 4, "cpu", "float32", GEMMA_LAYERS, 512)
+SPEC = connector_spec(ModelIdentity("ef" * 32, DTYPE, salt="gemma3-270m"), GEOMETRY)   # the geometry's checks only
 SNAPSHOT_BYTES = 15 * 512 * 2 * 256 * 4   # 15 SWA layers × W × (K, V) × 256 dims × float32
 
 
@@ -47,6 +50,12 @@ def model_dir() -> Path:
     from kvledger.engine.models.registry import resolve
 
     return resolve("gemma3-270m").weights.folder()
+
+
+@pytest.fixture(scope="module")
+def spec(model_dir: Path):
+    """The connector's spec: the folder's weights, computed in float32, salted with the name the test gives."""
+    return connector_spec(ModelIdentity(folder_digest(model_dir), DTYPE, salt="gemma3-270m"), GEOMETRY)
 
 
 def kvledger_opts(model_dir: Path, store: Path, events: Path) -> dict:
@@ -61,14 +70,15 @@ def events(path: Path) -> list[dict]:
 def test_spec_of_gemma3_under_vllm_keeps_every_window_and_differs_by_dtype():
     assert SPEC.has_swa and SPEC.reserve_tokens == 1 and SPEC.window == 512
     assert SPEC.block_bytes() == 128 * 3 * 2 * 256 * 4 and SPEC.state_size_to_disk() == SNAPSHOT_BYTES
-    bf16 = connector_spec("gemma3-270m", KvGeometry(18, 1, 256, 2, "cpu", "bfloat16", GEMMA_LAYERS, 512))
-    other_window = connector_spec("gemma3-270m", KvGeometry(18, 1, 256, 4, "cpu", "float32", GEMMA_LAYERS, 1024))
+    identity = ModelIdentity("ef" * 32, DTYPE, salt="gemma3-270m")
+    bf16 = connector_spec(identity, KvGeometry(18, 1, 256, 2, "cpu", "bfloat16", GEMMA_LAYERS, 512))
+    other_window = connector_spec(identity, KvGeometry(18, 1, 256, 4, "cpu", "float32", GEMMA_LAYERS, 1024))
     assert len({SPEC.fingerprint(), bf16.fingerprint(), other_window.fingerprint()}) == 3
 
 
 @pytest.mark.vllm
 @needs_vllm
-def test_gemma3_window_and_blocks_saved_by_one_vllm_are_loaded_by_a_fresh_one(tmp_path, model_dir):
+def test_gemma3_window_and_blocks_saved_by_one_vllm_are_loaded_by_a_fresh_one(tmp_path, model_dir, spec):
     store, log = tmp_path / "store", tmp_path / "events.jsonl"
     prompt = long_prompt(PROMPT_TOKENS, model="gemma3-270m", bos=2)
     next_turn = prompt + long_prompt(NEXT_TURN + 1, variant=1, model="gemma3-270m", bos=2)[1:]
@@ -92,8 +102,8 @@ def test_gemma3_window_and_blocks_saved_by_one_vllm_are_loaded_by_a_fresh_one(tm
     assert sum(e["ok"] for e in saved if e["event"] == "save") == PROMPT_TOKENS // 128
     assert [(e["position"], e["ok"]) for e in saved if e["event"] == "window_save"] == [(HIT, 1)]
     with BlockLedger.open(store) as ledger:
-        assert ledger.match_tokens(prompt, SPEC)[1] == PROMPT_TOKENS // 128
-    keys = chain_keys(prompt, SPEC)
+        assert ledger.match_tokens(prompt, spec)[1] == PROMPT_TOKENS // 128
+    keys = chain_keys(prompt, spec)
     snapshot = SnapshotFiles(store).read(keys[HIT // 128 - 1])
     assert snapshot is not None and snapshot[0] == HIT and len(snapshot[1]) == SNAPSHOT_BYTES
 

@@ -13,6 +13,7 @@ import torch
 
 from kvledger.core import LayerKind, chain_keys
 from kvledger.integrations.vllm.config import ConnectorConfig, KvGeometry, connector_spec, shared_state_ledger
+from kvledger.integrations.vllm.identity import ModelIdentity
 from kvledger.integrations.vllm.layout import KvLayout
 from kvledger.integrations.vllm.records import KvGroups, StepPlan
 from kvledger.integrations.vllm.scheduler import SchedulerSide
@@ -25,7 +26,8 @@ W = 2 * B
 NUM_BLOCKS = 80   # group g of the tests uses blocks 10·g … (loads: 40 + …)
 KINDS = (LayerKind.SWA, LayerKind.FULL, LayerKind.SWA)   # layer i is in group i
 GEOMETRY = KvGeometry(3, 2, 8, 2, "cpu", "bfloat16", KINDS, W)
-SPEC = connector_spec("tiny-hybrid", GEOMETRY)
+IDENTITY = ModelIdentity("cd" * 32, "bfloat16", salt="tiny-hybrid")   # weights of no file: never read here
+SPEC = connector_spec(IDENTITY, GEOMETRY)
 GROUPS = KvGroups(full=1, windows=(0, 2))
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(3)]
 
@@ -71,7 +73,7 @@ def test_spec_is_hybrid_with_r_1_and_a_window_of_w_tokens():
     assert SPEC.has_swa and SPEC.reserve_tokens == 1 and SPEC.layers == KINDS
     assert SPEC.block_bytes() == B * GEOMETRY.layer_token_bytes
     assert SPEC.state_size_to_disk() == 2 * W * GEOMETRY.layer_token_bytes   # the 2 SWA layers' W tokens
-    full = connector_spec("tiny-hybrid", KvGeometry(3, 2, 8, 2, "cpu", "bfloat16"))
+    full = connector_spec(IDENTITY, KvGeometry(3, 2, 8, 2, "cpu", "bfloat16"))
     assert not full.has_swa and full.fingerprint() != SPEC.fingerprint()
 
 

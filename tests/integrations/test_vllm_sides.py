@@ -14,6 +14,7 @@ import torch
 
 from kvledger.core import chain_keys
 from kvledger.integrations.vllm.config import ConnectorConfig, KvGeometry, connector_spec, namespace_of
+from kvledger.integrations.vllm.identity import ModelIdentity
 from kvledger.integrations.vllm.layout import KvLayout
 from kvledger.integrations.vllm.records import BlockRun, StepPlan
 from kvledger.integrations.vllm.scheduler import SchedulerSide
@@ -22,7 +23,8 @@ from kvledger.store.ledger import BlockLedger
 
 B = 128
 GEOMETRY = KvGeometry(n_layers=3, kv_heads=2, head_dim=8, dtype_bytes=2, device="cpu", dtype="bfloat16")
-SPEC = connector_spec("tiny", GEOMETRY)
+IDENTITY = ModelIdentity("ab" * 32, "bfloat16", salt="tiny")   # weights of no file: the sides never read them
+SPEC = connector_spec(IDENTITY, GEOMETRY)
 NUM_BLOCKS = 16
 
 
@@ -62,7 +64,7 @@ def store_prefix(ledger: BlockLedger, req: SimpleNamespace, n_blocks: int) -> li
 def test_spec_names_platform_and_dtype_and_is_full_attention():
     assert SPEC.name == "vllm-cpu:tiny:bfloat16" and not SPEC.has_swa and SPEC.block_size == B
     assert SPEC.block_bytes() == B * 3 * 2 * 2 * 8 * 2
-    other = connector_spec("tiny", KvGeometry(3, 2, 8, 4, "cpu", "float32"))
+    other = connector_spec(IDENTITY, KvGeometry(3, 2, 8, 4, "cpu", "float32"))
     assert other.fingerprint() != SPEC.fingerprint()
 
 

@@ -6,22 +6,27 @@
     (none: seeded weights, as tiny-v4's; the model takes token ids only)
 
 `digest()` is the SHA-256 (hex) of what shapes the model's KV: the GGUF file; for a folder its
-config.json and every *.safetensors, each by name (`model_files.file_digest`, cached). `ModelError` is
+config.json and every weight file, each by name (`model_files.folder_digest`, cached). `ModelError` is
 raised for anything that is not a model this module can read.
 """
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
-import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvledger.engine.models.model_files import ROLE_TOKENS, ModelError, cache_dir, file_digest, gguf_fields
+from kvledger.engine.models.model_files import (
+    ROLE_TOKENS,
+    ModelError,
+    cache_dir,
+    file_digest,
+    folder_digest,
+    gguf_fields,
+)
 
 
 def package_file(package: str, filename: str) -> Path:
@@ -110,9 +115,7 @@ class HfFolder:
     path: Path
 
     def digest(self) -> str:
-        files = [self.path / "config.json", *sorted(self.path.glob("*.safetensors"))]
-        parts = {f.name: file_digest(f) for f in files}
-        return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+        return folder_digest(self.path)
 
     def folder(self) -> Path:
         return self.path

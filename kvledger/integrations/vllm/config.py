@@ -11,7 +11,7 @@ Keys of the extra config (all optional but one of `path` / `redis_url`):
 |---------------|-----------------------------------------------------------------------------|
 | `path`        | block ledger directory (embedded) or shared mount (cluster, with redis_url) |
 | `redis_url`   | Redis of the shared index (cluster mode), e.g. redis://10.0.0.5:6379/0      |
-| `model`       | the name salted into every key; engines that share blocks use the same one  |
+| `model`       | an optional extra salt of every key (the weights' digest is the identity)    |
 | `ttl_classes` | TTL classes in days, "agent=3,chatbot=7"                                    |
 | `namespaces`  | namespace → class bindings, "tenantA=agent"                                 |
 | `ttl_class`   | default class of unbound namespaces ("chatbot")                             |
@@ -23,6 +23,7 @@ No vLLM import here: the main test suite reads this module.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import secrets
 from collections.abc import Mapping
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvledger.core import LayerKind, ModelSpec
+from kvledger.integrations.vllm.identity import ModelIdentity
 from kvledger.state.ledger import StateLedger
 from kvledger.store.ledger import BlockLedger
 from kvledger.store.ttl import DEFAULT_CLASS, TtlPolicy
@@ -150,19 +152,28 @@ class KvGeometry:
         return 2 * self.kv_heads * self.head_dim * self.dtype_bytes
 
 
-def connector_spec(model: str, geometry: KvGeometry) -> ModelSpec:
+def spec_weights(identity: ModelIdentity, geometry: KvGeometry) -> str:
+    """The spec's `weights` (which stands in its fingerprint for the name, rule 11): the model's identity (its
+    weights' content, compute dtype, quantization, salt) with the platform and the KV dtype, because a block holds
+    vLLM's byte layout of that platform and dtype. The fingerprint adds the rest of the geometry."""
+    text = f"{identity.digest()}|{geometry.device}|{geometry.dtype}"
+    return hashlib.sha256(b"kvledger/vllm-spec\0" + text.encode()).hexdigest()
+
+
+def connector_spec(identity: ModelIdentity, geometry: KvGeometry) -> ModelSpec:
     """The spec salted into the keys of blocks (and snapshots) written by vLLM.
 
-    Its name carries the model name, the platform and the dtype, because a block holds
-    vLLM's byte layout of that platform: a key under this spec never names bytes laid out
-    by another engine (the fingerprint adds the geometry: layers, their kinds, the window).
-    A hybrid geometry gives `hybrid_spec`'s spec.
+    Its fingerprint carries `spec_weights` (the weights' content, the platform, the dtypes) and the geometry
+    (layers, their kinds, the window), so a key under this spec never names bytes another model or another
+    byte layout computed; its name is for people (the salt or the digest's head). A hybrid geometry gives
+    `hybrid_spec`'s spec.
     """
     g = geometry
     if g.hybrid:
-        return hybrid_spec(model, g)
+        return hybrid_spec(identity, g)
+    label = identity.salt or f"weights-{identity.weights[:12]}"
     return ModelSpec(
-        name=f"vllm-{g.device}:{model}:{g.dtype}",
+        name=f"vllm-{g.device}:{label}:{g.dtype}",
         layers=(LayerKind.FULL,) * g.n_layers,
         block_size=BLOCK_SIZE,
         window=None,
@@ -171,11 +182,12 @@ def connector_spec(model: str, geometry: KvGeometry) -> ModelSpec:
         indexer_bytes_per_token=0,
         swa_stored_layers=0,
         swa_bytes_per_token=0,
-        description=f"{model} under vLLM on {g.device} ({g.dtype} KV)",
+        description=f"{label} under vLLM on {g.device} ({g.dtype} KV)",
+        weights=spec_weights(identity, g),
     )
 
 
-def hybrid_spec(model: str, geometry: KvGeometry) -> ModelSpec:
+def hybrid_spec(identity: ModelIdentity, geometry: KvGeometry) -> ModelSpec:
     """The spec of a model with full and sliding-window layers under vLLM (Gemma 3: 3 full, 15 SWA, W = 512).
 
     | ledger       | holds                                                   | bytes                         |
@@ -189,8 +201,9 @@ def hybrid_spec(model: str, geometry: KvGeometry) -> ModelSpec:
     g = geometry
     assert g.window is not None
     n_full, n_swa = g.count(LayerKind.FULL), g.count(LayerKind.SWA)
+    label = identity.salt or f"weights-{identity.weights[:12]}"
     return ModelSpec(
-        name=f"vllm-{g.device}:{model}:{g.dtype}",
+        name=f"vllm-{g.device}:{label}:{g.dtype}",
         layers=g.layer_kinds,
         block_size=BLOCK_SIZE,
         window=g.window,
@@ -199,8 +212,9 @@ def hybrid_spec(model: str, geometry: KvGeometry) -> ModelSpec:
         indexer_bytes_per_token=0,
         swa_stored_layers=n_swa,
         swa_bytes_per_token=g.layer_token_bytes,
-        description=f"{model} under vLLM on {g.device} ({g.dtype} KV; {n_full} full + {n_swa} "
+        description=f"{label} under vLLM on {g.device} ({g.dtype} KV; {n_full} full + {n_swa} "
                     f"sliding-window layers, W = {g.window})",
+        weights=spec_weights(identity, g),
     )
 
 

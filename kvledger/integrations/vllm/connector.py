@@ -38,6 +38,7 @@ from kvledger.integrations.vllm.config import (
     shared_ledger,
     shared_state_ledger,
 )
+from kvledger.integrations.vllm.identity import model_identity
 from kvledger.integrations.vllm.layout import KvLayout, layer_index
 from kvledger.integrations.vllm.records import KvGroups, StepPlan
 from kvledger.integrations.vllm.scheduler import SchedulerSide
@@ -119,18 +120,19 @@ class KvledgerConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
         self.config = ConnectorConfig.from_extra(extra)
-        model = self.config.model or vllm_config.model_config.served_model_name
+        identity = model_identity(vllm_config.model_config, vllm_config.load_config, self.config.model)
         self.geometry, self.groups = geometry_of(vllm_config, kv_cache_config)
-        self.spec = connector_spec(str(model), self.geometry)
+        self.spec = connector_spec(identity, self.geometry)
         ledger = shared_ledger(self.config)
         state = shared_state_ledger(self.config, self.spec) if self.spec.has_swa else None
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler_side = SchedulerSide(ledger, self.spec, state=state, groups=self.groups)
-            log.warning("kvledger connector: store %s, keys of model %r (fingerprint %s); KV cache groups: "
-                        "full %d → block ledger, sliding-window %s → state ledger (W = %s)",
-                        self.config.path or self.config.redis_url, self.spec.name, self.spec.fingerprint(),
+            log.warning("kvledger connector: store %s, keys of model %r (weights %s, fingerprint %s); KV cache "
+                        "groups: full %d → block ledger, sliding-window %s → state ledger (W = %s)",
+                        self.config.path or self.config.redis_url, self.spec.name, identity.weights,
+                        self.spec.fingerprint(),
                         self.groups.full, list(self.groups.windows) or "none", self.spec.window)
         else:
             self.worker_side = WorkerSide(ledger, self.config.events, state)
