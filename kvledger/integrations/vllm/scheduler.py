@@ -60,6 +60,7 @@ from typing import Any
 from kvledger.core import ModelSpec, decide_hit, extend_chain, prefill_store_positions, root_key, snapshot_candidates
 from kvledger.integrations.vllm.config import namespace_of
 from kvledger.integrations.vllm.records import BlockRun, KvGroups, StepPlan, WindowRun
+from kvledger.integrations.vllm.slices import Slicing
 from kvledger.state.ledger import StateLedger
 from kvledger.store.ledger import BlockLedger
 
@@ -100,11 +101,16 @@ class SchedulerSide:
     """CHECK and step planning; one instance lives in vLLM's scheduler process."""
 
     def __init__(self, ledger: BlockLedger, spec: ModelSpec, *, state: StateLedger | None = None,
-                 groups: KvGroups | None = None) -> None:
+                 groups: KvGroups | None = None, slicing: Slicing | None = None) -> None:
         groups = groups or KvGroups()
         assert spec.has_swa == (state is not None) == bool(groups.windows), \
             "a model with sliding-window layers has sliding-window groups and a state ledger, and only it"
+        assert state is None or slicing is None or len(slicing.engine) == 1, "a hybrid model runs unsliced"
         self.ledger = ledger
+        self.slicing = slicing
+        # The partitions a block may be read from, own first (None: the block's chain key only, one part).
+        self.partitions = slicing.partitions() if slicing is not None and state is None else None
+        self.sources: dict[str, tuple[int, ...]] = {}  # req_id → its last CHECK's partition per leading block
         self.state = state
         self.groups = groups
         self.spec = spec
@@ -122,20 +128,39 @@ class SchedulerSide:
 
     def cached_blocks(self, token_ids: Sequence[int], namespace: str) -> int:
         """Leading blocks of the prompt present in the ledger, from metadata only (no TTL refresh)."""
-        return self._leading(extend_chain(root_key(self.spec, namespace), token_ids, self.block))
+        return len(self._leading(extend_chain(root_key(self.spec, namespace), token_ids, self.block)))
 
-    def _leading(self, keys: list[bytes]) -> int:
-        if not keys:
-            return 0
+    def _leading(self, keys: list[bytes]) -> tuple[int, ...]:
+        """Per leading block present, the partition (index into `partitions`) holding all of its parts: the
+        first, in order, that does. A block counts only when every part of one partition is present, so every
+        worker finds the heads and layers it holds (rule 10); unsliced, a block is its chain key's (index 0).
+
+        Each partition is asked only about the blocks from the first one the earlier partitions lack."""
+        found: list[int | None] = [None] * len(keys)
+        n = 0
         try:
-            present = self.ledger.exists(keys)
+            for index in range(len(self.partitions or (None,))):
+                if n == len(keys):
+                    break
+                rest = keys[n:]
+                parts = self._part_keys(index, rest)
+                flags = self.ledger.exists([k for part in parts for k in part])
+                for j in range(len(rest)):
+                    if found[n + j] is None and all(flags[i * len(rest) + j] for i in range(len(parts))):
+                        found[n + j] = index
+                while n < len(keys) and found[n] is not None:
+                    n += 1
         except Exception as e:  # rule 8: an unreachable index is a miss
             log.warning("kvledger: CHECK failed (%s); treating as a miss", e)
-            return 0
-        n = 0
-        while n < len(present) and present[n]:
-            n += 1
-        return n
+            return ()
+        return tuple(i for i in found[:n] if i is not None)
+
+    def _part_keys(self, index: int, keys: list[bytes]) -> list[list[bytes]]:
+        """Per part of partition `index`, the keys of the blocks `keys` (unsliced: the chain keys, one part)."""
+        if self.partitions is None:
+            return [keys]
+        assert self.slicing is not None
+        return [[self.slicing.key(k, s) for k in keys] for s in self.partitions[index]]
 
     def matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
         """Tokens beyond vLLM's local hit the ledgers can supply: min(cached · B, L − 1) for a full-attention
@@ -144,7 +169,9 @@ class SchedulerSide:
             return 0
         prompt = request.prompt_token_ids
         keys = extend_chain(root_key(self.spec, namespace_of(request.cache_salt)), prompt, self.block)
-        cached = self._leading(keys)
+        sources = self._leading(keys)
+        cached = len(sources)
+        self.sources[request.request_id] = sources
         if self.state is None:
             hit = decide_hit(len(prompt), cached, (), self.spec).hit_tokens
         else:
@@ -286,21 +313,27 @@ class SchedulerSide:
         start = computed - external
         assert start % self.block == 0, "vLLM's local hit and a ledger hit start on a block boundary"
         assert computed % self.block in (0, self.block - 1), "a ledger hit ends on a block or one token short"
-        run = self._run(track, req_id, start // self.block, -(-computed // self.block))
+        run = self._run(track, req_id, start // self.block, -(-computed // self.block), load=True)
         if run is not None:
             self._refresh(track, run.end)
             track.load_ids, track.load_tokens = run.block_ids, external
             track.loaded_tokens += external
         return run
 
-    def _run(self, track: RequestTrack, req_id: str, first: int, last: int) -> BlockRun | None:
-        """Blocks [first, last) of the request as one run (None when empty)."""
+    def _run(self, track: RequestTrack, req_id: str, first: int, last: int, *, load: bool = False) -> BlockRun | None:
+        """Blocks [first, last) of the request as one run (None when empty); a load's carries the partition
+        its CHECK found each block in."""
         if last <= first:
             return None
         keys = self._keys(track, last)
         assert len(keys) >= last and len(track.block_ids) >= last, "a block to move has a key and a vLLM block"
+        sources: tuple[int, ...] = ()
+        if load and self.partitions is not None:
+            found = self.sources.get(req_id, ())
+            assert len(found) >= last, "a loaded block was present at the CHECK"
+            sources = found[first:last] if any(found[first:last]) else ()
         return BlockRun(req_id, track.namespace, first, tuple(keys[first:last]),
-                        tuple(track.block_ids[first:last]), keys[first - 1] if first else None)
+                        tuple(track.block_ids[first:last]), keys[first - 1] if first else None, sources)
 
     def _keys(self, track: RequestTrack, n_blocks: int) -> list[bytes]:
         """The first `n_blocks` keys of the request, extending the chain from its last key."""
@@ -345,6 +378,7 @@ class SchedulerSide:
         """Forget a request; what the connector did for it (vLLM returns it as kv_transfer_params):
         a hybrid model's also says at which position its window came from a snapshot (`window_at`, 0: none)."""
         self.checked.pop(req_id, None)
+        self.sources.pop(req_id, None)
         track = self.tracks.pop(req_id, None)
         if track is None:
             return None

@@ -1,0 +1,136 @@
+"""Slices of a block under tensor and pipeline parallelism (`slices.py`), on plain arrays and a real store.
+
+A block here is `n_layers` × `kv_heads` × `head_bytes` bytes, every byte naming its (layer, head), so a part
+copied to the wrong place shows.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from kvledger.core import chain_keys
+from kvledger.integrations.vllm.config import KvGeometry, connector_spec
+from kvledger.integrations.vllm.identity import ModelIdentity
+from kvledger.integrations.vllm.scheduler import SchedulerSide
+from kvledger.integrations.vllm.slices import (
+    KvSlice,
+    Slicing,
+    engine_slices,
+    first_replica,
+    head_range,
+    is_partition,
+)
+from kvledger.store.ledger import BlockLedger
+
+HEAD_BYTES = 16   # a toy head: one layer's share of one block for one KV head
+
+
+def block(n_layers: int, kv_heads: int) -> np.ndarray:
+    """A whole block: byte (layer, head, i) = 16·layer + head (+ 100 for odd i), layer-major as vLLM's layout."""
+    b = np.zeros((n_layers, kv_heads, HEAD_BYTES), dtype=np.uint8)
+    for layer in range(n_layers):
+        for head in range(kv_heads):
+            b[layer, head] = 16 * layer + head
+            b[layer, head, 1::2] += 100
+    return b
+
+
+def part_of(whole: np.ndarray, s: KvSlice) -> np.ndarray:
+    """What a worker holding slice `s` has of the block: its layers, its heads, in its own layout."""
+    return np.ascontiguousarray(whole[s.layer0:s.layer1, s.head0:s.head1]).reshape(-1)
+
+
+def worker(kv_heads: int, n_layers: int, tp: int, rank: int, stages=None, stage: int = 0) -> Slicing:
+    stages = stages or ((0, n_layers),)
+    engine = engine_slices(kv_heads, tp, stages)
+    own = KvSlice(*head_range(kv_heads, rank, tp), *stages[stage])
+    return Slicing(kv_heads, n_layers, HEAD_BYTES, engine, own, first_replica(kv_heads, rank, tp))
+
+
+def test_heads_split_as_vllm_splits_them_and_replicas_store_once():
+    assert [head_range(4, r, 2) for r in range(2)] == [(0, 2), (2, 4)]
+    assert [head_range(8, r, 4) for r in range(4)] == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    assert [head_range(1, r, 2) for r in range(2)] == [(0, 1), (0, 1)]          # Gemma 3 270M under TP = 2
+    assert [head_range(2, r, 4) for r in range(4)] == [(0, 1), (0, 1), (1, 2), (1, 2)]
+    assert [first_replica(2, r, 4) for r in range(4)] == [True, False, True, False]
+    assert all(first_replica(4, r, 2) for r in range(2))
+    assert engine_slices(1, 2, ((0, 18),)) == (KvSlice(0, 1, 0, 18),)          # one slice: the whole block
+    assert engine_slices(4, 2, ((0, 2), (2, 4))) == (KvSlice(0, 2, 0, 2), KvSlice(2, 4, 0, 2),
+                                                     KvSlice(0, 2, 2, 4), KvSlice(2, 4, 2, 4))
+    assert is_partition(engine_slices(4, 2, ((0, 2), (2, 4))), 4, 4)
+    assert not is_partition((KvSlice(0, 2, 0, 4),), 4, 4)
+
+
+def test_a_key_names_the_slice_and_the_whole_block_keeps_its_chain_key():
+    s = worker(4, 3, 2, 0)
+    key = bytes(range(16))
+    parts = [s.key(key, p) for p in s.engine]
+    assert s.key(key, s.everything) == key                 # TP = 1: the keys of an engine without parallelism
+    assert len(set(parts)) == 2 and key not in parts and all(len(k) == 16 for k in parts)
+    assert s.key(bytes(16), s.engine[0]) != parts[0]       # and the block's chain key
+
+
+def test_partitions_are_the_engines_own_first_then_every_even_head_split():
+    s = worker(4, 3, 2, 1)
+    whole, halves, quarters = ((KvSlice(0, 4, 0, 3),), (KvSlice(0, 2, 0, 3), KvSlice(2, 4, 0, 3)),
+                               tuple(KvSlice(h, h + 1, 0, 3) for h in range(4)))
+    assert s.partitions() == (halves, whole, quarters)
+    assert Slicing.whole(4, 3, HEAD_BYTES).partitions() == (whole, halves, quarters)
+    assert s.reads(whole) == whole and s.reads(halves) == (halves[1],) and s.reads(quarters) == quarters[2:]
+
+
+@pytest.mark.parametrize(("writer_tp", "reader_tp"), [(2, 1), (1, 2), (2, 4), (4, 2), (2, 2)])
+def test_a_worker_assembles_its_heads_from_another_degrees_parts(writer_tp, reader_tp):
+    kv_heads, n_layers = 4, 3
+    whole = block(n_layers, kv_heads)
+    written = {s: part_of(whole, s) for s in engine_slices(kv_heads, writer_tp, ((0, n_layers),))}
+    for rank in range(reader_tp):
+        reader = worker(kv_heads, n_layers, reader_tp, rank)
+        row = np.zeros(reader.part_bytes(reader.own), dtype=np.uint8)
+        for s in reader.reads(tuple(written)):
+            reader.copy_part(written[s], s, row)
+        assert np.array_equal(row, part_of(whole, reader.own))
+
+
+def test_a_pipeline_stage_takes_its_layers_of_a_whole_block():
+    """Pipeline parallelism 2 (and TP 2): each worker's part is its heads of its stage's layers, and a part of
+    a whole block stored by an engine without parallelism is copied out of it by layer and head."""
+    kv_heads, n_layers, stages = 4, 4, ((0, 2), (2, 4))
+    whole = block(n_layers, kv_heads)
+    everything = KvSlice(0, kv_heads, 0, n_layers)
+    for stage in range(2):
+        for rank in range(2):
+            reader = worker(kv_heads, n_layers, 2, rank, stages, stage)
+            assert reader.own == KvSlice(2 * rank, 2 * rank + 2, *stages[stage])
+            row = np.zeros(reader.part_bytes(reader.own), dtype=np.uint8)
+            reader.copy_part(whole.reshape(-1), everything, row)
+            assert np.array_equal(row, part_of(whole, reader.own))
+            assert row.nbytes == 2 * 2 * HEAD_BYTES
+
+
+def test_a_block_is_present_only_when_every_part_of_one_partition_is(tmp_path):
+    """The CHECK of a TP = 1 engine over blocks stored as TP = 2 parts: block 0 has both halves, block 1 only
+    one (absent: the reader needs every head), block 2 the whole block; the hit stops at block 1."""
+    geometry = KvGeometry(3, 4, 8, 2, "cpu", "bfloat16")
+    spec = connector_spec(ModelIdentity("ab" * 32, "bfloat16"), geometry)
+    tokens = list(range(4 * 128))
+    keys = chain_keys(tokens, spec)
+    halves = engine_slices(4, 2, ((0, 3),))
+    scheduler_slicing = Slicing(4, 3, 128 * 2 * 8 * 2, (KvSlice(0, 4, 0, 3),))
+    with BlockLedger.open(tmp_path / "store") as ledger:
+        def put(key: bytes, s: KvSlice) -> None:
+            ledger.put_chain([scheduler_slicing.key(key, s)], [np.zeros(scheduler_slicing.part_bytes(s), np.uint8)])
+        for s in halves:
+            put(keys[0], s)
+        put(keys[1], halves[0])
+        put(keys[2], KvSlice(0, 4, 0, 3))
+        side = SchedulerSide(ledger, spec, slicing=scheduler_slicing)
+        req = SimpleNamespace(request_id="r", prompt_token_ids=tokens, cache_salt=None, all_token_ids=tokens)
+        assert side.matched_tokens(req, 0) == 128 and side.sources["r"] == (1,)   # the halves: partition 1
+        put(keys[1], halves[1])
+        assert side.matched_tokens(req, 0) == 3 * 128 and side.sources["r"] == (1, 1, 0)
+        tp2 = SchedulerSide(ledger, spec, slicing=Slicing(4, 3, scheduler_slicing.head_bytes, halves))
+        assert tp2.matched_tokens(req, 0) == 3 * 128 and tp2.sources["r"] == (0, 0, 1)   # own, own, whole
