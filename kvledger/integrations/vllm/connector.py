@@ -136,18 +136,19 @@ def slicing_of(vllm_config: VllmConfig, geometry: KvGeometry, layer_names: list[
     parallel = vllm_config.parallel_config
     tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
     head_bytes = BLOCK_SIZE * 2 * g.head_dim * g.dtype_bytes
+    n_full = g.count(LayerKind.FULL)   # a block's layers (every layer but a hybrid model's windowed ones)
     if tp == pp == 1:
-        return Slicing.whole(g.kv_heads, g.n_layers, head_bytes)
+        return Slicing.whole(g.kv_heads, n_full, head_bytes)
     from vllm.distributed.utils import get_pp_indices
 
-    stages = tuple(get_pp_indices(g.n_layers, r, pp) for r in range(pp))
+    stages = tuple(get_pp_indices(n_full, r, pp) for r in range(pp))   # pp > 1: no windowed layers
     engine = engine_slices(g.kv_heads, tp, stages)
     if g.hybrid and len(engine) > 1:
         raise ValueError(f"kvledger connector: a model with sliding-window layers needs every worker to hold the "
                          f"whole block; {g.kv_heads} KV heads split over {tp} workers do not (its window snapshots "
                          "are not sliced)")
     if not worker:
-        return Slicing(g.kv_heads, g.n_layers, head_bytes, engine)
+        return Slicing(g.kv_heads, n_full, head_bytes, engine)
     from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 
     rank, stage = get_tensor_model_parallel_rank(), stages[get_pp_group().rank_in_group]
@@ -156,7 +157,7 @@ def slicing_of(vllm_config: VllmConfig, geometry: KvGeometry, layer_names: list[
         raise ValueError(f"kvledger connector: this worker's layers {layers[:3]}…{layers[-3:]} are not its "
                          f"stage's [{stage[0]}, {stage[1]})")
     own = KvSlice(*head_range(g.kv_heads, rank, tp), *stage)
-    return Slicing(g.kv_heads, g.n_layers, head_bytes, engine, own, first_replica(g.kv_heads, rank, tp))
+    return Slicing(g.kv_heads, n_full, head_bytes, engine, own, first_replica(g.kv_heads, rank, tp))
 
 
 class KvledgerConnector(KVConnectorBase_V1, SupportsHMA):
@@ -185,7 +186,7 @@ class KvledgerConnector(KVConnectorBase_V1, SupportsHMA):
                         self.spec.fingerprint(),
                         self.groups.full, list(self.groups.windows) or "none", self.spec.window)
             log.warning("kvledger connector: %d KV heads × %d layers a block, held as %d slices %s",
-                        self.geometry.kv_heads, self.geometry.n_layers, len(self.slicing.engine),
+                        self.slicing.kv_heads, self.slicing.n_layers, len(self.slicing.engine),
                         [(s.head0, s.head1, s.layer0, s.layer1) for s in self.slicing.engine])
         else:
             self.worker_side = WorkerSide(ledger, self.config.events, state, self.slicing)

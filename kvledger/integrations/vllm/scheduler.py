@@ -345,9 +345,15 @@ class SchedulerSide:
         return track.keys
 
     def _refresh(self, track: RequestTrack, n_blocks: int) -> None:
-        """A hit pushes its blocks' expiry out (TTL class of the namespace)."""
+        """A hit pushes its blocks' expiry out (TTL class of the namespace): every part of each partition it
+        reads from, as far as that part's chain leads from position 0 (a part read from a partition that lacks
+        earlier blocks is refreshed with the next hit that reads them all there)."""
+        keys = track.keys[:n_blocks]
+        used = sorted(set(self.sources.get(track.request.request_id, ())[:n_blocks]) or {0})
         try:
-            self.ledger.match(track.keys[:n_blocks], namespace=track.namespace)
+            for index in used:
+                for part in self._part_keys(index, keys):
+                    self.ledger.match(part, namespace=track.namespace)
         except Exception as e:  # the load itself reports what is missing
             log.warning("kvledger: TTL refresh failed (%s)", e)
 

@@ -93,7 +93,8 @@ def first_replica(kv_heads: int, tp_rank: int, tp_size: int) -> bool:
 class Slicing:
     """The model's KV heads and full-attention layers, the slices of one engine, and one worker's own.
 
-    `kv_heads`, `n_layers`: the whole model's (a block is every head of every layer); `engine`: the slices the
+    `kv_heads`, `n_layers`: the whole model's KV heads and full-attention layers (a block is every head of each of
+    them; a hybrid model's windowed layers are in no block); `engine`: the slices the
     engine's workers hold together, one per distinct slice (its own partition of the block); `own`: this worker's
     (None in the scheduler); `head_bytes`: one head of one layer of one block (128 · 2 · head_dim · dtype size).
     Invariant: `engine` is a partition of the whole block; `own` is in it."""
