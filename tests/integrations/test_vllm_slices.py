@@ -134,3 +134,96 @@ def test_a_block_is_present_only_when_every_part_of_one_partition_is(tmp_path):
         assert side.matched_tokens(req, 0) == 3 * 128 and side.sources["r"] == (1, 1, 0)
         tp2 = SchedulerSide(ledger, spec, slicing=Slicing(4, 3, scheduler_slicing.head_bytes, halves))
         assert tp2.matched_tokens(req, 0) == 3 * 128 and tp2.sources["r"] == (0, 0, 1)   # own, own, whole
+
+
+def test_workers_of_one_degree_load_what_workers_of_another_saved(tmp_path):
+    """The worker side on vLLM's CPU layout ([blocks, heads, 128, 2·head_dim] per layer, plain tensors): two
+    TP = 2 workers save their halves of blocks 3 and 5, a TP = 1 worker loads them (the partition its
+    scheduler found) into blocks 7 and 8; a TP = 1 worker saves whole blocks, and each TP = 2 worker loads its
+    heads of them. Every byte lands where the whole cache had it; nothing else is written."""
+    import torch
+
+    from kvledger.integrations.vllm.layout import KvLayout
+    from kvledger.integrations.vllm.records import BlockRun, StepPlan
+    from kvledger.integrations.vllm.worker import WorkerSide
+
+    heads, head_dim, n_layers, num_blocks, b = 4, 8, 3, 10, 128
+    geometry = KvGeometry(n_layers, heads, head_dim, 2, "cpu", "bfloat16")
+    spec = connector_spec(ModelIdentity("ab" * 32, "bfloat16"), geometry)
+    head_bytes = b * 2 * head_dim * 2
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(n_layers)]
+    g = torch.Generator().manual_seed(0)
+    whole = {n: torch.randn((num_blocks, heads, b, 2 * head_dim), generator=g).to(torch.bfloat16) for n in names}
+    tp1 = Slicing.whole(heads, n_layers, head_bytes)
+    tp2 = [Slicing(heads, n_layers, head_bytes, engine_slices(heads, 2, ((0, n_layers),)), s)
+           for s in engine_slices(heads, 2, ((0, n_layers),))]
+
+    def side(ledger: BlockLedger, slicing: Slicing, caches: dict) -> WorkerSide:
+        w = WorkerSide(ledger, slicing=slicing)
+        assert slicing.own is not None
+        w.register(KvLayout(caches, num_blocks, slicing.own.heads * head_bytes))
+        return w
+
+    def forward(w: WorkerSide, plan: StepPlan) -> None:
+        w.start_step(plan)
+        for name in names:
+            w.layer_loaded(name)
+            w.layer_computed(name)
+        w.finish_step()
+        assert w.take_failed() == set()
+
+    def run(req_id: str, tokens: list[int], ids: tuple[int, ...], sources: tuple[int, ...] = ()) -> BlockRun:
+        keys = chain_keys(tokens, spec)[:len(ids)]
+        return BlockRun(req_id, "default", 0, tuple(keys), ids, None, sources)
+
+    x, y = list(range(300)), list(range(1000, 1300))
+    with BlockLedger.open(tmp_path / "store", fsync=False) as ledger:
+        for s in tp2:   # each TP = 2 worker's cache holds its heads only
+            h = s.own
+            forward(side(ledger, s, {n: whole[n][:, h.head0:h.head1].contiguous() for n in names}),
+                    StepPlan(saves=(run("x", x, (3, 5)),)))
+        forward(side(ledger, tp1, whole), StepPlan(saves=(run("y", y, (3, 5)),)))
+
+        def sources(slicing: Slicing, tokens: list[int]) -> tuple[int, ...]:
+            check = SchedulerSide(ledger, spec, slicing=Slicing(heads, n_layers, head_bytes, slicing.engine))
+            req = SimpleNamespace(request_id="r", prompt_token_ids=tokens, cache_salt=None, all_token_ids=tokens)
+            assert check.matched_tokens(req, 0) == 256
+            return check.sources["r"]
+
+        assert sources(tp1, x) == (1, 1) and sources(tp2[0], y) == (1, 1)   # halves for TP = 1; whole for TP = 2
+        dst = {n: torch.zeros_like(whole[n]) for n in names}
+        forward(side(ledger, tp1, dst), StepPlan(loads=(run("x", x, (7, 8), (1, 1)),)))
+        for n in names:
+            assert torch.equal(dst[n][7:9], whole[n][[3, 5]]) and not dst[n][:7].any() and not dst[n][9:].any()
+        for s in tp2:
+            h = s.own
+            dst = {n: torch.zeros_like(whole[n][:, h.head0:h.head1]) for n in names}
+            forward(side(ledger, s, dst), StepPlan(loads=(run("y", y, (7, 8), (1, 1)),)))
+            for n in names:
+                assert torch.equal(dst[n][7:9], whole[n][[3, 5], h.head0:h.head1]) and not dst[n][:7].any()
+
+
+def test_a_replicated_head_is_stored_once_under_the_blocks_chain_keys(tmp_path):
+    """One KV head under TP = 2 (Gemma 3 270M's): both workers hold the whole block; the first stores it, under
+    the chain keys an engine without parallelism uses; the second stores nothing."""
+    import torch
+
+    from kvledger.integrations.vllm.layout import KvLayout
+    from kvledger.integrations.vllm.records import BlockRun, StepPlan
+    from kvledger.integrations.vllm.worker import WorkerSide
+
+    geometry = KvGeometry(2, 1, 8, 2, "cpu", "bfloat16")
+    spec = connector_spec(ModelIdentity("ab" * 32, "bfloat16"), geometry)
+    head_bytes, names, tokens = 128 * 2 * 8 * 2, ["model.layers.0.attn", "model.layers.1.attn"], list(range(256))
+    keys = tuple(chain_keys(tokens, spec))
+    engine = engine_slices(1, 2, ((0, 2),))
+    with BlockLedger.open(tmp_path / "store", fsync=False) as ledger:
+        for rank in range(2):
+            slicing = Slicing(1, 2, head_bytes, engine, KvSlice(*head_range(1, rank, 2), 0, 2),
+                              first_replica(1, rank, 2))
+            w = WorkerSide(ledger, str(tmp_path / f"events{rank}.jsonl"), slicing=slicing)
+            w.register(KvLayout({n: torch.ones((4, 1, 128, 16), dtype=torch.bfloat16) for n in names}, 4, head_bytes))
+            w.start_step(StepPlan(saves=(BlockRun("r", "default", 0, keys, (1, 2), None),)))
+            w.finish_step()
+        assert ledger.exists(list(keys)) == [True, True] and ledger.stats().blocks == 2
+        assert (tmp_path / "events0.jsonl").exists() and not (tmp_path / "events1.jsonl").exists()
