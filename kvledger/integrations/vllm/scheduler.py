@@ -131,29 +131,46 @@ class SchedulerSide:
         return len(self._leading(extend_chain(root_key(self.spec, namespace), token_ids, self.block)))
 
     def _leading(self, keys: list[bytes]) -> tuple[int, ...]:
-        """Per leading block present, the partition (index into `partitions`) holding all of its parts: the
-        first, in order, that does. A block counts only when every part of one partition is present, so every
-        worker finds the heads and layers it holds (rule 10); unsliced, a block is its chain key's (index 0).
+        """Per leading block present, the partition (index into `partitions`) it is read from. A block counts only
+        when every part of one partition is present, so every worker finds the heads and layers it holds (rule 10);
+        unsliced, a block is its chain key's (index 0).
 
-        Each partition is asked only about the blocks from the first one the earlier partitions lack."""
-        found: list[int | None] = [None] * len(keys)
-        n = 0
+        Runs of blocks: the engine's own partition from block 0 as far as it holds them; at the first block it
+        lacks, the first partition that holds that block whole (one query over every partition's parts of that
+        block), as far as that one holds them; and so on. A cold miss costs two queries."""
+        found: list[int] = []
+        index: int | None = 0
+        own = True   # this run is the engine's own partition from block 0 (it may hold none)
         try:
-            for index in range(len(self.partitions or (None,))):
-                if n == len(keys):
+            while index is not None and len(found) < len(keys):
+                run = self._run_present(index, keys[len(found):])
+                if not run and not own:   # the holder just found lost the block (evicted meanwhile): stop there
                     break
-                rest = keys[n:]
-                parts = self._part_keys(index, rest)
-                flags = self.ledger.exists([k for part in parts for k in part])
-                for j in range(len(rest)):
-                    if found[n + j] is None and all(flags[i * len(rest) + j] for i in range(len(parts))):
-                        found[n + j] = index
-                while n < len(keys) and found[n] is not None:
-                    n += 1
+                found += [index] * run
+                index = self._holder(keys[len(found)]) if len(found) < len(keys) else None
+                own = False
         except Exception as e:  # rule 8: an unreachable index is a miss
             log.warning("kvledger: CHECK failed (%s); treating as a miss", e)
             return ()
-        return tuple(i for i in found[:n] if i is not None)
+        return tuple(found)
+
+    def _run_present(self, index: int, keys: list[bytes]) -> int:
+        """Leading blocks of `keys` whose every part of partition `index` is present."""
+        parts = self._part_keys(index, keys)
+        flags = self.ledger.exists([k for part in parts for k in part])
+        n = 0
+        while n < len(keys) and all(flags[i * len(keys) + n] for i in range(len(parts))):
+            n += 1
+        return n
+
+    def _holder(self, key: bytes) -> int | None:
+        """The first partition holding every part of the block under chain key `key` (None: none does)."""
+        if self.partitions is None:
+            return None
+        parts = [self._part_keys(index, [key]) for index in range(len(self.partitions))]
+        flags = iter(self.ledger.exists([k for p in parts for (k,) in p]))
+        whole = [all([next(flags) for _ in p]) for p in parts]
+        return whole.index(True) if any(whole) else None
 
     def _part_keys(self, index: int, keys: list[bytes]) -> list[list[bytes]]:
         """Per part of partition `index`, the keys of the blocks `keys` (unsliced: the chain keys, one part)."""
