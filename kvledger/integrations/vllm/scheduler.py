@@ -45,6 +45,11 @@ earlier one q, and the hit is q). Its ranges, W the window:
 Its loads are vLLM's asynchronous loads: with several KV cache groups vLLM takes load failures
 per request, not per block id, and a failed one is recomputed from 0 (exact, rule 8).
 
+Under tensor or pipeline parallelism each worker holds a slice of a block, stored as a part under a key of
+its own (`slices.py`): the CHECK counts a block only when every part of one partition of it is present (the
+engine's own first, then another degree's), remembers which per block, and the load carries it to the workers
+(`BlockRun.sources`), each of which reads the parts holding its heads.
+
 vLLM objects are duck-typed here (`request.request_id`, `.prompt_token_ids`,
 `.all_token_ids`, `.cache_salt`; the scheduler output's fields), so this module imports
 no vLLM and the main test suite drives it with plain records.
