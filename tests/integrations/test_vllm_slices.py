@@ -227,3 +227,42 @@ def test_a_replicated_head_is_stored_once_under_the_blocks_chain_keys(tmp_path):
             w.finish_step()
         assert ledger.exists(list(keys)) == [True, True] and ledger.stats().blocks == 2
         assert (tmp_path / "events0.jsonl").exists() and not (tmp_path / "events1.jsonl").exists()
+
+
+def test_a_hit_from_parts_refreshes_the_parts_it_reads(tmp_path):
+    """TTL (rule: a hit pushes expiry out) for a sliced engine: the load's refresh reaches the parts it reads,
+    not the chain keys a sliced engine never stores. Class `c` = 1 day; the hit comes at 0.9 days; at 1.5 days
+    the hit prompt's parts live on and an untouched prompt's have expired."""
+    from kvledger.store.ttl import DAY_S, TtlPolicy
+    from tests.integrations.test_vllm_sides import new_req, step
+
+    class Clock:
+        t = 1_000_000.0
+
+        def __call__(self) -> float:
+            return self.t
+
+    clock = Clock()
+    geometry = KvGeometry(3, 4, 8, 2, "cpu", "bfloat16")
+    spec = connector_spec(ModelIdentity("ab" * 32, "bfloat16"), geometry)
+    halves = engine_slices(4, 2, ((0, 3),))
+    slicing = Slicing(4, 3, 128 * 2 * 8 * 2, halves)
+    hit, idle = list(range(300)), list(range(1000, 1300))
+    policy = TtlPolicy.parse("c=1", "", "c")
+    with BlockLedger.open(tmp_path / "store", fsync=False, clock=clock, policy=policy) as ledger:
+        parts = {}
+        for name, tokens in (("hit", hit), ("idle", idle)):
+            keys = chain_keys(tokens, spec)[:2]
+            for s in halves:
+                own = [slicing.key(k, s) for k in keys]
+                ledger.put_chain(own, [np.zeros(slicing.part_bytes(s), np.uint8)] * 2)
+                parts.setdefault(name, []).extend(own)
+        clock.t += 0.9 * DAY_S
+        side = SchedulerSide(ledger, spec, slicing=slicing)
+        req = SimpleNamespace(request_id="r", prompt_token_ids=hit, cache_salt=None, all_token_ids=list(hit))
+        assert side.matched_tokens(req, 0) == 256
+        side.after_alloc(req, 256)
+        plan = side.plan_step(step(new=[new_req(req, [4, 5, 6], 256)], scheduled={"r": 44}))
+        assert [run.block_ids for run in plan.loads] == [(4, 5)]
+        clock.t += 0.6 * DAY_S
+        assert ledger.exists(parts["hit"]) == [True] * 4 and ledger.exists(parts["idle"]) == [False] * 4
