@@ -162,3 +162,17 @@ def test_a_gguf_file_is_its_own_digest(tmp_path):
     f.write_bytes(b"GGUF" + b"\0" * 100)
     identity = model_identity(*vllm_configs(str(f), load_format="gguf"), salt=None)
     assert identity.weights == hashlib.sha256(f.read_bytes()).hexdigest()
+
+
+def test_a_hub_name_is_the_folder_vllm_downloaded_into_the_hugging_face_cache(tmp_path, monkeypatch):
+    """vLLM downloads a hub model before it builds the connector; the name resolves to that snapshot, offline."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    hub = tmp_path / "hub"
+    repo = hub / "models--org--tiny"
+    snapshot = model_folder(repo / "snapshots" / ("c0" * 20))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("c0" * 20)
+    model_config, load_config = vllm_configs("org/tiny")
+    load_config.download_dir = str(hub)
+    assert model_path(model_config, load_config) == snapshot
+    assert model_identity(model_config, load_config, salt=None).weights == folder_digest(snapshot)

@@ -2,7 +2,7 @@
 Hugging Face name of a GGUF tensor. The model sources (`weights`), the GGUF converters (`hf_folder`, `gemma3_gguf`)
 and the registry all read them here.
 
-Hashing a file costs ~1 s per GB (0.53 s per GB measured on the 2-core Xeon, docs/vllm.md), so a file's digest is
+Hashing a file costs 0.7-1.5 s per GB (SHA-256 on the 2-core Xeon, page cache or disk: docs/vllm.md), so its digest is
 cached under $XDG_CACHE_HOME/kvledger/digests, keyed by (path, inode, size, mtime, ctime): a restart does not rehash, a
 rewritten or replaced file is hashed again. `folder_digest` is a model folder's digest (its config and weight files).
 

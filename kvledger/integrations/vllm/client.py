@@ -75,10 +75,12 @@ class VllmProcess:
         return item
 
     def generate(self, prompt: list[int], *, max_tokens: int = 16, salt: str | None = None,
-                 timeout_s: float = 600.0) -> dict[str, Any]:
-        """Greedy completion of `prompt` (token ids): tokens, seconds, num_cached_tokens, kv_transfer_params."""
+                 logprobs: int | None = None, timeout_s: float = 600.0) -> dict[str, Any]:
+        """Greedy completion of `prompt` (token ids): tokens, seconds, num_cached_tokens, kv_transfer_params, and
+        per generated token the top `logprobs` log probabilities ({token id as str: logprob}; none unless asked)."""
         assert self.proc is not None and self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"prompt": prompt, "max_tokens": max_tokens, "salt": salt}) + "\n")
+        job = {"prompt": prompt, "max_tokens": max_tokens, "salt": salt, "logprobs": logprobs}
+        self.proc.stdin.write(json.dumps(job) + "\n")
         self.proc.stdin.flush()
         return self._next(timeout_s)
 

@@ -115,7 +115,9 @@ def shared_state_ledger(config: ConnectorConfig, spec: ModelSpec) -> StateLedger
 
 @dataclass(frozen=True, slots=True)
 class KvGeometry:
-    """The KV of one attention layer of one token under vLLM: K and V, `kv_heads` × `head_dim`.
+    """The KV of one attention layer of one token under vLLM: K and V, `kv_heads` × `head_dim`, for the whole
+    model (every KV head and every layer, whatever tensor or pipeline parallelism splits them over workers: a
+    ledger block is the whole model's, and a worker's part of it is its `slices.KvSlice`).
 
     `layer_kinds` names each layer's attention in model order, FULL or SWA, and `window` is the
     sliding window in tokens, for a hybrid model under vLLM's hybrid KV cache manager; both empty

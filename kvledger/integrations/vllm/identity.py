@@ -8,7 +8,7 @@ resolved as vLLM resolves it (`huggingface_hub.snapshot_download`, offline: the 
 is refused at start, never keyed by its name.
 
 The digest is `model_files.folder_digest` (config.json and every weight file, each hashed once per file stamp and
-cached: 0.7 s per GB on the first start, docs/vllm.md), the one hasher `kvledger serve` uses too.
+cached: 0.7-1.5 s per GB on the first start, docs/vllm.md), the one hasher `kvledger serve` uses too.
 
 vLLM objects are duck-typed (`model_config.model`, `.revision`, `.dtype`, `.quantization`;
 `load_config.load_format`, `.download_dir`): no vLLM import, the main test suite reads this module.

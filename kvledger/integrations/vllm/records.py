@@ -16,9 +16,11 @@ from dataclasses import dataclass
 class BlockRun:
     """Consecutive blocks of one request's chain, moved between vLLM's KV cache and the ledger.
 
-    Block j of the run is chain position `start + j`: its key is `keys[j]` and its KV lives
+    Block j of the run is chain position `start + j`: its chain key is `keys[j]` and its KV lives
     in vLLM block `block_ids[j]`. `parent` is the key before `keys[0]` (None at position 0).
-    Invariants: len(keys) == len(block_ids) > 0; parent is None iff start == 0.
+    A load's `sources[j]` is the partition block j is read from (an index into `Slicing.partitions()`,
+    the one the scheduler's CHECK found whole); empty: every block from the engine's own (index 0).
+    Invariants: len(keys) == len(block_ids) > 0; parent is None iff start == 0; sources empty or one per key.
     """
 
     req_id: str
@@ -27,10 +29,12 @@ class BlockRun:
     keys: tuple[bytes, ...]
     block_ids: tuple[int, ...]
     parent: bytes | None
+    sources: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         assert len(self.keys) == len(self.block_ids) > 0, "one vLLM block per key"
         assert (self.parent is None) == (self.start == 0), "a parent exactly when the run starts past 0"
+        assert not self.sources or len(self.sources) == len(self.keys), "one source per block"
 
     @property
     def end(self) -> int:

@@ -45,6 +45,11 @@ earlier one q, and the hit is q). Its ranges, W the window:
 Its loads are vLLM's asynchronous loads: with several KV cache groups vLLM takes load failures
 per request, not per block id, and a failed one is recomputed from 0 (exact, rule 8).
 
+Under tensor or pipeline parallelism each worker holds a slice of a block, stored as a part under a key of
+its own (`slices.py`): the CHECK counts a block only when every part of one partition of it is present (the
+engine's own first, then another degree's), remembers which per block, and the load carries it to the workers
+(`BlockRun.sources`), each of which reads the parts holding its heads.
+
 vLLM objects are duck-typed here (`request.request_id`, `.prompt_token_ids`,
 `.all_token_ids`, `.cache_salt`; the scheduler output's fields), so this module imports
 no vLLM and the main test suite drives it with plain records.
@@ -60,6 +65,7 @@ from typing import Any
 from kvledger.core import ModelSpec, decide_hit, extend_chain, prefill_store_positions, root_key, snapshot_candidates
 from kvledger.integrations.vllm.config import namespace_of
 from kvledger.integrations.vllm.records import BlockRun, KvGroups, StepPlan, WindowRun
+from kvledger.integrations.vllm.slices import Slicing
 from kvledger.state.ledger import StateLedger
 from kvledger.store.ledger import BlockLedger
 
@@ -100,11 +106,16 @@ class SchedulerSide:
     """CHECK and step planning; one instance lives in vLLM's scheduler process."""
 
     def __init__(self, ledger: BlockLedger, spec: ModelSpec, *, state: StateLedger | None = None,
-                 groups: KvGroups | None = None) -> None:
+                 groups: KvGroups | None = None, slicing: Slicing | None = None) -> None:
         groups = groups or KvGroups()
         assert spec.has_swa == (state is not None) == bool(groups.windows), \
             "a model with sliding-window layers has sliding-window groups and a state ledger, and only it"
+        assert state is None or slicing is None or len(slicing.engine) == 1, "a hybrid model runs unsliced"
         self.ledger = ledger
+        self.slicing = slicing
+        # The partitions a block may be read from, own first (None: the block's chain key only, one part).
+        self.partitions = slicing.partitions() if slicing is not None and state is None else None
+        self.sources: dict[str, tuple[int, ...]] = {}  # req_id → its last CHECK's partition per leading block
         self.state = state
         self.groups = groups
         self.spec = spec
@@ -122,20 +133,56 @@ class SchedulerSide:
 
     def cached_blocks(self, token_ids: Sequence[int], namespace: str) -> int:
         """Leading blocks of the prompt present in the ledger, from metadata only (no TTL refresh)."""
-        return self._leading(extend_chain(root_key(self.spec, namespace), token_ids, self.block))
+        return len(self._leading(extend_chain(root_key(self.spec, namespace), token_ids, self.block)))
 
-    def _leading(self, keys: list[bytes]) -> int:
-        if not keys:
-            return 0
+    def _leading(self, keys: list[bytes]) -> tuple[int, ...]:
+        """Per leading block present, the partition (index into `partitions`) it is read from. A block counts only
+        when every part of one partition is present, so every worker finds the heads and layers it holds (rule 10);
+        unsliced, a block is its chain key's (index 0).
+
+        Runs of blocks: the engine's own partition from block 0 as far as it holds them; at the first block it
+        lacks, the first partition that holds that block whole (one query over every partition's parts of that
+        block), as far as that one holds them; and so on. A cold miss costs two queries."""
+        found: list[int] = []
+        index: int | None = 0
+        own = True   # this run is the engine's own partition from block 0 (it may hold none)
         try:
-            present = self.ledger.exists(keys)
+            while index is not None and len(found) < len(keys):
+                run = self._run_present(index, keys[len(found):])
+                if not run and not own:   # the holder just found lost the block (evicted meanwhile): stop there
+                    break
+                found += [index] * run
+                index = self._holder(keys[len(found)]) if len(found) < len(keys) else None
+                own = False
         except Exception as e:  # rule 8: an unreachable index is a miss
             log.warning("kvledger: CHECK failed (%s); treating as a miss", e)
-            return 0
+            return ()
+        return tuple(found)
+
+    def _run_present(self, index: int, keys: list[bytes]) -> int:
+        """Leading blocks of `keys` whose every part of partition `index` is present."""
+        parts = self._part_keys(index, keys)
+        flags = self.ledger.exists([k for part in parts for k in part])
         n = 0
-        while n < len(present) and present[n]:
+        while n < len(keys) and all(flags[i * len(keys) + n] for i in range(len(parts))):
             n += 1
         return n
+
+    def _holder(self, key: bytes) -> int | None:
+        """The first partition holding every part of the block under chain key `key` (None: none does)."""
+        if self.partitions is None:
+            return None
+        parts = [self._part_keys(index, [key]) for index in range(len(self.partitions))]
+        flags = iter(self.ledger.exists([k for p in parts for (k,) in p]))
+        whole = [all([next(flags) for _ in p]) for p in parts]
+        return whole.index(True) if any(whole) else None
+
+    def _part_keys(self, index: int, keys: list[bytes]) -> list[list[bytes]]:
+        """Per part of partition `index`, the keys of the blocks `keys` (unsliced: the chain keys, one part)."""
+        if self.partitions is None:
+            return [keys]
+        assert self.slicing is not None
+        return [[self.slicing.key(k, s) for k in keys] for s in self.partitions[index]]
 
     def matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
         """Tokens beyond vLLM's local hit the ledgers can supply: min(cached · B, L − 1) for a full-attention
@@ -144,7 +191,9 @@ class SchedulerSide:
             return 0
         prompt = request.prompt_token_ids
         keys = extend_chain(root_key(self.spec, namespace_of(request.cache_salt)), prompt, self.block)
-        cached = self._leading(keys)
+        sources = self._leading(keys)
+        cached = len(sources)
+        self.sources[request.request_id] = sources
         if self.state is None:
             hit = decide_hit(len(prompt), cached, (), self.spec).hit_tokens
         else:
@@ -286,21 +335,27 @@ class SchedulerSide:
         start = computed - external
         assert start % self.block == 0, "vLLM's local hit and a ledger hit start on a block boundary"
         assert computed % self.block in (0, self.block - 1), "a ledger hit ends on a block or one token short"
-        run = self._run(track, req_id, start // self.block, -(-computed // self.block))
+        run = self._run(track, req_id, start // self.block, -(-computed // self.block), load=True)
         if run is not None:
             self._refresh(track, run.end)
             track.load_ids, track.load_tokens = run.block_ids, external
             track.loaded_tokens += external
         return run
 
-    def _run(self, track: RequestTrack, req_id: str, first: int, last: int) -> BlockRun | None:
-        """Blocks [first, last) of the request as one run (None when empty)."""
+    def _run(self, track: RequestTrack, req_id: str, first: int, last: int, *, load: bool = False) -> BlockRun | None:
+        """Blocks [first, last) of the request as one run (None when empty); a load's carries the partition
+        its CHECK found each block in."""
         if last <= first:
             return None
         keys = self._keys(track, last)
         assert len(keys) >= last and len(track.block_ids) >= last, "a block to move has a key and a vLLM block"
+        sources: tuple[int, ...] = ()
+        if load and self.partitions is not None:
+            found = self.sources.get(req_id, ())
+            assert len(found) >= last, "a loaded block was present at the CHECK"
+            sources = found[first:last] if any(found[first:last]) else ()
         return BlockRun(req_id, track.namespace, first, tuple(keys[first:last]),
-                        tuple(track.block_ids[first:last]), keys[first - 1] if first else None)
+                        tuple(track.block_ids[first:last]), keys[first - 1] if first else None, sources)
 
     def _keys(self, track: RequestTrack, n_blocks: int) -> list[bytes]:
         """The first `n_blocks` keys of the request, extending the chain from its last key."""
@@ -312,9 +367,15 @@ class SchedulerSide:
         return track.keys
 
     def _refresh(self, track: RequestTrack, n_blocks: int) -> None:
-        """A hit pushes its blocks' expiry out (TTL class of the namespace)."""
+        """A hit pushes its blocks' expiry out (TTL class of the namespace): every part of each partition it
+        reads from, as far as that part's chain leads from position 0 (a part read from a partition that lacks
+        earlier blocks is refreshed with the next hit that reads them all there)."""
+        keys = track.keys[:n_blocks]
+        used = sorted(set(self.sources.get(track.request.request_id, ())[:n_blocks]) or {0})
         try:
-            self.ledger.match(track.keys[:n_blocks], namespace=track.namespace)
+            for index in used:
+                for part in self._part_keys(index, keys):
+                    self.ledger.match(part, namespace=track.namespace)
         except Exception as e:  # the load itself reports what is missing
             log.warning("kvledger: TTL refresh failed (%s)", e)
 
@@ -345,6 +406,7 @@ class SchedulerSide:
         """Forget a request; what the connector did for it (vLLM returns it as kv_transfer_params):
         a hybrid model's also says at which position its window came from a snapshot (`window_at`, 0: none)."""
         self.checked.pop(req_id, None)
+        self.sources.pop(req_id, None)
         track = self.tracks.pop(req_id, None)
         if track is None:
             return None

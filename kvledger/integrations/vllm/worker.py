@@ -22,6 +22,11 @@ A snapshot's bytes, n = len(window) blocks, the windowed layers in model order:
 
     row j (window block j) = | SWA layer a's slice of block j | SWA layer b's | … |   (n rows, back to back)
 
+Under tensor or pipeline parallelism each worker moves its own slice of a block (`slices.py`): it saves its
+part under the part's key (a replicated head only from its first replica), and loads from the partition the
+scheduler's CHECK found whole (`BlockRun.sources`): its own part straight into its host rows, or the parts of
+another engine's partition that hold its heads, each copied into place.
+
 Rule 8: a block that does not arrive intact, and every later block of its run, is never copied
 and is reported (vLLM discards the step's output for that request and recomputes it); nothing
 computed after a failed block in the same step is saved; a load that does not finish within
@@ -39,11 +44,13 @@ import os
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from kvledger.engine.swapin import SwapIn, SwapItem
 from kvledger.integrations.vllm.layout import KvLayout
 from kvledger.integrations.vllm.records import BlockRun, StepPlan, WindowRun
+from kvledger.integrations.vllm.slices import Slicing
 from kvledger.state.ledger import StateLedger
 from kvledger.store.ledger import BlockLedger
 
@@ -90,10 +97,14 @@ class Staging:
 class WorkerSide:
     """Loads and saves for one worker; `layout` is set once vLLM registers its KV caches."""
 
-    def __init__(self, ledger: BlockLedger, events: str | None = None, state: StateLedger | None = None) -> None:
+    def __init__(self, ledger: BlockLedger, events: str | None = None, state: StateLedger | None = None,
+                 slicing: Slicing | None = None) -> None:
+        assert slicing is None or slicing.own is not None, "a worker's slicing names its own slice"
         self.ledger = ledger
         self.events = events
         self.state = state
+        self.slicing = slicing   # None: the worker holds whole blocks, keyed by their chain keys
+        self.partitions = slicing.partitions() if slicing is not None else ()
         self.layout: KvLayout | None = None
         self.windows: KvLayout | None = None   # the sliding-window layers (a hybrid model)
         self.window_group: dict[str, int] = {}  # SWA layer name → its group's index in WindowRun.block_ids
@@ -138,13 +149,44 @@ class WorkerSide:
         self.settled = False
         self.swap = SwapIn(self.layout.layers, [], self.layout.device, fetch=self._fetch).start()
 
+    def _own_keys(self, keys: tuple[bytes, ...]) -> list[bytes]:
+        """The keys of this worker's part of the blocks under chain keys `keys`."""
+        if self.slicing is None:
+            return list(keys)
+        own = self.slicing.own
+        assert own is not None
+        return [self.slicing.key(k, own) for k in keys]
+
+    def _read(self, run: BlockRun, rows: torch.Tensor) -> int:
+        """Read this worker's part of the run's blocks into `rows`; the number of leading blocks that arrived
+        intact. From the engine's own partition, one read of the run; from another, the parts holding this
+        worker's heads, block by block, each copied into place (`Slicing.copy_part`)."""
+        n = len(run.keys)
+        if not any(run.sources):
+            return self.ledger.read_prefix(self._own_keys(run.keys), [rows[i].numpy() for i in range(n)])
+        assert self.slicing is not None, "a block from another partition is a sliced worker's"
+        for j, (key, source) in enumerate(zip(run.keys, run.sources)):
+            row = rows[j].numpy()
+            parts = self.slicing.reads(self.partitions[source])
+            if parts == (self.slicing.own,):
+                ok = self.ledger.read_prefix([self.slicing.key(key, parts[0])], [row]) == 1
+            else:
+                bufs = [bytearray(self.slicing.part_bytes(s)) for s in parts]
+                sizes = self.ledger.get_into([self.slicing.key(key, s) for s in parts], bufs)
+                ok = all(size == len(buf) for size, buf in zip(sizes, bufs))
+                for s, buf in zip(parts, bufs) if ok else ():
+                    self.slicing.copy_part(np.frombuffer(buf, dtype=np.uint8), s, row)
+            if not ok:
+                return j
+        return n
+
     def _fetch(self) -> list[SwapItem]:
         """In the copier thread: read every load; what arrived intact is copied, layer by layer."""
         items = []
         for t in self.loads:
             t0 = time.perf_counter()
             try:
-                t.ok = self.ledger.read_prefix(t.run.keys, [t.rows[i].numpy() for i in range(len(t.run.keys))])
+                t.ok = self._read(t.run, t.rows)
             except Exception as e:  # rule 8: an unreadable store is a miss
                 log.warning("kvledger: load of %d blocks failed (%s); vLLM recomputes", len(t.run.keys), e)
                 t.ok = 0
@@ -261,7 +303,8 @@ class WorkerSide:
         assert self.layout is not None
         self._settle()
         parts = []
-        for run in self.plan.saves:
+        stores = self.slicing is None or self.slicing.stores   # a replica of heads another worker stores: none
+        for run in self.plan.saves if stores else ():
             stop = self.poisoned.get(run.req_id)
             n = len(run.keys) if stop is None else max(min(stop - run.start, len(run.keys)), 0)
             parts += self._missing(run, n)
@@ -274,7 +317,7 @@ class WorkerSide:
         if n <= 0:
             return []
         try:
-            present = self.ledger.exists(run.keys[:n])
+            present = self.ledger.exists(self._own_keys(run.keys[:n]))
         except Exception as e:
             log.warning("kvledger: CHECK before save failed (%s); skipping the save", e)
             return []
@@ -310,7 +353,8 @@ class WorkerSide:
                 self.layer_computed(name)
             for t in self._prepare_saves():
                 self._put(t)
-        for w in self.plan.window_saves:
+        stores = self.slicing is None or self.slicing.stores   # a replica of another worker's heads: no save
+        for w in self.plan.window_saves if stores else ():
             if w.req_id not in self.poisoned:   # computed on lost KV: not saved
                 self._save_window(w)
         self.loads, self.saves, self.plan = [], None, StepPlan()
@@ -318,9 +362,10 @@ class WorkerSide:
     def _put(self, t: Transfer) -> None:
         run = t.run
         t0 = time.perf_counter()
+        parent = self._own_keys((run.parent,))[0] if run.parent is not None else None
         try:
-            result = self.ledger.put_chain(run.keys, [t.rows[i].numpy() for i in range(len(run.keys))],
-                                           namespace=run.namespace, start_pos=run.start, parent=run.parent)
+            result = self.ledger.put_chain(self._own_keys(run.keys), [t.rows[i].numpy() for i in range(len(run.keys))],
+                                           namespace=run.namespace, start_pos=run.start, parent=parent)
             ok = not getattr(result, "failed", 0)
         except Exception as e:  # rule 8: a failed save is a future miss
             log.warning("kvledger: save of %d blocks failed (%s)", len(run.keys), e)
@@ -337,10 +382,16 @@ class WorkerSide:
                            "t": time.time()})
 
     def _event(self, kind: str, run: BlockRun, *, ok: int, seconds: float, **extra: float) -> None:
-        """One JSON line per transfer into the `events` file (appended; one write per line)."""
+        """One JSON line per transfer into the `events` file (appended; one write per line); a sliced worker's
+        also says its slice, [head0, head1, layer0, layer1]."""
+        sliced = {}
+        if self.slicing is not None and self.slicing.own != self.slicing.everything:
+            own = self.slicing.own
+            assert own is not None
+            sliced = {"slice": [own.head0, own.head1, own.layer0, own.layer1]}
         self._write_event({"event": kind, "req_id": run.req_id, "namespace": run.namespace, "start": run.start,
                            "blocks": len(run.keys), "ok": ok, "seconds": round(seconds, 6), "t": time.time(),
-                           **{k: round(v, 6) for k, v in extra.items()}})
+                           **sliced, **{k: round(v, 6) for k, v in extra.items()}})
 
     def _write_event(self, fields: dict[str, object]) -> None:
         if not self.events:
