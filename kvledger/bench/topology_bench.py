@@ -1,9 +1,9 @@
 """`kvledger bench topology`: multi-turn replies through a topology (P/D legs, one engine, `kvledger serve`), each
 against one no-cache engine of the same model asked for the same prompt in one request (DESIGN rule 10).
 
-The workload: `--replies` greedy replies, `--turns` per conversation (the last one may have fewer). A
-conversation starts with one of three shared system prompts (300, 520 and 700 random token ids), so
-conversations share prefixes; each turn adds a user turn of random token ids whose length puts the prompt's
+The workload: `--replies` replies (greedy unless `--temperature`), `--turns` per conversation (the last one may
+have fewer). A conversation starts with one of three shared system prompts (300, 520 and 700 random token ids),
+so conversations share prefixes; each turn adds a user turn of random token ids whose length puts the prompt's
 length L on a chosen residue mod 128 (0-6, 122-127, 64: where the hit cap, the stored snapshot positions and the
 decode boundaries meet: tests/entrypoint/test_reference_check.py's design), then the reply (`ignore_eos`: 6-20
 tokens); the next turn extends the system under test's own reply. The requests run one at a time, in order.
@@ -18,8 +18,11 @@ It runs the whole workload first; then it stops and the reference, `kvledger ser
 threads, is asked for every prompt whole. A reply that differs is wrong on a model that claims bit-exactness
 (tiny-v4, gemma3-270m); on smollm2-135m, exact only within float rounding, it is a near-tie when the
 reference's logits at the first difference hold the two tokens within 2e-4 of max |logit| (near_tie.py), and
-wrong otherwise. The JSON: `wrong` and `near_ties` (counts) with each one named, the hit kinds counted, and the
-workload's cached tokens (0: the cache was never used, and the run checked nothing of it).
+wrong otherwise. `--temperature T` samples instead, each request with a seed of its own that the reference
+gets too: a later leg must continue the request's draws, not start them again (DESIGN step 8's sampling
+state); bit-exact models only, since a sampled token has no logit gap to call a near-tie. The JSON: `wrong`
+and `near_ties` (counts) with each one named, the hit kinds counted, and the workload's cached tokens (0: the
+cache was never used, and the run checked nothing of it).
 """
 
 from __future__ import annotations
@@ -58,7 +61,8 @@ class Reply:
     turn: int
     prompt: list[int]
     max_tokens: int
-    got: list[int]             # the system under test's greedy reply
+    seed: int | None           # the request's sampling seed (None: greedy)
+    got: list[int]             # the system under test's reply
     usage: dict[str, Any]
     want: list[int] | None = None   # the reference's, once asked
 
@@ -73,7 +77,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--turns", type=int, default=4, help="turns per conversation (default %(default)s)")
     p.add_argument("--threads", type=int, default=1, help="torch threads of each engine, the reference's included "
                    "(default %(default)s)")
-    p.add_argument("--seed", type=int, default=11, help="the workload's random seed (default %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above 0: sampled, each request with "
+                   "a seed of its own, the reference's the same (bit-exact models only) (default %(default)s)")
+    p.add_argument("--seed", type=int, default=11, help="the workload's random seed, and the requests' seeds' base "
+                   "(default %(default)s)")
     p.add_argument("--dir", default=None, help="where the servers' data goes (default: a temporary folder)")
 
 
@@ -85,6 +92,11 @@ def run(args: argparse.Namespace) -> int:
                        "claims bit-exactness)")
     if not 1 <= args.replies <= 10_000 or not 1 <= args.turns <= 20 or not 1 <= args.threads <= 64:
         raise CliError("--replies must lie in [1, 10000], --turns in [1, 20] and --threads in [1, 64]")
+    if not 0 <= args.temperature <= 10:
+        raise CliError(f"--temperature must lie in [0, 10], got {args.temperature}")
+    if args.temperature > 0 and not BIT_EXACT[args.model]:
+        raise CliError(f"--temperature: {args.model} is exact only within float rounding, and a sampled token that "
+                       "differs has no logit gap to call a near-tie: greedy only")
     started = time.monotonic()
     systems, plan = workload(args.replies, args.turns, args.seed)
     with tempfile.TemporaryDirectory(prefix="kvledger-topology-", dir=args.dir) as tmp:
@@ -122,11 +134,14 @@ def workload(replies: int, turns: int, seed: int, block: int = 128
     return systems, plan
 
 
-def complete(url: str, model: str, prompt: list[int], max_tokens: int) -> tuple[list[int], dict[str, Any]]:
-    """One greedy /v1/completions request: (token ids, usage); RuntimeError when it is not answered 200."""
+def complete(url: str, model: str, prompt: list[int], max_tokens: int, temperature: float = 0.0,
+             seed: int | None = None) -> tuple[list[int], dict[str, Any]]:
+    """One /v1/completions request, greedy unless `temperature` > 0: (token ids, usage); RuntimeError when it is
+    not answered 200."""
     from kvledger.util.serve_process import request
 
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
+            "ignore_eos": True} | ({} if seed is None else {"seed": seed})
     status, raw = request(url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"},
                           timeout=TIMEOUT_S)
     if status != 200:
@@ -155,8 +170,9 @@ def _through(tmp: Path, args: argparse.Namespace, systems: list[list[int]],
             tokens = list(systems[c % len(systems)])
             for t, (user, max_tokens) in enumerate(conversation):
                 tokens += user
-                got, usage = complete(server.url, args.model, tokens, max_tokens)
-                replies.append(Reply(c, t, list(tokens), max_tokens, got, usage))
+                seed = args.seed * 100_000 + len(replies) if args.temperature > 0 else None
+                got, usage = complete(server.url, args.model, tokens, max_tokens, args.temperature, seed)
+                replies.append(Reply(c, t, list(tokens), max_tokens, seed, got, usage))
                 tokens += got
     finally:
         server.stop()
@@ -164,14 +180,14 @@ def _through(tmp: Path, args: argparse.Namespace, systems: list[list[int]],
 
 
 def _ask_reference(tmp: Path, args: argparse.Namespace, replies: list[Reply]) -> None:
-    """Each reply's prompt, whole, to one `kvledger serve --no-cache` on --threads threads."""
+    """Each reply's prompt, whole, to one `kvledger serve --no-cache` on --threads threads (with its seed)."""
     from kvledger.util.serve_process import ServeProcess
 
     reference = ServeProcess(tmp / "reference", "--no-cache", "--threads", str(args.threads), model=args.model)
     try:
         reference.start()
         for r in replies:
-            r.want = complete(reference.url, args.model, r.prompt, r.max_tokens)[0]
+            r.want = complete(reference.url, args.model, r.prompt, r.max_tokens, args.temperature, r.seed)[0]
     finally:
         reference.stop()
 
@@ -204,7 +220,7 @@ def _report(args: argparse.Namespace, replies: list[Reply], bit_exact: bool) -> 
             wrong.append(_named(r, verdict.first_diff, verdict.gap))
     kinds = Counter(str(r.usage.get("kvledger", {}).get("hit_kind")) for r in replies)
     return {"model": args.model, "topology": args.topology, "bit_exact": bit_exact, "replies": len(replies),
-            "turns": args.turns, "threads": args.threads, "seed": args.seed,
+            "turns": args.turns, "threads": args.threads, "seed": args.seed, "temperature": args.temperature,
             "wrong": len(wrong), "near_ties": len(near_ties), "near_tie_bound": None if bit_exact else NEAR_TIE_BOUND,
             "wrong_replies": wrong, "near_tie_replies": near_ties, "hit_kinds": dict(sorted(kinds.items())),
             "cached_tokens": sum(_cached(r.usage) for r in replies),
@@ -228,7 +244,8 @@ def _cached(usage: dict[str, Any]) -> int:
 
 def _print(r: dict[str, Any]) -> None:
     print(f"model {r['model']} ({'bit-exact' if r['bit_exact'] else 'exact within float rounding'}), "
-          f"topology {r['topology']}, {r['threads']} thread(s) per engine")
+          f"topology {r['topology']}, {r['threads']} thread(s) per engine, "
+          + (f"sampled at temperature {r['temperature']:g}" if r["temperature"] else "greedy"))
     print(f"replies {r['replies']}")
     print(f"wrong {r['wrong']}")
     print(f"near-ties {r['near_ties']}" + ("" if r["bit_exact"] else f" (gap within {r['near_tie_bound']:g} of "

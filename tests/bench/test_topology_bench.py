@@ -66,16 +66,20 @@ def test_the_workload_aims_its_prompts_at_every_residue_next_to_a_boundary():
 
 
 @pytest.mark.parametrize("args", [["--replies", "0"], ["--topology", "two"], ["--model", "no-such-model"],
-                                  ["--threads", "0"]])
+                                  ["--threads", "0"], ["--temperature", "-1"],
+                                  ["--model", "smollm2-135m", "--temperature", "0.7"]])
 def test_bad_input_is_one_line_and_exit_2(args):
     r = subprocess.run([sys.executable, "-m", "kvledger", "bench", "topology", *args], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
 
 
-def test_one_engine_answers_8_replies_as_the_no_cache_engine_and_uses_its_cache():
+@pytest.mark.parametrize("temperature", ["0", "0.8"], ids=["greedy", "sampled"])
+def test_one_engine_answers_8_replies_as_the_no_cache_engine_and_uses_its_cache(temperature):
+    """Sampled: each request's seed reaches the reference too, so one engine's draws are the reference's."""
     r = subprocess.run([sys.executable, "-m", "kvledger", "bench", "topology", "--model", "tiny-v4", "--topology",
-                        "one", "--replies", "8", "--json"], capture_output=True, text=True, timeout=600)
+                        "one", "--replies", "8", "--temperature", temperature, "--json"], capture_output=True,
+                       text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout)
     assert (out["replies"], out["wrong"], out["near_ties"]) == (8, 0, 0), out["wrong_replies"]
