@@ -379,10 +379,10 @@ class Engine:
         """P/D: the tail of the prompt (`core.tail_parts` for the decode leg's L = prompt + 1: the block the prompt
         ends in, then the windows at its end) kept for the decode engine by `core.tail_key` (engine/tails.py).
         Nothing to keep for V4 (`core.takes_tail`), a full-attention prompt of whole blocks, or a sequence that
-        is not exact (rule 9)."""
+        does not keep what it computes (`Sequence.keeps`: rules 9 and 12)."""
         b, n = self.spec.block_size, seq.prompt_len
         block, window = tail_parts(n + 1, self.spec)
-        if not takes_tail(self.spec) or not block + window or not seq.exact:
+        if not takes_tail(self.spec) or not block + window or not seq.keeps:
             return
         whole = n // b
         parent = seq.keys[whole - 1] if whole else root_key(self.spec, seq.request.namespace)
@@ -409,7 +409,10 @@ class Engine:
 
     def _cache_blocks(self, seq: Sequence) -> None:
         """Full blocks computed so far become findable in the device prefix cache by chain key; of a sequence
-        that is not exact (rule 9) only those it reused, never one it computed."""
+        that is not exact (rule 9) only those it reused, never one it computed; of one that does not store (rule
+        12: no-store, or its tenant forgotten) none (those it found on the device stay there as they were)."""
+        if not seq.stores:
+            return
         full = seq.computed // self.spec.block_size
         if not seq.exact:
             full = min(full, seq.decision.reused_block_tokens // self.spec.block_size)

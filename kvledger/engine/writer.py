@@ -7,7 +7,9 @@
     | decode crosses k·B    | —                                   | window at k·B → the slot's replica    |
     | request end           | full blocks [L/B, computed/B)       | the latest replica, at its boundary   |
 
-Rule 9: a sequence that is not exact (`Sequence.exact`: a window was truncated) stores nothing.
+Rule 9: a sequence that is not exact (`Sequence.exact`: a window was truncated) stores nothing; nor does one that
+does not store (rule 12: a no-store request, or one whose tenant was forgotten while it ran). `Sequence.keeps` says
+both.
 
 Blocks are copied from the device to host memory on the engine's thread, at `flush()`: `store_blocks` only
 notes them, and the engine flushes before it next allocates a block (the start of a step), so a step's copies
@@ -101,9 +103,9 @@ class LedgerWriter:
 
     def store_blocks(self, seq: Sequence, upto: int) -> None:
         """Queue blocks [seq.stored_blocks, upto) of the sequence for the block ledger (none of a sequence
-        that is not exact: rule 9)."""
+        that does not keep what it computes: `Sequence.keeps`, rules 9 and 12)."""
         first = seq.stored_blocks
-        if upto <= first or not seq.exact:
+        if upto <= first or not seq.keeps:
             return
         self.ensure_keys(seq, upto)
         seq.stored_blocks = upto
@@ -132,18 +134,18 @@ class LedgerWriter:
             self.queue.put(PutJob(e.keys, blocks, e.start_pos, e.parent, e.namespace, e.ttl_class))
 
     def store_prefill_snapshots(self, seq: Sequence) -> None:
-        """Rule 4: the windows at the prompt's own cap and at its last boundary (rule 9: exact ones only). A
+        """Rule 4: the windows at the prompt's own cap and at its last boundary (`Sequence.keeps` only). A
         position before the hit's resume point is the hit's own, stored by whoever computed it, and this
         sequence never held its window (a P/D decode leg resuming at L − 1 from a handed tail)."""
-        if self.state_ledger is None or not self.spec.has_swa or not seq.exact:
+        if self.state_ledger is None or not self.spec.has_swa or not seq.keeps:
             return
         for position in prefill_store_positions(seq.prompt_len, self.spec):
             if position >= seq.decision.recompute_from:
                 self._put_window(seq, position)
 
     def store_checkpoint(self, seq: Sequence, position: int) -> None:
-        """Rule 4′ (periodic): the window at `position`, where a prefill chunk just ended (rule 9: exact only)."""
-        if self.state_ledger is None or not seq.exact:
+        """Rule 4′ (periodic): the window at `position`, where a prefill chunk just ended (`Sequence.keeps` only)."""
+        if self.state_ledger is None or not seq.keeps:
             return
         assert seq.computed == position
         self._put_window(seq, position)
@@ -155,9 +157,9 @@ class LedgerWriter:
         self.state_ledger.put(seq.keys[position // self.spec.block_size - 1], position, self.slots.staging.numpy())
 
     def store_replica(self, seq: Sequence) -> None:
-        """Rule 4 at request end: the latest decode replica, attached at its boundary (rule 9: exact ones only)."""
+        """Rule 4 at request end: the latest decode replica, attached at its boundary (`Sequence.keeps` only)."""
         position = self.slots.replica_position[seq.slot] if seq.slot >= 0 else 0
-        if self.state_ledger is None or position == 0 or not seq.exact:
+        if self.state_ledger is None or position == 0 or not seq.keeps:
             return
         self.ensure_keys(seq, position // self.spec.block_size)
         self.state_ledger.put(seq.keys[position // self.spec.block_size - 1], position,

@@ -13,6 +13,10 @@ each one `POST /engine/v1/generate` on one engine (wire.py):
 | continue | another engine, after a       | prompt + output so far | what is left  | as the leg it replaces|
 |          | hand-off, a death or a failure|                        |               |                       |
 
+A no-store request (`EngineRequest.store` False, DESIGN rule 12) runs whole: P/D hands the prompt over through
+the block ledger, which such a request may not write; a continuation after a hand-off or a failure recomputes
+what it cannot read.
+
 Every leg after the first is CHECKed again (rule 5) on prompt + output: the blocks the previous
 leg stored hit, and only the tail is recomputed (less than one block for full-attention models;
 at most R + B tokens for windowed ones). A decode leg after a prefill leg recomputes not even that
@@ -151,7 +155,8 @@ class RemoteEngines:
         budget = req.sampling.max_tokens
         first: RequestUsage | None = None
         keys, decision, failed = req.keys, req.decision, set[str]()
-        phase = "prefill" if budget > 1 and self._disaggregated() else "whole"
+        # P/D hands the prompt over through the block ledger; a no-store request stores nothing, so it runs whole
+        phase = "prefill" if budget > 1 and req.store and self._disaggregated() else "whole"
         kind = phase   # what this leg is, for the metrics: whole | prefill | decode | continue
         legs: list[Leg] = []   # for the client's usage: where each leg began
         tail_from: str | None = None   # the prefill engine that kept the prompt's tail for the decode leg

@@ -139,7 +139,8 @@ async def _serve(request: Request, tenant: Tenant, body, endpoint: str) -> Respo
     state = _state(request)
     release = _admit(state, tenant)
     try:
-        prep = await prepare(state, tenant, body, endpoint)
+        cache_control = ", ".join(request.headers.getlist("cache-control")) or None   # every such header counts
+        prep = await prepare(state, tenant, body, endpoint, cache_control)
         if prep.stream:
             stream = sse(state, prep, release)
             release = _nothing  # the stream releases at its end

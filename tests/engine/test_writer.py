@@ -86,3 +86,38 @@ def test_a_step_can_leave_its_block_copies_until_its_events_are_out(tmp_path):
             assert engine.wait_stored(20) is True and ledger.match(b) == 2
         finally:
             engine.close()
+
+
+def test_a_no_store_request_leaves_no_block_snapshot_or_device_entry(tmp_path):
+    """DESIGN rule 12: a request with `store=False` computes as any other, and nothing it computed stays: no block
+    in the ledger, no snapshot in the pool or on disk, no key in the device prefix cache. The same prompt stored
+    normally afterwards lands in all three."""
+    from kvledger.core import ModelSpec
+    from kvledger.engine.ledgers import Part, open_ledgers
+    from kvledger.store.snapshots import snapshot_stats
+
+    engine = None
+    ledgers = open_ledgers(ModelSpec.preset("tiny-v4"), tmp_path, Part.EMBEDDED)
+    try:
+        engine = Engine("tiny-v4", block_ledger=ledgers.block, state_ledger=ledgers.state)
+        tokens = [t % 32000 for t in prompt(700, 5)]
+
+        def run(request_id: str, store: bool) -> list[int]:
+            keys, decision = check_prompt(tokens, engine.spec, block_ledger=ledgers.block, state_ledger=ledgers.state)
+            engine.add_request(EngineRequest(request_id, tokens, keys, decision,
+                                             SamplingParams(max_tokens=3, ignore_eos=True), store=store))
+            out, _ = drain(engine)
+            engine.wait_stored()
+            return out
+
+        quiet = run("quiet", False)
+        keys, _ = check_prompt(tokens, engine.spec, block_ledger=ledgers.block, state_ledger=ledgers.state)
+        assert ledgers.block.match(keys) == 0 and len(ledgers.state.pool) == 0
+        assert snapshot_stats(tmp_path / "blocks") == (0, 0) and engine.pool.counts()[1] == 0
+        assert run("normal", True) == quiet                   # the same answer; now it stays
+        assert ledgers.block.match(keys) == len(keys) == 5 and len(ledgers.state.pool) > 0
+        assert snapshot_stats(tmp_path / "blocks")[0] > 0 and engine.pool.counts()[1] > 0
+    finally:
+        if engine is not None:
+            engine.close()
+        ledgers.close()

@@ -171,9 +171,11 @@ def test_ttft_is_summarized_per_prompt_length_bucket_cold_and_hit():
 
 def test_key_file_maps_keys_to_tenants(tmp_path):
     f = tmp_path / "keys.json"
-    f.write_text(json.dumps({"sk-aaaaaaaa": "alpha", "sk-bbbbbbbb": {"namespace": "beta", "ttl_class": "agent"}}))
+    f.write_text(json.dumps({"sk-aaaaaaaa": "alpha", "sk-bbbbbbbb": {"namespace": "beta", "ttl_class": "agent"},
+                             "sk-qqqqqqqq": {"namespace": "quiet", "store": False}}))
     keys = load_keys(f, CLASSES)
     assert authenticate(keys, "Bearer sk-aaaaaaaa").namespace == "alpha"
+    assert authenticate(keys, "Bearer sk-aaaaaaaa").store and not authenticate(keys, "Bearer sk-qqqqqqqq").store
     beta = authenticate(keys, "bearer sk-bbbbbbbb")
     assert (beta.namespace, beta.ttl_class) == ("beta", "agent")
     for header in (None, "", "Bearer", "Bearer sk-cccccccc", "Basic sk-aaaaaaaa", "sk-aaaaaaaa"):
@@ -184,7 +186,7 @@ def test_key_file_maps_keys_to_tenants(tmp_path):
 @pytest.mark.parametrize("content", [
     "not json", "[]", "{}", '{"short": "ns"}', '{"sk-aaaaaaaa": "bad namespace!"}',
     '{"sk-aaaaaaaa": {"namespace": "a", "ttl_class": "forever"}}', '{"sk-aaaaaaaa": {"namespace": "a", "x": 1}}',
-    '{"sk-aaaaaaaa": "a#salt-00"}',
+    '{"sk-aaaaaaaa": "a#salt-00"}', '{"sk-aaaaaaaa": {"namespace": "a", "store": "no"}}',
 ])
 def test_bad_key_files_are_refused(tmp_path, content):
     f = tmp_path / "keys.json"
