@@ -14,9 +14,11 @@
     shared_files.py  the cluster mode's bytes: segment files on a shared mount, read by the location Redis keeps
     redis_keys.py    key names and hash slots; redis_meta.py the record and the Lua scripts; redis_upkeep.py views
     snapshots.py     the state ledger's snapshot files follow their chain block (`store gc`, `store stats`)
+    forget.py        forgetting a tenant (rule 12): its tags, hold and receipt; lmdb_forget.py, redis_forget.py
+                     each store's removal
     ttl.py           TTL classes (agent 3 d, chatbot 7 d) per namespace and per request
     ledger.py        BlockLedger: the facade engines and the entrypoint use
-    cli.py           `kvledger store stats|gc|verify`
+    cli.py           `kvledger store stats|gc|verify|forget`
 """
 
 from kvledger.store.ledger import BlockLedger

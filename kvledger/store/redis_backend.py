@@ -43,7 +43,7 @@ import xxhash
 from redis.crc import key_slot
 
 from kvledger.core.attribution import MissCause
-from kvledger.store import redis_upkeep
+from kvledger.store import redis_forget, redis_upkeep
 from kvledger.store.backend import (
     BlockInfo,
     Buffer,
@@ -59,6 +59,7 @@ from kvledger.store.backend import (
     UNREADABLE,
     VerifyResult,
 )
+from kvledger.store.forget import Forgotten, tenant_tag
 from kvledger.store.redis_keys import Placement
 from kvledger.store.segment_files import PartDone, bytes_view, dest_bytes, dest_parts
 from kvledger.store.shared_files import VOLUME_FILE, Location, SharedFiles
@@ -228,21 +229,25 @@ class RedisStore:
                 return PutResult(0, skipped, len(sel))
             where = {i: loc.pack() for i, loc in zip(sel, located)}
         expire_at_ms = int((now + write.ttl_s) * 1000)  # one clock for the whole put: the skew orders it exactly
-        written = raced = 0  # raced: written by another writer between our exists and our put
+        tag = tenant_tag(write.namespace)
+        written = raced = refused = 0  # raced: written by another writer between our exists and our put
         for chunk in self._chunks(sel, write.blocks):
-            replies = self.nodes.run([self._put_call(write, i, now, expire_at_ms, where.get(i)) for i in chunk])
+            replies = self.nodes.run([self._put_call(write, i, now, expire_at_ms, where.get(i), tag) for i in chunk])
             written += sum(1 for r in replies if r == 1)
             raced += sum(1 for r in replies if r == 0)
+            refused += sum(1 for r in replies if r == 2)   # its tenant is held after a forget (store/forget.py)
             fault = next((r for r in replies if isinstance(r, BaseException)), None)
             if fault is not None:  # stop here: a hung server would cost a timeout per chunk
                 log.warning("put of %d blocks to %s failed: %s", len(sel), self.shown, fault)
                 self.counters.put_failures += 1
                 self.counters.blocks_written += written
+                self.counters.blocks_refused += refused
                 return PutResult(written, skipped + raced, len(sel) - written - raced)
         self.counters.blocks_written += written
         self.counters.blocks_skipped += skipped + raced
+        self.counters.blocks_refused += refused
         self.counters.bytes_written += sum(memoryview(write.blocks[i]).nbytes for i in sel)
-        return PutResult(written, skipped + raced, 0)
+        return PutResult(written, skipped + raced, refused)
 
     @staticmethod
     def _chunks(sel: list[int], blocks: Sequence[Buffer]) -> Iterator[list[int]]:
@@ -258,8 +263,10 @@ class RedisStore:
         if chunk:
             yield chunk
 
-    def _put_call(self, write: ChainWrite, i: int, now: float, expire_at_ms: int, where: bytes | None) -> Call:
-        """The PUT script of block i: its bytes in field `d`, or its location `where` in field `l`."""
+    def _put_call(self, write: ChainWrite, i: int, now: float, expire_at_ms: int, where: bytes | None,
+                  tag: bytes) -> Call:
+        """The PUT script of block i: its bytes in field `d`, or its location `where` in field `l`; refused while
+        the hold of its tenant (`tag`) lives in its slot."""
         v = memoryview(write.blocks[i]).cast("B")
         parent = write.keys[i - 1] if i > 0 else write.parent
         pos = write.start_pos + i
@@ -270,8 +277,9 @@ class RedisStore:
         names = [self._k(key)]
         if (tomb := self.place.tomb_name(key)) is not None:
             names.append(tomb)
+        hold = self.place.hold_name(key, tag) or b""
         return Call(self.place.slot(key), command("EVALSHA", self._put, len(names), *names, meta, field, value,
-                                                  expire_at_ms - pos, self.grace_ms))
+                                                  expire_at_ms - pos, self.grace_ms, hold, tag.hex()))
 
     # --- read ------------------------------------------------------------------
 
@@ -378,6 +386,10 @@ class RedisStore:
         if not keys:
             return 0
         return self._unpublish(keys)
+
+    def forget(self, tenant: str, hold_s: float) -> Forgotten:
+        """`BlockStore.forget` (redis_forget.py)."""
+        return redis_forget.forget(self, tenant, hold_s)
 
     def blocks(self) -> Iterator[BlockInfo]:
         return redis_upkeep.blocks(self)

@@ -26,6 +26,10 @@ Tombstones: the tombstone of a block (redis_meta.py) is named as the block with 
 `{prefix}b:` — `{prefix}t:<key>`, `{prefix}t:{<tag>}<key>` — so it shares its block's hash slot and a
 block's script reaches it. A prefix that leaves no common slot on a cluster (`{}`: Redis hashes whole
 names; an unclosed `{`: the tag takes in `b:` or `t:`) keeps no tombstones (`Placement.tombs` False).
+
+Holds (store/forget.py): a forgotten tenant's hold is one key per group, `{prefix}h:<tag hex>` on one server,
+`{prefix}h:{<tag>}<tag hex>` on a cluster, so a block's PUT script reads the hold of its own slot. Where tombstones
+cannot share a slot, neither can holds: such a store holds nothing (`Placement.holds` False).
 """
 
 from __future__ import annotations
@@ -76,6 +80,28 @@ class Placement:
         self.tombs = bool(tprefix) and (not cluster or self.slots is not None and all(
             key_slot(tprefix + h[len(bprefix):]) == slot for h, slot in zip(self.heads, self.slots)))
         self.tprefix = tprefix if self.tombs else b""
+        hprefix = tprefix[:-2] + b"h:" if tprefix else b""   # `{prefix}h:`, beside `{prefix}t:`
+        self.holds = bool(hprefix) and (not cluster or self.slots is not None and all(
+            key_slot(hprefix + h[len(bprefix):]) == slot for h, slot in zip(self.heads, self.slots)))
+        self.hprefix = hprefix if self.holds else b""
+
+    def hold_name(self, key: bytes, tag: bytes) -> bytes | None:
+        """The name of the hold of tenant `tag` in `key`'s slot (None where the store keeps none)."""
+        if not self.holds:
+            return None
+        return self._hold(self.heads[(key[0] if key else 0) % TAGS], tag)
+
+    def hold_names(self, tag: bytes) -> list[tuple[int, bytes]]:
+        """(slot, name) of the holds of tenant `tag`, one per slot a block can take (none where none is kept)."""
+        if not self.holds:
+            return []
+        if not self.cluster:
+            return [(0, self._hold(self.bprefix, tag))]
+        assert self.slots is not None
+        return list(dict.fromkeys((slot, self._hold(h, tag)) for h, slot in zip(self.heads, self.slots)))
+
+    def _hold(self, head: bytes, tag: bytes) -> bytes:
+        return self.hprefix + head[len(self.bprefix):] + tag.hex().encode()
 
     def tomb_name(self, key: bytes) -> bytes | None:
         """The name of `key`'s tombstone (None where the store keeps none): `tprefix` for `bprefix` in its name."""

@@ -20,6 +20,9 @@ expiry is the tombstone's minus its value. When a CHECK finds a block absent and
     |                                 | tombstones, gone over G ago, or the        |                   |
     |                                 | tombstone itself evicted by maxmemory      |                   |
 
+Either value may end in '|' + the tenant tag of the block's namespace (16 hex digits, store/forget.py): PUT writes
+it, BURY keeps it, and a forget finds a tenant's tombstones by it, those of blocks gone before it included.
+
 What bounds them: a tombstone lives at most G past its block, so Redis holds the tombstones of its
 live blocks plus those of the blocks gone in the last G: at most the blocks put in the last TTL + G, and
 each ~100 B of used_memory (72 B by MEMORY USAGE; a block's record in the cluster mode, metadata and
@@ -68,6 +71,8 @@ local now = nil
 local function explain(n, tomb)
   local v = redis.call('GET', tomb)
   if not v then return n end
+  local bar = string.find(v, '|', 1, true)
+  if bar then v = string.sub(v, 1, bar - 1) end
   if string.sub(v, 1, 1) == 'x' then return string.format('%d evicted %s', n, string.sub(v, 2)) end
   local expiry = redis.call('PEXPIRETIME', tomb) - tonumber(v)
   now = now or now_ms()
@@ -109,13 +114,19 @@ return table.concat(out)
 """
 
 # KEYS[1]: the block; KEYS[2], if given: its tombstone. ARGV: metadata, the field of the bytes ('d') or of their
-# location ('l'), its value, the expiry instant in unix ms, the tombstone's grace ms. Returns 0 when the block
-# is present (written once), else 1.
+# location ('l'), its value, the expiry instant in unix ms, the tombstone's grace ms, the name of its tenant's hold
+# in this slot ('': none; store/forget.py), the tenant tag in hex ('': none). Returns 2 when the tenant is held
+# (nothing written), 0 when the block is present (written once), else 1.
 PUT = """
+if ARGV[6] ~= '' and redis.call('EXISTS', ARGV[6]) == 1 then return 2 end
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
 redis.call('HSET', KEYS[1], 'm', ARGV[1], ARGV[2], ARGV[3])
 redis.call('PEXPIREAT', KEYS[1], ARGV[4])
-if KEYS[2] then redis.call('SET', KEYS[2], ARGV[5], 'PXAT', tonumber(ARGV[4]) + tonumber(ARGV[5])) end
+if KEYS[2] then
+  local v = ARGV[5]
+  if ARGV[7] ~= '' then v = v .. '|' .. ARGV[7] end
+  redis.call('SET', KEYS[2], v, 'PXAT', tonumber(ARGV[4]) + tonumber(ARGV[5]))
+end
 return 1
 """
 
@@ -133,14 +144,23 @@ return v
 
 # KEYS: blocks of one hash slot. ARGV[1]: the tombstone name prefix ('': none); ARGV[2]: the length of the block
 # name prefix; ARGV[3]: the grace ms. Deletes each block; the tombstone of each one deleted says 'x' + this
-# server's time in ms (evicted then) and lives `grace` from now. Returns how many blocks were deleted.
+# server's time in ms (evicted then), keeps the tenant tag its PUT wrote, and lives `grace` from now. Returns how
+# many blocks were deleted.
 BURY = _NOW + """
 local tprefix, blen, grace = ARGV[1], tonumber(ARGV[2]), ARGV[3]
 local mark, n = string.format('x%d', now_ms()), 0
 for _, k in ipairs(KEYS) do
   if redis.call('DEL', k) == 1 then
     n = n + 1
-    if tprefix ~= '' then redis.call('SET', tprefix .. string.sub(k, blen + 1), mark, 'PX', grace) end
+    if tprefix ~= '' then
+      local t = tprefix .. string.sub(k, blen + 1)
+      local old, tag = redis.call('GET', t), ''
+      if old then
+        local bar = string.find(old, '|', 1, true)
+        if bar then tag = string.sub(old, bar) end
+      end
+      redis.call('SET', t, mark .. tag, 'PX', grace)
+    end
   end
 end
 return n
