@@ -1,6 +1,7 @@
 """The entrypoint ↔ engine messages of the cluster mode: JSON over HTTP, never pickle.
 
     POST /engine/v1/generate   body: GenerateBody            → NDJSON stream of WireEvent lines
+    POST /engine/v1/forget     body: ForgetBody              → {what it dropped: count} (`Engine.forget`)
     GET  /engine/v1/health     → {"status": ok/unhealthy/down, "engine", "role", "fault", "running"}
     GET  /engine/v1/tail/{key} → a P/D tail's KV (one block, octets), its reply MACed; 404 when not held
 
@@ -31,6 +32,7 @@ from kvledger.engine.api import (FINISH_REASONS, EngineRequest, RequestUsage, Sa
                                  check_request_keys)
 
 KEEPALIVE_S = 1.0
+FORGET_PATH = "/engine/v1/forget"
 TOKEN_HEADER = "authorization"   # "Bearer <cluster token>"
 
 
@@ -120,6 +122,14 @@ class GenerateBody(BaseModel):
         check_request_keys(req, tokens, spec)
         check_decision(req.decision, decided_length(tokens.size, req.own_prompt_len, spec), spec)
         return req
+
+
+class ForgetBody(BaseModel):
+    """Forget a tenant on this engine (DESIGN rule 12): `tenant` is its namespace, salts apart (`core.tenant_of`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tenant: Annotated[str, Field(min_length=1, max_length=1024)]
 
 
 class WireEvent(BaseModel):

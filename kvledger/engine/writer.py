@@ -30,7 +30,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from kvledger.core import extend_chain, prefill_store_positions, root_key
+from kvledger.core import extend_chain, prefill_store_positions, root_key, tenant_of
 from kvledger.engine.models.base import Model
 from kvledger.engine.sequence import Sequence
 from kvledger.engine.state_slots import StateSlots
@@ -68,12 +68,18 @@ class LedgerWriter:
         self._done = threading.Condition()
         self._queued = self._finished = 0   # puts queued (noted ones included) / finished so far (FIFO)
         self._exports: list[_Export] = []   # puts noted since the last flush, in order
+        self._skipping: set[str] = set()     # tenants being forgotten: their queued puts are dropped (`forget`)
+        self._skipped: dict[str, int] = {}   # ... and how many were
         self.thread = threading.Thread(target=self._run, name="kvledger-writer", daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
         while (job := self.queue.get()) is not None:
+            tenant = tenant_of(job.namespace)
             try:
+                if tenant in self._skipping:
+                    self._skipped[tenant] = self._skipped.get(tenant, 0) + 1
+                    continue
                 result = self.block_ledger.put_chain(job.keys, list(job.blocks), namespace=job.namespace,
                                                      start_pos=job.start_pos, parent=job.parent,
                                                      ttl_class=job.ttl_class)
@@ -154,7 +160,8 @@ class LedgerWriter:
         """The slot's window ending at `position` (a multiple of B its ring still holds) to the state ledger."""
         assert self.state_ledger is not None and position % self.spec.block_size == 0
         self.model.export_window(seq.slot, position, self.slots.staging)
-        self.state_ledger.put(seq.keys[position // self.spec.block_size - 1], position, self.slots.staging.numpy())
+        self.state_ledger.put(seq.keys[position // self.spec.block_size - 1], position, self.slots.staging.numpy(),
+                              tenant_of(seq.request.namespace))
 
     def store_replica(self, seq: Sequence) -> None:
         """Rule 4 at request end: the latest decode replica, attached at its boundary (`Sequence.keeps` only)."""
@@ -163,7 +170,23 @@ class LedgerWriter:
             return
         self.ensure_keys(seq, position // self.spec.block_size)
         self.state_ledger.put(seq.keys[position // self.spec.block_size - 1], position,
-                              self.slots.replica[seq.slot].numpy())
+                              self.slots.replica[seq.slot].numpy(), tenant_of(seq.request.namespace))
+
+    def forget(self, tenant: str, timeout_s: float) -> tuple[int, bool]:
+        """A forget of `tenant` (DESIGN rule 12), on the engine's thread: its puts noted and not yet copied are
+        dropped, and those already queued are skipped by the writer thread, which this waits for (at most
+        `timeout_s` seconds). (puts dropped, whether every put queued before is done.)"""
+        mine = [e for e in self._exports if tenant_of(e.namespace) == tenant]
+        self._exports = [e for e in self._exports if tenant_of(e.namespace) != tenant]
+        with self._done:
+            self._finished += len(mine)
+            self._done.notify_all()
+        self._skipping.add(tenant)
+        try:
+            drained = self.wait(timeout_s)
+        finally:
+            self._skipping.discard(tenant)
+        return len(mine) + self._skipped.pop(tenant, 0), drained
 
     def wait(self, timeout_s: float | None = None) -> bool:
         """Until every put queued before this call is on the ledger (or failed: rule 8), at most `timeout_s`

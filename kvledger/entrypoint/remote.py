@@ -45,7 +45,7 @@ from kvledger.engine.api import EngineRequest, Leg, RequestUsage, TokenEvent
 from kvledger.engine.client import EngineFailed, EngineRejected
 from kvledger.engine.engine_registry import EngineInfo, Registry
 from kvledger.engine.session import ProofFailed, SessionClient
-from kvledger.engine.wire import KEEPALIVE_S, GenerateBody, WireEvent
+from kvledger.engine.wire import FORGET_PATH, KEEPALIVE_S, ForgetBody, GenerateBody, WireEvent
 from kvledger.entrypoint.router import Load, PromptView, Router
 
 log = logging.getLogger("kvledger.cluster")
@@ -58,6 +58,7 @@ LEG_IDLE_S = 3 * KEEPALIVE_S   # a leg silent this long (no event, no keepalive)
                                # engine; the request continues elsewhere
 UNTRUSTED_S = 60.0   # an engine that failed the token proof gets no request this long (then it may try again)
 GENERATE_PATH = "/engine/v1/generate"
+FORGET_TIMEOUT_S = 60.0   # an engine's forget waits up to Engine.forget's FORGET_WAIT_S for its writer
 
 
 class LegBroken(Exception):
@@ -210,6 +211,32 @@ class RemoteEngines:
                 failed.add(engine.engine_id)
                 kind = "continue"
         raise EngineFailed(f"the request did not finish within {MAX_LEGS} engine legs")
+
+    async def forget(self, tenant: str) -> dict[str, dict[str, int] | None]:
+        """Forget `tenant` on every engine the registry lists, at once (`POST /engine/v1/forget`, each over its
+        session): engine id → what it dropped, None for one that did not answer (or not one of this cluster's). An
+        engine that was down has no pool and no device cache to bring back; what it wrote late the store's hold
+        refuses (store/forget.py)."""
+        engines = await asyncio.to_thread(self.registry.members)   # every one listed: misconfigured ones hold KV too
+        answers = await asyncio.gather(*(self._forget_on(e, tenant) for e in engines))
+        return {e.engine_id: got for e, got in zip(engines, answers)}
+
+    async def _forget_on(self, engine: EngineInfo, tenant: str) -> dict[str, int] | None:
+        assert self.client is not None
+        content = ForgetBody(tenant=tenant).model_dump_json().encode()
+        try:
+            headers = await self.sessions.headers(self.client, engine.url, "POST", FORGET_PATH, content)
+            r = await self.client.post(engine.url + FORGET_PATH, content=content, timeout=FORGET_TIMEOUT_S,
+                                       headers={**headers, "Content-Type": "application/json"})
+            if r.status_code == 401:
+                self.sessions.forget(engine.url)
+            if r.status_code != 200:
+                raise ValueError(f"HTTP {r.status_code}: {_message(r.content)}")
+            got = r.json()
+            return {str(k): int(v) for k, v in got.items()}
+        except (httpx.HTTPError, ProofFailed, ValueError, TypeError, AttributeError) as e:
+            log.warning("forget on engine %r failed: %s: %s", engine.engine_id[:64], type(e).__name__, e)
+            return None
 
     def _leg_ended(self, legs: list[Leg], kind: str, engine: EngineInfo, usage: RequestUsage | None) -> None:
         """The last leg ended: the metrics, and its own counts on its record (the client's usage shows them)."""
