@@ -53,6 +53,8 @@ class Outcome:
     last_token_at: float | None = None
     miss: dict[str, Any] | None = None   # usage.kvledger.miss, when the request asked (explain_cache_miss)
     first_absent: FirstAbsent | None = None   # the first absent block under the cap, and why (at the end)
+    kept: bool = True   # what of it stays (sample, trace; its blocks did): a storing request whose tenant was not
+                        # forgotten while it ran (`Forgetting.keeps`)
 
 
 async def run(state: ServerState, prep: Prepared, out: Outcome) -> AsyncIterator[Delta]:
@@ -88,6 +90,7 @@ async def run(state: ServerState, prep: Prepared, out: Outcome) -> AsyncIterator
     finally:
         state.metrics.running.dec()
     out.text = text.text
+    out.kept = prep.stores and state.forgetting.keeps(prep.engine_request.namespace, prep.arrival)
     out.first_absent = first_absent(state, prep)
     if prep.explain_miss:
         split = miss_split(prep, usage_of(prep, out).prompt_cache_hit_tokens, out.first_absent)
@@ -162,13 +165,13 @@ def _tick(state: ServerState, out: Outcome) -> None:
 def usage_of(prep: Prepared, out: Outcome) -> Usage:
     u = out.usage
     if u is None:
-        return Usage.of(prep.prompt_tokens, 0, len(out.token_ids), stored=prep.stores)
+        return Usage.of(prep.prompt_tokens, 0, len(out.token_ids), stored=out.kept)
     cached = min(u.cached_tokens, prep.prompt_tokens)
     legs = [LegDetails(kind=leg.kind, engine=leg.engine, start=leg.start, cached_tokens=leg.cached_tokens,
                        computed_prompt_tokens=leg.computed_prompt_tokens) for leg in u.legs] or None
     return Usage.of(prep.prompt_tokens, cached, len(out.token_ids), hit_kind=u.hit_kind,
                     device_cached=min(u.device_cached_tokens, cached), computed=u.computed_prompt_tokens,
-                    engine=u.engine, legs=legs, miss=out.miss, stored=prep.stores)
+                    engine=u.engine, legs=legs, miss=out.miss, stored=out.kept)
 
 
 def usage_json(prep: Prepared, out: Outcome) -> dict[str, Any]:
@@ -202,7 +205,7 @@ def record(state: ServerState, prep: Prepared, out: Outcome) -> None:
     _record_misses(state, prep, out, cached)
     state.activity.record(RequestRecord(time.time(), prep.request_id, ns, prep.endpoint, usage.prompt_tokens,
                                         cached, usage.completion_tokens, kind, ttft, out.finish_reason))
-    if prep.stores:   # a no-store request leaves no trace line (rule 12); counts and metrics keep no token of it
+    if out.kept:   # a no-store request leaves no trace line (rule 12); counts and metrics keep no token of it
         trace_request(state, prep, out, usage, ttft)
 
 
@@ -218,7 +221,7 @@ def _record_misses(state: ServerState, prep: Prepared, out: Outcome, cached: int
     tenant = tenant_of(req.namespace)
     for cause, n in split.tokens.items():
         state.metrics.prompt_miss_tokens.labels(tenant, str(cause)).inc(n)
-    if prep.stores:
+    if out.kept:
         state.misses.account(req.namespace, split, out.first_absent, req.tokens)
         state.misses.add(req.namespace, req.tokens, req.keys)
 

@@ -253,6 +253,21 @@ class MissBook:
             return ids
         return self.decode(ids) + ("…" if more else "")
 
+    # --- forgetting ---------------------------------------------------------------------------
+
+    def forget(self, tenant: str) -> int:
+        """Drop everything kept of `tenant` (DESIGN rule 12): the sample of each of its namespaces (salted ones too)
+        and its causes and sites; how many sampled prompts went."""
+        with self._lock:
+            names = [name for name in self._spaces if tenant_of(name) == tenant]
+            prompts = 0
+            for name in names:
+                space = self._spaces.pop(name)
+                prompts += len(space.prompts)
+                self._total -= space.tokens
+            self._tenants.pop(tenant, None)
+        return prompts
+
     # --- what the endpoint and the page show ------------------------------------------------
 
     def report(self, tenant: str | None = None, top: int = 10) -> list[dict[str, Any]]:

@@ -88,20 +88,22 @@ async def prepare(state: ServerState, tenant: Tenant, body: SamplingFields, endp
     absent = most - min(blocks_spanned(decision.block_hit_tokens, state.spec), most)
     prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
     req = EngineRequest(f"{prefix}-{uuid.uuid4().hex}", tokens, keys, decision, sampling, namespace,
-                        tenant.ttl_class, store=may_store(tenant, body, cache_control))
+                        tenant.ttl_class,
+                        store=may_store(tenant, body, cache_control, held=state.forgetting.holds(namespace)))
     return Prepared(req, endpoint, tenant, body.stop_strings, body.stream, body.include_usage, arrival,
                     absent if not state.config.no_cache else 0, found, body.explain_cache_miss)
 
 
-def may_store(tenant: Tenant, body: SamplingFields, cache_control: str | None) -> bool:
+def may_store(tenant: Tenant, body: SamplingFields, cache_control: str | None, *, held: bool = False) -> bool:
     """Whether the request may be stored (DESIGN rule 12): not when its key says `"store": false`, its body
-    `"store": false`, or its header `Cache-Control` carries the directive `no-store` (RFC 9111 §5.2.1.5: no cache
+    `"store": false`, its header `Cache-Control` carries the directive `no-store` (RFC 9111 §5.2.1.5: no cache
     keeps any part of the request; directives are comma-separated and case-insensitive, `no-store` takes no
-    argument). Any of the three is enough; `"store": true` overrides neither of the others.
+    argument), or its tenant is `held` (forgotten moments ago: forget.py). Any one is enough; `"store": true`
+    overrides none of the others.
 
         may_store(Tenant("a"), body, "no-cache, No-Store")   → False
         may_store(Tenant("a"), body, "max-age=0")            → True (with the body's store absent or true)"""
-    if not tenant.store or body.store is False:
+    if not tenant.store or body.store is False or held:
         return False
     if cache_control is None:
         return True

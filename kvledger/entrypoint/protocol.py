@@ -227,3 +227,11 @@ class DiffRequest(_Request):
 
     a: Annotated[str, Field(max_length=1_000_000)] | TokenIds
     b: Annotated[str, Field(max_length=1_000_000)] | TokenIds
+
+
+class ForgetRequest(_Request):
+    """POST /admin/forget: the tenant to forget (its namespace as --api-keys names it) and how long after its writes
+    are held, in seconds (default `store.forget.DEFAULT_HOLD_S`; 0: none)."""
+
+    namespace: Annotated[str, Field(max_length=1024)]
+    hold_s: float | None = None

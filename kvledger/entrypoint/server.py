@@ -12,7 +12,8 @@ Starlette, a non-streamed request by `_while_connected`; either way the engine's
 aborts the request in the engine (embedded) or closes the leg's connection (cluster: the engine aborts it).
 
 The operator endpoints (`/metrics`, `/dashboard/*`, `/whatif`) name every namespace and show every tenant's
-last requests: with a key file they need an operator key (`auth.may_operate`).
+last requests, and `POST /admin/forget` forgets a tenant on every node (forget.py): with a key file they need an
+operator key (`auth.may_operate`).
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ from kvledger.entrypoint.body_limit import BodyLimit
 from kvledger.entrypoint.errors import ApiError, bad_request, forbidden, internal_error, too_many, unauthorized
 from kvledger.entrypoint.generate import CLIENT_GONE, Outcome, chat_body, completion_body, record, run, sse
 from kvledger.entrypoint.prepare import Prepared, prepare
+from kvledger.entrypoint.forget import forget_tenant
 from kvledger.entrypoint.protocol import (ChatCompletionRequest, CompletionRequest, DiffRequest, ErrorResponse,
-                                          ModelCard, ModelList)
+                                          ForgetRequest, ModelCard, ModelList)
 from kvledger.entrypoint.server_state import ServeConfig, ServerState
 
 STATIC = Path(__file__).with_name("static")
@@ -246,6 +248,20 @@ def _operator_routes(app: FastAPI) -> None:
     @app.post("/dashboard/diff", responses=OPERATOR_ERRORS, tags=["operator"])
     async def diff(request: Request, body: DiffRequest, _: Operator) -> JSONResponse:
         return JSONResponse(await asyncio.to_thread(dashboard.diff, _state(request), body))
+
+    @app.post("/admin/forget", responses=OPERATOR_ERRORS, tags=["operator"])
+    async def forget(request: Request, body: ForgetRequest, _: Operator) -> JSONResponse:
+        """Forget a tenant (DESIGN rule 12): its blocks, snapshots, tombstones, miss sample and trace lines, on every
+        node; the receipt counts what was removed where (forget.py)."""
+        from kvledger.store.forget import DEFAULT_HOLD_S, check_hold, check_tenant
+
+        hold_s = DEFAULT_HOLD_S if body.hold_s is None else body.hold_s
+        for param, check, value in (("namespace", check_tenant, body.namespace), ("hold_s", check_hold, hold_s)):
+            try:
+                check(value)
+            except ValueError as e:
+                raise bad_request(str(e), param, "invalid_value") from None
+        return JSONResponse(await forget_tenant(_state(request), body.namespace, float(hold_s)))
 
     @app.get("/whatif", responses=OPERATOR_ERRORS, tags=["operator"])
     async def whatif(request: Request, _: Operator) -> JSONResponse:

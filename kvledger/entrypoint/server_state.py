@@ -18,6 +18,7 @@ from kvledger.engine.models.tokenizer import longest_token_bytes
 from kvledger.entrypoint.activity import Activity
 from kvledger.entrypoint.auth import Tenant, load_keys
 from kvledger.entrypoint.config import ServeConfig
+from kvledger.entrypoint.forget import Forgetting
 from kvledger.entrypoint.metrics import ServeMetrics
 from kvledger.entrypoint.misses import MissBook
 from kvledger.entrypoint.remote import RemoteEngines
@@ -54,6 +55,7 @@ class ServerState:
         self.misses = MissBook(self.spec.block_size,   # why prompts miss (misses.py)
                                decode=None if tok is None else lambda ids: tok.decode(ids, skip_special_tokens=False))
         self.trace = open_recorder(self)   # the server's own trace (`kvledger whatif` reads it)
+        self.forgetting = Forgetting()     # tenants being forgotten, and held after (forget.py)
         self.upkeep: PeriodicGc | None = None  # embedded: expired blocks removed while serving
         self.in_flight: dict[str, int] = {}   # tenant label → requests admitted and not finished
         self.engine: EngineClient | None = None

@@ -83,3 +83,23 @@ def test_the_sample_keeps_to_its_caps_and_forgets_what_it_dropped():
         sampled(book, "beta", prompt(1000, seed))
     assert book.sample_bytes("alpha") + book.sample_bytes("beta") <= 6 * (1000 * 4 + 16 * (1000 // B))
     assert book.sample_bytes("beta") == 3 * (1000 * 4 + 16 * (1000 // B))
+
+
+def test_forget_drops_a_tenants_sample_and_sites_with_its_salts():
+    """DESIGN rule 12: a forgotten tenant's prompts leave the sample (each of its salted namespaces' too), and its
+    causes and sites go; another tenant's stay, and the sample's totals shrink by what went."""
+    from kvledger.core import salted_namespace
+
+    book = MissBook(B)
+    a = prompt(1000, 1)
+    salted = salted_namespace("alpha", "s")
+    for ns in ("alpha", salted, "beta"):
+        sampled(book, ns, a)
+    book.account("alpha", split_misses(1000, decide_hit(1000, 0, set(), SPEC), 0, 0, MissCause.COLD), None, a)
+    assert book.forget("alpha") == 2 and book.forget("alpha") == 0
+    b = a.copy()
+    b[277] += 1
+    for ns in ("alpha", salted):
+        assert book.first_absent(ns, b, chain_keys(b, SPEC, ns), 2, None).cause is MissCause.COLD
+    assert book.first_absent("beta", b, chain_keys(b, SPEC, "beta"), 2, None).cause is MissCause.DIVERGED
+    assert book.report("alpha") == [] and book.sample_bytes("beta") > 0 and book._total == 1000
