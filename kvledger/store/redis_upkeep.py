@@ -25,15 +25,14 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvledger.store")
 
 
-def scan_names(store: RedisStore, batch: int, prefix: bytes | None = None) -> Iterator[tuple[redis.Redis, list[bytes]]]:
-    """(master, Redis keys of blocks on it — or of the names under `prefix`, e.g. the tombstones'), `batch` at a
-    time, every master in turn. A master whose SCAN fails is logged and skipped (the views cover the others); no
-    master reachable raises."""
+def scan_names(store: RedisStore, batch: int) -> Iterator[tuple[redis.Redis, list[bytes]]]:
+    """(master, Redis keys of blocks on it), `batch` at a time, every master in turn. A master whose
+    SCAN fails is logged and skipped (the views cover the others); no master reachable raises."""
     for node in store.nodes.masters():
         cursor = 0
         while True:
             try:
-                cursor, names = node.scan(cursor, match=(prefix or store.bprefix) + b"*", count=batch)
+                cursor, names = node.scan(cursor, match=store.bprefix + b"*", count=batch)
             except FAULTS as e:
                 if not store.nodes.cluster:
                     raise
