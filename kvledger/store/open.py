@@ -42,9 +42,9 @@ class StoreLocation:
 def open_block_store(location: StoreLocation, *, capacity_bytes: int | None = None, quotas: Quotas | None = None,
                      fsync: bool = True, clock: Clock = wall_clock, timeout_s: float = 2.0, create: bool = True,
                      check: bool = False, pin_index: bool = False) -> BlockStore:
-    """The store at `location`. `capacity_bytes`: live block bytes past which a put evicts; `quotas`: the guarantees
-    eviction keeps (quota.py; None: those the store records); both, and `clock`, the embedded store's for now
-    (Redis keeps its own time and memory); `fsync=False` skips fsyncs
+    """The store at `location`. `capacity_bytes`: live block bytes past which a put evicts (both backends; on Redis
+    the blocks' bytes, not the server's memory); `quotas`: the guarantees eviction keeps (quota.py; None: those
+    the store records); `clock`: the embedded store's (Redis keeps its own time); `fsync=False` skips fsyncs
     (tests, builds); `create=False` refuses a folder that does not exist; `timeout_s` is every Redis call's
     deadline; `check=True` pings Redis now (the CLI's "does it answer"). `pin_index=True` keeps the embedded
     store's LMDB index in memory (index_pin.py; Redis's is in memory anyway)."""
@@ -57,7 +57,8 @@ def open_block_store(location: StoreLocation, *, capacity_bytes: int | None = No
     from kvledger.store.shared_files import SharedFiles
 
     files = SharedFiles(location.path, fsync=fsync, create=create) if location.path is not None else None
-    return RedisStore(location.redis_url, prefix=location.prefix, timeout_s=timeout_s, check=check, files=files)
+    return RedisStore(location.redis_url, prefix=location.prefix, timeout_s=timeout_s, check=check, files=files,
+                      capacity_bytes=capacity_bytes, quotas=quotas)
 
 
 def location_of(store: BlockStore) -> StoreLocation:

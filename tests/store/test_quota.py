@@ -1,5 +1,5 @@
 """Quotas (DESIGN.md rule 12, store/quota.py): a tenant with a guaranteed share keeps its hot prefix through another
-tenant's flood, on the embedded store (LMDB).
+tenant's flood, on the embedded store (LMDB) and on Redis (one server and a Redis Cluster, bytes inline or on files).
 
 The review's case, scaled to 4 KiB blocks: capacity 40 blocks; alpha stores its 8-block prompt and hits it; beta
 then stores 60 unique 2-block prompts (3 × the capacity); alpha's prompt must still match whole. Without a
@@ -7,12 +7,16 @@ quota (today's plain recency) the same flood leaves alpha nothing: the control b
 
 from __future__ import annotations
 
+import secrets
+
 import pytest
 
 from kvledger.store.backend import ChainWrite
 from kvledger.store.lmdb_store import LmdbStore
 from kvledger.store.quota import (CLASS, NAMESPACE, Bucket, Candidate, Owner, Quotas, bucket_of, parse_quota, pick,
                                   resolve_quotas)
+
+from kvledger.util.redis_fanout import Call, command
 
 from .conftest import BLOCK, chain
 
@@ -95,6 +99,68 @@ def test_lmdb_an_index_from_before_buckets_is_counted_at_open(tmp_path, clock):
         st = store.stats()
         assert st.namespace_bytes == {"alpha": 3 * BLOCK, "beta": 2 * BLOCK}   # a salt counts as its tenant's
         assert st.class_bytes == {"chatbot": 3 * BLOCK, "agent": 2 * BLOCK}
+
+
+# --- Redis ---------------------------------------------------------------------------------------------
+
+REDIS_KINDS = ("redis", "cluster", "redis-cluster")
+
+
+@pytest.fixture(params=REDIS_KINDS)
+def redis_store(request, tmp_path, shared_redis):
+    """A RedisStore factory on one server (bytes inline, or on files: the cluster mode) or a Redis Cluster."""
+    from kvledger.store.redis_backend import RedisStore
+    from kvledger.store.shared_files import SharedFiles
+
+    url = request.getfixturevalue("redis_cluster").url if request.param == "redis-cluster" else shared_redis.url
+    prefix = f"t{secrets.token_hex(6)}:"
+    opened = []
+
+    def make(quotas):
+        files = SharedFiles(tmp_path, fsync=False) if request.param == "cluster" else None
+        opened.append(RedisStore(url, prefix=prefix, files=files, capacity_bytes=CAPACITY, quotas=quotas))
+        return opened[-1]
+
+    yield make
+    for s in opened:
+        s.close()
+
+
+def test_redis_a_guaranteed_tenant_keeps_its_prefix_through_a_flood(redis_store):
+    store = redis_store(GUARANTEE)
+    assert _flood(store) == HOT
+    st = store.stats()
+    assert st.live_bytes <= CAPACITY and store.counters.gc_evicted >= 2 * FLOOD - 40
+    assert st.namespace_bytes["alpha"] == HOT * BLOCK and st.namespace_bytes["beta"] == st.live_bytes - HOT * BLOCK
+    assert st.guarantees == {"namespaces": {"alpha": 10 * BLOCK}, "classes": {}}
+    assert store.counters.quota_overrides == 0
+
+
+def test_redis_without_a_quota_the_flood_evicts_the_tenant(redis_store):
+    assert _flood(redis_store(Quotas())) == 0
+
+
+def test_redis_over_subscribed_guarantees_fall_back_to_recency(redis_store):
+    store = redis_store(Quotas({"alpha": 30 * BLOCK, "beta": 30 * BLOCK}))
+    _flood(store)
+    assert store.stats().live_bytes <= CAPACITY and store.counters.quota_overrides > 0
+
+
+def test_redis_totals_follow_expiry_delete_and_repeat_puts(redis_store):
+    store = redis_store(GUARANTEE)
+    keys, blocks = chain(4, "alpha", seed=7)
+    _put(store, keys, blocks, "alpha")
+    _put(store, keys, blocks, "alpha")             # present: skipped, counted once
+    assert store.stats().namespace_bytes == {"alpha": 4 * BLOCK}
+    assert store.delete(keys[2:]) == 2
+    assert store.stats().namespace_bytes == {"alpha": 2 * BLOCK}
+    gone = [Call(store.place.slot(k), command("DEL", store.place.name(k))) for k in keys[:2]]
+    assert store.nodes.run(gone) == [1, 1]        # as Redis's own expiry removes them: no script runs
+    assert store.stats().namespace_bytes == {"alpha": 2 * BLOCK}   # counted until swept
+    store.gc()
+    assert store.stats().namespace_bytes == {}
+    _put(store, keys, blocks, "alpha")             # written again: counted once again
+    assert store.stats().namespace_bytes == {"alpha": 4 * BLOCK}
 
 
 # --- the decision --------------------------------------------------------------------------------------
