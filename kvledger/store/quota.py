@@ -132,6 +132,18 @@ class Quotas:
         table = self.namespaces if owner.kind == NAMESPACE else self.classes
         return table.get(owner.name, 0)
 
+    def describe(self, capacity: int | None) -> str:
+        """One line for a server's start: each guarantee, and their share of `capacity` (over-subscribed said)."""
+        parts = [f"{n} {g:,} B" for n, g in sorted(self.namespaces.items())]
+        parts += [f"class {c} {g:,} B" for c, g in sorted(self.classes.items())]
+        line = "guaranteed: " + ", ".join(parts)
+        if capacity is None:
+            return line + " (no --store-capacity: nothing is evicted)"
+        if self.total > capacity:
+            return line + (f" — {self.total:,} B over-subscribe the capacity {capacity:,} B: past it, eviction "
+                           "falls back to recency (counted in quota_overrides)")
+        return line + f" ({self.total:,} of {capacity:,} B; the rest shared by recency)"
+
     def as_dict(self) -> dict[str, dict[str, int]]:
         return {"namespaces": dict(self.namespaces), "classes": dict(self.classes)}
 
@@ -171,7 +183,7 @@ def parse_quota(text: str, classes: Iterable[str]) -> tuple[Owner, int]:
     return Owner(kind, name), int(size)
 
 
-def per_key_default(capacity: int, tenants: int) -> int:
+def default_share(capacity: int, tenants: int) -> int:
     """The guarantee of each tenant of a key file that states none: capacity / (2 × tenants), so the guarantees
     together take half the store and the other half is shared by recency."""
     assert capacity > 0 and tenants > 0
@@ -184,12 +196,12 @@ def resolve_quotas(capacity: int | None, flags: Iterable[tuple[Owner, int]],
 
     `flags`: the `--quota` settings (parsed); `tenants`: each key file namespace → its key's own `quota` (None:
     not stated); None without a key file. Precedence: a `--quota` of a namespace, then its keys' quota (the
-    largest, when keys share a namespace), then with a capacity `per_key_default` over the key file's
+    largest, when keys share a namespace), then with a capacity `default_share` over the key file's
     namespaces. Without a capacity nothing is evicted, so only what is stated is kept (for `store stats`)."""
     namespaces: dict[str, int] = {}
     classes: dict[str, int] = {}
     if tenants:
-        default = per_key_default(capacity, len(tenants)) if capacity is not None else None
+        default = default_share(capacity, len(tenants)) if capacity is not None else None
         for ns, stated in tenants.items():
             g = stated if stated is not None else default
             if g is not None:
