@@ -63,11 +63,12 @@ def _stats_parser(cmds: argparse._SubParsersAction) -> None:
 def _gc_parser(cmds: argparse._SubParsersAction) -> None:
     g = cmds.add_parser("gc", help="remove expired blocks (tails first); evict down to --capacity-gb",
                         description="Remove expired blocks (chain tails first), then evict the least recently hit "
-                        "down to\n--capacity-gb (file store), then the snapshot files whose chain block is gone.",
+                        "down to\n--capacity-gb, keeping the guarantees the store records (--quota of the server "
+                        "that owns it),\nthen the snapshot files whose chain block is gone.",
                         epilog=examples("kvledger store gc --path DATA --capacity-gb 50 --json"))
     _location_args(g)
-    g.add_argument("--capacity-gb", type=float, default=None, help="file store: evict least recently hit above this "
-                   "(default: no limit)")
+    g.add_argument("--capacity-gb", type=float, default=None, help="evict least recently hit above this, keeping the "
+                   "recorded guarantees (default: no limit)")
     g.add_argument("--batch", type=int, default=4096, help="blocks removed per batch")
     g.set_defaults(func=cmd_gc)
 
