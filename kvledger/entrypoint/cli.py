@@ -278,7 +278,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
 def _open_state(config: Any) -> Any:
     from kvledger.engine.models.registry import ModelError
     from kvledger.entrypoint.auth import KeyFileError
-    from kvledger.entrypoint.public_prefix import PublicPrefixError
+    from kvledger.util.public_prefix import PublicPrefixError
     from kvledger.entrypoint.server_state import ServerState
 
     try:

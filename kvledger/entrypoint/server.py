@@ -39,7 +39,7 @@ from kvledger.entrypoint.body_limit import BodyLimit
 from kvledger.entrypoint.errors import ApiError, bad_request, forbidden, internal_error, too_many, unauthorized
 from kvledger.entrypoint.generate import CLIENT_GONE, Outcome, chat_body, completion_body, record, run, sse
 from kvledger.entrypoint.prepare import Prepared, prepare
-from kvledger.entrypoint.public_prefix import parse_items
+from kvledger.util.public_prefix import parse_items
 from kvledger.entrypoint.protocol import (ChatCompletionRequest, CompletionRequest, DiffRequest, ErrorResponse,
                                           ModelCard, ModelList, PublicPrefixChange)
 from kvledger.entrypoint.server_state import ServeConfig, ServerState

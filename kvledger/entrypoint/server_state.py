@@ -20,7 +20,7 @@ from kvledger.entrypoint.auth import Tenant, load_keys
 from kvledger.entrypoint.config import ServeConfig
 from kvledger.entrypoint.metrics import ServeMetrics
 from kvledger.entrypoint.misses import MissBook
-from kvledger.entrypoint.public_prefix import PublicPrefixes, load_public_prefixes
+from kvledger.util.public_prefix import PublicPrefixes, load_public_prefixes
 from kvledger.entrypoint.remote import RemoteEngines
 from kvledger.entrypoint.store_upkeep import PeriodicGc
 from kvledger.entrypoint.trace_recorder import open_recorder

@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 
-from kvledger.entrypoint.public_prefix import PublicPrefixes
+from kvledger.util.public_prefix import PublicPrefixes
 from kvledger.util.serve_process import ServeProcess
 
 B = 128
@@ -74,14 +74,15 @@ def test_a_tenant_cannot_publish_and_what_it_stores_under_any_name_is_not_public
 
     for salt in (None, "kvledger:public", "public"):   # a tenant stores `other` under every name it can pick
         complete(server, tenant_key(5), other + tokens(7, 10), salt=salt)
-    status, out = server.post("/admin/public-prefixes", {"add": [other]}, headers={"Authorization": f"Bearer {OPS}"})
-    assert status == 200 and {"tokens": 2 * B, "blocks": 2} == {k: out["prefixes"][-1][k] for k in ("tokens", "blocks")}
+    operator = {"Authorization": f"Bearer {OPS}"}
+    status, out = server.post("/admin/public-prefixes", {"add": [other]}, headers=operator)
+    assert status == 200 and {k: out["prefixes"][-1][k] for k in ("tokens", "blocks")} == {"tokens": 2 * B, "blocks": 2}
     assert complete(server, tenant_key(6), other + tokens(8, 10))["prompt_cache_hit_tokens"] == 0   # computed anew
     assert complete(server, tenant_key(7), other + tokens(9, 10))["prompt_cache_hit_tokens"] == 2 * B   # now public
 
-    status, out = server.post("/admin/public-prefixes", {"remove": [other]}, headers={"Authorization": f"Bearer {OPS}"})
+    status, out = server.post("/admin/public-prefixes", {"remove": [other]}, headers=operator)
     assert status == 200 and out["withdrawn"] == 1
-    status, out = server.post("/admin/public-prefixes", {"add": [[1, 2, 3]]}, headers={"Authorization": f"Bearer {OPS}"})
+    status, out = server.post("/admin/public-prefixes", {"add": [[1, 2, 3]]}, headers=operator)
     assert status == 400 and "no whole block" in out["error"]["message"]
 
 
@@ -119,3 +120,37 @@ def test_a_windowed_model_snapshots_at_the_published_prefix_end_and_a_tenant_res
             assert status == 200 and reply["choices"][0]["token_ids"] == want["choices"][0]["token_ids"]
     finally:
         cached.stop(), reference.stop()
+
+
+def test_through_kvledger_up_the_prefix_is_computed_once_and_replies_are_one_engines(tmp_path):
+    """The same through `kvledger up` (1 prefill + 1 decode engine, tiny-v4): the entrypoint decides the public
+    part once and every leg keys by it (the wire's public_blocks); the second tenant hits the prefix's blocks and
+    window, and both replies equal one no-cache engine's."""
+    from kvledger.bench.cluster_process import ClusterProcess
+
+    prefix = [t % 1000 for t in tokens(4, 3 * B + 40)]
+    (tmp_path / "public.json").write_text(json.dumps([prefix]))
+    keys_file = tmp_path / "keys.json"
+    keys_file.write_text(json.dumps({tenant_key(i): f"tenant-{i}" for i in range(2)}))
+    keys_file.chmod(0o600)
+    prompts = [prefix + [t % 1000 for t in tokens(20 + i, 300)] for i in range(2)]
+    body = {"model": "tiny-v4", "max_tokens": 6, "temperature": 0}
+    reference = ServeProcess(tmp_path / "ref", "--no-cache", model="tiny-v4").start()
+    try:
+        want = [reference.post("/v1/completions", body | {"prompt": p})[1]["choices"][0]["token_ids"] for p in prompts]
+    finally:
+        reference.stop()
+    c = ClusterProcess(tmp_path / "cluster", "--public-prefix", str(tmp_path / "public.json"), "--api-keys",
+                       str(keys_file), prefill=1, decode=1, model="tiny-v4").start()
+    try:
+        got = []
+        for i, prompt in enumerate(prompts):
+            server = ServeProcess(tmp_path / "unused", api_key=tenant_key(i))
+            server.port = c.port
+            status, out = server.post("/v1/completions", body | {"prompt": prompt})
+            assert status == 200, out
+            got.append(out)
+    finally:
+        c.stop()
+    assert [g["usage"]["prompt_cache_hit_tokens"] for g in got] == [0, 3 * B]
+    assert [g["choices"][0]["token_ids"] for g in got] == want

@@ -105,7 +105,7 @@ def parse_items(raw: Any, tokenize: Callable[[str], list[int]] | None, vocab_siz
     for i, item in enumerate(raw):
         if isinstance(item, str):
             if tokenize is None:
-                raise ValueError(f"item {i}: this model has no tokenizer; give token ids")
+                raise ValueError(f"item {i}: a string needs a tokenizer, and there is none here; give token ids")
             item = tokenize(item)
         if not isinstance(item, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in item):
             raise ValueError(f"item {i}: a list of token ids or a string")
