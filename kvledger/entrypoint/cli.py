@@ -174,6 +174,10 @@ def http_args(p: argparse.ArgumentParser) -> None:
                    help='JSON: {"KEY": "namespace"} or {"KEY": {"namespace": ..., "ttl_class": ..., "role": '
                         '"operator"}} (operator keys read /metrics and /dashboard; the file must be owned by you and '
                         "writable by nobody else) (default: none, open to every caller on loopback)")
+    p.add_argument("--public-prefix", type=Path, default=None, metavar="FILE",
+                   help="JSON: a list of public prefixes (token-id lists, or strings tokenized as a prompt's start) "
+                        "every tenant's prompt shares: their whole blocks are computed and stored once for all "
+                        "tenants, and what follows stays each tenant's own (default: none)")
     add_model_arg(p)
     p.add_argument("--max-concurrent-per-key", type=int, default=None, help="running + waiting requests of one API "
                    f"key; more at once → 429 (default: with --api-keys half of --max-num-seqs, so one key never "
@@ -240,7 +244,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     port = sock.getsockname()[1]
     per_key = args.max_concurrent_per_key or per_key_default(args.max_num_seqs, args.api_keys is not None)
     config = ServeConfig(model=args.model, host=args.host, port=port, data_dir=data_dir,
-                         api_keys=args.api_keys, no_cache=args.no_cache, max_body_bytes=args.max_body_bytes,
+                         api_keys=args.api_keys, public_prefix=args.public_prefix, no_cache=args.no_cache,
+                         max_body_bytes=args.max_body_bytes,
                          body_timeout_s=args.body_timeout_s,
                          max_concurrent_per_key=per_key, max_num_seqs=args.max_num_seqs,
                          max_prompt_tokens=args.max_prompt_tokens, max_tokens_limit=args.max_tokens_limit,
@@ -273,11 +278,12 @@ def cmd_serve(args: argparse.Namespace) -> None:
 def _open_state(config: Any) -> Any:
     from kvledger.engine.models.registry import ModelError
     from kvledger.entrypoint.auth import KeyFileError
+    from kvledger.util.public_prefix import PublicPrefixError
     from kvledger.entrypoint.server_state import ServerState
 
     try:
         return ServerState(config)
-    except (KeyFileError, ModelError) as e:   # a model's tokenizer that cannot be built, say
+    except (KeyFileError, ModelError, PublicPrefixError) as e:   # a model's tokenizer that cannot be built, say
         raise CliError(str(e)) from None
     except OSError as e:
         raise CliError(f"--data-dir {config.data_dir}: cannot open the ledgers ({e.strerror or e})") from None

@@ -14,12 +14,13 @@ from kvledger.engine.async_engine import AsyncEngine
 from kvledger.engine.client import EngineClient
 from kvledger.engine.ledgers import Part, open_ledgers
 from kvledger.engine.models import registry
-from kvledger.engine.models.tokenizer import longest_token_bytes
+from kvledger.engine.models.tokenizer import encode_ids, longest_token_bytes
 from kvledger.entrypoint.activity import Activity
 from kvledger.entrypoint.auth import Tenant, load_keys
 from kvledger.entrypoint.config import ServeConfig
 from kvledger.entrypoint.metrics import ServeMetrics
 from kvledger.entrypoint.misses import MissBook
+from kvledger.util.public_prefix import PublicPrefixes, load_public_prefixes
 from kvledger.entrypoint.remote import RemoteEngines
 from kvledger.entrypoint.store_upkeep import PeriodicGc
 from kvledger.entrypoint.trace_recorder import open_recorder
@@ -42,6 +43,7 @@ class ServerState:
         self.keys: dict[str, Tenant] | None = (load_keys(config.api_keys, set(self.policy.classes))
                                                if config.api_keys is not None else None)
         self.tokenizer, self.chat_template = self.entry.text()   # before the ledgers: a bad model opens nothing
+        self.public = self._public_prefixes()   # rule 12: swapped whole when an operator publishes or withdraws
         part = Part.EMBEDDED if config.redis_url is None else Part.ENTRYPOINT
         self.ledgers = open_ledgers(self.spec, config.data_dir, part, redis_url=config.redis_url,
                                     token=config.cluster_token, policy=self.policy,
@@ -65,6 +67,18 @@ class ServerState:
         self.max_model_len = 0
         self.vocab_size = 0
         self.eos_token_ids: tuple[int, ...] = ()
+
+    def _public_prefixes(self) -> PublicPrefixes:
+        b = self.spec.block_size
+        if self.config.public_prefix is None:
+            return PublicPrefixes(b)
+        tokenize = self.tokenize if self.tokenizer is not None else None
+        return load_public_prefixes(self.config.public_prefix, tokenize, None, b)
+
+    def tokenize(self, text: str) -> list[int]:
+        """`text` as the start of a prompt (as /v1/completions tokenizes a prompt string)."""
+        assert self.tokenizer is not None
+        return encode_ids(self.tokenizer, text)
 
     def load_engine(self) -> None:
         """Embedded: load the model (seconds; the first run converts its weights, tens of seconds).
@@ -124,11 +138,11 @@ class ServerState:
         from kvledger.entrypoint.router import Router
         from kvledger.state.auth import derive_keys
 
-        def check(tokens: Any, namespace: str, ttl_class: str | None, known_keys: list[bytes], prompt_len: int
-                  ) -> Any:
+        def check(tokens: Any, namespace: str, ttl_class: str | None, known_keys: list[bytes], prompt_len: int,
+                  public_blocks: int) -> Any:
             return check_prompt(tokens, self.spec, block_ledger=self.block_ledger, state_ledger=self.state_ledger,
                                 namespace=namespace, ttl_class=ttl_class, replay=self.config.replay,
-                                known_keys=known_keys, prompt_len=prompt_len)
+                                known_keys=known_keys, prompt_len=prompt_len, public_blocks=public_blocks)
 
         assert self.config.redis_url is not None and self.config.cluster_token is not None
         registry = Registry.from_url(self.config.redis_url, derive_keys(self.config.cluster_token).registry)
