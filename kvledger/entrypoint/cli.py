@@ -293,9 +293,11 @@ def _open_state(config: Any) -> Any:
 def _load(state: Any, mode: str, routing: str, threads: int | None) -> None:
     """Load the model on `threads` torch threads (embedded mode; None in an entrypoint, which computes nothing),
     saying what it does on stderr."""
+    from kvledger.entrypoint.auth import tenant_count
+
     config = state.config
     tenants = "open: no --api-keys, every request is tenant 'default' (loopback only)" if state.keys is None \
-        else f"{len(state.keys)} API keys, {len({t.namespace for t in state.keys.values()})} namespaces"
+        else f"{len(state.keys)} API keys, {tenant_count(state.keys)} namespaces"
     what = f"{mode} ({routing} routing)" if mode == "entrypoint" else mode
     print(f"kvledger {what}: {config.model}  data {config.data_dir}  {tenants}"
           f"{'  cache disabled' if config.no_cache else ''}", file=sys.stderr, flush=True)
