@@ -20,7 +20,7 @@ from kvledger.entrypoint.body_limit import BODY_TIMEOUT_S
 from kvledger.entrypoint.config import (DEFAULT_TTL_CLASSES, MAX_TOKENS_LIMIT, OPEN_PER_KEY, TRACE_FILE_BYTES,
                                         TRACE_FILES, per_key_default)
 from kvledger.entrypoint.router import POLICIES
-from kvledger.util.http_server import HEADER_TIMEOUT_S, MAX_CONNECTIONS
+from kvledger.util.http_server import HEADER_TIMEOUT_S, MAX_CONNECTIONS, MAX_CONNECTIONS_PER_CLIENT
 from kvledger.util.output import EXIT_INTERRUPTED, CliError
 from kvledger.util.paths import default_data_dir
 from kvledger.util.redis_client import REDIS_URL_ENV
@@ -188,8 +188,13 @@ def http_args(p: argparse.ArgumentParser) -> None:
                    "in within this long of the connection's start (or its previous response) → 408 and closed")
     p.add_argument("--body-timeout-s", type=float, default=BODY_TIMEOUT_S, help="a request body not all in within "
                    "this long of its headers → 408 and closed")
-    p.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS, help="open connections before further "
-                   "requests get 503")
+    p.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS, help="open connections at most; at the "
+                   "cap a new one takes the place of an idle connection of the client holding the most (if it holds 2 "
+                   "more), else it is closed at accept; lowered to fit the fd limit, with a line saying so")
+    p.add_argument("--max-connections-per-client", type=int, default=None, help="open connections of one client "
+                   "address (an IPv6 /64) at most; one more is closed at accept. Behind a proxy every client is "
+                   f"the proxy: raise it to --max-connections (default: {MAX_CONNECTIONS_PER_CLIENT}, or an eighth "
+                   "of --max-connections when less)")
     p.add_argument("--max-prompt-tokens", type=int, default=None, help="longer prompts → 400 (default: the context)")
     p.add_argument("--max-tokens-limit", type=int, default=MAX_TOKENS_LIMIT, help="larger max_tokens → 400 "
                    "(default %(default)s)")
@@ -224,7 +229,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     if args.status_interval_s < 0 or args.grace_s < 0:
         raise CliError("--status-interval-s and --grace-s must be >= 0")
     for flag in ("max_concurrent_per_key", "max_body_bytes", "max_num_seqs", "max_prompt_tokens", "max_tokens_limit",
-                 "header_timeout_s", "body_timeout_s", "max_connections"):
+                 "header_timeout_s", "body_timeout_s", "max_connections", "max_connections_per_client"):
         if getattr(args, flag) is not None and getattr(args, flag) <= 0:
             raise CliError(f"--{flag.replace('_', '-')} must be > 0")
     token = None
@@ -294,9 +299,11 @@ def _open_state(config: Any) -> Any:
 def _load(state: Any, mode: str, routing: str, threads: int | None) -> None:
     """Load the model on `threads` torch threads (embedded mode; None in an entrypoint, which computes nothing),
     saying what it does on stderr."""
+    from kvledger.entrypoint.auth import tenant_count
+
     config = state.config
     tenants = "open: no --api-keys, every request is tenant 'default' (loopback only)" if state.keys is None \
-        else f"{len(state.keys)} API keys, {len({t.namespace for t in state.keys.values()})} namespaces"
+        else f"{len(state.keys)} API keys, {tenant_count(state.keys)} namespaces"
     what = f"{mode} ({routing} routing)" if mode == "entrypoint" else mode
     print(f"kvledger {what}: {config.model}  data {config.data_dir}  {tenants}"
           f"{'  cache disabled' if config.no_cache else ''}", file=sys.stderr, flush=True)
@@ -327,7 +334,7 @@ def _run(config: Any, state: Any, mode: str, sock: socket.socket, args: argparse
     configure_logging(log_level)
     uv = Config(build_app(config, state), log_level=log_level, access_log=log_level in ("debug", "info"),
                 timeout_graceful_shutdown=int(grace_s) + 5, log_config=None, header_timeout_s=args.header_timeout_s,
-                max_connections=args.max_connections)
+                max_connections=args.max_connections, max_connections_per_client=args.max_connections_per_client)
     server = Server(uv, on_interrupt=state.interrupt, on_terminate=drain,
                     ready=f"kvledger {mode}: ready at http://{_url_host(config.host)}:{config.port}")
     server.run(sockets=[sock])

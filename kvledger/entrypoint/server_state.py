@@ -16,7 +16,7 @@ from kvledger.engine.ledgers import Part, open_ledgers
 from kvledger.engine.models import registry
 from kvledger.engine.models.tokenizer import encode_ids, longest_token_bytes
 from kvledger.entrypoint.activity import Activity
-from kvledger.entrypoint.auth import Tenant, load_keys
+from kvledger.entrypoint.auth import Tenant, load_keys, tenant_count
 from kvledger.entrypoint.config import ServeConfig
 from kvledger.entrypoint.metrics import ServeMetrics
 from kvledger.entrypoint.misses import MissBook
@@ -53,7 +53,7 @@ class ServerState:
         self.metrics = ServeMetrics(self.store_stats, lambda: self.block_ledger.store.counters.as_dict())
         self.activity = Activity()
         tok = self.tokenizer   # spans are shown as text where there is a tokenizer, as token ids otherwise
-        self.misses = MissBook(self.spec.block_size,   # why prompts miss (misses.py)
+        self.misses = MissBook(self.spec.block_size, tenants=tenant_count(self.keys),   # why prompts miss (misses.py)
                                decode=None if tok is None else lambda ids: tok.decode(ids, skip_special_tokens=False))
         self.trace = open_recorder(self)   # the server's own trace (`kvledger whatif` reads it)
         self.upkeep: PeriodicGc | None = None  # embedded: expired blocks removed while serving
