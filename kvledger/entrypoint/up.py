@@ -352,7 +352,8 @@ class Cluster:
                  "--max-body-bytes", str(a.max_body_bytes), "--header-timeout-s", str(a.header_timeout_s),
                  "--body-timeout-s", str(a.body_timeout_s), "--max-connections", str(a.max_connections),
                  *(["--no-tail-handoff"] if a.no_tail_handoff else [])]
-        for flag in ("api_keys", "public_prefix", "max_prompt_tokens", "max_tokens_limit", "max_connections_per_client"):
+        for flag in ("api_keys", "public_prefix", "max_prompt_tokens", "max_tokens_limit",
+                     "max_connections_per_client"):
             if getattr(a, flag) is not None:
                 front += [f"--{flag.replace('_', '-')}", str(getattr(a, flag))]
         front += ["--trace-dir", str(a.trace_dir or self.data / "trace"), "--trace-file-bytes",
