@@ -102,10 +102,12 @@ def run_draining(app: Any, sock: socket.socket, on_exit: Any, *, grace_s: float,
     uvicorn stops accepting and waits up to `grace_s` for open streams before it shuts down. A
     BaseException from `on_exit` (StartupInterrupted) goes on into the code the signal interrupted, with
     uvicorn already set to exit. Exit status: 130 after SIGINT, 0 after SIGTERM (util/http_server.py)."""
-    from kvledger.util.http_server import Config, Server
+    from kvledger.util.http_server import MAX_CONNECTIONS, Config, Server
 
+    # its clients are the cluster's own (an entrypoint holds up to 256 connections to it: remote.py), so one
+    # address may hold half, not the default eighth
     config = Config(app, log_level=log_level, access_log=log_level in ("debug", "info"),
-                    timeout_graceful_shutdown=int(max(grace_s, 1)))
+                    timeout_graceful_shutdown=int(max(grace_s, 1)), max_connections_per_client=MAX_CONNECTIONS // 2)
     server = Server(config, on_interrupt=on_exit, on_terminate=on_exit)
     server.run(sockets=[sock])
     raise SystemExit(server.exit_code)

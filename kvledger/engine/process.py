@@ -31,7 +31,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from kvledger.core import root_key, tail_key, tail_parts, takes_tail, with_tail
+from kvledger.core import chain_parent, tail_key, tail_parts, takes_tail, with_tail
 from kvledger.engine.api import EngineRequest
 from kvledger.engine.async_engine import AsyncEngine
 from kvledger.engine.client import EngineFailed, EngineRejected
@@ -170,7 +170,7 @@ class EngineProcess:
         raised = with_tail(req.decision, len(body.tokens), self.spec, held)
         if raised is None:
             return req
-        parent = req.keys[whole - 1] if whole else root_key(self.spec, req.namespace)
+        parent = chain_parent(self.spec, req.namespace, req.keys[:whole], public_blocks=req.public_blocks)
         path = TAIL_PATH + tail_key(parent, body.tokens[whole * b:last]).hex()
         url, outcome, kv = body.tail_from, "failed", None
         try:

@@ -108,6 +108,12 @@ def tenant_quotas(keys: dict[str, Tenant] | None) -> dict[str, int | None] | Non
     return out
 
 
+def tenant_count(keys: dict[str, Tenant] | None) -> int:
+    """How many tenants a server serves: the namespaces its key file names (keys sharing one are one tenant),
+    or 1 when it runs open. Every request's `core.tenant_of(namespace)` is one of them, whatever its salt."""
+    return 1 if keys is None else len({tenant.namespace for tenant in keys.values()})
+
+
 def bearer_token(header: str | None) -> str | None:
     """The KEY of `Authorization: Bearer KEY`, or None."""
     if not header:

@@ -20,7 +20,7 @@ from kvledger.entrypoint.body_limit import BODY_TIMEOUT_S
 from kvledger.entrypoint.config import (DEFAULT_TTL_CLASSES, MAX_TOKENS_LIMIT, OPEN_PER_KEY, TRACE_FILE_BYTES,
                                         TRACE_FILES, per_key_default)
 from kvledger.entrypoint.router import POLICIES
-from kvledger.util.http_server import HEADER_TIMEOUT_S, MAX_CONNECTIONS
+from kvledger.util.http_server import HEADER_TIMEOUT_S, MAX_CONNECTIONS, MAX_CONNECTIONS_PER_CLIENT
 from kvledger.util.output import EXIT_INTERRUPTED, CliError
 from kvledger.util.paths import default_data_dir
 from kvledger.util.redis_client import REDIS_URL_ENV
@@ -180,6 +180,10 @@ def http_args(p: argparse.ArgumentParser) -> None:
                    help='JSON: {"KEY": "namespace"} or {"KEY": {"namespace": ..., "ttl_class": ..., "role": '
                         '"operator"}} (operator keys read /metrics and /dashboard; the file must be owned by you and '
                         "writable by nobody else) (default: none, open to every caller on loopback)")
+    p.add_argument("--public-prefix", type=Path, default=None, metavar="FILE",
+                   help="JSON: a list of public prefixes (token-id lists, or strings tokenized as a prompt's start) "
+                        "every tenant's prompt shares: their whole blocks are computed and stored once for all "
+                        "tenants, and what follows stays each tenant's own (default: none)")
     add_model_arg(p)
     p.add_argument("--max-concurrent-per-key", type=int, default=None, help="running + waiting requests of one API "
                    f"key; more at once → 429 (default: with --api-keys half of --max-num-seqs, so one key never "
@@ -190,8 +194,13 @@ def http_args(p: argparse.ArgumentParser) -> None:
                    "in within this long of the connection's start (or its previous response) → 408 and closed")
     p.add_argument("--body-timeout-s", type=float, default=BODY_TIMEOUT_S, help="a request body not all in within "
                    "this long of its headers → 408 and closed")
-    p.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS, help="open connections before further "
-                   "requests get 503")
+    p.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS, help="open connections at most; at the "
+                   "cap a new one takes the place of an idle connection of the client holding the most (if it holds 2 "
+                   "more), else it is closed at accept; lowered to fit the fd limit, with a line saying so")
+    p.add_argument("--max-connections-per-client", type=int, default=None, help="open connections of one client "
+                   "address (an IPv6 /64) at most; one more is closed at accept. Behind a proxy every client is "
+                   f"the proxy: raise it to --max-connections (default: {MAX_CONNECTIONS_PER_CLIENT}, or an eighth "
+                   "of --max-connections when less)")
     p.add_argument("--max-prompt-tokens", type=int, default=None, help="longer prompts → 400 (default: the context)")
     p.add_argument("--max-tokens-limit", type=int, default=MAX_TOKENS_LIMIT, help="larger max_tokens → 400 "
                    "(default %(default)s)")
@@ -227,7 +236,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     if args.status_interval_s < 0 or args.grace_s < 0:
         raise CliError("--status-interval-s and --grace-s must be >= 0")
     for flag in ("max_concurrent_per_key", "max_body_bytes", "max_num_seqs", "max_prompt_tokens", "max_tokens_limit",
-                 "header_timeout_s", "body_timeout_s", "max_connections"):
+                 "header_timeout_s", "body_timeout_s", "max_connections", "max_connections_per_client"):
         if getattr(args, flag) is not None and getattr(args, flag) <= 0:
             raise CliError(f"--{flag.replace('_', '-')} must be > 0")
     token = None
@@ -248,7 +257,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     port = sock.getsockname()[1]
     per_key = args.max_concurrent_per_key or per_key_default(args.max_num_seqs, args.api_keys is not None)
     config = ServeConfig(model=args.model, host=args.host, port=port, data_dir=data_dir,
-                         api_keys=args.api_keys, no_cache=args.no_cache, max_body_bytes=args.max_body_bytes,
+                         api_keys=args.api_keys, public_prefix=args.public_prefix, no_cache=args.no_cache,
+                         max_body_bytes=args.max_body_bytes,
                          body_timeout_s=args.body_timeout_s,
                          max_concurrent_per_key=per_key, max_num_seqs=args.max_num_seqs,
                          max_prompt_tokens=args.max_prompt_tokens, max_tokens_limit=args.max_tokens_limit,
@@ -282,11 +292,12 @@ def cmd_serve(args: argparse.Namespace) -> None:
 def _open_state(config: Any) -> Any:
     from kvledger.engine.models.registry import ModelError
     from kvledger.entrypoint.auth import KeyFileError
+    from kvledger.util.public_prefix import PublicPrefixError
     from kvledger.entrypoint.server_state import ServerState
 
     try:
         return ServerState(config)
-    except (KeyFileError, ModelError) as e:   # a model's tokenizer that cannot be built, say
+    except (KeyFileError, ModelError, PublicPrefixError) as e:   # a model's tokenizer that cannot be built, say
         raise CliError(str(e)) from None
     except OSError as e:
         raise CliError(f"--data-dir {config.data_dir}: cannot open the ledgers ({e.strerror or e})") from None
@@ -297,9 +308,11 @@ def _open_state(config: Any) -> Any:
 def _load(state: Any, mode: str, routing: str, threads: int | None) -> None:
     """Load the model on `threads` torch threads (embedded mode; None in an entrypoint, which computes nothing),
     saying what it does on stderr."""
+    from kvledger.entrypoint.auth import tenant_count
+
     config = state.config
     tenants = "open: no --api-keys, every request is tenant 'default' (loopback only)" if state.keys is None \
-        else f"{len(state.keys)} API keys, {len({t.namespace for t in state.keys.values()})} namespaces"
+        else f"{len(state.keys)} API keys, {tenant_count(state.keys)} namespaces"
     what = f"{mode} ({routing} routing)" if mode == "entrypoint" else mode
     print(f"kvledger {what}: {config.model}  data {config.data_dir}  {tenants}"
           f"{'  cache disabled' if config.no_cache else ''}", file=sys.stderr, flush=True)
@@ -332,7 +345,7 @@ def _run(config: Any, state: Any, mode: str, sock: socket.socket, args: argparse
     configure_logging(log_level)
     uv = Config(build_app(config, state), log_level=log_level, access_log=log_level in ("debug", "info"),
                 timeout_graceful_shutdown=int(grace_s) + 5, log_config=None, header_timeout_s=args.header_timeout_s,
-                max_connections=args.max_connections)
+                max_connections=args.max_connections, max_connections_per_client=args.max_connections_per_client)
     server = Server(uv, on_interrupt=state.interrupt, on_terminate=drain,
                     ready=f"kvledger {mode}: ready at http://{_url_host(config.host)}:{config.port}")
     server.run(sockets=[sock])

@@ -74,6 +74,7 @@ class ServeConfig:
     port: int = 8000
     data_dir: Path = field(default_factory=default_data_dir)
     api_keys: Path | None = None
+    public_prefix: Path | None = None  # published public prefixes (entrypoint/public_prefix.py, rule 12)
     no_cache: bool = False             # every request computes its whole prompt (bench baseline)
     max_body_bytes: int = 4 * MIB
     body_timeout_s: float = BODY_TIMEOUT_S   # the whole body in within this long of the headers, else 408

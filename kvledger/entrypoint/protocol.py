@@ -224,3 +224,11 @@ class DiffRequest(_Request):
 
     a: Annotated[str, Field(max_length=1_000_000)] | TokenIds
     b: Annotated[str, Field(max_length=1_000_000)] | TokenIds
+
+
+class PublicPrefixChange(_Request):
+    """POST /admin/public-prefixes (operator): prefixes to publish and to withdraw, each token ids or a string
+    tokenized as a prompt's start (entrypoint/public_prefix.py)."""
+
+    add: Annotated[list[Annotated[str, Field(max_length=1_000_000)] | TokenIds], Field(max_length=64)] = []
+    remove: Annotated[list[Annotated[str, Field(max_length=1_000_000)] | TokenIds], Field(max_length=64)] = []

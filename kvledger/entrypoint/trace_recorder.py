@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from kvledger.core import ModelSpec, extend_chain, root_key
+from kvledger.core import ModelSpec, continue_chain
 from kvledger.entrypoint.config import TraceSettings
 
 log = logging.getLogger("kvledger.serve")
@@ -67,6 +67,7 @@ class Finished:
     namespace: str
     ttl_class: str
     live: Mapping[str, Any]
+    public_blocks: int = 0   # leading blocks of a published public prefix (`core.chain_parent`)
 
 
 class TraceRecorder:
@@ -210,10 +211,10 @@ class TraceRecorder:
         first, end = n // b, (n + m - 1) // b
         if m == 0 or end <= first:
             return []
-        parent = item.keys[first - 1] if first else root_key(self.spec, item.namespace)
-        tail = np.concatenate([np.asarray(item.prompt_tokens[first * b:], dtype=np.uint32),
-                               np.asarray(item.output_tokens, dtype=np.uint32)])
-        return extend_chain(parent, tail[: (end - first) * b], b)
+        tokens = np.concatenate([np.asarray(item.prompt_tokens, dtype=np.uint32),
+                                 np.asarray(item.output_tokens, dtype=np.uint32)])
+        return continue_chain(tokens, self.spec, item.namespace, item.keys[:first], public_blocks=item.public_blocks,
+                              upto=end)[first:]
 
 
 def trace_request(state: Any, prep: Any, out: Any, usage: Any, ttft_s: float | None) -> None:
@@ -235,7 +236,8 @@ def trace_request(state: Any, prep: Any, out: Any, usage: Any, ttft_s: float | N
                 "fetch_s": None if used is None else used.timings.get("fetch_s"),
                 "decode_s": None if decode_s is None else round(decode_s, 6)}
         arrival = time.time() - (time.perf_counter() - prep.arrival)
-        recorder.record(Finished(arrival, req.tokens, out.token_ids, req.keys, req.namespace, ttl_class, live))
+        recorder.record(Finished(arrival, req.tokens, out.token_ids, req.keys, req.namespace, ttl_class, live,
+                                 req.public_blocks))
     except Exception as e:   # never the request's problem
         recorder.enabled = False
         log.warning("trace recording is off: %s: %s", type(e).__name__, e)

@@ -168,8 +168,8 @@ def cmd_up(args: argparse.Namespace) -> None:
     cli_checkpoint(cli_resolve(args.model), args.checkpoint_every)
     if args.model not in NAMES:   # a path: the children get it whole, whatever their working directory
         args.model = str(Path(args.model).expanduser().resolve())
-    for flag in ("header_timeout_s", "body_timeout_s", "max_connections"):   # the entrypoint's, checked here first
-        if getattr(args, flag) <= 0:
+    for flag in ("header_timeout_s", "body_timeout_s", "max_connections", "max_connections_per_client"):
+        if getattr(args, flag) is not None and getattr(args, flag) <= 0:   # the entrypoint's, checked here first
             raise CliError(f"--{flag.replace('_', '-')} must be > 0")
     trace_settings(args)
     args.store_flags = store_flags(args)
@@ -376,7 +376,8 @@ class Cluster:
                  "--max-body-bytes", str(a.max_body_bytes), "--header-timeout-s", str(a.header_timeout_s),
                  "--body-timeout-s", str(a.body_timeout_s), "--max-connections", str(a.max_connections),
                  *(["--no-tail-handoff"] if a.no_tail_handoff else []), *a.store_flags]
-        for flag in ("api_keys", "max_prompt_tokens", "max_tokens_limit"):
+        for flag in ("api_keys", "public_prefix", "max_prompt_tokens", "max_tokens_limit",
+                     "max_connections_per_client"):
             if getattr(a, flag) is not None:
                 front += [f"--{flag.replace('_', '-')}", str(getattr(a, flag))]
         front += ["--trace-dir", str(a.trace_dir or self.data / "trace"), "--trace-file-bytes",

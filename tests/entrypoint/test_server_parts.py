@@ -11,7 +11,7 @@ from starlette.routing import Route
 from starlette.testclient import TestClient
 
 from kvledger.core import ModelSpec, chain_keys, salted_namespace
-from kvledger.entrypoint.auth import KeyFileError, authenticate, load_keys
+from kvledger.entrypoint.auth import KeyFileError, Tenant, authenticate, load_keys, tenant_count
 from kvledger.entrypoint.body_limit import BodyLimit
 from kvledger.engine.models.chat_template import ChatTemplate, ChatTemplateError
 from kvledger.entrypoint.detokenize import TextStream
@@ -179,6 +179,12 @@ def test_key_file_maps_keys_to_tenants(tmp_path):
     for header in (None, "", "Bearer", "Bearer sk-cccccccc", "Basic sk-aaaaaaaa", "sk-aaaaaaaa"):
         assert authenticate(keys, header) is None
     assert authenticate(None, None).namespace == "default"   # open server
+
+
+def test_the_tenants_are_the_key_files_namespaces_and_an_open_server_is_one():
+    """What the miss sample divides its memory by (entrypoint/misses.py): keys sharing a namespace are one tenant."""
+    keys = {"sk-aaaaaaaa": Tenant("alpha"), "sk-a2a2a2a2": Tenant("alpha"), "sk-bbbbbbbb": Tenant("beta")}
+    assert tenant_count(keys) == 2 and tenant_count(None) == 1
 
 
 @pytest.mark.parametrize("content", [

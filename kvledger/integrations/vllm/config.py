@@ -53,6 +53,7 @@ class ConnectorConfig:
     fsync: bool = True
     events: str | None = None
     pin_index: bool = True   # keep the embedded store's LMDB index in memory, as `kvledger serve` does (index_pin.py)
+    public_prefix: str | None = None   # JSON file: published public prefixes as token-id lists (rule 12)
 
     def __post_init__(self) -> None:
         if self.path is None and self.redis_url is None:
