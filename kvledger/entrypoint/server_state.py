@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from kvledger.core import PUBLIC_NAMESPACE
 from kvledger.engine.async_engine import AsyncEngine
 from kvledger.engine.client import EngineClient
 from kvledger.engine.ledgers import Part, open_ledgers
@@ -53,6 +54,7 @@ class ServerState:
         self.block_ledger, self.state_ledger = self.ledgers.block, self.ledgers.state
         self.max_token_bytes = longest_token_bytes(self.tokenizer) if self.tokenizer is not None else 0
         known = {t.namespace for t in self.keys.values()} if self.keys is not None else {OPEN_NAMESPACE}
+        known.add(PUBLIC_NAMESPACE)   # the operator's published prefixes: a public name
         self.metrics = ServeMetrics(self.store_stats, lambda: self.block_ledger.store.counters.as_dict(),
                                     public_namespace(known))
         self.activity = Activity()
