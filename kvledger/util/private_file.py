@@ -1,12 +1,14 @@
 """Files that hold secrets (the cluster token, the API key file), read and written so that no other
 local user can plant or swap one.
 
-    text = read_private(path, "--api-keys")   # ValueError naming the flag when another user could have written it
+    text = read_private(path, "--api-keys")   # ValueError naming the flag and the mode when the file is
+                                              # not this user's alone
     write_private(path, text)                 # mode 0600, atomically, never through a planted link
 
-A file is accepted only when the running user owns it and neither its group nor others may write
-it; the check is made on the open descriptor (fstat), so the bytes read are those of the file
-checked. Reading by others is not refused (a key file may be kept 0644 on a single-user host).
+A file is accepted only when the running user owns it and its group and others have no permission
+on it at all (mode & 0o077 == 0), as ssh demands of a private key: a key file others may read hands
+every tenant's key to every local user, one they may write lets them plant a tenant. The check is
+made on the open descriptor (fstat), so the bytes read are those of the file checked.
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ from pathlib import Path
 
 
 def read_private(path: str | Path, flag: str) -> str:
-    """The text of `path`; ValueError `"{flag} {path}: ..."` when it cannot be read or could have been
-    written by another user (owner is not this user, or group/other may write it)."""
+    """The text of `path`; ValueError `"{flag} {path}: ..."` when it cannot be read or is not this user's
+    alone (`check_private`)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)   # a planted FIFO does not block
     except OSError as e:
@@ -33,15 +35,23 @@ def read_private(path: str | Path, flag: str) -> str:
 
 
 def check_private(st: os.stat_result, path: str | Path, flag: str) -> None:
-    """ValueError unless `st` is a regular file owned by this user and writable by nobody else."""
+    """ValueError unless `st` is a regular file owned by this user with no permission bit for group or
+    others (mode & 0o077 == 0); its message is one line naming the file, its mode and the fix."""
     if not stat.S_ISREG(st.st_mode):
         raise ValueError(f"{flag} {path}: not a regular file")
     if st.st_uid != os.geteuid():
         raise ValueError(f"{flag} {path}: owned by uid {st.st_uid}, not by this user (uid {os.geteuid()}); "
                          "another user could have planted it")
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise ValueError(f"{flag} {path}: writable by group or others (mode {stat.S_IMODE(st.st_mode):04o}); "
-                         f"chmod go-w {path}")
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o077:
+        raise ValueError(f"{flag} {path}: {_exposure(mode)} by group or others (mode {mode:04o}); chmod 600 {path}")
+
+
+def _exposure(mode: int) -> str:
+    """The most group or others may do to a file of permission bits `mode` (some of 0o077 set)."""
+    if mode & 0o022:
+        return "writable"
+    return "readable" if mode & 0o044 else "executable"
 
 
 def write_private(path: Path, text: str) -> None:

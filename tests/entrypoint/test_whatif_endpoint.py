@@ -25,6 +25,7 @@ def _bearer(key: str) -> dict:
 def app(tmp_path):
     keys = tmp_path / "keys.json"
     keys.write_text(json.dumps(KEYS))
+    keys.chmod(0o600)   # a key file others may read is refused
     state = ServerState(ServeConfig(model="tiny-v4", data_dir=tmp_path / "data", api_keys=keys))
     client = TestClient(build_app(state.config, state))   # no lifespan: no engine, no model load
     yield client, state
