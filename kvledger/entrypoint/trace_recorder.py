@@ -44,7 +44,7 @@ import numpy as np
 from kvledger.core import ModelSpec, extend_chain, root_key
 from kvledger.entrypoint.config import TraceSettings
 from kvledger.state.auth import derive_keys
-from kvledger.util.private_file import read_private, write_private
+from kvledger.util.private_file import claim_secret
 
 log = logging.getLogger("kvledger.serve")
 CURRENT = "requests.jsonl"
@@ -66,23 +66,12 @@ def trace_key(data_dir: Path, cluster_token: str | None) -> bytes:
     - a cluster's entrypoints: derived from the cluster token (`state.auth`'s `trace` key), which all of them
       hold already, so several entrypoints, on several machines, write the same ids without sharing a file;
     - an embedded server: `<data_dir>/trace.key`, 32 random bytes in hex, made 0600 on the first start
-      (`write_private`) and read back on every later one (`read_private`: refused unless this user's alone),
-      so the ids of one trace agree across restarts.
+      and read back on every later one (refused unless this user's alone),
+      so the ids of one trace agree across restarts (`claim_secret`).
     ValueError, one line naming the file, for a key file that cannot be used (OSError: one that cannot be made)."""
     if cluster_token is not None:
         return derive_keys(cluster_token).trace
-    path = Path(data_dir) / KEY_FILE
-    if not path.exists():
-        write_private(path, os.urandom(KEY_BYTES).hex() + "\n")
-    text = read_private(path, "trace key").strip()
-    try:
-        secret = bytes.fromhex(text)
-    except ValueError:
-        secret = b""
-    if len(secret) != KEY_BYTES:
-        raise ValueError(f"trace key {path}: not {KEY_BYTES * 2} hex characters; remove it and a new one is made "
-                         "(the trace's older ids then stop matching newer ones)")
-    return secret
+    return claim_secret(Path(data_dir) / KEY_FILE, "trace key", KEY_BYTES)
 
 
 def rotated(folder: Path, k: int) -> Path:

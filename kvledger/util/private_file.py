@@ -1,9 +1,18 @@
-"""Files that hold secrets (the cluster token, the API key file), read and written so that no other
-local user can plant or swap one.
+"""Files and folders that are this user's alone: secrets (the cluster token, the API key file, the trace and
+event keys), read and written so that no other local user can read, plant or swap one, and the data the
+ledgers write (DESIGN: files 0600, folders 0700, whoever's process writes them, whatever its umask).
 
     text = read_private(path, "--api-keys")   # ValueError naming the flag and the mode when the file is
                                               # not this user's alone
     write_private(path, text)                 # mode 0600, atomically, never through a planted link
+    secret = claim_secret(path, "events key") # 32 random bytes made 0600 on first use; concurrent first
+                                              # users (processes, machines of one mount) agree on one
+    private_dir(path)                         # missing folders made 0700
+    fd = open_private(path, os.O_WRONLY | os.O_EXCL)   # a file made 0600
+
+The umask can only take bits away, so a file created 0600 or a folder created 0700 is never open to group
+or others; the chmod after each creation makes the mode exactly that even under a umask that takes the
+owner's bits (077 on top of them), so the owner can still write what it made.
 
 A file is accepted only when the running user owns it and its group and others have no permission
 on it at all (mode & 0o077 == 0), as ssh demands of a private key: a key file others may read hands
@@ -58,20 +67,87 @@ def write_private(path: Path, text: str) -> None:
     """Write `text` to `path` with mode 0600: into a new file beside it (O_EXCL: a planted file or link of
     that name fails the write, never receives it), fsynced, then renamed over `path` (a link planted at
     `path` is replaced, its target untouched). Parent folders that do not exist are created 0700."""
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    tmp = _written_beside(path, text)
+    try:
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    _fsync_dir(path.parent)
+
+
+def claim_secret(path: Path, what: str, nbytes: int = 32) -> bytes:
+    """The secret in `path` (`nbytes` random bytes as hex, mode 0600), made when there is none: written whole
+    to a file of this caller's own, then hard-linked in, so concurrent first users (other processes, other
+    machines' mounts of one folder) agree on one secret and none reads a half-written file. Read back with
+    `read_private`: ValueError `"{what} {path}: ..."` for a file not this user's alone or not such a secret."""
+    if not path.exists():
+        tmp = _written_beside(path, os.urandom(nbytes).hex() + "\n")
+        try:
+            os.link(tmp, path)   # atomic: the whole file appears, or another claimer's stands
+        except FileExistsError:
+            pass
+        finally:
+            tmp.unlink(missing_ok=True)
+    text = read_private(path, what).strip()
+    try:
+        secret = bytes.fromhex(text)
+    except ValueError:
+        secret = b""
+    if len(secret) != nbytes:
+        raise ValueError(f"{what} {path}: not {nbytes * 2} hex characters")
+    return secret
+
+
+def private_dir(path: Path) -> Path:
+    """`path` as a folder, each missing component (parents included) created with mode 0700 whatever the
+    umask; existing folders keep their mode (an operator's mount point is not ours to change). `path`."""
+    path = Path(path)
+    missing = []
+    for folder in (path, *path.parents):
+        if folder.is_dir():
+            break
+        missing.append(folder)
+    for folder in reversed(missing):
+        try:
+            folder.mkdir(mode=0o700)
+        except FileExistsError:
+            if not folder.is_dir():
+                raise
+            continue   # another process made it meanwhile: its creator set its mode
+        os.chmod(folder, 0o700)
+    return path
+
+
+def open_private(path: str | Path, flags: int) -> int:
+    """`os.open(path, flags | O_CREAT | O_CLOEXEC)` of a file only its owner may read or write: a file it
+    creates is 0600 whatever the umask, and an existing one this user owns with group or other bits set
+    (an older version's 0644) is made 0600 too. The descriptor (the caller closes it)."""
+    fd = os.open(path, flags | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        st = os.fstat(fd)
+        if stat.S_IMODE(st.st_mode) != 0o600 and st.st_uid == os.geteuid():
+            os.fchmod(fd, 0o600)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _written_beside(path: Path, text: str) -> Path:
+    """A new file beside `path` (0600, O_EXCL, never through a link) holding `text`, fsynced; its path.
+    Missing parent folders are created 0700."""
+    private_dir(path.parent)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    fd = open_private(tmp, os.O_WRONLY | os.O_EXCL | os.O_NOFOLLOW)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            os.fchmod(f.fileno(), 0o600)   # whatever the umask
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
+    return tmp
 
 
 def _fsync_dir(folder: Path) -> None:
