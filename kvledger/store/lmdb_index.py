@@ -29,7 +29,6 @@ committed, so a block is in the index only once its bytes are durable.
 from __future__ import annotations
 
 import os
-import stat
 import struct
 import threading
 from dataclasses import dataclass
@@ -39,7 +38,7 @@ from typing import NamedTuple
 import lmdb
 
 from kvledger.store.map_trim import MapTrim
-from kvledger.util.private_file import private_dir
+from kvledger.util.private_file import private_dir, tighten
 
 INDEX_DIR = "index.lmdb"   # the index's folder under a store's root
 DATA_FILE = "data.mdb"     # LMDB's one data file in it: what MapTrim trims and IndexPin pins
@@ -141,9 +140,7 @@ def _make_private(folder: Path) -> None:
     creates them with `mode` less the umask, which may take the owner's own bits; an older store's 0644 ones
     this user owns are tightened too."""
     for name in (DATA_FILE, LOCK_FILE):
-        st = os.stat(folder / name)
-        if stat.S_IMODE(st.st_mode) != 0o600 and st.st_uid == os.geteuid():
-            os.chmod(folder / name, 0o600)
+        tighten(folder / name)
 
 
 class LmdbIndex:

@@ -12,7 +12,8 @@ ledgers write (DESIGN: files 0600, folders 0700, whoever's process writes them, 
 
 The umask can only take bits away, so a file created 0600 or a folder created 0700 is never open to group
 or others; the chmod after each creation makes the mode exactly that even under a umask that takes the
-owner's bits (077 on top of them), so the owner can still write what it made.
+owner's bits (077 on top of them), so the owner can still write what it made. Where a filesystem fixes
+modes itself (a CIFS mount's file_mode) and refuses the chmod, its modes stand, as for any writer.
 
 A file is accepted only when the running user owns it and its group and others have no permission
 on it at all (mode & 0o077 == 0), as ssh demands of a private key: a key file others may read hands
@@ -22,6 +23,7 @@ made on the open descriptor (fstat), so the bytes read are those of the file che
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from pathlib import Path
@@ -114,7 +116,7 @@ def private_dir(path: Path) -> Path:
             if not folder.is_dir():
                 raise
             continue   # another process made it meanwhile: its creator set its mode
-        os.chmod(folder, 0o700)
+        _chmod(folder, 0o700)
     return path
 
 
@@ -124,13 +126,30 @@ def open_private(path: str | Path, flags: int) -> int:
     (an older version's 0644) is made 0600 too. The descriptor (the caller closes it)."""
     fd = os.open(path, flags | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
-        st = os.fstat(fd)
-        if stat.S_IMODE(st.st_mode) != 0o600 and st.st_uid == os.geteuid():
-            os.fchmod(fd, 0o600)
+        tighten(fd)
     except BaseException:
         os.close(fd)
         raise
     return fd
+
+
+def tighten(file: int | str | Path) -> None:
+    """A file (a descriptor or a path) this user owns made exactly 0600 when it is not; another user's is left
+    alone (a chmod would fail: `read_private` is where such a file is refused)."""
+    st = os.fstat(file) if isinstance(file, int) else os.stat(file)
+    if stat.S_IMODE(st.st_mode) != 0o600 and st.st_uid == os.geteuid():
+        _chmod(file, 0o600)
+
+
+def _chmod(target: int | str | Path, mode: int) -> None:
+    """chmod, best effort where the filesystem fixes modes itself (a CIFS mount's file_mode, a FUSE mount
+    without permissions refuse it: its modes are its own, for any writer). Secrets stay safe: `read_private`
+    refuses one whose mode could not be made private."""
+    try:
+        os.chmod(target, mode)
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP):
+            raise
 
 
 def _written_beside(path: Path, text: str) -> Path:
