@@ -44,9 +44,11 @@ import lmdb
 
 from kvledger.store.map_trim import MapTrim
 from kvledger.store.quota import Bucket, bucket_and_id
+from kvledger.util.private_file import private_dir, tighten
 
 INDEX_DIR = "index.lmdb"   # the index's folder under a store's root
 DATA_FILE = "data.mdb"     # LMDB's one data file in it: what MapTrim trims and IndexPin pins
+LOCK_FILE = "lock.mdb"     # LMDB's lock file beside it (readers' table)
 
 
 def data_file(root: Path) -> Path:
@@ -140,6 +142,14 @@ _USERS: dict[str, int] = {}
 _SHARED_LOCK = threading.Lock()
 
 
+def _make_private(folder: Path) -> None:
+    """LMDB's two files exactly 0600 whatever the umask (DESIGN: the index names every salted namespace): LMDB
+    creates them with `mode` less the umask, which may take the owner's own bits; an older store's 0644 ones
+    this user owns are tightened too."""
+    for name in (DATA_FILE, LOCK_FILE):
+        tighten(folder / name)
+
+
 class LmdbIndex:
     """The named databases of one environment and the few write operations that keep the invariants.
 
@@ -149,14 +159,15 @@ class LmdbIndex:
         """`sync`: `persist()` fdatasyncs the index. Commits themselves do not sync, so no writer holds the lock
         through an fsync (on this machine one fsync takes up to a quarter of a second under load); the store
         persists after a put's commit and before it returns, and before it unlinks what a commit forgot."""
-        path.mkdir(parents=True, exist_ok=True)
+        private_dir(path)
         self.durable = sync
         self._name: str | None = os.path.realpath(path)
         with _SHARED_LOCK:
             shared = _SHARED.get(self._name)
             if shared is None:
                 env = lmdb.open(self._name, map_size=MAP_SIZE, max_dbs=16, sync=False, metasync=False,
-                                readahead=False, max_readers=1024)
+                                readahead=False, max_readers=1024, mode=0o600)
+                _make_private(Path(self._name))
                 trim = MapTrim(os.path.join(self._name, DATA_FILE))
                 shared = _SHARED[self._name] = _SharedEnv(env, _open_dbs(env), trim)
             _USERS[self._name] = _USERS.get(self._name, 0) + 1

@@ -52,6 +52,7 @@ from kvledger.store.refresher import Refresher
 from kvledger.store.shared_files import VOLUME_FILE
 from kvledger.store.ttl import Clock, wall_clock
 from kvledger.util.filesystem import filesystem_type, is_network_type
+from kvledger.util.private_file import private_dir
 
 log = logging.getLogger("kvledger.store")
 
@@ -110,8 +111,8 @@ class LmdbStore:
         assert capacity_bytes is None or capacity_bytes > 0
         assert 0 < low_watermark <= 1
         check_local_folder(self.root)
-        (self.root / "segments").mkdir(parents=True, exist_ok=True)
-        (self.root / "tmp").mkdir(exist_ok=True)
+        private_dir(self.root / "segments")   # 0700 (the root too, when made here): whatever the umask (DESIGN)
+        private_dir(self.root / "tmp")
         self.capacity_bytes = capacity_bytes
         self.fsync = fsync
         self.clock = clock

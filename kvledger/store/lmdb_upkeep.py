@@ -30,6 +30,7 @@ from kvledger.store.lmdb_tombs import Tombstones
 from kvledger.store.quota import Quotas, bytes_by_name
 from kvledger.store.lmdb_write import Writer
 from kvledger.store.segment_files import pid_alive
+from kvledger.util.private_file import open_private
 
 log = logging.getLogger("kvledger.store")
 MIGRATE_BATCH = 256     # segments per transaction
@@ -52,7 +53,7 @@ def migrate(idx: LmdbIndex, root: Path) -> None:
     with idx.env.begin() as txn:
         if idx.total(txn, b"format") >= FORMAT:
             return
-    fd = os.open(root / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    fd = open_private(root / ".lock", os.O_RDWR)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         with idx.env.begin() as txn:

@@ -14,6 +14,7 @@ import torch
 
 from kvledger.core import chain_keys
 from kvledger.integrations.vllm.config import ConnectorConfig, KvGeometry, connector_spec, namespace_of
+from kvledger.integrations.vllm.events import EventLog
 from kvledger.integrations.vllm.identity import ModelIdentity
 from kvledger.integrations.vllm.layout import KvLayout
 from kvledger.integrations.vllm.records import BlockRun, StepPlan
@@ -26,6 +27,7 @@ GEOMETRY = KvGeometry(n_layers=3, kv_heads=2, head_dim=8, dtype_bytes=2, device=
 IDENTITY = ModelIdentity("ab" * 32, "bfloat16", salt="tiny")   # weights of no file: the sides never read them
 SPEC = connector_spec(IDENTITY, GEOMETRY)
 NUM_BLOCKS = 16
+EVENTS_KEY = bytes(range(32))
 
 
 def request(req_id: str, n: int, salt: str | None = None, seed: int = 0) -> SimpleNamespace:
@@ -212,7 +214,7 @@ def cpu_caches(seed: int) -> dict[str, torch.Tensor]:
 
 
 def worker(ledger: BlockLedger, caches: dict[str, torch.Tensor], events: Path | None = None) -> WorkerSide:
-    side = WorkerSide(ledger, str(events) if events else None)
+    side = WorkerSide(ledger, EventLog(events, EVENTS_KEY) if events else None)
     side.register(KvLayout(caches, NUM_BLOCKS, B * GEOMETRY.layer_token_bytes))
     return side
 

@@ -16,7 +16,7 @@ Keys of the extra config (all optional but one of `path` / `redis_url`):
 | `namespaces`  | namespace → class bindings, "tenantA=agent"                                 |
 | `ttl_class`   | default class of unbound namespaces ("chatbot")                             |
 | `fsync`       | fsync each stored chain (default true)                                      |
-| `events`      | a JSON-lines file: one line per load, failed load and save (for operators)  |
+| `events`      | a JSON-lines file: one line per load, failed load and save (events.py)      |
 
 No vLLM import here: the main test suite reads this module.
 """

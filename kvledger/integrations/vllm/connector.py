@@ -39,6 +39,7 @@ from kvledger.integrations.vllm.config import (
     shared_ledger,
     shared_state_ledger,
 )
+from kvledger.integrations.vllm.events import event_log
 from kvledger.integrations.vllm.identity import model_identity
 from kvledger.integrations.vllm.layout import KvLayout, layer_index
 from kvledger.integrations.vllm.records import KvGroups, StepPlan
@@ -193,7 +194,7 @@ class KvledgerConnector(KVConnectorBase_V1, SupportsHMA):
                         self.slicing.kv_heads, self.slicing.n_layers, len(self.slicing.engine),
                         [(s.head0, s.head1, s.layer0, s.layer1) for s in self.slicing.engine])
         else:
-            self.worker_side = WorkerSide(ledger, self.config.events, state, self.slicing)
+            self.worker_side = WorkerSide(ledger, event_log(self.config), state, self.slicing)
 
     # --- scheduler side ------------------------------------------------------------
 
