@@ -73,15 +73,27 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-tail-handoff", action="store_true", help="in P/D, let the decode leg recompute the prompt's "
                    "partial last block instead of pulling it from the prefill engine (a baseline)")
     p.add_argument("--listen-fd", type=int, default=None, help=argparse.SUPPRESS)  # `kvledger up`'s bound socket
+    cluster_store_args(p)
     trace_args(p)
     grace_arg(p)
     p.set_defaults(func=cmd_serve, no_cache=False, max_num_seqs=8, checkpoint_every=0, threads=None,
-                   stream_hits="auto", store_capacity=None, ttl_classes=DEFAULT_TTL_CLASSES, gc_interval_s=0.0,
-                   kv_cache_bytes=None)
+                   stream_hits="auto", ttl_classes=DEFAULT_TTL_CLASSES, gc_interval_s=0.0, kv_cache_bytes=None)
+
+
+def cluster_store_args(p: argparse.ArgumentParser) -> None:
+    """A cluster's block ledger limits (`entrypoint`, `engine`, `up`): its capacity and the guarantees in it."""
+    from kvledger.store.cli import add_quota_arg
+
+    p.add_argument("--store-capacity", default=None, metavar="SIZE", help="the shared block ledger's size limit (8G, "
+                   "500MB): a put past it evicts the least recently hit blocks down to 90%% of it, keeping each "
+                   "--quota (default: none; Redis's maxmemory and the mount's size remain)")
+    add_quota_arg(p)
 
 
 def store_args(p: argparse.ArgumentParser) -> None:
-    """The embedded block ledger's limits: its size and its TTL classes (what a what-if varies)."""
+    """The embedded block ledger's limits: its size, the guarantees in it and its TTL classes (what a what-if
+    varies)."""
+    from kvledger.store.cli import add_quota_arg
     p.add_argument("--store-capacity", default=None, metavar="SIZE", help="the block ledger's size limit (8G, 500MB, "
                    "1TiB): a put past it evicts the least recently hit blocks, tails first, down to 90%% of it "
                    "(default: none, the disk's)")
@@ -90,6 +102,7 @@ def store_args(p: argparse.ArgumentParser) -> None:
                    "named keeps its default) or one duration for every class (default %(default)s)")
     p.add_argument("--gc-interval-s", type=float, default=60.0, help="expired blocks are removed (and the capacity "
                    "enforced) this often while serving; 0: only at puts past the capacity (default %(default)s)")
+    add_quota_arg(p)
     p.add_argument("--kv-cache-bytes", default=None, metavar="SIZE", help="the engine's device KV pool (1G, 20M), "
                    "which is also its device prefix cache in front of the block ledger; at least one request of "
                    "--max-prompt-tokens + --max-tokens-limit tokens; a Llama's decode steps keep up to half as "
@@ -121,17 +134,10 @@ def store_limits(args: argparse.Namespace) -> tuple[int | None, dict[str, float]
     """(capacity bytes or None, TTL seconds per class, device pool bytes or None) of the store flags; CliError
     for a bad one."""
     from kvledger.entrypoint.config import parse_ttl_classes
+    from kvledger.store.cli import cli_capacity
     from kvledger.util.units import parse_size
 
-    capacity = None
-    if args.store_capacity is not None:
-        try:
-            size = parse_size(args.store_capacity)
-        except ValueError as e:
-            raise CliError(f"--store-capacity: {e}") from None
-        if size < 1:
-            raise CliError("--store-capacity must be at least one byte (or inf)")
-        capacity = None if size == float("inf") else int(size)
+    capacity = cli_capacity(args.store_capacity)
     try:
         ttl = parse_ttl_classes(args.ttl_classes)
     except ValueError as e:
@@ -218,6 +224,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from kvledger.engine.models.registry import cli_checkpoint, cli_resolve
     from kvledger.engine.threads import stream_hits
     from kvledger.entrypoint.server_state import ServeConfig
+    from kvledger.store.cli import cli_quotas
     from kvledger.util.http_server import adopt, listen
 
     if args.api_keys is None and not is_loopback(args.host):
@@ -241,6 +248,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         except ValueError as e:
             raise CliError(str(e)) from None
     capacity, ttl_classes, kv_cache_bytes = store_limits(args)
+    quota_flags = cli_quotas(args.quota, ttl_classes)
     threads = cli_threads(args.threads) if args.redis_url is None else None   # an entrypoint computes nothing
     trace = trace_settings(args)
     data_dir = writable_dir(args.data_dir or default_data_dir(), "--data-dir")
@@ -257,7 +265,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
                          redis_url=args.redis_url, cluster_token=token, routing=args.routing,
                          tail_handoff=not args.no_tail_handoff,
                          status_every_s=args.status_interval_s, checkpoint_every=every, ttl_classes=ttl_classes,
-                         store_capacity_bytes=capacity, gc_interval_s=args.gc_interval_s, trace=trace,
+                         store_capacity_bytes=capacity, quota_flags=quota_flags, gc_interval_s=args.gc_interval_s,
+                         trace=trace,
                          kv_cache_bytes=kv_cache_bytes, stream_hits=stream_hits(args.stream_hits))
     mode = "serve" if args.redis_url is None else "entrypoint"
     state, code = None, EXIT_INTERRUPTED   # until the server ran to its end: close as fast as after a Ctrl-C
@@ -307,6 +316,8 @@ def _load(state: Any, mode: str, routing: str, threads: int | None) -> None:
     what = f"{mode} ({routing} routing)" if mode == "entrypoint" else mode
     print(f"kvledger {what}: {config.model}  data {config.data_dir}  {tenants}"
           f"{'  cache disabled' if config.no_cache else ''}", file=sys.stderr, flush=True)
+    if state.quotas:
+        print(f"kvledger {mode}: {state.quotas.describe(config.store_capacity_bytes)}", file=sys.stderr, flush=True)
     if threads is not None:
         from kvledger.engine.threads import set_threads
 

@@ -119,8 +119,8 @@ class Writer:
         seg.live = len(keep)
         seg.live_bytes = sum(prep.sizes[i] for i in keep)
         idx.record_segment(w, seg_id, seg, prep.keys)
-        idx.bump_many(w, {b"segments": 1, b"disk_bytes": seg.file_size, b"blocks": seg.live,
-                          b"live_bytes": seg.live_bytes})
+        idx.bump_many(w, {b"segments": 1, b"disk_bytes": seg.file_size})
+        idx.add_live(w, seg, seg.live, seg.live_bytes)
         return seg.live, [p for p in unlink if p]
 
     def _resolve(self, w: lmdb.Transaction, keys: list[bytes], values: list[bytes], seg_id: int,

@@ -26,6 +26,11 @@ Tombstones: the tombstone of a block (redis_meta.py) is named as the block with 
 `{prefix}b:` — `{prefix}t:<key>`, `{prefix}t:{<tag>}<key>` — so it shares its block's hash slot and a
 block's script reaches it. A prefix that leaves no common slot on a cluster (`{}`: Redis hashes whole
 names; an unclosed `{`: the tag takes in `b:` or `t:`) keeps no tombstones (`Placement.tombs` False).
+
+Quota accounting (redis_quota.py), per group, in the group's slot: `{prefix}u:{<tag>}` a hash of the group's
+live bytes (field `t`) and each bucket's (`b` + bucket id; `n` + id its names), and `{prefix}z:{<tag>}<id>`
+a sorted set per bucket of the group's blocks by last refresh. On one server the one group's names are
+`{prefix}u:` and `{prefix}z:<id>`. Where tombstones cannot share a slot, neither can these: no accounting.
 """
 
 from __future__ import annotations
@@ -66,16 +71,30 @@ class Placement:
     """Names and slots of blocks under `bprefix` (`{prefix}b:`), and of their tombstones under `tprefix`
     (`{prefix}t:`; b"": none); `cluster` False: one server, one slot 0."""
 
-    def __init__(self, bprefix: bytes, cluster: bool, tprefix: bytes = b"") -> None:
+    def __init__(self, bprefix: bytes, cluster: bool, tprefix: bytes = b"", uprefix: bytes = b"",
+                 zprefix: bytes = b"") -> None:
         self.bprefix = bprefix
         self.cluster = cluster
         self.heads = [bprefix + b"{" + t + b"}" for t in group_tags()] if cluster else [bprefix] * TAGS
         fixed = cluster and all(_tag_is_fixed(h) for h in self.heads)
         self.slots: list[int] | None = [key_slot(h) for h in self.heads] if fixed else None
         # a tombstone must share its block's slot: with a prefix holding an unclosed `{` the tags would differ
-        self.tombs = bool(tprefix) and (not cluster or self.slots is not None and all(
-            key_slot(tprefix + h[len(bprefix):]) == slot for h, slot in zip(self.heads, self.slots)))
+        self.tombs = bool(tprefix) and self._same_slot(tprefix)
         self.tprefix = tprefix if self.tombs else b""
+        self.accounted = bool(uprefix and zprefix) and self._same_slot(uprefix) and self._same_slot(zprefix)
+        self.uprefix, self.zprefix = (uprefix, zprefix) if self.accounted else (b"", b"")
+
+    def _same_slot(self, other: bytes) -> bool:
+        """Whether names made with `other` for `bprefix` share each group's slot."""
+        return not self.cluster or self.slots is not None and all(
+            key_slot(other + h[len(self.bprefix):]) == slot for h, slot in zip(self.heads, self.slots))
+
+    def group_tags(self) -> list[tuple[int, bytes]]:
+        """(slot, tag part of the names: `{<tag>}`, or b"" on one server) of each group of blocks."""
+        if not self.cluster:
+            return [(0, b"")]
+        assert self.slots is not None
+        return [(slot, h[len(self.bprefix):]) for h, slot in zip(self.heads, self.slots)]
 
     def tomb_name(self, key: bytes) -> bytes | None:
         """The name of `key`'s tombstone (None where the store keeps none): `tprefix` for `bprefix` in its name."""
