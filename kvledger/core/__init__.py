@@ -22,16 +22,18 @@ from kvledger.core.hit import (
     takes_tail,
     with_tail,
 )
-from kvledger.core.keys import (FORMAT_VERSION, KEY_BYTES, chain_keys, extend_chain, root_key, salted_namespace,
+from kvledger.core.keys import (FORMAT_VERSION, KEY_BYTES, PUBLIC_NAMESPACE, chain_keys, chain_parent, continue_chain,
+                                extend_chain, public_root, root_key, salted_namespace,
                                 tail_key, tenant_of, token_bytes)
 from kvledger.core.plan import CapacityPlan, Link, Traffic, break_even_tokens, plan
 from kvledger.core.spec import DEFAULT_MODEL, LayerKind, ModelSpec
 
 __all__ = [
-    "DEFAULT_MODEL", "FORMAT_VERSION", "KEY_BYTES", "CapacityPlan", "HitDecision", "HitKind", "LayerKind", "Link",
-    "ModelSpec", "PromptDiff", "Traffic", "blocks_spanned", "break_even_tokens", "cap_blocks", "chain_keys",
-    "check_decision", "checkpoint_positions", "decide_hit", "decided_length", "decode_replica_positions",
-    "decode_store_position", "diff_prompts", "exact_replay", "extend_chain", "hit_cap", "is_handed", "plan",
-    "prefill_store_positions", "resumes_exactly", "root_key", "salted_namespace", "snapshot_candidates", "tail_key",
-    "tail_parts", "takes_tail", "tenant_of", "token_bytes", "with_tail",
+    "CapacityPlan", "DEFAULT_MODEL", "FORMAT_VERSION", "HitDecision", "HitKind", "KEY_BYTES", "LayerKind", "Link",
+    "ModelSpec", "PUBLIC_NAMESPACE", "PromptDiff", "Traffic", "blocks_spanned", "break_even_tokens", "cap_blocks",
+    "chain_keys", "chain_parent", "check_decision", "checkpoint_positions", "continue_chain", "decide_hit",
+    "decided_length", "decode_replica_positions", "decode_store_position", "diff_prompts", "exact_replay",
+    "extend_chain", "hit_cap", "is_handed", "plan", "prefill_store_positions", "public_root", "resumes_exactly",
+    "root_key", "salted_namespace", "snapshot_candidates", "tail_key", "tail_parts", "takes_tail", "tenant_of",
+    "token_bytes", "with_tail",
 ]

@@ -9,7 +9,7 @@ trained for the fallback (rule 3′), where an exact resume starts (the latest s
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -303,23 +303,27 @@ def prefill_store_positions(prompt_len: int, spec: ModelSpec) -> tuple[int, ...]
     return tuple(sorted({x for x in (c, p) if x > 0}))
 
 
-def checkpoint_positions(prompt_len: int, spec: ModelSpec, every: int) -> tuple[int, ...]:
+def checkpoint_positions(prompt_len: int, spec: ModelSpec, every: int, *, also: Iterable[int] = ()
+                         ) -> tuple[int, ...]:
     """Rule 4′, periodic checkpointing: the multiples of `every` tokens at which a prefill also snapshots, so a
     later prompt that shares only a prefix of this one (a long document, then another question) resumes exactly
     at most `every` tokens before where their blocks part. Ascending; only positions below p =
     ⌊(L − 1)/B⌋·B and other than `prefill_store_positions`' own (which prefill stores anyway). A prefill chunk
     ends at each, where the window is exported (mid-prefill, the ring holds only the latest window). Empty
-    when `every` is 0 or the model has no sliding window; `every` is a multiple of B.
+    when `every` is 0 or the model has no sliding window; `every` is a multiple of B. `also`: further block
+    boundaries to snapshot at, under the same rule (a published public prefix's end, rule 12).
 
     Worked example (Gemma 3, B = 128, every = 512, L = 2000): p = c = 1920 → (512, 1024, 1536)."""
     _check_count("every", every)
-    if not spec.has_swa or every == 0:
+    if every % spec.block_size or any(x % spec.block_size for x in also):
+        raise ValueError(f"checkpoints every {every} tokens and at {tuple(also)} are not all at block boundaries "
+                         f"(B = {spec.block_size})")
+    if not spec.has_swa:
         return ()
-    if every % spec.block_size:
-        raise ValueError(f"a checkpoint every {every} tokens is not at block boundaries (B = {spec.block_size})")
     own = prefill_store_positions(prompt_len, spec)
     last = own[-1] if own else 0
-    return tuple(x for x in range(every, last, every) if x not in own)
+    periodic = range(every, last, every) if every else range(0)
+    return tuple(sorted({x for x in (*periodic, *also) if 0 < x < last and x not in own}))
 
 
 def decode_replica_positions(prompt_len: int, kv_len: int, spec: ModelSpec) -> range:

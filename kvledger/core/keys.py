@@ -145,6 +145,62 @@ def tail_key(parent: bytes, tokens: Sequence[int] | Any) -> bytes:
     return hashlib.sha256(b"kvledger/tail\0" + parent + token_bytes(tokens)).digest()[:KEY_BYTES]
 
 
-def chain_keys(tokens: Sequence[int] | Any, spec: ModelSpec, namespace: str = "default") -> list[bytes]:
-    """One 16-byte key per full block of `tokens` (rule 1), salted by model and namespace (rule 2)."""
+def chain_keys(tokens: Sequence[int] | Any, spec: ModelSpec, namespace: str = "default", *,
+               public_blocks: int = 0) -> list[bytes]:
+    """One 16-byte key per full block of `tokens` (rule 1), salted by model and namespace (rule 2); the first
+    `public_blocks` under the public root, the rest under the namespace (rule 12, `chain_parent`)."""
+    if public_blocks:
+        return continue_chain(tokens, spec, namespace, [], public_blocks=public_blocks)
     return extend_chain(root_key(spec, namespace), tokens, spec.block_size)
+
+
+PUBLIC_NAMESPACE = "kvledger:public"   # the public prefix's name in the store's accounting (stats, quotas, forget)
+
+
+@functools.lru_cache(maxsize=64)
+def public_root(spec: ModelSpec) -> bytes:
+    """The root of a published public prefix's chain (rule 12): every tenant's request that starts with the
+    prefix reads and writes its whole blocks under it. It is hashed under its own domain ("kvledger/public"), so
+    no namespace string, whatever a tenant names, has this root: a tenant can read the public chain only
+    through a prefix an operator published, and never write into it by naming it."""
+    fp = spec.fingerprint().encode()
+    h = hashlib.sha256(b"kvledger/public")
+    h.update(struct.pack("<II", FORMAT_VERSION, len(fp)))
+    h.update(fp)
+    return h.digest()[:KEY_BYTES]
+
+
+def chain_parent(spec: ModelSpec, namespace: str, keys: Sequence[bytes], *, public_blocks: int = 0) -> bytes:
+    """The parent of block `len(keys)` of a request whose first `public_blocks` blocks are a public prefix.
+
+    Block 0's parent is the public root (a public prefix) or the namespace's root. The first block past a public
+    prefix hangs from a link of the prefix's last key and the namespace's root, so the private continuation is
+    the tenant's own: two tenants who send the same text after the prefix get different keys, and a public hit
+    never reveals a private block (rule 12). Every other block's parent is the key before it."""
+    n = len(keys)
+    assert public_blocks >= 0, public_blocks
+    if n == 0:
+        return public_root(spec) if public_blocks else root_key(spec, namespace)
+    if n == public_blocks:
+        h = hashlib.sha256(b"kvledger/private-after-public")
+        h.update(keys[-1])
+        h.update(root_key(spec, namespace))
+        return h.digest()[:KEY_BYTES]
+    return keys[-1]
+
+
+def continue_chain(tokens: Sequence[int] | Any, spec: ModelSpec, namespace: str, keys: Sequence[bytes], *,
+                   public_blocks: int = 0, upto: int | None = None) -> list[bytes]:
+    """`keys` (the chain keys of the first len(keys) full blocks of `tokens`) followed by the keys of the next full
+    blocks of `tokens`, up to block `upto` (default: every full block): the one way a request's chain is made and
+    extended (the CHECK, the engine's decode blocks, the trace, the vLLM connector). Only the new blocks' tokens
+    are read; a public prefix's blocks and the private ones are hashed in separate runs."""
+    b = spec.block_size
+    have = list(keys)
+    whole = len(tokens) // b if upto is None else upto
+    assert len(have) <= whole <= len(tokens) // b, "keys and `upto` name full blocks of these tokens"
+    while len(have) < whole:
+        stop = min(public_blocks, whole) if len(have) < public_blocks else whole
+        parent = chain_parent(spec, namespace, have, public_blocks=public_blocks)
+        have += extend_chain(parent, tokens[len(have) * b:stop * b], b)
+    return have

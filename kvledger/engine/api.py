@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from kvledger.core import KEY_BYTES, HitDecision, ModelSpec, extend_chain, root_key
+from kvledger.core import KEY_BYTES, HitDecision, ModelSpec, chain_parent, extend_chain
 
 # "handoff": continued elsewhere (cluster mode); "error": this request failed in the engine, the others went on
 FINISH_REASONS = ("stop", "length", "abort", "handoff", "error")
@@ -66,12 +66,16 @@ class EngineRequest:
     keep_tail: bool = False      # a P/D prefill leg: keep the prompt's partial last block for the decode engine
     tail_kv: bytes | None = None  # a P/D decode leg: that block, handed over (`core.with_tail` raised the decision)
     prompt_len: int = 0          # the request's own prompt length, when `tokens` continue it; 0: all of `tokens`
+    public_blocks: int = 0       # leading whole blocks that are a published public prefix (`core.chain_parent`)
     store: bool = True           # False (no-store, DESIGN rule 12): nothing it computes stays once it ends (no
                                  # block, snapshot, device cache entry or tail); it may still read what is cached
 
     def __post_init__(self) -> None:
         if not 0 <= self.prompt_len <= len(self.tokens):
             raise ValueError(f"prompt_len {self.prompt_len} must be in [0, {len(self.tokens)}] (the tokens given)")
+        if not 0 <= self.public_blocks <= len(self.keys):
+            raise ValueError(f"public_blocks {self.public_blocks} must be in [0, {len(self.keys)}] (the prompt's "
+                             "whole blocks)")
 
     @property
     def own_prompt_len(self) -> int:
@@ -81,15 +85,18 @@ class EngineRequest:
 
 def check_request_keys(req: EngineRequest, tokens: np.ndarray, spec: ModelSpec) -> None:
     """`ValueError` unless `req.keys` can be the chain keys of `tokens`: one 16-byte key per full block, and
-    the first one that of this model's and this namespace's root over the first block. The keys come from
+    the first one that of this model's and this namespace's root over the first block (after a public prefix, the
+    first block's under the public root and the first private block's under the namespace). The keys come from
     the CHECK that made the decision (the entrypoint's, once; in the cluster mode over an authenticated
     session), so the engine hashes one block of them, not the prompt: a key list made for another
     namespace or model is refused, the rest is the CHECK's."""
     b = spec.block_size
     if len(req.keys) != tokens.size // b or any(len(k) != KEY_BYTES for k in req.keys):
         raise ValueError(f"keys: one {KEY_BYTES}-byte core.chain_keys key per full block of the prompt")
-    if req.keys and req.keys[0] != extend_chain(root_key(spec, req.namespace), tokens[:b].astype(np.uint32), b)[0]:
-        raise ValueError("keys are not this prompt's core.chain_keys in this namespace (its first block differs)")
+    for first in sorted({0, req.public_blocks} & set(range(len(req.keys)))):   # the root's block, the first private
+        parent = chain_parent(spec, req.namespace, req.keys[:first], public_blocks=req.public_blocks)
+        if req.keys[first] != extend_chain(parent, tokens[first * b:(first + 1) * b].astype(np.uint32), b)[0]:
+            raise ValueError(f"keys are not this prompt's core.chain_keys in this namespace (block {first} differs)")
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,6 +16,7 @@ from kvledger.util.redis_client import REDIS_URL_ENV
 def register(sub: argparse._SubParsersAction) -> None:
     from kvledger.engine.models.registry import add_checkpoint_arg, add_model_arg
     from kvledger.engine.threads import add_stream_hits_arg, add_threads_arg
+    from kvledger.store.cli import add_quota_arg
 
     p = sub.add_parser("engine", help="one engine of a cluster (prefill, decode or both) on a shared Redis",
                        description="One engine process of a cluster: it loads the model, opens the shared ledgers "
@@ -41,6 +42,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--grace-s", type=float, default=60.0, help="on SIGTERM: seconds to hand off and drain")
     p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"),
                    help="uvicorn's log level (info and debug add the access log)")
+    p.add_argument("--store-capacity", default=None, metavar="SIZE", help="the shared block ledger's size limit: "
+                   "this engine's puts past it evict least recently hit blocks down to 90%% of it, keeping each "
+                   "--quota (default: none)")
+    add_quota_arg(p)
     p.set_defaults(func=cmd_engine)
 
 
@@ -62,10 +67,11 @@ def cmd_engine(args: argparse.Namespace) -> None:
     except ValueError as e:
         raise CliError(str(e)) from None
     engine_id = args.engine_id or f"{args.role}-{uuid.uuid4().hex[:6]}"
+    capacity, quotas = engine_quotas(args)
     config = EngineConfig(model=args.model, role=args.role, redis_url=args.redis_url, token=token,
                           data_dir=args.data_dir, engine_id=engine_id, host=args.host,
                           max_num_seqs=args.max_num_seqs, grace_s=args.grace_s, checkpoint_every=every,
-                          stream_hits=stream_hits(args.stream_hits))
+                          stream_hits=stream_hits(args.stream_hits), store_capacity_bytes=capacity, quotas=quotas)
     sock = listen(args.host, args.port)
     set_threads(threads)   # before the model loads, on the main thread: torch's every thread takes it
     url = f"http://{args.host}:{sock.getsockname()[1]}"
@@ -77,15 +83,31 @@ def cmd_engine(args: argparse.Namespace) -> None:
                  log_level=args.log_level)
 
 
+def engine_quotas(args: argparse.Namespace) -> tuple[int | None, Any]:
+    """(capacity bytes or None, the `--quota` guarantees, or None without any: those the store records, which the
+    entrypoint resolved with the key file). An engine knows no key file: `kvledger up` hands each engine the
+    entrypoint's resolved guarantees as `--quota` flags. CliError for a bad flag."""
+    from kvledger.store.cli import cli_capacity, cli_quotas
+    from kvledger.store.quota import resolve_quotas
+    from kvledger.store.ttl import DEFAULT_CLASSES
+
+    capacity = cli_capacity(args.store_capacity)
+    if not args.quota:
+        return capacity, None
+    return capacity, resolve_quotas(capacity, cli_quotas(args.quota, DEFAULT_CLASSES), None)
+
+
 def run_draining(app: Any, sock: socket.socket, on_exit: Any, *, grace_s: float, log_level: str) -> None:
     """uvicorn on an already bound socket; the first SIGTERM/SIGINT calls `on_exit()` (hand-off), then
     uvicorn stops accepting and waits up to `grace_s` for open streams before it shuts down. A
     BaseException from `on_exit` (StartupInterrupted) goes on into the code the signal interrupted, with
     uvicorn already set to exit. Exit status: 130 after SIGINT, 0 after SIGTERM (util/http_server.py)."""
-    from kvledger.util.http_server import Config, Server
+    from kvledger.util.http_server import MAX_CONNECTIONS, Config, Server
 
+    # its clients are the cluster's own (an entrypoint holds up to 256 connections to it: remote.py), so one
+    # address may hold half, not the default eighth
     config = Config(app, log_level=log_level, access_log=log_level in ("debug", "info"),
-                    timeout_graceful_shutdown=int(max(grace_s, 1)))
+                    timeout_graceful_shutdown=int(max(grace_s, 1)), max_connections_per_client=MAX_CONNECTIONS // 2)
     server = Server(config, on_interrupt=on_exit, on_terminate=on_exit)
     server.run(sockets=[sock])
     raise SystemExit(server.exit_code)

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from kvledger.core import (ModelSpec, check_decision, checkpoint_positions, decided_length, hit_cap, is_handed,
-                           root_key, tail_key, tail_parts, takes_tail, tenant_of)
+                           chain_parent, tail_key, tail_parts, takes_tail, tenant_of)
 from kvledger.engine.api import EngineRequest, RequestUsage, TokenEvent, check_request_keys
 from kvledger.engine.block_pool import BlockPool
 from kvledger.engine.fetch_target import PoolTarget, StagingTarget
@@ -148,7 +148,8 @@ class Engine:
         if req.tail_kv is not None or req.decision.hit_tokens > hit_cap(tokens.size, self.spec):
             self._check_tail(req, tokens.size)
         seq = Sequence.from_request(req)
-        seq.checkpoints = checkpoint_positions(seq.prompt_len, self.spec, self.checkpoint_every)
+        seq.checkpoints = checkpoint_positions(seq.prompt_len, self.spec, self.checkpoint_every,   # rules 4′, 12
+                                               also=(req.public_blocks * self.spec.block_size,))
         seq.block_size = self.spec.block_size
         if self.loader.lifetime_blocks(seq) > self.pool.total:
             raise ValueError(f"prompt + max_tokens needs {self.loader.lifetime_blocks(seq)} blocks; "
@@ -402,7 +403,8 @@ class Engine:
         if not takes_tail(self.spec) or not block + window or not seq.keeps:
             return
         whole = n // b
-        parent = seq.keys[whole - 1] if whole else root_key(self.spec, seq.request.namespace)
+        parent = chain_parent(self.spec, seq.request.namespace, seq.keys[:whole],
+                              public_blocks=seq.request.public_blocks)
         kv = bytearray(block + window)
         if block:
             kv[:block] = self.writer.export_blocks([seq.block_table[whole]]).tobytes()
@@ -434,9 +436,8 @@ class Engine:
         if not seq.exact:
             full = min(full, seq.decision.reused_block_tokens // self.spec.block_size)
         self.writer.ensure_keys(seq, full)
-        tenant = tenant_of(seq.request.namespace)
         for i in range(full):
-            self.pool.cache(seq.block_table[i], seq.keys[i], tenant)
+            self.pool.cache(seq.block_table[i], seq.keys[i], seq.owner(i))
 
     def _finish(self, seq: Sequence, reason: str, *, store: bool) -> None:
         seq.finish_reason = reason

@@ -1,13 +1,14 @@
 """The engine registry of the cluster mode, on Redis: who serves, in which role, how loaded.
 
     {prefix}{engines}:set        SET of engine ids
-    {prefix}{engines}:e:<id>     {"info": EngineInfo, "issued": epoch s, "mac": hex}, expiring `ttl_s`
-                                 after its last heartbeat
+    {prefix}{engines}:e:<id>     {"info": EngineInfo, "issued": epoch s, "ttl_s": s, "mac": hex},
+                                 expiring `ttl_s` after its last heartbeat
 
 Redis is not trusted with who serves: an entry is MACed under the cluster token's registry key
-(`state/auth.py`) over the id, the info and the time it was issued. One that fails the MAC, names
-another id, or was issued more than MAX_AGE_S ago (a captured entry replayed) is absent, and
-logged. Whoever can write to Redis can still remove engines (deny service), never add one.
+(`state/auth.py`) over the id, the info, the time it was issued and its TTL. One that fails the MAC,
+names another id, or is older than its own TTL (a captured entry replayed after the engine froze,
+`live_at`) is absent, and logged. Whoever can write to Redis can still remove engines (deny service),
+never add one, nor keep a frozen one listed longer than a live entry would be.
 
 Both keys share the hash tag `{engines}`, so on a Redis Cluster they live in one slot and a
 listing is one SMEMBERS + one MGET. An engine re-announces itself every `ttl_s / 3`; one that
@@ -32,7 +33,7 @@ import redis
 log = logging.getLogger("kvledger.cluster")
 ROLES = ("prefill", "decode", "both")
 DEFAULT_TTL_S = 2.0   # a frozen or dead engine leaves the listing within this long of its last beat
-MAX_AGE_S = 30.0      # an entry issued longer ago is absent, whatever Redis's expiry says (clocks may differ)
+CLOCK_SKEW_S = 1.0    # an engine's clock and an entrypoint's may differ by this much (NTP keeps them within ms)
 FAULT_HOLD_S = 10.0   # an engine whose store failed a read stays out of the registry this long after the last
 
 
@@ -76,29 +77,40 @@ class EngineInfo:
         return info
 
 
-def seal(info: EngineInfo, key: bytes, issued: float) -> str:
-    """The registry entry of `info`: its fields, the time, and their MAC."""
+def seal(info: EngineInfo, key: bytes, issued: float, ttl_s: float) -> str:
+    """The registry entry of `info`: its fields, the time it was issued (epoch s), its TTL (s: Redis expires it
+    that long after `issued`), and their MAC."""
     body = json.dumps(asdict(info), separators=(",", ":"), sort_keys=True)
-    return json.dumps({"info": body, "issued": repr(issued), "mac": _mac(key, info.engine_id, body, repr(issued))})
+    stamp, ttl = repr(float(issued)), repr(float(ttl_s))
+    return json.dumps({"info": body, "issued": stamp, "ttl_s": ttl, "mac": _mac(key, info.engine_id, body, stamp, ttl)})
 
 
 def unseal(raw: bytes | str, engine_id: str, key: bytes, now: float) -> EngineInfo:
     """The EngineInfo of an entry stored under `engine_id`; ValueError when it is not one an engine of this
-    cluster issued for that id within MAX_AGE_S of `now` (or it does not parse)."""
+    cluster issued for that id, is not `live_at` `now` (epoch s), or does not parse."""
     d = json.loads(raw)
-    body, issued, tag = str(d["info"]), str(d["issued"]), str(d["mac"])
-    if not hmac.compare_digest(tag, _mac(key, engine_id, body, issued)):
+    body, issued, ttl, tag = str(d["info"]), str(d["issued"]), str(d["ttl_s"]), str(d["mac"])
+    if not hmac.compare_digest(tag, _mac(key, engine_id, body, issued, ttl)):
         raise ValueError("its MAC is wrong: not written by an engine of this cluster")
-    if not abs(now - float(issued)) <= MAX_AGE_S:
-        raise ValueError(f"issued {now - float(issued):.0f} s ago: a replayed entry")
+    if not live_at(float(issued), float(ttl), now):
+        raise ValueError(f"issued {now - float(issued):.1f} s ago with a TTL of {float(ttl):g} s "
+                         f"(+ {CLOCK_SKEW_S:g} s of clock skew): a replayed entry")
     info = EngineInfo.from_dict(json.loads(body))
     if info.engine_id != engine_id:
         raise ValueError(f"it names engine {info.engine_id!r}")
     return info
 
 
-def _mac(key: bytes, engine_id: str, body: str, issued: str) -> str:
-    parts = (b"kvledger/registry-entry", engine_id.encode(), body.encode(), issued.encode())
+def live_at(issued: float, ttl_s: float, now: float) -> bool:
+    """Whether an entry issued at `issued` with TTL `ttl_s` could still be in Redis at `now` (all in seconds;
+    `issued` and `now` from two machines' clocks): −CLOCK_SKEW_S ≤ now − issued ≤ ttl_s + CLOCK_SKEW_S. Redis
+    drops an entry `ttl_s` after its beat, so a genuine one is never read older; an older one was put back.
+    NaN anywhere is False."""
+    return -CLOCK_SKEW_S <= now - issued <= ttl_s + CLOCK_SKEW_S
+
+
+def _mac(key: bytes, engine_id: str, body: str, issued: str, ttl_s: str) -> str:
+    parts = (b"kvledger/registry-entry/2", engine_id.encode(), body.encode(), issued.encode(), ttl_s.encode())
     return hmac.digest(key, b"\0".join(parts), "sha256").hex()
 
 
@@ -123,7 +135,8 @@ class Registry:
     def announce(self, info: EngineInfo) -> None:
         pipe = self.redis.pipeline(transaction=False)
         pipe.sadd(self.set_key, info.engine_id)
-        pipe.set(self.entry_prefix + info.engine_id, seal(info, self.key, self.clock()), px=self.ttl_ms)
+        entry = seal(info, self.key, self.clock(), self.ttl_ms / 1000)
+        pipe.set(self.entry_prefix + info.engine_id, entry, px=self.ttl_ms)
         pipe.execute()
 
     def withdraw(self, engine_id: str) -> None:

@@ -22,6 +22,7 @@ from pathlib import Path
 from kvledger.core import ModelSpec
 from kvledger.state.ledger import StateLedger
 from kvledger.store.ledger import BlockLedger, blocks_dir
+from kvledger.store.quota import Quotas
 from kvledger.store.ttl import TtlPolicy
 
 
@@ -44,16 +45,17 @@ class Ledgers:
 
 def open_ledgers(spec: ModelSpec, data_dir: Path, part: Part, *, redis_url: str | None = None,
                  token: str | None = None, engine_id: str | None = None, host: str = "127.0.0.1",
-                 policy: TtlPolicy | None = None, capacity_bytes: int | None = None) -> Ledgers:
+                 policy: TtlPolicy | None = None, capacity_bytes: int | None = None,
+                 quotas: Quotas | None = None) -> Ledgers:
     """Both ledgers of a process playing `part` (the module's table). The cluster parts need `redis_url` and
     the cluster `token` (the state server's and the directory's keys derive from it); the engine its id.
-    `capacity_bytes`: the embedded block ledger's limit (least recently hit blocks evicted past it). The embedded
-    server pins its LMDB index in memory (store/index_pin.py): it is the node's one long-lived process."""
+    `capacity_bytes`: the block ledger's limit (least recently hit blocks evicted past it), `quotas` the
+    guarantees kept in it (store/quota.py; None: those the store records). The embedded server pins its LMDB
+    index in memory (store/index_pin.py): it is the node's one long-lived process."""
     assert (part is Part.EMBEDDED) == (redis_url is None) == (token is None), "the cluster parts need both"
     assert (part is Part.ENGINE) == (engine_id is not None), "an engine is named in the directory"
-    assert capacity_bytes is None or part is Part.EMBEDDED, "the cluster's Redis index has no capacity limit"
     block = BlockLedger.open(path=blocks_dir(data_dir), redis_url=redis_url, policy=policy,
-                             capacity_bytes=capacity_bytes, pin_index=part is Part.EMBEDDED)
+                             capacity_bytes=capacity_bytes, quotas=quotas, pin_index=part is Part.EMBEDDED)
     try:
         return Ledgers(block, _state_ledger(spec, data_dir, part, redis_url, token, engine_id, host))
     except BaseException:

@@ -31,7 +31,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from kvledger.core import root_key, tail_key, tail_parts, takes_tail, with_tail
+from kvledger.core import chain_parent, tail_key, tail_parts, takes_tail, with_tail
 from kvledger.engine.api import EngineRequest
 from kvledger.engine.async_engine import AsyncEngine
 from kvledger.engine.client import EngineFailed, EngineRejected
@@ -39,6 +39,7 @@ from kvledger.engine.engine_registry import DEFAULT_TTL_S, EngineInfo, Heartbeat
 from kvledger.engine.session import H_MAC, H_SEQ, H_SESSION, SESSION_PATH, ProofFailed, SessionClient, SessionTable
 from kvledger.engine.wire import FORGET_PATH, KEEPALIVE_S, ForgetBody, GenerateBody, WireEvent
 from kvledger.state.auth import derive_keys
+from kvledger.store.quota import Quotas
 
 log = logging.getLogger("kvledger.cluster")
 WAIT_STORED_S = 10.0   # a prefill leg's end waits this long at most for its blocks to be on the block ledger
@@ -62,6 +63,8 @@ class EngineConfig:
     stream_hits: bool | None = None   # `Engine(stream_hits=...)`; None: the engine's default
     grace_s: float = 60.0
     heartbeat_ttl_s: float = DEFAULT_TTL_S
+    store_capacity_bytes: int | None = None   # the shared block ledger's limit: this engine's puts evict past it
+    quotas: Quotas | None = None              # the guarantees its evictions keep (None: those the store records)
 
 
 class StartupInterrupted(BaseException):
@@ -81,7 +84,8 @@ class EngineProcess:
         self.entry = resolve(config.model)   # a name or a path; served (and registered) as `entry.name`
         self.spec = self.entry.spec
         self.ledgers = open_ledgers(self.spec, config.data_dir, Part.ENGINE, redis_url=config.redis_url,
-                                    token=config.token, engine_id=config.engine_id, host=config.host)
+                                    token=config.token, engine_id=config.engine_id, host=config.host,
+                                    capacity_bytes=config.store_capacity_bytes, quotas=config.quotas)
         self.block_ledger, self.state_ledger = self.ledgers.block, self.ledgers.state
         self.registry = Registry.from_url(config.redis_url, derive_keys(config.token).registry,
                                           ttl_s=config.heartbeat_ttl_s)
@@ -166,7 +170,7 @@ class EngineProcess:
         raised = with_tail(req.decision, len(body.tokens), self.spec, held)
         if raised is None:
             return req
-        parent = req.keys[whole - 1] if whole else root_key(self.spec, req.namespace)
+        parent = chain_parent(self.spec, req.namespace, req.keys[:whole], public_blocks=req.public_blocks)
         path = TAIL_PATH + tail_key(parent, body.tokens[whole * b:last]).hex()
         url, outcome, kv = body.tail_from, "failed", None
         try:

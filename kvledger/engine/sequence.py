@@ -30,7 +30,7 @@ from enum import Enum, auto
 
 import torch
 
-from kvledger.core import HitDecision
+from kvledger.core import PUBLIC_NAMESPACE, HitDecision, tenant_of
 from kvledger.engine.api import EngineRequest, SamplingParams
 
 
@@ -110,6 +110,11 @@ class Sequence:
         what a cold prefill computes, and may be stored and shared. False from a truncation on, for good (unless
         a resume after a preemption, its reused blocks gone, recomputes it from 0: `HitLoader` resume table)."""
         return self.truncate_from is None
+
+    def owner(self, block: int) -> str:
+        """Whose block `block` of this sequence is, as a forget finds it (DESIGN rule 12): a published public
+        prefix's blocks are the public namespace's, the others its request's tenant's (`core.tenant_of`)."""
+        return PUBLIC_NAMESPACE if block < self.request.public_blocks else tenant_of(self.request.namespace)
 
     @property
     def keeps(self) -> bool:

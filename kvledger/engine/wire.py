@@ -104,6 +104,7 @@ class GenerateBody(BaseModel):
     tail_from: Annotated[str, Field(pattern=r"^https?://[^\s]{1,200}$")] | None = None   # a P/D decode leg:
                                  # the URL of the engine that kept the tail of `tokens` but the last
     prompt_len: Annotated[int, Field(ge=0)] = 0   # the request's own prompt, when `tokens` continue it (api.py)
+    public_blocks: Annotated[int, Field(ge=0)] = 0   # leading blocks of a published public prefix (api.py)
     store: bool = True           # False: a no-store request (api.py), nothing of it stays on the engine
 
     @classmethod
@@ -111,14 +112,14 @@ class GenerateBody(BaseModel):
         return cls(request_id=req.request_id, tokens=[int(t) for t in req.tokens], keys=[k.hex() for k in req.keys],
                    decision=WireDecision.of(req.decision), namespace=req.namespace, ttl_class=req.ttl_class,
                    sampling=WireSampling.of(req.sampling), wait_stored=wait_stored, keep_tail=req.keep_tail,
-                   tail_from=tail_from, prompt_len=req.prompt_len, store=req.store)
+                   tail_from=tail_from, prompt_len=req.prompt_len, public_blocks=req.public_blocks, store=req.store)
 
     def engine_request(self, spec: ModelSpec) -> EngineRequest:
         """The request this body names; `ValueError` when its keys or decision cannot be this prompt's."""
         tokens = np.asarray(self.tokens, dtype=np.uint32)
         req = EngineRequest(self.request_id, tokens, [bytes.fromhex(k) for k in self.keys], self.decision.decision(),
                             self.sampling.params(), self.namespace, self.ttl_class, keep_tail=self.keep_tail,
-                            prompt_len=self.prompt_len, store=self.store)
+                            prompt_len=self.prompt_len, public_blocks=self.public_blocks, store=self.store)
         check_request_keys(req, tokens, spec)
         check_decision(req.decision, decided_length(tokens.size, req.own_prompt_len, spec), spec)
         return req

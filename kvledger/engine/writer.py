@@ -30,7 +30,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from kvledger.core import extend_chain, prefill_store_positions, root_key, tenant_of
+from kvledger.core import PUBLIC_NAMESPACE, continue_chain, prefill_store_positions, tenant_of
 from kvledger.engine.models.base import Model
 from kvledger.engine.sequence import Sequence
 from kvledger.engine.state_slots import StateSlots
@@ -99,13 +99,10 @@ class LedgerWriter:
 
     def ensure_keys(self, seq: Sequence, n_blocks: int) -> None:
         """Extend the sequence's chain keys to `n_blocks` full blocks (decode blocks, rule 7)."""
-        have = len(seq.keys)
-        if n_blocks <= have:
+        if n_blocks <= len(seq.keys):
             return
-        b = self.spec.block_size
-        parent = seq.keys[-1] if seq.keys else root_key(self.spec, seq.request.namespace)
-        tokens = np.asarray(seq.tokens[have * b:n_blocks * b], dtype=np.uint32)
-        seq.keys.extend(extend_chain(parent, tokens, b))
+        seq.keys[:] = continue_chain(seq.tokens, self.spec, seq.request.namespace, seq.keys,
+                                     public_blocks=seq.request.public_blocks, upto=n_blocks)
 
     def store_blocks(self, seq: Sequence, upto: int) -> None:
         """Queue blocks [seq.stored_blocks, upto) of the sequence for the block ledger (none of a sequence
@@ -117,11 +114,14 @@ class LedgerWriter:
         seq.stored_blocks = upto
         if self.block_ledger is None:
             return
-        parent = seq.keys[first - 1] if first else None
-        with self._done:
-            self._queued += 1
-        self._exports.append(_Export(seq.block_table[first:upto], seq.keys[first:upto], first, parent,
-                                     seq.request.namespace, seq.request.ttl_class))
+        public = seq.request.public_blocks   # a public prefix's blocks are the public namespace's (rule 12)
+        for lo, hi, namespace in ((first, min(upto, public), PUBLIC_NAMESPACE),
+                                  (max(first, public), upto, seq.request.namespace)):
+            if lo < hi:
+                with self._done:
+                    self._queued += 1
+                self._exports.append(_Export(seq.block_table[lo:hi], seq.keys[lo:hi], lo,
+                                             seq.keys[lo - 1] if lo else None, namespace, seq.request.ttl_class))
 
     def flush(self) -> None:
         """Copy the blocks of the puts noted since the last flush out of the device pool and queue them, in order.
@@ -160,8 +160,8 @@ class LedgerWriter:
         """The slot's window ending at `position` (a multiple of B its ring still holds) to the state ledger."""
         assert self.state_ledger is not None and position % self.spec.block_size == 0
         self.model.export_window(seq.slot, position, self.slots.staging)
-        self.state_ledger.put(seq.keys[position // self.spec.block_size - 1], position, self.slots.staging.numpy(),
-                              tenant_of(seq.request.namespace))
+        block = position // self.spec.block_size - 1
+        self.state_ledger.put(seq.keys[block], position, self.slots.staging.numpy(), seq.owner(block))
 
     def store_replica(self, seq: Sequence) -> None:
         """Rule 4 at request end: the latest decode replica, attached at its boundary (`Sequence.keeps` only)."""
@@ -169,8 +169,8 @@ class LedgerWriter:
         if self.state_ledger is None or position == 0 or not seq.keeps:
             return
         self.ensure_keys(seq, position // self.spec.block_size)
-        self.state_ledger.put(seq.keys[position // self.spec.block_size - 1], position,
-                              self.slots.replica[seq.slot].numpy(), tenant_of(seq.request.namespace))
+        block = position // self.spec.block_size - 1
+        self.state_ledger.put(seq.keys[block], position, self.slots.replica[seq.slot].numpy(), seq.owner(block))
 
     def forget(self, tenant: str, timeout_s: float) -> tuple[int, bool]:
         """A forget of `tenant` (DESIGN rule 12), on the engine's thread: its puts noted and not yet copied are

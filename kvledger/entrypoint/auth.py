@@ -1,8 +1,9 @@
 """API keys → tenants (DESIGN.md rule 2: a tenant is a namespace; two never share a block).
 
 The key file is a JSON object: each key maps to its namespace, or to
-`{"namespace": ..., "ttl_class": ..., "role": "tenant" | "operator", "store": true | false}`
-(`"store": false`: every request of the key is a no-store one, DESIGN rule 12). Only an operator key opens
+`{"namespace": ..., "ttl_class": ..., "role": "tenant" | "operator", "quota": "512MB", "store": false}`
+(`quota`: the namespace's guaranteed share of the block store, bytes or a size; store/quota.py; `"store": false`:
+every request of the key is a no-store one, DESIGN rule 12). Only an operator key opens
 the operator endpoints (`/metrics`, `/dashboard*`: every tenant's figures and last requests); it is
 a tenant too, of its own namespace. Without a key file the server runs open: every request is
 the tenant `default`, the operator endpoints are open too (and the server binds to loopback only).
@@ -40,7 +41,8 @@ class Tenant:
     ttl_class: str | None = None
     label: str = "open"   # what metrics and logs show for the key (never the key itself)
     role: str = TENANT    # OPERATOR: may read the operator endpoints too
-    store: bool = True
+    quota: int | None = None   # the namespace's guaranteed bytes of the block store (None: the server's default)
+    store: bool = True         # False: every request of the key is a no-store one (rule 12)
 
 
 OPEN_TENANT = Tenant(OPEN_NAMESPACE)
@@ -66,12 +68,13 @@ def _tenant(path: str | Path, key: str, value: object, known_classes: set[str]) 
     where = f"{path}: key {key[:4]}…"
     if len(key) < 8:
         raise KeyFileError(f"{where}: an API key must have at least 8 characters")
-    ttl_class, role, store = None, TENANT, True
+    ttl_class, role, quota, store = None, TENANT, None, True
     if isinstance(value, dict):
-        unknown = set(value) - {"namespace", "ttl_class", "role", "store"}
+        unknown = set(value) - {"namespace", "ttl_class", "role", "quota", "store"}
         if unknown:
             raise KeyFileError(f"{where}: unknown field(s) {', '.join(sorted(unknown))}")
         namespace, ttl_class, role = value.get("namespace"), value.get("ttl_class"), value.get("role", TENANT)
+        quota = _quota(where, value["quota"]) if "quota" in value else None
         store = value.get("store", True)
     else:
         namespace = value
@@ -83,7 +86,38 @@ def _tenant(path: str | Path, key: str, value: object, known_classes: set[str]) 
         raise KeyFileError(f"{where}: role must be {TENANT!r} or {OPERATOR!r}, not {role!r}")
     if not isinstance(store, bool):
         raise KeyFileError(f"{where}: store must be true or false, not {store!r}")
-    return Tenant(namespace, ttl_class, label=namespace, role=role, store=store)
+    return Tenant(namespace, ttl_class, label=namespace, role=role, quota=quota, store=store)
+
+
+def _quota(where: str, value: object) -> int:
+    """A key's `quota`: bytes (an integer) or a size ("512MB", `util.units.parse_size`), finite and ≥ 1."""
+    from kvledger.util.units import parse_size
+
+    try:
+        size = float(value) if isinstance(value, int) and not isinstance(value, bool) else parse_size(str(value))
+    except ValueError:
+        size = 0.0
+    if not isinstance(value, (int, str)) or isinstance(value, bool) or not 1 <= size < float("inf"):
+        raise KeyFileError(f"{where}: quota must be a size such as 512MB or a number of bytes ≥ 1, not {value!r}")
+    return int(size)
+
+
+def tenant_quotas(keys: dict[str, Tenant] | None) -> dict[str, int | None] | None:
+    """Each key file namespace → the quota its keys state (the largest where several keys share it; None: none
+    stated), for `store.quota.resolve_quotas`; None without a key file."""
+    if keys is None:
+        return None
+    out: dict[str, int | None] = {}
+    for t in keys.values():
+        have = out.get(t.namespace)
+        out[t.namespace] = t.quota if have is None else max(have, t.quota or 0)
+    return out
+
+
+def tenant_count(keys: dict[str, Tenant] | None) -> int:
+    """How many tenants a server serves: the namespaces its key file names (keys sharing one are one tenant),
+    or 1 when it runs open. Every request's `core.tenant_of(namespace)` is one of them, whatever its salt."""
+    return 1 if keys is None else len({tenant.namespace for tenant in keys.values()})
 
 
 def bearer_token(header: str | None) -> str | None:

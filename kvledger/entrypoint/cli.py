@@ -20,7 +20,7 @@ from kvledger.entrypoint.body_limit import BODY_TIMEOUT_S
 from kvledger.entrypoint.config import (DEFAULT_TTL_CLASSES, MAX_TOKENS_LIMIT, OPEN_PER_KEY, TRACE_FILE_BYTES,
                                         TRACE_FILES, per_key_default)
 from kvledger.entrypoint.router import POLICIES
-from kvledger.util.http_server import HEADER_TIMEOUT_S, MAX_CONNECTIONS
+from kvledger.util.http_server import HEADER_TIMEOUT_S, MAX_CONNECTIONS, MAX_CONNECTIONS_PER_CLIENT
 from kvledger.util.output import EXIT_INTERRUPTED, CliError
 from kvledger.util.paths import default_data_dir
 from kvledger.util.redis_client import REDIS_URL_ENV
@@ -73,15 +73,27 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-tail-handoff", action="store_true", help="in P/D, let the decode leg recompute the prompt's "
                    "partial last block instead of pulling it from the prefill engine (a baseline)")
     p.add_argument("--listen-fd", type=int, default=None, help=argparse.SUPPRESS)  # `kvledger up`'s bound socket
+    cluster_store_args(p)
     trace_args(p)
     grace_arg(p)
     p.set_defaults(func=cmd_serve, no_cache=False, max_num_seqs=8, checkpoint_every=0, threads=None,
-                   stream_hits="auto", store_capacity=None, ttl_classes=DEFAULT_TTL_CLASSES, gc_interval_s=0.0,
-                   kv_cache_bytes=None)
+                   stream_hits="auto", ttl_classes=DEFAULT_TTL_CLASSES, gc_interval_s=0.0, kv_cache_bytes=None)
+
+
+def cluster_store_args(p: argparse.ArgumentParser) -> None:
+    """A cluster's block ledger limits (`entrypoint`, `engine`, `up`): its capacity and the guarantees in it."""
+    from kvledger.store.cli import add_quota_arg
+
+    p.add_argument("--store-capacity", default=None, metavar="SIZE", help="the shared block ledger's size limit (8G, "
+                   "500MB): a put past it evicts the least recently hit blocks down to 90%% of it, keeping each "
+                   "--quota (default: none; Redis's maxmemory and the mount's size remain)")
+    add_quota_arg(p)
 
 
 def store_args(p: argparse.ArgumentParser) -> None:
-    """The embedded block ledger's limits: its size and its TTL classes (what a what-if varies)."""
+    """The embedded block ledger's limits: its size, the guarantees in it and its TTL classes (what a what-if
+    varies)."""
+    from kvledger.store.cli import add_quota_arg
     p.add_argument("--store-capacity", default=None, metavar="SIZE", help="the block ledger's size limit (8G, 500MB, "
                    "1TiB): a put past it evicts the least recently hit blocks, tails first, down to 90%% of it "
                    "(default: none, the disk's)")
@@ -90,6 +102,7 @@ def store_args(p: argparse.ArgumentParser) -> None:
                    "named keeps its default) or one duration for every class (default %(default)s)")
     p.add_argument("--gc-interval-s", type=float, default=60.0, help="expired blocks are removed (and the capacity "
                    "enforced) this often while serving; 0: only at puts past the capacity (default %(default)s)")
+    add_quota_arg(p)
     p.add_argument("--kv-cache-bytes", default=None, metavar="SIZE", help="the engine's device KV pool (1G, 20M), "
                    "which is also its device prefix cache in front of the block ledger; at least one request of "
                    "--max-prompt-tokens + --max-tokens-limit tokens; a Llama's decode steps keep up to half as "
@@ -121,17 +134,10 @@ def store_limits(args: argparse.Namespace) -> tuple[int | None, dict[str, float]
     """(capacity bytes or None, TTL seconds per class, device pool bytes or None) of the store flags; CliError
     for a bad one."""
     from kvledger.entrypoint.config import parse_ttl_classes
+    from kvledger.store.cli import cli_capacity
     from kvledger.util.units import parse_size
 
-    capacity = None
-    if args.store_capacity is not None:
-        try:
-            size = parse_size(args.store_capacity)
-        except ValueError as e:
-            raise CliError(f"--store-capacity: {e}") from None
-        if size < 1:
-            raise CliError("--store-capacity must be at least one byte (or inf)")
-        capacity = None if size == float("inf") else int(size)
+    capacity = cli_capacity(args.store_capacity)
     try:
         ttl = parse_ttl_classes(args.ttl_classes)
     except ValueError as e:
@@ -174,6 +180,10 @@ def http_args(p: argparse.ArgumentParser) -> None:
                    help='JSON: {"KEY": "namespace"} or {"KEY": {"namespace": ..., "ttl_class": ..., "role": '
                         '"operator"}} (operator keys read /metrics and /dashboard; the file must be owned by you and '
                         "writable by nobody else) (default: none, open to every caller on loopback)")
+    p.add_argument("--public-prefix", type=Path, default=None, metavar="FILE",
+                   help="JSON: a list of public prefixes (token-id lists, or strings tokenized as a prompt's start) "
+                        "every tenant's prompt shares: their whole blocks are computed and stored once for all "
+                        "tenants, and what follows stays each tenant's own (default: none)")
     add_model_arg(p)
     p.add_argument("--max-concurrent-per-key", type=int, default=None, help="running + waiting requests of one API "
                    f"key; more at once → 429 (default: with --api-keys half of --max-num-seqs, so one key never "
@@ -184,8 +194,13 @@ def http_args(p: argparse.ArgumentParser) -> None:
                    "in within this long of the connection's start (or its previous response) → 408 and closed")
     p.add_argument("--body-timeout-s", type=float, default=BODY_TIMEOUT_S, help="a request body not all in within "
                    "this long of its headers → 408 and closed")
-    p.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS, help="open connections before further "
-                   "requests get 503")
+    p.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS, help="open connections at most; at the "
+                   "cap a new one takes the place of an idle connection of the client holding the most (if it holds 2 "
+                   "more), else it is closed at accept; lowered to fit the fd limit, with a line saying so")
+    p.add_argument("--max-connections-per-client", type=int, default=None, help="open connections of one client "
+                   "address (an IPv6 /64) at most; one more is closed at accept. Behind a proxy every client is "
+                   f"the proxy: raise it to --max-connections (default: {MAX_CONNECTIONS_PER_CLIENT}, or an eighth "
+                   "of --max-connections when less)")
     p.add_argument("--max-prompt-tokens", type=int, default=None, help="longer prompts → 400 (default: the context)")
     p.add_argument("--max-tokens-limit", type=int, default=MAX_TOKENS_LIMIT, help="larger max_tokens → 400 "
                    "(default %(default)s)")
@@ -209,6 +224,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from kvledger.engine.models.registry import cli_checkpoint, cli_resolve
     from kvledger.engine.threads import stream_hits
     from kvledger.entrypoint.server_state import ServeConfig
+    from kvledger.store.cli import cli_quotas
     from kvledger.util.http_server import adopt, listen
 
     if args.api_keys is None and not is_loopback(args.host):
@@ -220,7 +236,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     if args.status_interval_s < 0 or args.grace_s < 0:
         raise CliError("--status-interval-s and --grace-s must be >= 0")
     for flag in ("max_concurrent_per_key", "max_body_bytes", "max_num_seqs", "max_prompt_tokens", "max_tokens_limit",
-                 "header_timeout_s", "body_timeout_s", "max_connections"):
+                 "header_timeout_s", "body_timeout_s", "max_connections", "max_connections_per_client"):
         if getattr(args, flag) is not None and getattr(args, flag) <= 0:
             raise CliError(f"--{flag.replace('_', '-')} must be > 0")
     token = None
@@ -232,6 +248,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         except ValueError as e:
             raise CliError(str(e)) from None
     capacity, ttl_classes, kv_cache_bytes = store_limits(args)
+    quota_flags = cli_quotas(args.quota, ttl_classes)
     threads = cli_threads(args.threads) if args.redis_url is None else None   # an entrypoint computes nothing
     trace = trace_settings(args)
     data_dir = writable_dir(args.data_dir or default_data_dir(), "--data-dir")
@@ -240,14 +257,16 @@ def cmd_serve(args: argparse.Namespace) -> None:
     port = sock.getsockname()[1]
     per_key = args.max_concurrent_per_key or per_key_default(args.max_num_seqs, args.api_keys is not None)
     config = ServeConfig(model=args.model, host=args.host, port=port, data_dir=data_dir,
-                         api_keys=args.api_keys, no_cache=args.no_cache, max_body_bytes=args.max_body_bytes,
+                         api_keys=args.api_keys, public_prefix=args.public_prefix, no_cache=args.no_cache,
+                         max_body_bytes=args.max_body_bytes,
                          body_timeout_s=args.body_timeout_s,
                          max_concurrent_per_key=per_key, max_num_seqs=args.max_num_seqs,
                          max_prompt_tokens=args.max_prompt_tokens, max_tokens_limit=args.max_tokens_limit,
                          redis_url=args.redis_url, cluster_token=token, routing=args.routing,
                          tail_handoff=not args.no_tail_handoff,
                          status_every_s=args.status_interval_s, checkpoint_every=every, ttl_classes=ttl_classes,
-                         store_capacity_bytes=capacity, gc_interval_s=args.gc_interval_s, trace=trace,
+                         store_capacity_bytes=capacity, quota_flags=quota_flags, gc_interval_s=args.gc_interval_s,
+                         trace=trace,
                          kv_cache_bytes=kv_cache_bytes, stream_hits=stream_hits(args.stream_hits))
     mode = "serve" if args.redis_url is None else "entrypoint"
     state, code = None, EXIT_INTERRUPTED   # until the server ran to its end: close as fast as after a Ctrl-C
@@ -273,11 +292,12 @@ def cmd_serve(args: argparse.Namespace) -> None:
 def _open_state(config: Any) -> Any:
     from kvledger.engine.models.registry import ModelError
     from kvledger.entrypoint.auth import KeyFileError
+    from kvledger.util.public_prefix import PublicPrefixError
     from kvledger.entrypoint.server_state import ServerState
 
     try:
         return ServerState(config)
-    except (KeyFileError, ModelError) as e:   # a model's tokenizer that cannot be built, say
+    except (KeyFileError, ModelError, PublicPrefixError) as e:   # a model's tokenizer that cannot be built, say
         raise CliError(str(e)) from None
     except OSError as e:
         raise CliError(f"--data-dir {config.data_dir}: cannot open the ledgers ({e.strerror or e})") from None
@@ -288,12 +308,16 @@ def _open_state(config: Any) -> Any:
 def _load(state: Any, mode: str, routing: str, threads: int | None) -> None:
     """Load the model on `threads` torch threads (embedded mode; None in an entrypoint, which computes nothing),
     saying what it does on stderr."""
+    from kvledger.entrypoint.auth import tenant_count
+
     config = state.config
     tenants = "open: no --api-keys, every request is tenant 'default' (loopback only)" if state.keys is None \
-        else f"{len(state.keys)} API keys, {len({t.namespace for t in state.keys.values()})} namespaces"
+        else f"{len(state.keys)} API keys, {tenant_count(state.keys)} namespaces"
     what = f"{mode} ({routing} routing)" if mode == "entrypoint" else mode
     print(f"kvledger {what}: {config.model}  data {config.data_dir}  {tenants}"
           f"{'  cache disabled' if config.no_cache else ''}", file=sys.stderr, flush=True)
+    if state.quotas:
+        print(f"kvledger {mode}: {state.quotas.describe(config.store_capacity_bytes)}", file=sys.stderr, flush=True)
     if threads is not None:
         from kvledger.engine.threads import set_threads
 
@@ -321,7 +345,7 @@ def _run(config: Any, state: Any, mode: str, sock: socket.socket, args: argparse
     configure_logging(log_level)
     uv = Config(build_app(config, state), log_level=log_level, access_log=log_level in ("debug", "info"),
                 timeout_graceful_shutdown=int(grace_s) + 5, log_config=None, header_timeout_s=args.header_timeout_s,
-                max_connections=args.max_connections)
+                max_connections=args.max_connections, max_connections_per_client=args.max_connections_per_client)
     server = Server(uv, on_interrupt=state.interrupt, on_terminate=drain,
                     ready=f"kvledger {mode}: ready at http://{_url_host(config.host)}:{config.port}")
     server.run(sockets=[sock])

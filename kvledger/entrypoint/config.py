@@ -11,6 +11,7 @@ from pathlib import Path
 
 from kvledger.engine.models import registry
 from kvledger.entrypoint.body_limit import BODY_TIMEOUT_S
+from kvledger.store.quota import Owner
 from kvledger.store.ttl import DEFAULT_CLASSES
 from kvledger.util.paths import default_data_dir
 from kvledger.util.units import format_duration, parse_duration
@@ -73,6 +74,7 @@ class ServeConfig:
     port: int = 8000
     data_dir: Path = field(default_factory=default_data_dir)
     api_keys: Path | None = None
+    public_prefix: Path | None = None  # published public prefixes (entrypoint/public_prefix.py, rule 12)
     no_cache: bool = False             # every request computes its whole prompt (bench baseline)
     max_body_bytes: int = 4 * MIB
     body_timeout_s: float = BODY_TIMEOUT_S   # the whole body in within this long of the headers, else 408
@@ -86,7 +88,8 @@ class ServeConfig:
     replay: bool = False
     checkpoint_every: int = 0              # rule 4′: a snapshot every this many prompt tokens (0: none)
     ttl_classes: Mapping[str, float] | None = None   # TTL seconds per class (None: the store's, 3 and 7 days)
-    store_capacity_bytes: int | None = None   # embedded block ledger: LRU eviction past this (None: unlimited)
+    store_capacity_bytes: int | None = None   # the block ledger: LRU eviction past this (None: unlimited)
+    quota_flags: tuple[tuple[Owner, int], ...] = ()   # `--quota` (store/quota.py; resolved with the key file's)
     gc_interval_s: float = 60.0            # embedded: expired blocks removed this often while serving (0: never)
     kv_cache_bytes: int | None = None      # embedded: the engine's device KV pool (None: the engine's default)
     stream_hits: bool | None = None        # embedded: `Engine(stream_hits=...)`; None: the engine's default
@@ -103,7 +106,7 @@ class ServeConfig:
         assert (self.redis_url is None) == (self.cluster_token is None), "the cluster mode needs both"
         assert self.max_body_bytes > 0 and self.max_concurrent_per_key > 0 and self.default_max_tokens > 0
         assert self.body_timeout_s > 0
-        assert self.store_capacity_bytes is None or (self.store_capacity_bytes > 0 and self.redis_url is None)
+        assert self.store_capacity_bytes is None or self.store_capacity_bytes > 0
         assert self.gc_interval_s >= 0
 
     def device_pool(self) -> dict[str, int]:

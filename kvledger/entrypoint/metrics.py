@@ -19,6 +19,7 @@ the last figures of `StoreFigures` (at most STATS_EVERY_S old, plus one scan), a
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -90,11 +91,26 @@ class StoreFigures:
         done.set()
 
 
+def public_namespace(known: set[str] | None) -> Callable[[str], str]:
+    """The label of a store namespace in `/metrics`: its tenant's namespace (`core.tenant_of`: salts dropped) when
+    that is one the server knows (the key file's, which request metrics show already; `default` when open),
+    else a digest of it: the store may hold namespaces of other writers (a vLLM connector's cache salts), and a
+    label must not spell a name nobody published."""
+    def label(namespace: str) -> str:
+        tenant = tenant_of(namespace)
+        if known is None or tenant in known:
+            return tenant
+        return "sha256:" + hashlib.sha256(tenant.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+
+    return label
+
+
 class ServeMetrics:
     def __init__(self, stats: Callable[[], StoreStats | None],
-                 counters: Callable[[], dict[str, int]] | None = None) -> None:
+                 counters: Callable[[], dict[str, int]] | None = None,
+                 public: Callable[[str], str] = tenant_of) -> None:
         """`stats`: a scan of the store (`BlockLedger.stats`, run by `StoreFigures`); `counters`: its live
-        event counters."""
+        event counters; `public`: a store namespace's label (`public_namespace`; default: its tenant's)."""
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("kvledger_requests", "Finished generation requests", ["namespace", "hit_kind"],
@@ -134,7 +150,7 @@ class ServeMetrics:
         self._engine_pids: dict[str, int] = {}   # engine id → the pid it last registered with
         self.fetch_misses: dict[str, int] = {}   # cause → blocks the fetchers missed (read_misses)
         self.store = StoreFigures(stats, counters)
-        r.register(StoreCollector(self.store.latest, self.fetch_misses))
+        r.register(StoreCollector(self.store.latest, self.fetch_misses, public))
 
     def leg(self, kind: str, engine: str, usage: RequestUsage | None) -> None:
         self.legs.labels(kind, engine, usage.hit_kind if usage is not None else "broken").inc()
@@ -164,12 +180,22 @@ class ServeMetrics:
 class StoreCollector(Collector):
     """The block ledger's size and upkeep, from `stats()` at each scrape (`StoreFigures.latest`: no scan).
 
-    Bytes per class and namespace are the live bytes split in proportion to blocks (exact when
-    all blocks have one size, as for one model)."""
+    Bytes per class and namespace are the index's own totals (store/quota.py's buckets); for a store that keeps
+    none, the live bytes split in proportion to blocks (exact when all blocks have one size, as for one model).
+    Namespaces are labelled by `public` (`public_namespace`); guarantees are those the store keeps."""
 
-    def __init__(self, stats: Callable[[], StoreStats | None], fetch_misses: dict[str, int] | None = None) -> None:
+    def __init__(self, stats: Callable[[], StoreStats | None], fetch_misses: dict[str, int] | None = None,
+                 public: Callable[[str], str] = tenant_of) -> None:
         self.stats = stats
         self.fetch_misses = fetch_misses if fetch_misses is not None else {}   # read, never written, here
+        self.public = public
+
+    def _by_tenant(self, counts: dict[str, int]) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for ns, n in counts.items():
+            label = self.public(ns)
+            out[label] = out.get(label, 0) + n
+        return out
 
     def collect(self) -> Iterator:
         st = self.stats()
@@ -177,21 +203,32 @@ class StoreCollector(Collector):
             return
         per_block = st.live_bytes / st.blocks if st.blocks else 0.0
         yield from _by_label("kvledger_store_blocks", "Live blocks in the store", "ttl_class", st.per_class, 1.0)
-        yield from _by_label("kvledger_store_bytes", "Live block bytes in the store", "ttl_class", st.per_class,
-                             per_block)
-        tenants: dict[str, int] = {}
-        for ns, n in st.per_namespace.items():
-            tenants[tenant_of(ns)] = tenants.get(tenant_of(ns), 0) + n
+        exact = bool(st.class_bytes or st.namespace_bytes) or not st.blocks
+        yield from _by_label("kvledger_store_bytes", "Live block bytes in the store", "ttl_class",
+                             st.class_bytes if exact else st.per_class, 1.0 if exact else per_block)
+        tenants = self._by_tenant(st.per_namespace)
         yield from _by_label("kvledger_store_namespace_blocks", "Live blocks by tenant namespace", "namespace",
                              tenants, 1.0)
         yield from _by_label("kvledger_store_namespace_bytes", "Live block bytes by tenant namespace", "namespace",
-                             tenants, per_block)
+                             self._by_tenant(st.namespace_bytes) if exact else tenants, 1.0 if exact else per_block)
+        guarantees = st.guarantees or {}
+        yield from _by_label("kvledger_store_namespace_guarantee_bytes", "Bytes of the store guaranteed to a tenant "
+                             "namespace (--quota, --api-keys)", "namespace",
+                             self._by_tenant(guarantees.get("namespaces", {})), 1.0)
+        yield from _by_label("kvledger_store_class_guarantee_bytes", "Bytes of the store guaranteed to a TTL class "
+                             "(--quota)", "ttl_class", dict(guarantees.get("classes", {})), 1.0)
+        if st.capacity_bytes is not None:
+            cap = GaugeMetricFamily("kvledger_store_capacity_bytes", "Live block bytes past which puts evict")
+            cap.add_metric([], st.capacity_bytes)
+            yield cap
         disk = GaugeMetricFamily("kvledger_store_disk_bytes", "Bytes the store occupies")
         disk.add_metric([], st.disk_bytes)
         yield disk
         c = st.counters
         yield _counter("kvledger_store_evictions", "Blocks evicted for capacity", c.get("gc_evicted", 0))
         yield _counter("kvledger_store_expirations", "Blocks removed after their TTL", c.get("gc_expired", 0))
+        yield _counter("kvledger_store_quota_overrides", "Blocks evicted from within a guarantee because every "
+                       "namespace was within its own (guarantees over-subscribed)", c.get("quota_overrides", 0))
         misses = CounterMetricFamily("kvledger_store_read_misses", "Store reads in this process that missed",
                                      labels=["cause"])
         fetched = self.fetch_misses

@@ -10,11 +10,19 @@ same round trip); the sample is consulted when the request is done, so the CHECK
 
 The sample. Per namespace (salted namespaces apart: they share no block), the most recent prompts' token ids,
 in memory only (never persisted, never shown outside the tenant), at most `max_prompts` prompts and
-`max_tokens` tokens each namespace and `max_total_tokens` over all (the least recently used namespace gives
-way first). They are indexed by chain key as a trie of blocks: a block's key → the blocks that followed it in
-some sampled prompt (`ROOT` → the first blocks), each child remembered by its key and the latest prompt that
-has it. So the nearest sampled prompt of a missing one is found in O(its blocks): the children of its last
-present block are the only candidates for its first absent one.
+`max_tokens` tokens each namespace. A tenant (`core.tenant_of`: an API key's namespace; the open server is
+one tenant) pays for all its namespaces, its salted ones included, out of its own budget, `max_total_tokens`
+/ `tenants`, each prompt costing its tokens + PROMPT_COST; beyond it the tenant's least recently used
+namespace gives way first, never another tenant's. So no tenant's traffic moves another's sample (a cause
+never flips because of someone else's prompts, so it cannot reveal them), ten thousand salts of one key get
+the budget of one key, and the whole sample costs at most `max_total_tokens`: the server passes the number
+of tenants its key file names (`auth.tenant_count`, 1 when open), and a tenant beyond that number is not
+sampled (its misses are `cold`). The charge is close, not exact: a 1,000-token prompt holds 4 KB of ids, is
+charged 1,384 tokens (5.5 KB) and measured 7.3 KB with its trie entries. The prompts are indexed by chain key
+as a trie of blocks: a block's key → the blocks that followed it in some sampled prompt (`ROOT` → the first
+blocks), each child remembered by its key and the latest prompt that has it. So the nearest sampled prompt
+of a missing one is found in O(its blocks): the children of its last present block are the only candidates
+for its first absent one.
 
 The first absent block's cause (core.attribution): a tombstone the index kept (expired, evicted), else
 `diverged` at the first token t where the prompt differs from a sampled prompt that went on past t inside that
@@ -43,7 +51,9 @@ from kvledger.store.backend import Gone
 ROOT = b""                    # the parent of every first block in the trie
 MAX_PROMPTS = 256             # per namespace
 MAX_TOKENS = 1 << 20          # per namespace: 4 MiB of uint32 token ids
-MAX_TOTAL_TOKENS = 8 << 20    # over every namespace: 32 MiB
+MAX_TOTAL_TOKENS = 8 << 20    # over every tenant, each an equal share: 32 MiB of ids
+PROMPT_COST = 384             # what a prompt costs its tenant beyond its tokens, in 4-byte tokens: its fixed objects
+                              # (measured 1.3 KiB for one token in a namespace of its own)
 MAX_SITES = 64                # divergence sites kept per tenant (the smallest by tokens lost give way)
 SPAN_TOKENS = 24              # at most this many tokens of a differing span are shown (decoded)
 MIN_SHARED = 32               # a prompt diverged in its first block only if it shared this many leading tokens,
@@ -62,6 +72,15 @@ class _Namespace:
     prompts: OrderedDict[int, _Prompt] = field(default_factory=OrderedDict)   # oldest first
     children: dict[bytes, dict[bytes, int]] = field(default_factory=dict)      # parent → child key → prompt id
     tokens: int = 0
+
+
+@dataclass(slots=True)
+class _Sample:
+    """One tenant's sample: its namespaces, least recently used first, and what their prompts cost
+    (tokens + PROMPT_COST each; at most the tenant's budget once `add` returns)."""
+
+    spaces: OrderedDict[str, _Namespace] = field(default_factory=OrderedDict)
+    cost: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,15 +119,18 @@ class _Tenant:
 class MissBook:
     """The sample, the causes and the sites of one server (thread-safe: CHECKs run in worker threads)."""
 
-    def __init__(self, block_size: int, *, max_prompts: int = MAX_PROMPTS, max_tokens: int = MAX_TOKENS,
-                 max_total_tokens: int = MAX_TOTAL_TOKENS, decode: Callable[[list[int]], str] | None = None) -> None:
-        assert block_size > 0 and max_prompts > 0 and 0 < max_tokens <= max_total_tokens
+    def __init__(self, block_size: int, *, tenants: int = 1, max_prompts: int = MAX_PROMPTS,
+                 max_tokens: int = MAX_TOKENS, max_total_tokens: int = MAX_TOTAL_TOKENS,
+                 decode: Callable[[list[int]], str] | None = None) -> None:
+        """`tenants`: how many tenants may be sampled (the key file's namespaces; 1 for an open server), each
+        with a budget of `max_total_tokens // tenants` (module docstring)."""
+        assert block_size > 0 and max_prompts > 0 and 0 < max_tokens <= max_total_tokens and tenants > 0
         self.b = block_size
         self.max_prompts, self.max_tokens, self.max_total_tokens = max_prompts, max_tokens, max_total_tokens
+        self.tenants, self.tenant_budget = tenants, max_total_tokens // tenants
         self.decode = decode
-        self._spaces: OrderedDict[str, _Namespace] = OrderedDict()   # least recently used first
+        self._samples: dict[str, _Sample] = {}   # by tenant; at most `tenants`
         self._tenants: dict[str, _Tenant] = {}
-        self._total = 0
         self._next_id = 0
         self._lock = threading.Lock()
 
@@ -135,7 +157,7 @@ class MissBook:
         the index's (written moments ago, or still being written) are followed down the trie."""
         b = self.b
         with self._lock:
-            space = self._spaces.get(namespace)
+            space = self._space(namespace)
             if space is None or blocks > len(keys):
                 return 0, None, 0.0
             parent = keys[blocks - 1] if blocks else ROOT
@@ -156,26 +178,42 @@ class MissBook:
         return best_t, best, max(best_same, 0) / max(min(len(mine), b), 1)
 
     def add(self, namespace: str, tokens: np.ndarray, keys: list[bytes]) -> None:
-        """The prompt joins its namespace's sample (the oldest prompts give way beyond the caps)."""
+        """The prompt joins its namespace's sample; beyond the caps the oldest prompts of that namespace, then
+        those of its tenant's least recently used namespaces, give way (never another tenant's)."""
         tokens = np.array(tokens, dtype=np.uint32)   # a copy: the caller's array lives on in the engine
-        if len(tokens) > self.max_tokens:
+        if len(tokens) > self.max_tokens or len(tokens) + PROMPT_COST > self.tenant_budget:
             return
         with self._lock:
-            space = self._spaces.pop(namespace, None) or _Namespace()
-            self._spaces[namespace] = space   # most recently used
+            sample = self._sample_of(tenant_of(namespace))
+            if sample is None:
+                return
+            space = sample.spaces.pop(namespace, None) or _Namespace()
+            sample.spaces[namespace] = space   # most recently used
             pid, self._next_id = self._next_id, self._next_id + 1
             space.prompts[pid] = _Prompt(tokens, list(keys))
             space.tokens += len(tokens)
-            self._total += len(tokens)
+            sample.cost += len(tokens) + PROMPT_COST
             for parent, child in self._edges(keys, tokens):
                 space.children.setdefault(parent, {})[child] = pid
             while len(space.prompts) > self.max_prompts or space.tokens > self.max_tokens:
-                self._drop_oldest(space)
-            while self._total > self.max_total_tokens:
-                lru_name, lru = next(iter(self._spaces.items()))
-                self._drop_oldest(lru)
+                self._drop_oldest(sample, space)
+            while sample.cost > self.tenant_budget:
+                lru_name, lru = next(iter(sample.spaces.items()))
+                self._drop_oldest(sample, lru)
                 if not lru.prompts:
-                    del self._spaces[lru_name]
+                    del sample.spaces[lru_name]
+
+    def _sample_of(self, tenant: str) -> _Sample | None:
+        """The tenant's sample, new if there is room for one more tenant; None when `tenants` are sampled."""
+        sample = self._samples.get(tenant)
+        if sample is None and len(self._samples) < self.tenants:
+            sample = self._samples[tenant] = _Sample()
+        return sample
+
+    def _space(self, namespace: str) -> _Namespace | None:
+        """The sample of one namespace, if any (under the lock)."""
+        sample = self._samples.get(tenant_of(namespace))
+        return None if sample is None else sample.spaces.get(namespace)
 
     def _edges(self, keys: list[bytes], tokens: np.ndarray) -> list[tuple[bytes, bytes]]:
         """(parent, child) of every block of a prompt in the trie; a partial last block is a child named by its
@@ -187,10 +225,10 @@ class MissBook:
             edges.append((parents[len(keys)], b"partial:" + rest.tobytes()))
         return edges
 
-    def _drop_oldest(self, space: _Namespace) -> None:
+    def _drop_oldest(self, sample: _Sample, space: _Namespace) -> None:
         pid, prompt = space.prompts.popitem(last=False)
         space.tokens -= len(prompt.tokens)
-        self._total -= len(prompt.tokens)
+        sample.cost -= len(prompt.tokens) + PROMPT_COST
         for parent, child in self._edges(prompt.keys, prompt.tokens):
             kids = space.children.get(parent)
             if kids is not None and kids.get(child) == pid:
@@ -259,14 +297,9 @@ class MissBook:
         """Drop everything kept of `tenant` (DESIGN rule 12): the sample of each of its namespaces (salted ones too)
         and its causes and sites; how many sampled prompts went."""
         with self._lock:
-            names = [name for name in self._spaces if tenant_of(name) == tenant]
-            prompts = 0
-            for name in names:
-                space = self._spaces.pop(name)
-                prompts += len(space.prompts)
-                self._total -= space.tokens
+            sample = self._samples.pop(tenant, None)
             self._tenants.pop(tenant, None)
-        return prompts
+        return 0 if sample is None else sum(len(space.prompts) for space in sample.spaces.values())
 
     # --- what the endpoint and the page show ------------------------------------------------
 
@@ -290,7 +323,7 @@ class MissBook:
     def sample_bytes(self, namespace: str) -> int:
         """Bytes the sample of one namespace holds: token ids and chain keys (the index's dict overhead apart)."""
         with self._lock:
-            space = self._spaces.get(namespace)
+            space = self._space(namespace)
             if space is None:
                 return 0
             return sum(p.tokens.nbytes + 16 * len(p.keys) for p in space.prompts.values())

@@ -83,12 +83,13 @@ async def prepare(state: ServerState, tenant: Tenant, body: SamplingFields, endp
     tokens = await asyncio.to_thread(prompt_tokens, state, body)
     sampling = sampling_params(state, body, len(tokens))
     namespace = salted_namespace(tenant.namespace, body.cache_salt)
-    keys, decision, found = await asyncio.to_thread(_check, state, tokens, namespace, tenant.ttl_class)
+    public = 0 if state.config.no_cache else state.public.blocks(tokens)   # rule 12: a published prefix's blocks
+    keys, decision, found = await asyncio.to_thread(_check, state, tokens, namespace, tenant.ttl_class, public)
     most = cap_blocks(len(tokens), state.spec)
     absent = most - min(blocks_spanned(decision.block_hit_tokens, state.spec), most)
     prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
     req = EngineRequest(f"{prefix}-{uuid.uuid4().hex}", tokens, keys, decision, sampling, namespace,
-                        tenant.ttl_class,
+                        tenant.ttl_class, public_blocks=public,
                         store=may_store(tenant, body, cache_control, held=state.forgetting.holds(namespace)))
     return Prepared(req, endpoint, tenant, body.stop_strings, body.stream, body.include_usage, arrival,
                     absent if not state.config.no_cache else 0, found, body.explain_cache_miss)
@@ -128,7 +129,7 @@ def refuse_unsupported(body: SamplingFields) -> None:
                           '{"type": "text"}.', "response_format", UNSUPPORTED)
 
 
-def _check(state: ServerState, tokens: np.ndarray, namespace: str, ttl_class: str | None
+def _check(state: ServerState, tokens: np.ndarray, namespace: str, ttl_class: str | None, public_blocks: int
            ) -> tuple[list[bytes], HitDecision, Match | None]:
     """The CHECK, with the index's answer: the first absent block's tombstone comes in the same round trip, and
     the rest of its cause (the sample: entrypoint/misses.py) is looked up once the request is done, off the
@@ -139,7 +140,7 @@ def _check(state: ServerState, tokens: np.ndarray, namespace: str, ttl_class: st
         return chain_keys(tokens, state.spec, namespace), decide_hit(len(tokens), 0, set(), state.spec), None
     return check_prompt_explained(tokens, state.spec, block_ledger=state.block_ledger,
                                   state_ledger=state.state_ledger, namespace=namespace, ttl_class=ttl_class,
-                                  replay=state.config.replay)
+                                  replay=state.config.replay, public_blocks=public_blocks)
 
 
 def refuse_oversized_text(state: ServerState, body: SamplingFields) -> None:

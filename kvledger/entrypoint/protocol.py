@@ -229,6 +229,14 @@ class DiffRequest(_Request):
     b: Annotated[str, Field(max_length=1_000_000)] | TokenIds
 
 
+class PublicPrefixChange(_Request):
+    """POST /admin/public-prefixes (operator): prefixes to publish and to withdraw, each token ids or a string
+    tokenized as a prompt's start (entrypoint/public_prefix.py)."""
+
+    add: Annotated[list[Annotated[str, Field(max_length=1_000_000)] | TokenIds], Field(max_length=64)] = []
+    remove: Annotated[list[Annotated[str, Field(max_length=1_000_000)] | TokenIds], Field(max_length=64)] = []
+
+
 class ForgetRequest(_Request):
     """POST /admin/forget: the tenant to forget (its namespace as --api-keys names it) and how long after its writes
     are held, in seconds (default `store.forget.DEFAULT_HOLD_S`; 0: none)."""

@@ -49,8 +49,9 @@ from kvledger.engine.wire import FORGET_PATH, KEEPALIVE_S, ForgetBody, GenerateB
 from kvledger.entrypoint.router import Load, PromptView, Router
 
 log = logging.getLogger("kvledger.cluster")
-# tokens, namespace, TTL class, the keys known so far, the request's own prompt length → keys, decision
-CheckFn = Callable[[np.ndarray, str, "str | None", list[bytes], int], tuple[list[bytes], HitDecision]]
+# tokens, namespace, TTL class, the keys known so far, the request's own prompt length, its public prefix's blocks
+# → keys, decision
+CheckFn = Callable[[np.ndarray, str, "str | None", list[bytes], int, int], tuple[list[bytes], HitDecision]]
 MAX_LEGS = 8
 NO_ENGINE_WAIT_S = 15.0
 SUSPECT_S = 5.0   # a broken stream keeps other requests off its engine this long (> the registry's TTL)
@@ -165,7 +166,7 @@ class RemoteEngines:
             if leg > 1:   # the keys so far are kept: only the output's new blocks are hashed
                 tokens = np.asarray(prompt + output, dtype=np.uint32)
                 keys, decision = await asyncio.to_thread(self.check, tokens, req.namespace, req.ttl_class, keys,
-                                                         len(prompt))
+                                                         len(prompt), req.public_blocks)
             left = budget - len(output)
             if left <= 0:   # every token arrived and the end did not (the engine died right after)
                 yield TokenEvent(req.request_id, (), True, "length", self._usage(first, prompt, output, legs))

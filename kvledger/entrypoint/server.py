@@ -11,9 +11,9 @@ concurrent requests of one key (429). A client that hangs up ends its request: a
 Starlette, a non-streamed request by `_while_connected`; either way the engine's stream is closed, which
 aborts the request in the engine (embedded) or closes the leg's connection (cluster: the engine aborts it).
 
-The operator endpoints (`/metrics`, `/dashboard/*`, `/whatif`) name every namespace and show every tenant's
-last requests, and `POST /admin/forget` forgets a tenant on every node (forget.py): with a key file they need an
-operator key (`auth.may_operate`).
+The operator endpoints (`/metrics`, `/dashboard/*`, `/whatif`, `/admin/public-prefixes`, `/admin/forget`) name
+every namespace and show every tenant's last requests, change what all share, or forget a tenant on every node
+(forget.py): with a key file they need an operator key (`auth.may_operate`).
 """
 
 from __future__ import annotations
@@ -39,9 +39,10 @@ from kvledger.entrypoint.body_limit import BodyLimit
 from kvledger.entrypoint.errors import ApiError, bad_request, forbidden, internal_error, too_many, unauthorized
 from kvledger.entrypoint.generate import CLIENT_GONE, Outcome, chat_body, completion_body, record, run, sse
 from kvledger.entrypoint.prepare import Prepared, prepare
+from kvledger.util.public_prefix import parse_items
 from kvledger.entrypoint.forget import forget_tenant
 from kvledger.entrypoint.protocol import (ChatCompletionRequest, CompletionRequest, DiffRequest, ErrorResponse,
-                                          ForgetRequest, ModelCard, ModelList)
+                                          ForgetRequest, ModelCard, ModelList, PublicPrefixChange)
 from kvledger.entrypoint.server_state import ServeConfig, ServerState
 
 STATIC = Path(__file__).with_name("static")
@@ -249,6 +250,26 @@ def _operator_routes(app: FastAPI) -> None:
     async def diff(request: Request, body: DiffRequest, _: Operator) -> JSONResponse:
         return JSONResponse(await asyncio.to_thread(dashboard.diff, _state(request), body))
 
+    @app.get("/admin/public-prefixes", responses=OPERATOR_ERRORS, tags=["operator"])
+    async def public_prefixes(request: Request, _: Operator) -> JSONResponse:
+        """The published public prefixes: each one's length and a digest of its tokens."""
+        return JSONResponse({"prefixes": _state(request).public.describe()})
+
+    @app.post("/admin/public-prefixes", responses=OPERATOR_ERRORS, tags=["operator"])
+    async def change_public_prefixes(request: Request, body: PublicPrefixChange, _: Operator) -> JSONResponse:
+        """Publish `add` and withdraw `remove` (rule 12); only an operator key may (a tenant's: 403)."""
+        state = _state(request)
+        try:
+            tokenize = state.tokenize if state.tokenizer is not None else None
+            added = parse_items(body.add, tokenize, state.vocab_size or None) if body.add else []
+            removed = parse_items(body.remove, tokenize, state.vocab_size or None) if body.remove else []
+            public = state.public.with_added(added)
+            public, withdrawn = public.without(removed)
+        except ValueError as e:
+            raise bad_request(str(e), "add" if body.add else "remove", "invalid_value") from None
+        state.public = public
+        log.info("public prefixes: %d published, %d withdrawn; %d now", len(added), withdrawn, len(public.prefixes))
+        return JSONResponse({"prefixes": public.describe(), "withdrawn": withdrawn})
     @app.post("/admin/forget", responses=OPERATOR_ERRORS, tags=["operator"])
     async def forget(request: Request, body: ForgetRequest, _: Operator) -> JSONResponse:
         """Forget a tenant (DESIGN rule 12): its blocks, snapshots, tombstones, miss sample and trace lines, on every

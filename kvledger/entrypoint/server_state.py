@@ -10,20 +10,23 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from kvledger.core import PUBLIC_NAMESPACE
 from kvledger.engine.async_engine import AsyncEngine
 from kvledger.engine.client import EngineClient
 from kvledger.engine.ledgers import Part, open_ledgers
 from kvledger.engine.models import registry
-from kvledger.engine.models.tokenizer import longest_token_bytes
+from kvledger.engine.models.tokenizer import encode_ids, longest_token_bytes
 from kvledger.entrypoint.activity import Activity
-from kvledger.entrypoint.auth import Tenant, load_keys
+from kvledger.entrypoint.auth import OPEN_NAMESPACE, Tenant, load_keys, tenant_count, tenant_quotas
 from kvledger.entrypoint.config import ServeConfig
 from kvledger.entrypoint.forget import Forgetting
-from kvledger.entrypoint.metrics import ServeMetrics
+from kvledger.entrypoint.metrics import ServeMetrics, public_namespace
 from kvledger.entrypoint.misses import MissBook
+from kvledger.util.public_prefix import PublicPrefixes, load_public_prefixes
 from kvledger.entrypoint.remote import RemoteEngines
 from kvledger.entrypoint.store_upkeep import PeriodicGc
 from kvledger.entrypoint.trace_recorder import open_recorder
+from kvledger.store.quota import resolve_quotas
 from kvledger.store.ttl import TtlPolicy
 
 INTERRUPT_GRACE_S = 1.0   # Ctrl-C: an engine step still running after this long is left to the exit
@@ -42,17 +45,22 @@ class ServerState:
         self.policy = TtlPolicy(classes=config.ttl_classes) if config.ttl_classes else TtlPolicy()
         self.keys: dict[str, Tenant] | None = (load_keys(config.api_keys, set(self.policy.classes))
                                                if config.api_keys is not None else None)
+        self.quotas = resolve_quotas(config.store_capacity_bytes, config.quota_flags, tenant_quotas(self.keys))
         self.tokenizer, self.chat_template = self.entry.text()   # before the ledgers: a bad model opens nothing
+        self.public = self._public_prefixes()   # rule 12: swapped whole when an operator publishes or withdraws
         part = Part.EMBEDDED if config.redis_url is None else Part.ENTRYPOINT
         self.ledgers = open_ledgers(self.spec, config.data_dir, part, redis_url=config.redis_url,
                                     token=config.cluster_token, policy=self.policy,
-                                    capacity_bytes=config.store_capacity_bytes)
+                                    capacity_bytes=config.store_capacity_bytes, quotas=self.quotas)
         self.block_ledger, self.state_ledger = self.ledgers.block, self.ledgers.state
         self.max_token_bytes = longest_token_bytes(self.tokenizer) if self.tokenizer is not None else 0
-        self.metrics = ServeMetrics(self.store_stats, lambda: self.block_ledger.store.counters.as_dict())
+        known = {t.namespace for t in self.keys.values()} if self.keys is not None else {OPEN_NAMESPACE}
+        known.add(PUBLIC_NAMESPACE)   # the operator's published prefixes: a public name
+        self.metrics = ServeMetrics(self.store_stats, lambda: self.block_ledger.store.counters.as_dict(),
+                                    public_namespace(known))
         self.activity = Activity()
         tok = self.tokenizer   # spans are shown as text where there is a tokenizer, as token ids otherwise
-        self.misses = MissBook(self.spec.block_size,   # why prompts miss (misses.py)
+        self.misses = MissBook(self.spec.block_size, tenants=tenant_count(self.keys),   # why prompts miss (misses.py)
                                decode=None if tok is None else lambda ids: tok.decode(ids, skip_special_tokens=False))
         self.trace = open_recorder(self)   # the server's own trace (`kvledger whatif` reads it)
         self.forgetting = Forgetting()     # tenants being forgotten, and held after (forget.py)
@@ -67,6 +75,18 @@ class ServerState:
         self.max_model_len = 0
         self.vocab_size = 0
         self.eos_token_ids: tuple[int, ...] = ()
+
+    def _public_prefixes(self) -> PublicPrefixes:
+        b = self.spec.block_size
+        if self.config.public_prefix is None:
+            return PublicPrefixes(b)
+        tokenize = self.tokenize if self.tokenizer is not None else None
+        return load_public_prefixes(self.config.public_prefix, tokenize, None, b)
+
+    def tokenize(self, text: str) -> list[int]:
+        """`text` as the start of a prompt (as /v1/completions tokenizes a prompt string)."""
+        assert self.tokenizer is not None
+        return encode_ids(self.tokenizer, text)
 
     def load_engine(self) -> None:
         """Embedded: load the model (seconds; the first run converts its weights, tens of seconds).
@@ -126,11 +146,11 @@ class ServerState:
         from kvledger.entrypoint.router import Router
         from kvledger.state.auth import derive_keys
 
-        def check(tokens: Any, namespace: str, ttl_class: str | None, known_keys: list[bytes], prompt_len: int
-                  ) -> Any:
+        def check(tokens: Any, namespace: str, ttl_class: str | None, known_keys: list[bytes], prompt_len: int,
+                  public_blocks: int) -> Any:
             return check_prompt(tokens, self.spec, block_ledger=self.block_ledger, state_ledger=self.state_ledger,
                                 namespace=namespace, ttl_class=ttl_class, replay=self.config.replay,
-                                known_keys=known_keys, prompt_len=prompt_len)
+                                known_keys=known_keys, prompt_len=prompt_len, public_blocks=public_blocks)
 
         assert self.config.redis_url is not None and self.config.cluster_token is not None
         registry = Registry.from_url(self.config.redis_url, derive_keys(self.config.cluster_token).registry)

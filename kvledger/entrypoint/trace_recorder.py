@@ -6,17 +6,22 @@ and `kvledger whatif` read (bench/trace.py), in a rotating, size-bounded set of 
     <folder>/server.json           what the server was started with (model, TTLs, capacity, routing)
 
 A line: `timestamp` (ms since the epoch, the request's arrival), `input_length`, `output_length`,
-`block_tokens` (128), `hash_ids` (the prompt's full blocks: the first 8 bytes of each chain key as a
-63-bit integer, so identical prefixes share ids and two namespaces never do; the partial last block
-has no id), `output_hash_ids` (the full blocks of prompt + output the engine stores at the request's
+`block_tokens` (128), `hash_ids` (the prompt's full blocks: `hash_id`, a keyed hash of each chain key
+as a 63-bit integer, so identical prefixes share ids and two namespaces never do; the partial last
+block has no id), `output_hash_ids` (the full blocks of prompt + output the engine stores at the request's
 end, from block ⌊input_length / 128⌋ on: rule 7), `ttl_class` (the request's, as the block ledger
-resolved it), `tenant_id` (the id of its tenant's root key, `tenant_id`: every line of one tenant, salted or not,
-has the same one, so a forget finds them), and `live` (what this server measured: cached tokens, TTFT, engine,
+resolved it), `tenant_id` (the keyed id of its tenant's root key, `tenant_id`: every line of one tenant, salted or
+not, has the same one, so a forget finds them), and `live` (what this server measured: cached tokens, TTFT, engine,
 fetch, decode; `trace.LiveFigures`). Hashes only: no token id, no text, no namespace name.
 
 Forgetting a tenant (DESIGN rule 12; `forget`) rewrites every file of the folder without its lines, on the writer
 thread (so no line is written meanwhile), each file replaced whole. Lines written before lines carried
 `tenant_id` name no tenant and stay.
+
+The trace is meant to be shared, and a chain key is a public function of model, namespace and tokens:
+an id that were the key itself would let whoever holds the trace confirm a guessed prompt. So an id is
+HMAC-SHA256 of the chain key under the server's trace key (`trace_key`), which never enters the trace
+folder: equal keys still get equal ids (all the what-if needs), a guess without the key matches none.
 
 The request path never waits on it: `record` queues a few references (O(1); a full queue drops the
 line and counts it) and one writer thread hashes the output, writes whole lines with one `write` each
@@ -27,6 +32,7 @@ turns the recorder off with one warning; the server goes on serving.
 from __future__ import annotations
 
 import contextlib
+import hmac
 import json
 import logging
 import os
@@ -34,30 +40,49 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from kvledger.core import ModelSpec, extend_chain, root_key, tenant_of
+from kvledger.core import ModelSpec, continue_chain, root_key, tenant_of
 from kvledger.entrypoint.config import TraceSettings
+from kvledger.state.auth import derive_keys
+from kvledger.util.private_file import claim_secret
 
 log = logging.getLogger("kvledger.serve")
 CURRENT = "requests.jsonl"
 SETTINGS = "server.json"
 QUEUE_MAX = 4096          # finished requests waiting for the writer; more at once are dropped (counted)
 ID_MASK = 2**63 - 1       # a hash id is a non-negative 63-bit integer (JSON readers, numpy int64)
+KEY_FILE = "trace.key"    # <data_dir>/trace.key: an embedded server's trace key, 64 hex characters, mode 0600
+KEY_BYTES = 32
 
 
-def hash_id(key: bytes) -> int:
-    """A chain key's id in the trace: its first 8 bytes, little-endian, as a 63-bit integer."""
-    return int.from_bytes(key[:8], "little") & ID_MASK
+def hash_id(key: bytes, secret: bytes) -> int:
+    """A chain key's id in the trace: the first 8 bytes of HMAC-SHA256(`secret`, `key`), little-endian, as a 63-bit
+    integer. Equal keys, equal ids under one secret; without it, a key says nothing of its id."""
+    return int.from_bytes(hmac.digest(secret, key, "sha256")[:8], "little") & ID_MASK
 
 
-def tenant_id(spec: ModelSpec, namespace: str) -> int:
-    """The `tenant_id` of a line: the id of the root key of the namespace's tenant (`core.tenant_of`)."""
-    return hash_id(root_key(spec, tenant_of(namespace)))
+def trace_key(data_dir: Path, cluster_token: str | None) -> bytes:
+    """The key of this server's trace ids (32 bytes), the same for every process that writes lines of one trace:
+    - a cluster's entrypoints: derived from the cluster token (`state.auth`'s `trace` key), which all of them
+      hold already, so several entrypoints, on several machines, write the same ids without sharing a file;
+    - an embedded server: `<data_dir>/trace.key`, 32 random bytes in hex, made 0600 on the first start
+      and read back on every later one (refused unless this user's alone),
+      so the ids of one trace agree across restarts (`claim_secret`).
+    ValueError, one line naming the file, for a key file that cannot be used (OSError: one that cannot be made)."""
+    if cluster_token is not None:
+        return derive_keys(cluster_token).trace
+    return claim_secret(Path(data_dir) / KEY_FILE, "trace key", KEY_BYTES)
+
+
+def tenant_id(spec: ModelSpec, namespace: str, secret: bytes) -> int:
+    """The `tenant_id` of a line: the id (`hash_id`, keyed) of the root key of the namespace's tenant
+    (`core.tenant_of`): without the trace key, a guessed tenant name matches no line."""
+    return hash_id(root_key(spec, tenant_of(namespace)), secret)
 
 
 def rotated(folder: Path, k: int) -> Path:
@@ -77,6 +102,7 @@ class Finished:
     namespace: str
     ttl_class: str
     live: Mapping[str, Any]
+    public_blocks: int = 0   # leading blocks of a published public prefix (`core.chain_parent`)
 
 
 @dataclass(slots=True)
@@ -94,9 +120,11 @@ class TraceRecorder:
     OSError; `written` and `dropped` count lines."""
 
     def __init__(self, folder: Path, settings: TraceSettings, spec: ModelSpec, server: Mapping[str, Any],
-                 late: Callable[[], Mapping[str, Any]] | None = None) -> None:
-        """`server`: written to server.json at once; `late()`: added to it before the first line is written."""
-        self.folder, self.settings, self.spec = Path(folder), settings, spec
+                 secret: bytes | None, late: Callable[[], Mapping[str, Any]] | None = None) -> None:
+        """`server`: written to server.json at once; `secret`: the key of the ids (`trace_key`; None only when
+        `settings` has recording off), never written; `late()`: added to server.json before the first line."""
+        assert not settings.enabled or (secret is not None and len(secret) >= 16), "a trace key of ≥ 128 bits"
+        self.folder, self.settings, self.spec, self._secret = Path(folder), settings, spec, secret or b""
         self._server, self._late = dict(server), late
         self.enabled = settings.enabled
         self.written = self.dropped = 0
@@ -133,7 +161,7 @@ class TraceRecorder:
     def forget(self, tenant: str, timeout_s: float = 60.0) -> int | None:
         """Rewrite the folder's files without the lines of `tenant` (see the module docstring); how many went,
         None when the writer did not finish within `timeout_s` (blocking: call it off the event loop)."""
-        job = _Forget(tenant_id(self.spec, tenant), threading.Event())
+        job = _Forget(tenant_id(self.spec, tenant, self._secret), threading.Event())
         if self._thread is None or not self._thread.is_alive():   # no writer (recording off): nothing races it
             self._rewrite(job)
             return job.removed
@@ -267,12 +295,12 @@ class TraceRecorder:
         b, n = self.spec.block_size, len(item.prompt_tokens)
         obj = {"timestamp": round(item.arrival_s * 1000, 3), "input_length": n,
                "output_length": len(item.output_tokens), "block_tokens": b,
-               "hash_ids": [hash_id(k) for k in item.keys[: n // b]]}
+               "hash_ids": [hash_id(k, self._secret) for k in item.keys[: n // b]]}
         out = self._output_keys(item)
         if out:
-            obj["output_hash_ids"] = [hash_id(k) for k in out]
+            obj["output_hash_ids"] = [hash_id(k, self._secret) for k in out]
         obj["ttl_class"] = item.ttl_class
-        obj["tenant_id"] = tenant_id(self.spec, item.namespace)
+        obj["tenant_id"] = tenant_id(self.spec, item.namespace, self._secret)
         obj["live"] = dict(item.live)
         return (json.dumps(obj, separators=(",", ":")) + "\n").encode()
 
@@ -283,10 +311,10 @@ class TraceRecorder:
         first, end = n // b, (n + m - 1) // b
         if m == 0 or end <= first:
             return []
-        parent = item.keys[first - 1] if first else root_key(self.spec, item.namespace)
-        tail = np.concatenate([np.asarray(item.prompt_tokens[first * b:], dtype=np.uint32),
-                               np.asarray(item.output_tokens, dtype=np.uint32)])
-        return extend_chain(parent, tail[: (end - first) * b], b)
+        tokens = np.concatenate([np.asarray(item.prompt_tokens, dtype=np.uint32),
+                                 np.asarray(item.output_tokens, dtype=np.uint32)])
+        return continue_chain(tokens, self.spec, item.namespace, item.keys[:first], public_blocks=item.public_blocks,
+                              upto=end)[first:]
 
 
 def _tenant_of_line(line: bytes) -> int | None:
@@ -317,7 +345,8 @@ def trace_request(state: Any, prep: Any, out: Any, usage: Any, ttft_s: float | N
                 "fetch_s": None if used is None else used.timings.get("fetch_s"),
                 "decode_s": None if decode_s is None else round(decode_s, 6)}
         arrival = time.time() - (time.perf_counter() - prep.arrival)
-        recorder.record(Finished(arrival, req.tokens, out.token_ids, req.keys, req.namespace, ttl_class, live))
+        recorder.record(Finished(arrival, req.tokens, out.token_ids, req.keys, req.namespace, ttl_class, live,
+                                 req.public_blocks))
     except Exception as e:   # never the request's problem
         recorder.enabled = False
         log.warning("trace recording is off: %s: %s", type(e).__name__, e)
@@ -326,8 +355,17 @@ def trace_request(state: Any, prep: Any, out: Any, usage: Any, ttft_s: float | N
 def open_recorder(state: Any) -> TraceRecorder:
     """The recorder of a server (a ServerState, being built), with what a what-if needs to know of it in
     `server.json` (units: seconds, bytes, blocks); what only the loaded engine knows (`device_blocks`: its
-    device prefix cache, embedded; `max_model_len`) is added when the first line is written."""
+    device prefix cache, embedded; `max_model_len`) is added when the first line is written. A trace key
+    that cannot be used turns recording off with one warning (never the server's start)."""
     config, spec, policy = state.config, state.spec, state.policy
+    settings, secret = config.trace, None
+    if settings.enabled:
+        try:
+            secret = trace_key(config.data_dir, config.cluster_token)
+        except (OSError, ValueError) as e:
+            log.warning("trace recording is off: %s (requests are served as before)",
+                        f"{config.data_dir}: {e.strerror}" if isinstance(e, OSError) else e)
+            settings = replace(settings, enabled=False)
     server = {"model": config.model, "mode": "embedded" if config.redis_url is None else "cluster",
               "block_bytes": spec.block_bytes(), "ttl_s": dict(policy.classes), "default_class": policy.default_class,
               "store_capacity_bytes": config.store_capacity_bytes, "routing": config.routing,
@@ -339,4 +377,4 @@ def open_recorder(state: Any) -> TraceRecorder:
         pool = getattr(core, "pool", None)
         return {"max_model_len": state.max_model_len, "device_blocks": None if pool is None else pool.total}
 
-    return TraceRecorder(config.trace_folder, config.trace, spec, server, engine_facts)
+    return TraceRecorder(config.trace_folder, settings, spec, server, secret, engine_facts)

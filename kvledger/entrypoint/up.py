@@ -96,7 +96,7 @@ class Child:
 def register(sub: argparse._SubParsersAction) -> None:
     from kvledger.engine.models.registry import add_checkpoint_arg
     from kvledger.engine.threads import STREAM_HITS
-    from kvledger.entrypoint.cli import http_args, trace_args
+    from kvledger.entrypoint.cli import cluster_store_args, http_args, trace_args
     from kvledger.util.paths import default_data_dir
     from kvledger.entrypoint.router import POLICIES
     from kvledger.util.output import examples
@@ -136,6 +136,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stream-hits", choices=STREAM_HITS, default="auto",
                    help="whether an engine's hit may compute while its blocks arrive; auto: when the engines' "
                         "threads together leave a CPU free (default %(default)s)")
+    cluster_store_args(p)   # every engine's and the entrypoint's, the guarantees resolved once here
     trace_args(p)   # the entrypoint's; its default folder is <data-dir>/trace (not a JuiceFS mount's)
     p.add_argument("--grace-s", type=float, default=GRACE_S, help="on a stop: seconds the entrypoint's open requests "
                    "and the engines' hand-offs get before they are cut (default %(default)s)")
@@ -167,10 +168,11 @@ def cmd_up(args: argparse.Namespace) -> None:
     cli_checkpoint(cli_resolve(args.model), args.checkpoint_every)
     if args.model not in NAMES:   # a path: the children get it whole, whatever their working directory
         args.model = str(Path(args.model).expanduser().resolve())
-    for flag in ("header_timeout_s", "body_timeout_s", "max_connections"):   # the entrypoint's, checked here first
-        if getattr(args, flag) <= 0:
+    for flag in ("header_timeout_s", "body_timeout_s", "max_connections", "max_connections_per_client"):
+        if getattr(args, flag) is not None and getattr(args, flag) <= 0:   # the entrypoint's, checked here first
             raise CliError(f"--{flag.replace('_', '-')} must be > 0")
     trace_settings(args)
+    args.store_flags = store_flags(args)
     try:
         engines = args.prefill + args.decode + args.both
         args.threads = threads_per_process(args.threads, engines)
@@ -184,6 +186,28 @@ def cmd_up(args: argparse.Namespace) -> None:
         print(f"kvledger up: stopped ({cluster.cause})", file=sys.stderr, flush=True)
     if code:
         raise SystemExit(code)
+
+
+def store_flags(args: argparse.Namespace) -> list[str]:
+    """`--store-capacity` and the guarantees resolved once (store.quota.resolve_quotas, with the key file's), as
+    the flags every engine and the entrypoint get: an engine knows no key file, and each child keeps the same.
+    CliError for a bad flag or key file."""
+    from kvledger.entrypoint.auth import KeyFileError, load_keys, tenant_quotas
+    from kvledger.store.cli import cli_capacity, cli_quotas
+    from kvledger.store.quota import CLASS, NAMESPACE, resolve_quotas
+    from kvledger.store.ttl import DEFAULT_CLASSES
+
+    capacity = cli_capacity(args.store_capacity)
+    try:
+        keys = load_keys(args.api_keys, set(DEFAULT_CLASSES)) if args.api_keys is not None else None
+    except KeyFileError as e:
+        raise CliError(str(e)) from None
+    quotas = resolve_quotas(capacity, cli_quotas(args.quota, DEFAULT_CLASSES), tenant_quotas(keys))
+    out = [] if capacity is None else ["--store-capacity", str(capacity)]
+    for kind, table in ((NAMESPACE, quotas.namespaces), (CLASS, quotas.classes)):
+        for name, g in sorted(table.items()):
+            out += ["--quota", f"{kind}:{name}={g}"]
+    return out
 
 
 class Cluster:
@@ -342,7 +366,7 @@ class Cluster:
                 args = ["engine", "--role", role, "--engine-id", name, "--max-num-seqs", str(a.max_num_seqs),
                         "--checkpoint-every", str(a.checkpoint_every), "--threads", str(a.threads),
                         "--stream-hits", a.stream_hits,
-                        "--data-dir", str(dirs[len(children) % len(dirs)]), *common]
+                        "--data-dir", str(dirs[len(children) % len(dirs)]), *common, *a.store_flags]
                 children.append(Child(name, args, self.logs / f"{name}.log"))
         assert self.front is not None
         fd = self.front.fileno()
@@ -351,8 +375,9 @@ class Cluster:
                  str(a.max_concurrent_per_key or per_key_default(a.max_num_seqs, a.api_keys is not None)),
                  "--max-body-bytes", str(a.max_body_bytes), "--header-timeout-s", str(a.header_timeout_s),
                  "--body-timeout-s", str(a.body_timeout_s), "--max-connections", str(a.max_connections),
-                 *(["--no-tail-handoff"] if a.no_tail_handoff else [])]
-        for flag in ("api_keys", "max_prompt_tokens", "max_tokens_limit"):
+                 *(["--no-tail-handoff"] if a.no_tail_handoff else []), *a.store_flags]
+        for flag in ("api_keys", "public_prefix", "max_prompt_tokens", "max_tokens_limit",
+                     "max_connections_per_client"):
             if getattr(a, flag) is not None:
                 front += [f"--{flag.replace('_', '-')}", str(getattr(a, flag))]
         front += ["--trace-dir", str(a.trace_dir or self.data / "trace"), "--trace-file-bytes",

@@ -8,8 +8,9 @@ it runs gets 429.
 
 Query parameters are the command's flags, each passed as one `--flag=value` argument (so no value can be
 read as another flag): `capacity`, `ttl`, `routing` (repeatable), `last`, `prefill_engines`. The command's
-own checks decide: its one-line error comes back as a 400; no trace (recording off, nothing served yet) as
-a 404 `no_trace`.
+own checks decide, its bounds included (`bench/whatif_cli.py`: at most 1,024 engines, 8 values of a
+repeatable parameter, 10^7 requests, 1 EB, 365 days): its one-line error comes back as a 400 whose `param`
+is the parameter the line names; no trace (recording off, nothing served yet) as a 404 `no_trace`.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -31,6 +33,7 @@ REPEATABLE = ("capacity", "ttl", "routing")
 SINGLE = ("last", "prefill_engines")
 NO_TRACE = ("no such file or directory", "no recorded trace here", "the recorded trace has no requests")
 _running = threading.Lock()   # one what-if at a time, whichever app or loop asks
+_FLAG = re.compile(r"--([a-z][a-z-]*)")
 
 
 def argv(folder: str, query: list[tuple[str, str]]) -> list[str]:
@@ -70,9 +73,17 @@ async def answer(state: Any, query: list[tuple[str, str]]) -> dict[str, Any]:
         if any(why in line for why in NO_TRACE):
             raise ApiError(404, f"No recorded trace to run a what-if on: {line}", "invalid_request_error", None,
                            "no_trace")
-        raise bad_request(line, None, "invalid_value")
+        raise bad_request(line, param_of(line), "invalid_value")
     log.error("whatif failed (exit %s): %s", done.returncode, done.stderr.strip()[-2000:])
     raise ApiError(500, "The what-if failed; the server's log has the detail.", "server_error", None, "whatif_failed")
+
+
+def param_of(line: str) -> str | None:
+    """The query parameter the command's error line names (its first `--flag` that is one), else None."""
+    for flag in _FLAG.findall(line):
+        if (name := flag.replace("-", "_")) in REPEATABLE + SINGLE:
+            return name
+    return None
 
 
 def _nice() -> None:

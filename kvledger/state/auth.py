@@ -5,6 +5,8 @@
     directory = HMAC-SHA256(root, "directory")   MACs of directory entries
     registry  = HMAC-SHA256(root, "registry")    MACs of engine registry entries (engine/engine_registry.py)
     engine    = HMAC-SHA256(root, "engine")      proofs and session keys of an engine's internal API
+    trace     = HMAC-SHA256(root, "trace")       the key of the trace's hash ids (entrypoint/trace_recorder.py):
+                                                 every entrypoint of a cluster writes the same ids
 
 A state-server connection (and an engine API session, engine/session.py) proves the token both
 ways over fresh 32-byte nonces from both sides (see `wire.py`): nothing on the wire can be
@@ -30,6 +32,7 @@ class Keys(NamedTuple):
     directory: bytes  # 32 B
     registry: bytes   # 32 B
     engine: bytes     # 32 B
+    trace: bytes      # 32 B
 
 
 def derive_keys(token: str | bytes) -> Keys:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from kvledger.core import KEY_BYTES
 from kvledger.state.pool import checksum
+from kvledger.util.private_file import open_private, private_dir
 
 MAGIC = b"KVLSNAP1"
 _HEADER = struct.Struct("<8sQQQ")
@@ -29,7 +30,7 @@ class SnapshotFiles:
 
     def __init__(self, root: str | Path, *, max_bytes: int = 64 << 20, durable: bool = False) -> None:
         self.dir = Path(root) / "snapshots"
-        self.dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.dir)   # 0700, its files 0600: whatever the writer's umask (DESIGN)
         self.max_bytes = max_bytes
         self.durable = durable
         self.corrupt = 0  # files found damaged and removed
@@ -43,10 +44,10 @@ class SnapshotFiles:
         data = memoryview(data).cast("B")
         assert 0 <= data.nbytes <= self.max_bytes and position >= 0
         final = self.path(key)
-        final.parent.mkdir(exist_ok=True)
+        private_dir(final.parent)
         tmp = final.with_name(f".{final.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
         try:
-            with open(tmp, "wb") as f:
+            with os.fdopen(open_private(tmp, os.O_WRONLY | os.O_EXCL), "wb") as f:
                 f.write(_HEADER.pack(MAGIC, position, data.nbytes, checksum(data)))
                 f.write(data)
                 if self.durable:

@@ -13,6 +13,8 @@
     redis_backend.py RedisStore: Redis index (+ bytes, or bytes in SharedFiles: the cluster mode)
     shared_files.py  the cluster mode's bytes: segment files on a shared mount, read by the location Redis keeps
     redis_keys.py    key names and hash slots; redis_meta.py the record and the Lua scripts; redis_upkeep.py views
+    quota.py         guaranteed shares: who owns a block's bytes, and which blocks eviction may take (rule 12)
+    redis_quota.py   a RedisStore's totals per bucket, its eviction down to capacity, and their sweep
     snapshots.py     the state ledger's snapshot files follow their chain block (`store gc`, `store stats`)
     forget.py        forgetting a tenant (rule 12): its tags, hold and receipt; lmdb_forget.py, redis_forget.py
                      each store's removal

@@ -95,6 +95,7 @@ class Counters:
     exists_failures: int = 0      # exists calls that answered "absent" because the store was unreachable
     gc_expired: int = 0
     gc_evicted: int = 0
+    quota_overrides: int = 0      # blocks evicted within a guarantee: every owner was within its own (over-subscribed)
     blocks_refused: int = 0       # not stored: their tenant is held after a forget (store/forget.py)
 
     def as_dict(self) -> dict[str, int]:
@@ -152,8 +153,11 @@ class StoreStats:
     live_bytes: int = 0              # bytes of live blocks
     disk_bytes: int = 0              # bytes the store occupies (file backend: segment files)
     capacity_bytes: int | None = None
-    per_class: dict[str, int] = field(default_factory=dict)
-    per_namespace: dict[str, int] = field(default_factory=dict)
+    per_class: dict[str, int] = field(default_factory=dict)       # live blocks per TTL class
+    per_namespace: dict[str, int] = field(default_factory=dict)   # live blocks per namespace (salted ones apart)
+    namespace_bytes: dict[str, int] = field(default_factory=dict)  # live bytes per tenant namespace (salts in it)
+    class_bytes: dict[str, int] = field(default_factory=dict)      # live bytes per TTL class
+    guarantees: dict[str, dict[str, int]] = field(default_factory=dict)   # quota.Quotas.as_dict(): bytes each
     oldest_created: float | None = None   # epoch seconds of the oldest live block
     next_expiry: float | None = None      # epoch seconds of the next block to expire
     segments: int = 0

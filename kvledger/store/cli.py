@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ import lmdb
 from kvledger.store.backend import BlockStore
 from kvledger.store.ledger import BLOCKS_DIR, blocks_dir
 from kvledger.store.open import StoreLocation, open_block_store
+from kvledger.store.quota import Owner
 from kvledger.util.output import CliError, emit_json, examples
 from kvledger.util.redis_client import shown_url
 
@@ -62,11 +64,12 @@ def _stats_parser(cmds: argparse._SubParsersAction) -> None:
 def _gc_parser(cmds: argparse._SubParsersAction) -> None:
     g = cmds.add_parser("gc", help="remove expired blocks (tails first); evict down to --capacity-gb",
                         description="Remove expired blocks (chain tails first), then evict the least recently hit "
-                        "down to\n--capacity-gb (file store), then the snapshot files whose chain block is gone.",
+                        "down to\n--capacity-gb, keeping the guarantees the store records (--quota of the server "
+                        "that owns it),\nthen the snapshot files whose chain block is gone.",
                         epilog=examples("kvledger store gc --path DATA --capacity-gb 50 --json"))
     _location_args(g)
-    g.add_argument("--capacity-gb", type=float, default=None, help="file store: evict least recently hit above this "
-                   "(default: no limit)")
+    g.add_argument("--capacity-gb", type=float, default=None, help="evict least recently hit above this, keeping the "
+                   "recorded guarantees (default: no limit)")
     g.add_argument("--batch", type=int, default=4096, help="blocks removed per batch")
     g.set_defaults(func=cmd_gc)
 
@@ -99,6 +102,43 @@ def _forget_parser(cmds: argparse._SubParsersAction) -> None:
     f.add_argument("--hold-s", type=float, default=DEFAULT_HOLD_S, metavar="SECONDS",
                    help="refuse the tenant's writes this long after (0: no hold)")
     f.set_defaults(func=cmd_forget)
+
+
+def add_quota_arg(p: argparse.ArgumentParser) -> None:
+    """`--quota NAME=SIZE` (repeatable): what `kvledger serve`, `entrypoint`, `engine` and `up` guarantee."""
+    p.add_argument("--quota", action="append", default=[], metavar="NAME=SIZE",
+                   help="a namespace's (or TTL class's: agent, chatbot; or namespace:NAME / class:NAME) guaranteed "
+                   "share of --store-capacity, e.g. alpha=512MB: another tenant's traffic never evicts it below "
+                   "that while anyone is above their own; repeatable (default: with --api-keys, capacity / (2 × "
+                   "namespaces) each, or a key's own \"quota\"; none without)")
+
+
+def cli_capacity(text: str | None, flag: str = "--store-capacity") -> int | None:
+    """Bytes of a capacity flag (8G, 500MB, 1TiB; inf or absent: None); CliError naming `flag`."""
+    from kvledger.util.units import parse_size
+
+    if text is None:
+        return None
+    try:
+        size = parse_size(text)
+    except ValueError as e:
+        raise CliError(f"{flag}: {e}") from None
+    if size < 1:
+        raise CliError(f"{flag} must be at least one byte (or inf)")
+    return None if size == float("inf") else int(size)
+
+
+def cli_quotas(texts: list[str], classes: Iterable[str]) -> tuple[tuple[Owner, int], ...]:
+    """The parsed `--quota` flags (quota.parse_quota); CliError naming the bad one."""
+    from kvledger.store.quota import parse_quota
+
+    out = []
+    for text in texts:
+        try:
+            out.append(parse_quota(text, classes))
+        except ValueError as e:
+            raise CliError(f"--quota: {e}") from None
+    return tuple(out)
 
 
 def store_root(path: str | None, redis_url: str | None) -> Path | None:
@@ -186,9 +226,23 @@ def cmd_stats(args: argparse.Namespace) -> None:
         ("disk bytes" if st.backend == "file" else "server memory", f"{st.disk_bytes:,}"),
         *[(f"class {k}", f"{v:,}") for k, v in sorted(st.per_class.items())],
         *[(f"namespace {k}", f"{v:,}") for k, v in sorted(st.per_namespace.items())],
+        *_quota_rows(st),
         ("oldest entry", _when(st.oldest_created)), ("next expiry", _when(st.next_expiry)),
         ("snapshot files", f"{st.snapshots:,}"), ("snapshot bytes", f"{st.snapshot_bytes:,}"),
     ])
+
+
+def _quota_rows(st: Any) -> list[tuple[str, str]]:
+    """Live bytes per tenant namespace beside its guarantee, and each class guarantee beside the class's bytes
+    (the store's own totals; guarantees as the server that owns the store recorded them)."""
+    g_ns, g_cls = st.guarantees.get("namespaces", {}), st.guarantees.get("classes", {})
+    rows = [(f"namespace {ns} bytes", f"{st.namespace_bytes.get(ns, 0):,}"
+             + (f" (guaranteed {g_ns[ns]:,})" if ns in g_ns else ""))
+            for ns in sorted(set(st.namespace_bytes) | set(g_ns))]
+    rows += [(f"class {c} bytes", f"{st.class_bytes.get(c, 0):,} (guaranteed {g:,})") for c, g in sorted(g_cls.items())]
+    if st.capacity_bytes is not None:
+        rows.append(("capacity", f"{st.capacity_bytes:,}"))
+    return rows
 
 
 def cmd_gc(args: argparse.Namespace) -> None:

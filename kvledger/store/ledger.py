@@ -24,6 +24,7 @@ from kvledger.store.backend import (Buffer, BlockStore, Dest, ChainWrite, GcResu
                                     VerifyResult)
 from kvledger.store.forget import Forgotten, forget_store
 from kvledger.store.open import DEFAULT_PREFIX, StoreLocation, open_block_store
+from kvledger.store.quota import Quotas
 from kvledger.store.ttl import Clock, TtlPolicy, wall_clock
 
 NO_PARENT = bytes(KEY_BYTES)  # parent recorded for a block at chain position 0 when the root key is not given
@@ -46,15 +47,15 @@ class BlockLedger:
 
     @classmethod
     def open(cls, path: str | os.PathLike | None = None, redis_url: str | None = None, *,
-             policy: TtlPolicy | None = None, capacity_bytes: int | None = None, fsync: bool = True,
-             clock: Clock = wall_clock, timeout_s: float = 2.0, prefix: str = DEFAULT_PREFIX,
+             policy: TtlPolicy | None = None, capacity_bytes: int | None = None, quotas: Quotas | None = None,
+             fsync: bool = True, clock: Clock = wall_clock, timeout_s: float = 2.0, prefix: str = DEFAULT_PREFIX,
              pin_index: bool = False) -> BlockLedger:
         """`path` alone: embedded (segment files and the persisted LMDB index every process of the node shares);
         `redis_url` alone: Redis holds metadata and bytes; both: the cluster mode (Redis index, bytes in
         segment files under `path`, a shared mount); `prefix` names the Redis keys; `pin_index` keeps the embedded
-        index in memory. See `open_block_store`."""
+        index in memory; `capacity_bytes` and `quotas`: what eviction keeps (quota.py). See `open_block_store`."""
         location = StoreLocation(None if path is None else os.fspath(path), redis_url, prefix)
-        return cls(open_block_store(location, capacity_bytes=capacity_bytes, fsync=fsync, clock=clock,
+        return cls(open_block_store(location, capacity_bytes=capacity_bytes, quotas=quotas, fsync=fsync, clock=clock,
                                     timeout_s=timeout_s, pin_index=pin_index), policy)
 
     # --- CHECK -----------------------------------------------------------------

@@ -22,6 +22,11 @@ fsynced before the transaction that moves the blocks to it; the old file goes af
 
 Tombstones: every block GC removes is buried (lmdb_tombs.py) in the transaction that removes it: `expired`
 at its segment's expiry, or `evicted` at the time of the eviction; so is every block `delete` forgets.
+
+Quotas (quota.py): with guarantees, eviction plans its victims in one read snapshot from the buckets' live
+bytes and their own last-hit orders (`quota.pick`: O(buckets + victims), no walk over protected segments),
+then removes them in the same bounded batches, each victim only if no hit moved it since the plan. What the
+plan cannot free (every owner within its guarantee) goes by plain recency, counted in `quota_overrides`.
 """
 
 from __future__ import annotations
@@ -29,14 +34,15 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 
 import lmdb
 
 from kvledger.core.attribution import MissCause
+from kvledger.store import quota
 from kvledger.store.backend import Counters, GcResult
-from kvledger.store.lmdb_index import ORDER, SEG_ID, BlockRec, LmdbIndex, SegRec
+from kvledger.store.lmdb_index import ORDER, SEG_ID, BlockRec, LmdbIndex, SegRec, order_key
 from kvledger.store.lmdb_tombs import Tombstones, tag_of
 
 log = logging.getLogger("kvledger.store")
@@ -59,8 +65,8 @@ class Collector:
     """GC, eviction, deletion and compaction over one index (see the module docstring). `unlink` removes files
     once the commit that forgot them is durable; `flush` writes this process's noted refreshes (before anything
     is judged expired or least recently hit); `rewrite` copies a segment's live blocks into a new file
-    (compaction); `tombs` records what was removed; `where` names the store in logs. Sizes in bytes, times
-    epoch seconds."""
+    (compaction); `tombs` records what was removed; `where` names the store in logs; `quotas` the guarantees
+    eviction keeps (empty: plain recency). Sizes in bytes, times epoch seconds."""
 
     index: LmdbIndex
     tombs: Tombstones
@@ -71,6 +77,7 @@ class Collector:
     capacity_bytes: int | None
     low_watermark: float
     where: str
+    quotas: quota.Quotas = field(default_factory=quota.Quotas)
 
     def _remove_batch(self, order_db: lmdb._Database, stop: Callable[[float, int], bool], batch: int,
                       cause: MissCause, now: float) -> tuple[int, int, int]:
@@ -168,8 +175,74 @@ class Collector:
 
 
     def evict(self, need_bytes: int, now: float, batch: int = 4096) -> tuple[int, int, int]:
-        """Remove least recently hit segments (tails first) until `need_bytes` are freed, burying their blocks as
-        evicted at `now`; (blocks, bytes, batches)."""
+        """Free `need_bytes`, burying what goes as evicted at `now`: least recently hit first (tails first), and with
+        quotas only from owners above their guarantee while any is (the module docstring); (blocks, bytes,
+        batches)."""
+        if not self.quotas:
+            return self._evict_by_hit(need_bytes, now, batch)
+        n, nbytes, batches = self._evict_by_quota(need_bytes, now, batch)
+        if nbytes < need_bytes:
+            more, more_bytes, b = self._evict_by_hit(need_bytes - nbytes, now, batch)
+            if more:
+                log.warning("%s: every namespace is within its guarantee and the store is still over capacity "
+                            "(guarantees over-subscribed): %d blocks (%d bytes) evicted by recency alone",
+                            self.where, more, more_bytes)
+                self.counters.quota_overrides += more
+            n, nbytes, batches = n + more, nbytes + more_bytes, batches + b
+        return n, nbytes, batches
+
+    def _evict_by_quota(self, need_bytes: int, now: float, batch: int) -> tuple[int, int, int]:
+        """`quota.pick`'s victims, planned and removed until `need_bytes` are freed or the plan is empty."""
+        n = nbytes = batches = 0
+        while nbytes < need_bytes:
+            with self.index.env.begin() as r:
+                usage = self.index.usage(r)
+                streams = {bid: self._candidates(r, bid) for bid in usage}
+                picked = quota.pick(self.quotas, usage, streams, need_bytes - nbytes)
+            if not picked.victims:
+                break
+            got, got_bytes, b = self._remove_listed([c.handle for _, c in picked.victims], batch, now)
+            if got_bytes == 0:
+                break   # every victim was hit (or removed) since the plan
+            n, nbytes, batches = n + got, nbytes + got_bytes, batches + b
+        return n, nbytes, batches
+
+    def _candidates(self, txn: lmdb.Transaction, bid: bytes) -> Iterator[quota.Candidate]:
+        """A bucket's segments as eviction candidates, least recently hit first (read lazily: `pick` stops early)."""
+        for raw, seg_id in self.index.bucket_order(txn, bid):
+            seg = self.index.seg(txn, seg_id)
+            if seg is not None:
+                yield quota.Candidate(raw, seg.live_bytes, (seg_id, raw))
+
+    def _remove_listed(self, victims: list[tuple[int, bytes]], batch: int, now: float) -> tuple[int, int, int]:
+        """Remove the planned segments (segment id, its order key at the plan) in transactions of about `batch`
+        blocks and at most BATCH_S each, skipping one hit or removed since; (blocks, bytes, batches)."""
+        n = nbytes = batches = 0
+        i = 0
+        while i < len(victims):
+            paths: list[str] = []
+            with self.index.env.begin(write=True) as w:
+                t0 = time.perf_counter()
+                blocks = 0
+                while i < len(victims) and blocks < batch and (blocks == 0 or time.perf_counter() - t0 <= BATCH_S):
+                    seg_id, planned = victims[i]
+                    i += 1
+                    seg = self.index.seg(w, seg_id)
+                    if seg is None or order_key(seg.last_hit, seg.first_pos, seg_id) != planned:
+                        continue
+                    keys, got_bytes, path = self.index.remove_segment(w, seg_id, seg)
+                    self.tombs.bury(w, keys, MissCause.EVICTED, now, [tag_of(seg.namespace)] * len(keys))
+                    paths.append(path)
+                    blocks += len(keys)
+                    n, nbytes = n + len(keys), nbytes + got_bytes
+            held = time.perf_counter() - t0
+            self.unlink(paths)
+            batches += 1
+            pause(held)
+        return n, nbytes, batches
+
+    def _evict_by_hit(self, need_bytes: int, now: float, batch: int) -> tuple[int, int, int]:
+        """Remove least recently hit segments (tails first), whoever holds them, until `need_bytes` are freed."""
         n = nbytes = batches = 0
         batch = min(batch, TXN_BLOCKS)
         while nbytes < need_bytes:

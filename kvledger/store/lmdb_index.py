@@ -16,14 +16,18 @@ transaction), opening is O(1) and a process's memory holds only the pages it tou
     meta       name → u64                                       totals, next segment id, format, the holds of
                                                                 forgotten tenants (lmdb_forget.py)
     tombs, tomb_order                                           removed blocks: when and why (lmdb_tombs.py)
+    buckets    bucket id (8 B) → live bytes (i64) + its names   per (tenant namespace, class): quota.py
+    by_bucket_hit  (bucket id, last hit ms, ~first pos, seg id) → ''  each bucket's eviction order
 
 Expiry and last hit are per segment (the blocks of one put): a CHECK hit refreshes the few
 segments of the prefix it matched, never one record per block.
 
 Invariants, kept by every write transaction: a block record names a segment record whose
 `seg_keys[idx]` is that key; `live` / `live_bytes` of a segment count the block records naming
-it; the totals in `meta` are the sums over the segments; every segment has one row in
-`by_expiry` and one in `by_hit`. A segment's file is whole and fsynced before its record is
+it; the totals in `meta` are the sums over the segments, and a bucket's live bytes the sum over the segments
+of that bucket (`quota.bucket_of` their namespace and class): both change in the transaction that adds or
+removes a block (`add_live`, `drop_block`, `remove_segment`); every segment has one row in
+`by_expiry`, one in `by_hit` and one in `by_bucket_hit`. A segment's file is whole and fsynced before its record is
 committed, so a block is in the index only once its bytes are durable.
 """
 
@@ -32,6 +36,7 @@ from __future__ import annotations
 import os
 import struct
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -39,9 +44,12 @@ from typing import NamedTuple
 import lmdb
 
 from kvledger.store.map_trim import MapTrim
+from kvledger.store.quota import Bucket, bucket_and_id
+from kvledger.util.private_file import private_dir, tighten
 
 INDEX_DIR = "index.lmdb"   # the index's folder under a store's root
 DATA_FILE = "data.mdb"     # LMDB's one data file in it: what MapTrim trims and IndexPin pins
+LOCK_FILE = "lock.mdb"     # LMDB's lock file beside it (readers' table)
 
 
 def data_file(root: Path) -> Path:
@@ -60,6 +68,7 @@ TOTALS = (b"blocks", b"live_bytes", b"disk_bytes", b"segments")
 BLOCK_TAIL = struct.Struct("<IIIQQ16s")  # BLOCK without its segment id: packed before the write transaction
 SEG_LE = struct.Struct("<Q")              # ... which prefixes it inside
 assert BLOCK.size == 52 and SEG_LE.size + BLOCK_TAIL.size == BLOCK.size
+BUCKETS_BUILT = b"buckets"   # meta: set once the bucket totals and order cover every segment (`build_buckets`)
 
 
 class BlockRec(NamedTuple):
@@ -111,7 +120,7 @@ def _open_dbs(env: lmdb.Environment) -> dict[bytes, lmdb._Database]:
     """The named databases, in one transaction (LMDB opens a name under its writer lock: an open waits for at
     most the one write transaction in progress, never for a GC run, which commits in small batches)."""
     names = (b"blocks", b"segs", b"seg_keys", b"by_expiry", b"by_hit", b"sparse", b"paths", b"meta", b"tombs",
-             b"tomb_order")
+             b"tomb_order", b"buckets", b"by_bucket_hit")
     with env.begin(write=True) as txn:
         return {n: env.open_db(n, txn=txn) for n in names}
 
@@ -134,6 +143,14 @@ _USERS: dict[str, int] = {}
 _SHARED_LOCK = threading.Lock()
 
 
+def _make_private(folder: Path) -> None:
+    """LMDB's two files exactly 0600 whatever the umask (DESIGN: the index names every salted namespace): LMDB
+    creates them with `mode` less the umask, which may take the owner's own bits; an older store's 0644 ones
+    this user owns are tightened too."""
+    for name in (DATA_FILE, LOCK_FILE):
+        tighten(folder / name)
+
+
 class LmdbIndex:
     """The named databases of one environment and the few write operations that keep the invariants.
 
@@ -143,14 +160,15 @@ class LmdbIndex:
         """`sync`: `persist()` fdatasyncs the index. Commits themselves do not sync, so no writer holds the lock
         through an fsync (on this machine one fsync takes up to a quarter of a second under load); the store
         persists after a put's commit and before it returns, and before it unlinks what a commit forgot."""
-        path.mkdir(parents=True, exist_ok=True)
+        private_dir(path)
         self.durable = sync
         self._name: str | None = os.path.realpath(path)
         with _SHARED_LOCK:
             shared = _SHARED.get(self._name)
             if shared is None:
                 env = lmdb.open(self._name, map_size=MAP_SIZE, max_dbs=16, sync=False, metasync=False,
-                                readahead=False, max_readers=1024)
+                                readahead=False, max_readers=1024, mode=0o600)
+                _make_private(Path(self._name))
                 trim = MapTrim(os.path.join(self._name, DATA_FILE))
                 shared = _SHARED[self._name] = _SharedEnv(env, _open_dbs(env), trim)
             _USERS[self._name] = _USERS.get(self._name, 0) + 1
@@ -160,6 +178,7 @@ class LmdbIndex:
         self.by_expiry, self.by_hit, self.sparse = dbs[b"by_expiry"], dbs[b"by_hit"], dbs[b"sparse"]
         self.paths, self.meta = dbs[b"paths"], dbs[b"meta"]
         self.tombs, self.tomb_order = dbs[b"tombs"], dbs[b"tomb_order"]
+        self.buckets, self.by_bucket_hit = dbs[b"buckets"], dbs[b"by_bucket_hit"]
 
     def persist(self) -> None:
         """Make every commit so far durable (all processes': it syncs the file), outside any transaction."""
@@ -204,6 +223,21 @@ class LmdbIndex:
         raw = txn.get(name, db=self.meta)
         return 0 if raw is None else U64.unpack(raw)[0]
 
+    def usage(self, txn: lmdb.Transaction) -> dict[bytes, tuple[Bucket, int]]:
+        """Every bucket's live bytes: id → (bucket, bytes); one row per (tenant namespace, class) ever stored."""
+        with txn.cursor(db=self.buckets) as cur:
+            return {bytes(k): (Bucket.unpack(v[8:]), U64.unpack_from(v)[0]) for k, v in cur}
+
+    def bucket_order(self, txn: lmdb.Transaction, bid: bytes) -> Iterator[tuple[bytes, int]]:
+        """(order key, segment id) of the bucket's segments, least recently hit first (tails first on ties)."""
+        with txn.cursor(db=self.by_bucket_hit) as cur:
+            if not cur.set_range(bid):
+                return
+            for raw in cur.iternext(values=False):
+                if raw[:len(bid)] != bid:
+                    return
+                yield raw[len(bid):], ORDER.unpack_from(raw, len(bid))[2]
+
     def first_due(self, txn: lmdb.Transaction, order_db: lmdb._Database) -> tuple[float, int] | None:
         """(time s, segment id) of the first row of an order table, or None when it is empty."""
         with txn.cursor(db=order_db) as cur:
@@ -227,6 +261,30 @@ class LmdbIndex:
         for name, delta in deltas.items():
             self.bump(w, name, delta)
 
+    def add_live(self, w: lmdb.Transaction, seg: SegRec, blocks: int, nbytes: int) -> None:
+        """`blocks` blocks of `nbytes` bytes of segment `seg` became live (negative: went): the totals and the
+        segment's bucket (the caller keeps `seg.live` / `seg.live_bytes`)."""
+        self.bump(w, b"blocks", blocks)
+        self.bump(w, b"live_bytes", nbytes)
+        self.bump_bucket(w, seg, nbytes)
+
+    def bump_bucket(self, w: lmdb.Transaction, seg: SegRec, nbytes: int) -> None:
+        """Add `nbytes` (negative: remove) to the live bytes of `seg`'s bucket; a bucket left empty loses its row."""
+        if not nbytes:
+            return
+        bid, bucket = bucket_and_id(seg.namespace, seg.ttl_class)
+        raw = w.get(bid, db=self.buckets)
+        held = (U64.unpack_from(raw)[0] if raw is not None else 0) + nbytes
+        assert held >= 0, f"bucket {bucket} would hold {held} bytes"
+        if held:
+            w.put(bid, U64.pack(held) + bucket.pack(), db=self.buckets)
+        else:
+            w.delete(bid, db=self.buckets)
+
+    def add_bucket_row(self, w: lmdb.Transaction, seg_id: int, seg: SegRec) -> None:
+        """The segment's row in its bucket's eviction order (`record_segment` writes it; `build_buckets` too)."""
+        w.put(self._bucket_row(seg, seg.last_hit, seg_id), b"", db=self.by_bucket_hit)
+
     def add_segment(self, w: lmdb.Transaction, seg: SegRec, keys: list[bytes]) -> int:
         """Record a segment (its blocks are added with `add_block`); its id."""
         seg_id = self.new_seg_id(w)
@@ -242,7 +300,12 @@ class LmdbIndex:
         w.put(sid, b"".join(keys), db=self.seg_keys)
         w.put(order_key(seg.expiry, seg.first_pos, seg_id), b"", db=self.by_expiry)
         w.put(order_key(seg.last_hit, seg.first_pos, seg_id), b"", db=self.by_hit)
+        self.add_bucket_row(w, seg_id, seg)
         w.put(seg.path.encode(), sid, db=self.paths)
+
+    @staticmethod
+    def _bucket_row(seg: SegRec, last_hit: float, seg_id: int) -> bytes:
+        return bucket_and_id(seg.namespace, seg.ttl_class)[0] + order_key(last_hit, seg.first_pos, seg_id)
 
     def put_seg(self, w: lmdb.Transaction, seg_id: int, seg: SegRec) -> None:
         w.put(SEG_ID.pack(seg_id), seg.pack(), db=self.segs)
@@ -254,6 +317,9 @@ class LmdbIndex:
             return
         w.delete(order_key(seg.expiry, seg.first_pos, seg_id), db=self.by_expiry)
         w.delete(order_key(seg.last_hit, seg.first_pos, seg_id), db=self.by_hit)
+        if last_hit != seg.last_hit:
+            w.delete(self._bucket_row(seg, seg.last_hit, seg_id), db=self.by_bucket_hit)
+            w.put(self._bucket_row(seg, last_hit, seg_id), b"", db=self.by_bucket_hit)
         seg.expiry, seg.last_hit = expiry, last_hit
         w.put(order_key(expiry, seg.first_pos, seg_id), b"", db=self.by_expiry)
         w.put(order_key(last_hit, seg.first_pos, seg_id), b"", db=self.by_hit)
@@ -267,11 +333,12 @@ class LmdbIndex:
     def drop_block(self, w: lmdb.Transaction, key: bytes, rec: BlockRec, sparse_below: float) -> str | None:
         """Forget one block; the path of its segment when that segment is now empty (removed: unlink it)."""
         w.delete(key, db=self.blocks)
-        self.bump(w, b"blocks", -1)
-        self.bump(w, b"live_bytes", -rec.size)
         seg = self.seg(w, rec.seg)
-        if seg is None:
+        if seg is None:   # (never, by the invariants) its bucket unknown: the totals alone
+            self.bump(w, b"blocks", -1)
+            self.bump(w, b"live_bytes", -rec.size)
             return None
+        self.add_live(w, seg, -1, -rec.size)
         seg.live -= 1
         seg.live_bytes -= rec.size
         if seg.live <= 0:
@@ -292,14 +359,13 @@ class LmdbIndex:
                 w.delete(key, db=self.blocks)
                 gone.append(key)
                 nbytes += rec.size
-        n = len(gone)
-        self.bump(w, b"blocks", -n)
-        self.bump(w, b"live_bytes", -nbytes)
+        self.add_live(w, seg, -len(gone), -nbytes)
         self.bump(w, b"segments", -1)
         self.bump(w, b"disk_bytes", -seg.file_size)
         for db in (self.segs, self.seg_keys, self.sparse):
             w.delete(sid, db=db)
         w.delete(order_key(seg.expiry, seg.first_pos, seg_id), db=self.by_expiry)
         w.delete(order_key(seg.last_hit, seg.first_pos, seg_id), db=self.by_hit)
+        w.delete(self._bucket_row(seg, seg.last_hit, seg_id), db=self.by_bucket_hit)
         w.delete(seg.path.encode(), db=self.paths)
         return gone, nbytes, seg.path

@@ -47,11 +47,13 @@ from kvledger.store.forget import Forgotten
 from kvledger.store.index_pin import IndexPin
 from kvledger.store.lmdb_index import BLOCK, INDEX_DIR, BlockRec, LmdbIndex, SegRec, data_file
 from kvledger.store.lmdb_tombs import DEFAULT_CAP, Tombstones
+from kvledger.store.quota import Quotas
 from kvledger.store.segment_files import HOST, Location, PartDone, SegmentFiles, bytes_view
 from kvledger.store.refresher import Refresher
 from kvledger.store.shared_files import VOLUME_FILE
 from kvledger.store.ttl import Clock, wall_clock
 from kvledger.util.filesystem import filesystem_type, is_network_type
+from kvledger.util.private_file import private_dir
 
 log = logging.getLogger("kvledger.store")
 
@@ -95,21 +97,23 @@ class LmdbStore:
     (tails first) down to `low_watermark` × capacity. `fsync=False` skips fsyncs (tests, bench builds).
     `tombstones`: how many tombstones of removed blocks the index keeps at most (oldest dropped).
     `pin_index`: keep the index file in memory while the store is open (index_pin.py): for the one long-lived
-    process of a node that serves from it, not for each process that opens the store."""
+    process of a node that serves from it, not for each process that opens the store.
+    `quotas`: the guarantees eviction keeps (quota.py), recorded in the index for `kvledger store stats`; None:
+    those the index records (what the server that owns the store set; none if it set none)."""
 
     backend = "file"
 
     def __init__(self, root: str | os.PathLike, *, capacity_bytes: int | None = None, fsync: bool = True,
                  clock: Clock = wall_clock, create: bool = True, low_watermark: float = 0.9,
-                 tombstones: int = DEFAULT_CAP, pin_index: bool = False) -> None:
+                 tombstones: int = DEFAULT_CAP, pin_index: bool = False, quotas: Quotas | None = None) -> None:
         self.root = Path(root)
         if not create and not self.root.is_dir():
             raise FileNotFoundError(f"{self.root}: no such directory")
         assert capacity_bytes is None or capacity_bytes > 0
         assert 0 < low_watermark <= 1
         check_local_folder(self.root)
-        (self.root / "segments").mkdir(parents=True, exist_ok=True)
-        (self.root / "tmp").mkdir(exist_ok=True)
+        private_dir(self.root / "segments")   # 0700 (the root too, when made here): whatever the umask (DESIGN)
+        private_dir(self.root / "tmp")
         self.capacity_bytes = capacity_bytes
         self.fsync = fsync
         self.clock = clock
@@ -118,13 +122,15 @@ class LmdbStore:
         self.tombs = Tombstones(self.index, tombstones)
         self.refresher = Refresher(self._write_refresh)
         self.writer = lmdb_write.Writer(self.index, self.root, fsync, self._expiry, self.unlink)
-        self.collector = lmdb_gc.Collector(self.index, self.tombs, self.unlink, self.flush,
-                                           functools.partial(lmdb_upkeep.rewrite_segment, self.get_into, self.writer),
-                                           self.counters, capacity_bytes, low_watermark, str(self.root))
         self.files = SegmentFiles(self.root, fsync=fsync)   # reads by location (paths under segments/)
         self._walked: dict[bytes, float] = {}   # chain tail → expiry its last walk noted (this process)
         lmdb_upkeep.remove_dead_tmp(self.root / "tmp", HOST)
         lmdb_upkeep.migrate(self.index, self.root)
+        lmdb_upkeep.build_buckets(self.index)
+        self.quotas = lmdb_upkeep.settle_quotas(self.index, quotas)
+        self.collector = lmdb_gc.Collector(self.index, self.tombs, self.unlink, self.flush,
+                                           functools.partial(lmdb_upkeep.rewrite_segment, self.get_into, self.writer),
+                                           self.counters, capacity_bytes, low_watermark, str(self.root), self.quotas)
         self.pin = IndexPin(str(data_file(self.root))).start() if pin_index else None
 
     # --- CHECK -----------------------------------------------------------------
@@ -381,7 +387,8 @@ class LmdbStore:
 
     def stats(self) -> StoreStats:
         self.flush()
-        st = StoreStats(self.backend, str(self.root), capacity_bytes=self.capacity_bytes)
+        st = StoreStats(self.backend, str(self.root), capacity_bytes=self.capacity_bytes,
+                        guarantees=self.quotas.as_dict())
         lmdb_upkeep.fill_stats(self.index, st).counters = self.counters.as_dict()
         return st
 

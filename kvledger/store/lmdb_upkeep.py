@@ -25,15 +25,18 @@ import lmdb
 from kvledger.core.attribution import MissCause
 from kvledger.store import segment as seg_format
 from kvledger.store.backend import StoreStats, VerifyResult, shown_name, stored_name
-from kvledger.store.lmdb_index import FORMAT, SEG_ID, U64, BlockRec, LmdbIndex, SegRec
+from kvledger.store.lmdb_index import BUCKETS_BUILT, FORMAT, SEG_ID, U64, BlockRec, LmdbIndex, SegRec
 from kvledger.store.lmdb_tombs import Tombstones
+from kvledger.store.quota import Quotas, bytes_by_name
 from kvledger.store.lmdb_write import Writer
 from kvledger.store.segment_files import pid_alive
+from kvledger.util.private_file import open_private
 
 log = logging.getLogger("kvledger.store")
 MIGRATE_BATCH = 256     # segments per transaction
 ORPHAN_AGE_S = 3600.0   # verify removes segment files the index does not name once they are this old
 EXACT_CHAINS_UP_TO = 1_000_000  # stats counts chains (a scan of every block) up to this many blocks
+QUOTAS_KEY = b"quotas"          # meta: the guarantees of the last process that opened the store with some (JSON)
 
 
 def remove_dead_tmp(tmp_dir: Path, host: str) -> None:
@@ -50,7 +53,7 @@ def migrate(idx: LmdbIndex, root: Path) -> None:
     with idx.env.begin() as txn:
         if idx.total(txn, b"format") >= FORMAT:
             return
-    fd = os.open(root / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    fd = open_private(root / ".lock", os.O_RDWR)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         with idx.env.begin() as txn:
@@ -68,6 +71,38 @@ def migrate(idx: LmdbIndex, root: Path) -> None:
             log.info("indexed %d segments of %s (the previous layout)", len(names), root)
     finally:
         os.close(fd)
+
+
+def build_buckets(idx: LmdbIndex) -> None:
+    """Once per index written before buckets existed: each segment's live bytes into its bucket and its row into
+    its bucket's eviction order, in one write transaction (other writers wait for it once; O(segments)). A new
+    index has nothing to build: every segment since is added with its bucket (`LmdbIndex.add_live`)."""
+    with idx.env.begin() as txn:
+        if idx.total(txn, BUCKETS_BUILT):
+            return
+    with idx.env.begin(write=True) as w:
+        if idx.total(w, BUCKETS_BUILT):
+            return
+        n = 0
+        for seg_id, seg in _iter_segs(w, idx):
+            idx.add_bucket_row(w, seg_id, seg)
+            idx.bump_bucket(w, seg, seg.live_bytes)
+            n += 1
+        w.put(BUCKETS_BUILT, U64.pack(1), db=idx.meta)
+    if n:
+        log.info("counted %d segments of %s by namespace and class (quotas)", n, idx.env.path())
+
+
+def settle_quotas(idx: LmdbIndex, quotas: Quotas | None) -> Quotas:
+    """The guarantees a store opened with `quotas` keeps: those, recorded in the index (meta `quotas`, JSON) for
+    `kvledger store stats` and for a process that opens the store without any (None), which gets the record."""
+    if quotas is None:
+        with idx.env.begin() as txn:
+            raw = txn.get(QUOTAS_KEY, db=idx.meta)
+        return Quotas.from_json(raw) if raw is not None else Quotas()
+    with idx.env.begin(write=True) as w:
+        w.put(QUOTAS_KEY, quotas.to_json(), db=idx.meta)
+    return quotas
 
 
 def _segment_files(root: Path) -> list[str]:
@@ -113,8 +148,7 @@ def _migrate_one(index: LmdbIndex, root: Path, w: lmdb.Transaction, rel: str) ->
             index.add_block(w, key, rec._replace(seg=seg_id))
             seg.live += 1
             seg.live_bytes += rec.size
-    index.bump(w, b"blocks", seg.live)
-    index.bump(w, b"live_bytes", seg.live_bytes)
+    index.add_live(w, seg, seg.live, seg.live_bytes)
     if seg.live == 0:
         index.remove_segment(w, seg_id, seg)   # every block a duplicate: the file is left to verify
     else:
@@ -175,6 +209,7 @@ def fill_stats(idx: LmdbIndex, st: StoreStats) -> StoreStats:
     with idx.env.begin() as txn:
         st.blocks, st.live_bytes = idx.total(txn, b"blocks"), idx.total(txn, b"live_bytes")
         st.disk_bytes, st.segments = idx.total(txn, b"disk_bytes"), idx.total(txn, b"segments")
+        st.namespace_bytes, st.class_bytes = bytes_by_name(idx.usage(txn).values())
         for _, seg in _iter_segs(txn, idx):
             ns, cl = shown_name(seg.namespace), shown_name(seg.ttl_class)
             st.per_class[cl] = st.per_class.get(cl, 0) + seg.live

@@ -26,6 +26,7 @@ from kvledger.store import segment as seg_format
 from kvledger.store.backend import ChainWrite, stored_name
 from kvledger.store.lmdb_index import BLOCK, BLOCK_TAIL, SEG_LE, BlockRec, LmdbIndex, SegRec
 from kvledger.store.segment_files import HOST, write_segment
+from kvledger.util.private_file import open_private, private_dir
 
 ExpiryOf = Callable[[lmdb.Transaction, int, dict[int, float]], float]  # (txn, segment id, cache) → expiry (s)
 
@@ -67,7 +68,7 @@ class Writer:
         tag = f"{HOST}-{os.getpid()}-{secrets.token_hex(6)}"
         rel = f"segments/{tag[-2:]}/{tag}{seg_format.SUFFIX}"
         tmp = self.root / "tmp" / f".tmp-{tag}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = open_private(tmp, os.O_WRONLY | os.O_EXCL)   # 0600 whatever the writer's umask (DESIGN)
         try:
             rows, size = write_segment(fd, write, sel, views, now)
             if self.fsync:
@@ -76,7 +77,7 @@ class Writer:
             try:
                 os.rename(tmp, final)
             except FileNotFoundError:
-                final.parent.mkdir(exist_ok=True)
+                private_dir(final.parent)
                 os.rename(tmp, final)
         except BaseException:
             os.unlink(tmp)
@@ -122,8 +123,8 @@ class Writer:
         seg.live = len(keep)
         seg.live_bytes = sum(prep.sizes[i] for i in keep)
         idx.record_segment(w, seg_id, seg, prep.keys)
-        idx.bump_many(w, {b"segments": 1, b"disk_bytes": seg.file_size, b"blocks": seg.live,
-                          b"live_bytes": seg.live_bytes})
+        idx.bump_many(w, {b"segments": 1, b"disk_bytes": seg.file_size})
+        idx.add_live(w, seg, seg.live, seg.live_bytes)
         return seg.live, [p for p in unlink if p]
 
     def _resolve(self, w: lmdb.Transaction, keys: list[bytes], values: list[bytes], seg_id: int,

@@ -19,6 +19,7 @@ import os
 from dataclasses import dataclass
 
 from kvledger.store.backend import BlockStore
+from kvledger.store.quota import Quotas
 from kvledger.store.ttl import Clock, wall_clock
 
 DEFAULT_PREFIX = "kvl:"
@@ -38,23 +39,26 @@ class StoreLocation:
             raise ValueError("give path, redis_url, or both")
 
 
-def open_block_store(location: StoreLocation, *, capacity_bytes: int | None = None, fsync: bool = True,
-                     clock: Clock = wall_clock, timeout_s: float = 2.0, create: bool = True,
+def open_block_store(location: StoreLocation, *, capacity_bytes: int | None = None, quotas: Quotas | None = None,
+                     fsync: bool = True, clock: Clock = wall_clock, timeout_s: float = 2.0, create: bool = True,
                      check: bool = False, pin_index: bool = False) -> BlockStore:
-    """The store at `location`. `capacity_bytes`, `clock`: the embedded store's (Redis keeps its own time and
-    memory); `fsync=False` skips fsyncs (tests, builds); `create=False` refuses a folder that does not exist;
-    `timeout_s` is every Redis call's deadline; `check=True` pings Redis now (the CLI's "does it answer").
-    `pin_index=True` keeps the embedded store's LMDB index in memory (index_pin.py; Redis's is in memory anyway)."""
+    """The store at `location`. `capacity_bytes`: live block bytes past which a put evicts (both backends; on Redis
+    the blocks' bytes, not the server's memory); `quotas`: the guarantees eviction keeps (quota.py; None: those
+    the store records); `clock`: the embedded store's (Redis keeps its own time); `fsync=False` skips fsyncs
+    (tests, builds); `create=False` refuses a folder that does not exist; `timeout_s` is every Redis call's
+    deadline; `check=True` pings Redis now (the CLI's "does it answer"). `pin_index=True` keeps the embedded
+    store's LMDB index in memory (index_pin.py; Redis's is in memory anyway)."""
     if location.redis_url is None:
         from kvledger.store.lmdb_store import LmdbStore
 
         return LmdbStore(location.path, capacity_bytes=capacity_bytes, fsync=fsync, clock=clock, create=create,
-                         pin_index=pin_index)
+                         pin_index=pin_index, quotas=quotas)
     from kvledger.store.redis_backend import RedisStore
     from kvledger.store.shared_files import SharedFiles
 
     files = SharedFiles(location.path, fsync=fsync, create=create) if location.path is not None else None
-    return RedisStore(location.redis_url, prefix=location.prefix, timeout_s=timeout_s, check=check, files=files)
+    return RedisStore(location.redis_url, prefix=location.prefix, timeout_s=timeout_s, check=check, files=files,
+                      capacity_bytes=capacity_bytes, quotas=quotas)
 
 
 def location_of(store: BlockStore) -> StoreLocation:

@@ -26,6 +26,11 @@ round trip (per node) for the metadata of all its keys, then one `preadv` per ru
 to back in one file: no listing of the mount. Bytes are written before their metadata is
 published, and a file block lives until GC finds that Redis no longer knows its key.
 
+Capacity and quotas (redis_quota.py): every block's bytes count in its bucket's total (tenant namespace and
+TTL class), kept by the same scripts that add, refresh and remove it; with `capacity_bytes`, a put that leaves
+the store past it evicts least recently refreshed blocks, guarantees first kept (quota.py). The capacity
+bounds the blocks' bytes (in Redis, or on the mount in the cluster mode), not the server's memory.
+
 Every call has a socket timeout; any Redis or socket error is logged and counted and turns
 into a miss (`match` → the blocks before the first key of a failed node, 0 on one server;
 `get_into` → -1; `put` → failed), never an exception.
@@ -58,13 +63,16 @@ from kvledger.store.backend import (
     StoreStats,
     UNREADABLE,
     VerifyResult,
+    stored_name,
 )
 from kvledger.store.forget import Forgotten, tenant_tag
+from kvledger.store.quota import Quotas, bucket_and_id
 from kvledger.store.redis_keys import Placement
+from kvledger.store.redis_quota import RedisQuota, quota_field
 from kvledger.store.segment_files import PartDone, bytes_view, dest_bytes, dest_parts
 from kvledger.store.shared_files import VOLUME_FILE, Location, SharedFiles
-from kvledger.store.redis_meta import (BURY, CLAIM_VOLUME, EXISTS, MATCH, PUT, REFRESH_GRAIN, TOMB_GRACE_S, decode_meta,
-                                       encode_meta)
+from kvledger.store.redis_meta import (BURY, CLAIM_VOLUME, EVICT, EXISTS, MATCH, PUT, REFRESH_GRAIN, TOMB_GRACE_S,
+                                       decode_meta, encode_meta)
 from kvledger.util.redis_client import shown_url
 from kvledger.util.redis_fanout import FAULTS, Call, RedisNodes, command, script_call
 
@@ -87,12 +95,16 @@ def _why(reply: bytes) -> tuple[int, Gone]:
 class RedisStore:
     """Blocks and their metadata on the Redis server or Redis Cluster at `url` (see the module docstring).
     `tomb_grace_s`: how long a tombstone outlives its block (redis_meta.py; one value for every client of a
-    store: the default but in tests)."""
+    store: the default but in tests). `capacity_bytes`: live block bytes past which a put evicts; `quotas`: the
+    guarantees eviction keeps, recorded on the server for every client and `kvledger store stats` (None: the
+    recorded ones). ValueError for a capacity on a Redis Cluster under a prefix whose names share no slot."""
 
     backend = "redis"
 
     def __init__(self, url: str, *, prefix: str = "kvl:", timeout_s: float = 2.0, check: bool = False,
-                 files: SharedFiles | None = None, tomb_grace_s: float = TOMB_GRACE_S) -> None:
+                 files: SharedFiles | None = None, tomb_grace_s: float = TOMB_GRACE_S,
+                 capacity_bytes: int | None = None, quotas: Quotas | None = None) -> None:
+        assert capacity_bytes is None or capacity_bytes > 0
         self.url = url                  # reopens the store (another process): may carry a password
         self.shown = shown_url(url)     # what logs, errors and stats print
         self.files = files
@@ -100,9 +112,14 @@ class RedisStore:
         self.bprefix = self.prefix + b"b:"
         self.counters = Counters()
         self.nodes = RedisNodes(url, timeout_s)
-        self.place = Placement(self.bprefix, self.nodes.cluster, self.prefix + b"t:")
+        self.place = Placement(self.bprefix, self.nodes.cluster, self.prefix + b"t:", self.prefix + b"u:",
+                               self.prefix + b"z:")
+        if capacity_bytes is not None and not self.place.accounted:
+            raise ValueError(f"prefix {prefix!r} leaves a block's totals in no common hash slot of the cluster: "
+                             "no capacity can be kept under it")
         self.grace_ms = int(tomb_grace_s * 1000)
         self._tomb_args = (self.place.tprefix, len(self.bprefix), self.grace_ms)   # MATCH's and BURY's
+        self._bury_args = (*self._tomb_args, self.place.uprefix, self.place.zprefix)
         self._match = self.nodes.script(MATCH)
         self._exists = self.nodes.script(EXISTS)
         self._put = self.nodes.script(PUT)
@@ -110,6 +127,9 @@ class RedisStore:
         self._claim = self.nodes.script(CLAIM_VOLUME)
         if check:  # raises: for the CLI, which reports an unreachable server (every master down) as bad input
             self._ping_any()
+        self.capacity_bytes = capacity_bytes
+        self.quota = RedisQuota(self.nodes, self.place, capacity_bytes, self._settle_quotas(quotas), self.counters,
+                                self.nodes.script(EVICT), self._bury_args, self.shown)
         # cluster mode: the files must be the volume this Redis's index describes (`claim_volume`); until that
         # is known, a block absent from them proves nothing and is never unpublished
         self.volume_verified = files is not None and self._claim_volume(files)
@@ -130,6 +150,23 @@ class RedisStore:
             raise ValueError(f"{root} is not the volume the index at {self.shown} describes ({VOLUME_FILE} says "
                              f"{local}, Redis {reply.decode()}): is the shared filesystem mounted there?")
         return True
+
+    def _settle_quotas(self, quotas: Quotas | None) -> Quotas:
+        """`quotas`, recorded under `{prefix}quotas` (JSON) for every client; None: the record (none if absent or
+        unreachable now)."""
+        name = self.prefix + b"quotas"
+        call = command("GET", name) if quotas is None else command("SET", name, quotas.to_json())
+        reply = self.nodes.run([Call(self.nodes.slot(name), call)])[0]
+        if isinstance(reply, BaseException):
+            log.warning("cannot %s the quotas of %s: %s", "read" if quotas is None else "record", self.shown, reply)
+            return quotas or Quotas()
+        if quotas is not None:
+            return quotas
+        return Quotas.from_json(reply) if reply is not None else Quotas()
+
+    @property
+    def quotas(self) -> Quotas:
+        return self.quota.quotas
 
     def _ping_any(self) -> None:
         """PING every master; raise a fault when none answers (a dead master of a cluster is logged)."""
@@ -164,7 +201,7 @@ class RedisStore:
         if not keys:
             return Match(0)
         ttl_ms = int(ttl_s * 1000)
-        tail = (ttl_ms // REFRESH_GRAIN, *self._tomb_args, b"1" if explain else b"")
+        tail = (ttl_ms // REFRESH_GRAIN, *self._tomb_args, b"1" if explain else b"", self.place.zprefix)
         groups = self.place.groups(keys)
         if self.nodes.cluster:  # one instant for every master (their clocks would not order a chain)
             ttl, at = b"%d" % ttl_ms, b"%d" % (int(time.time() * 1000) + ttl_ms)
@@ -219,6 +256,11 @@ class RedisStore:
         present = self.exists(write.keys)
         sel = [i for i in range(n) if not present[i]]
         skipped = n - len(sel)
+        incoming = sum(memoryview(write.blocks[i]).nbytes for i in sel)
+        if self.capacity_bytes is not None and incoming > self.capacity_bytes:
+            log.warning("put of %d bytes exceeds the store's capacity %d", incoming, self.capacity_bytes)
+            self.counters.put_failures += 1
+            return PutResult(0, skipped, len(sel))
         where: dict[int, bytes] = {}   # cluster mode: each block's location, once its file is whole
         if self.files is not None and sel:
             try:
@@ -229,10 +271,12 @@ class RedisStore:
                 return PutResult(0, skipped, len(sel))
             where = {i: loc.pack() for i, loc in zip(sel, located)}
         expire_at_ms = int((now + write.ttl_s) * 1000)  # one clock for the whole put: the skew orders it exactly
-        tag = tenant_tag(write.namespace)
+        bid, bucket = bucket_and_id(stored_name(write.namespace), stored_name(write.ttl_class))
+        account = (bid, bucket.pack(), int(now * 1000), tenant_tag(write.namespace))
         written = raced = refused = 0  # raced: written by another writer between our exists and our put
         for chunk in self._chunks(sel, write.blocks):
-            replies = self.nodes.run([self._put_call(write, i, now, expire_at_ms, where.get(i), tag) for i in chunk])
+            replies = self.nodes.run([self._put_call(write, i, now, expire_at_ms, where.get(i), account)
+                                      for i in chunk])
             written += sum(1 for r in replies if r == 1)
             raced += sum(1 for r in replies if r == 0)
             refused += sum(1 for r in replies if r == 2)   # its tenant is held after a forget (store/forget.py)
@@ -246,7 +290,9 @@ class RedisStore:
         self.counters.blocks_written += written
         self.counters.blocks_skipped += skipped + raced
         self.counters.blocks_refused += refused
-        self.counters.bytes_written += sum(memoryview(write.blocks[i]).nbytes for i in sel)
+        self.counters.bytes_written += incoming
+        if written:
+            self.quota.make_room()
         return PutResult(written, skipped + raced, refused)
 
     @staticmethod
@@ -264,9 +310,10 @@ class RedisStore:
             yield chunk
 
     def _put_call(self, write: ChainWrite, i: int, now: float, expire_at_ms: int, where: bytes | None,
-                  tag: bytes) -> Call:
-        """The PUT script of block i: its bytes in field `d`, or its location `where` in field `l`; refused while
-        the hold of its tenant (`tag`) lives in its slot."""
+                  account: tuple[bytes, bytes, int, bytes]) -> Call:
+        """The PUT script of block i: its bytes in field `d`, or its location `where` in field `l`; `account`: its
+        bucket id, the bucket's packed names and the put's instant in ms (redis_quota.py), and its tenant's tag:
+        refused while the tenant's hold lives in its slot, and carried by its tombstone (store/forget.py)."""
         v = memoryview(write.blocks[i]).cast("B")
         parent = write.keys[i - 1] if i > 0 else write.parent
         pos = write.start_pos + i
@@ -277,9 +324,12 @@ class RedisStore:
         names = [self._k(key)]
         if (tomb := self.place.tomb_name(key)) is not None:
             names.append(tomb)
-        hold = self.place.hold_name(key, tag) or b""
+        bid, bucket_names, now_ms, tag = account
         return Call(self.place.slot(key), command("EVALSHA", self._put, len(names), *names, meta, field, value,
-                                                  expire_at_ms - pos, self.grace_ms, hold, tag.hex()))
+                                                  expire_at_ms - pos, self.grace_ms, self.place.uprefix,
+                                                  self.place.zprefix, len(self.bprefix),
+                                                  quota_field(bid, v.nbytes), bucket_names, now_ms,
+                                                  self.place.hold_name(key, tag) or b"", tag.hex()))
 
     # --- read ------------------------------------------------------------------
 
@@ -373,7 +423,7 @@ class RedisStore:
     def bury(self, batches: Sequence[tuple[int, list[bytes]]]) -> int:
         """Delete blocks by Redis name, each leaving an evicted tombstone: one BURY script per (hash slot, names of
         blocks in that slot), one round trip per node; how many existed (a fault is logged, never raised)."""
-        replies = self.nodes.run([Call(slot, script_call(self._bury, names, *self._tomb_args))
+        replies = self.nodes.run([Call(slot, script_call(self._bury, names, *self._bury_args))
                                   for slot, names in batches])
         fault = next((r for r in replies if isinstance(r, BaseException)), None)
         if fault is not None:
@@ -389,7 +439,7 @@ class RedisStore:
 
     def forget(self, tenant: str, hold_s: float) -> Forgotten:
         """`BlockStore.forget` (redis_forget.py)."""
-        return redis_forget.forget(self, tenant, hold_s)
+        return redis_forget.forget(self, tenant, hold_s, self._bury_args)
 
     def blocks(self) -> Iterator[BlockInfo]:
         return redis_upkeep.blocks(self)
@@ -399,9 +449,14 @@ class RedisStore:
 
     def gc(self, batch: int = 1000) -> GcResult:
         """Expiry is Redis's own (tails first by construction); this removes blocks whose metadata is
-        unreadable and, in the cluster mode, file blocks whose key Redis no longer holds (tails first)."""
+        unreadable, releases the totals of blocks Redis expired (redis_quota.py's sweep), evicts down to the
+        capacity, and in the cluster mode removes file blocks whose key Redis no longer holds (tails first)."""
         removed = batches = freed = 0
+        evicted = self.counters.gc_evicted
         try:
+            if self.place.accounted:
+                self.quota.sweep()
+                self.quota.make_room()
             removed, batches = redis_upkeep.remove_unreadable(self, batch)
             if self.files is not None:
                 removed_f, freed, b = self.files.collect(self._exists_or_raise, GC_GRACE_S, batch)
@@ -409,7 +464,7 @@ class RedisStore:
                 batches += b
         except FAULTS as e:
             log.warning("gc on %s stopped: %s", self.shown, e)
-        return GcResult(removed, 0, freed, batches)
+        return GcResult(removed, self.counters.gc_evicted - evicted, freed, batches)
 
     def stats(self) -> StoreStats:
         """Figures of the blocks Redis holds (those counted before a fault, if the server goes away mid-scan)."""

@@ -27,6 +27,11 @@ Tombstones: the tombstone of a block (redis_meta.py) is named as the block with 
 block's script reaches it. A prefix that leaves no common slot on a cluster (`{}`: Redis hashes whole
 names; an unclosed `{`: the tag takes in `b:` or `t:`) keeps no tombstones (`Placement.tombs` False).
 
+Quota accounting (redis_quota.py), per group, in the group's slot: `{prefix}u:{<tag>}` a hash of the group's
+live bytes (field `t`) and each bucket's (`b` + bucket id; `n` + id its names), and `{prefix}z:{<tag>}<id>`
+a sorted set per bucket of the group's blocks by last refresh. On one server the one group's names are
+`{prefix}u:` and `{prefix}z:<id>`. Where tombstones cannot share a slot, neither can these: no accounting.
+
 Holds (store/forget.py): a forgotten tenant's hold is one key per group, `{prefix}h:<tag hex>` on one server,
 `{prefix}h:{<tag>}<tag hex>` on a cluster, so a block's PUT script reads the hold of its own slot. Where tombstones
 cannot share a slot, neither can holds: such a store holds nothing (`Placement.holds` False).
@@ -70,38 +75,44 @@ class Placement:
     """Names and slots of blocks under `bprefix` (`{prefix}b:`), and of their tombstones under `tprefix`
     (`{prefix}t:`; b"": none); `cluster` False: one server, one slot 0."""
 
-    def __init__(self, bprefix: bytes, cluster: bool, tprefix: bytes = b"") -> None:
+    def __init__(self, bprefix: bytes, cluster: bool, tprefix: bytes = b"", uprefix: bytes = b"",
+                 zprefix: bytes = b"") -> None:
         self.bprefix = bprefix
         self.cluster = cluster
         self.heads = [bprefix + b"{" + t + b"}" for t in group_tags()] if cluster else [bprefix] * TAGS
         fixed = cluster and all(_tag_is_fixed(h) for h in self.heads)
         self.slots: list[int] | None = [key_slot(h) for h in self.heads] if fixed else None
         # a tombstone must share its block's slot: with a prefix holding an unclosed `{` the tags would differ
-        self.tombs = bool(tprefix) and (not cluster or self.slots is not None and all(
-            key_slot(tprefix + h[len(bprefix):]) == slot for h, slot in zip(self.heads, self.slots)))
+        self.tombs = bool(tprefix) and self._same_slot(tprefix)
         self.tprefix = tprefix if self.tombs else b""
+        self.accounted = bool(uprefix and zprefix) and self._same_slot(uprefix) and self._same_slot(zprefix)
+        self.uprefix, self.zprefix = (uprefix, zprefix) if self.accounted else (b"", b"")
         hprefix = tprefix[:-2] + b"h:" if tprefix else b""   # `{prefix}h:`, beside `{prefix}t:`
-        self.holds = bool(hprefix) and (not cluster or self.slots is not None and all(
-            key_slot(hprefix + h[len(bprefix):]) == slot for h, slot in zip(self.heads, self.slots)))
+        self.holds = bool(hprefix) and self._same_slot(hprefix)
         self.hprefix = hprefix if self.holds else b""
+
+    def _same_slot(self, other: bytes) -> bool:
+        """Whether names made with `other` for `bprefix` share each group's slot."""
+        return not self.cluster or self.slots is not None and all(
+            key_slot(other + h[len(self.bprefix):]) == slot for h, slot in zip(self.heads, self.slots))
+
+    def group_tags(self) -> list[tuple[int, bytes]]:
+        """(slot, tag part of the names: `{<tag>}`, or b"" on one server) of each group of blocks."""
+        if not self.cluster:
+            return [(0, b"")]
+        assert self.slots is not None
+        return [(slot, h[len(self.bprefix):]) for h, slot in zip(self.heads, self.slots)]
 
     def hold_name(self, key: bytes, tag: bytes) -> bytes | None:
         """The name of the hold of tenant `tag` in `key`'s slot (None where the store keeps none)."""
         if not self.holds:
             return None
-        return self._hold(self.heads[(key[0] if key else 0) % TAGS], tag)
+        return self.hprefix + self.heads[(key[0] if key else 0) % TAGS][len(self.bprefix):] + tag.hex().encode()
 
     def hold_names(self, tag: bytes) -> list[tuple[int, bytes]]:
-        """(slot, name) of the holds of tenant `tag`, one per slot a block can take (none where none is kept)."""
-        if not self.holds:
-            return []
-        if not self.cluster:
-            return [(0, self._hold(self.bprefix, tag))]
-        assert self.slots is not None
-        return list(dict.fromkeys((slot, self._hold(h, tag)) for h, slot in zip(self.heads, self.slots)))
-
-    def _hold(self, head: bytes, tag: bytes) -> bytes:
-        return self.hprefix + head[len(self.bprefix):] + tag.hex().encode()
+        """(slot, name) of the holds of tenant `tag`, one per group a block can take (none where none is kept)."""
+        return [(slot, self.hprefix + part + tag.hex().encode()) for slot, part in self.group_tags()] if self.holds \
+            else []
 
     def tomb_name(self, key: bytes) -> bytes | None:
         """The name of `key`'s tombstone (None where the store keeps none): `tprefix` for `bprefix` in its name."""

@@ -55,18 +55,52 @@ local function now_ms()
 end
 """
 
+# Quota accounting (redis_quota.py). A block's field `q` is its bucket id (8 bytes) and its size (u32 LE); its
+# member in its bucket's sorted set is its key (16 bytes) and that size; the group's hash holds the live bytes
+# (`t`, and `b` + id per bucket; `n` + id the bucket's names). `tagof(k)` is the group part of a block's name
+# (`{<tag>}`, '' on one server): the block's name less the block prefix (its length `blen`) and the key.
+# release: the member out of its set and its bytes out of the totals, only if the member was there (so two
+# releases of one block count once); the bytes it released.
+_ACCOUNT = """
+local function tagof(k, blen) return string.sub(k, blen + 1, #k - 16) end
+local function member(k, q) return string.sub(k, #k - 15) .. string.sub(q, 9, 12) end
+local function release(uprefix, zprefix, k, blen, q)
+  local tag, id = tagof(k, blen), string.sub(q, 1, 8)
+  if redis.call('ZREM', zprefix .. tag .. id, member(k, q)) == 0 then return 0 end
+  local size, u = struct.unpack('<I4', q, 9), uprefix .. tagof(k, blen)
+  redis.call('HINCRBY', u, 't', -size)
+  if redis.call('HINCRBY', u, 'b' .. id, -size) <= 0 then redis.call('HDEL', u, 'b' .. id, 'n' .. id) end
+  return size
+end
+"""
+
+# mark_tomb: set a tombstone to `mark` (an eviction's 'x' + ms) for `grace` ms, keeping the tenant tag ('|' + hex)
+# its PUT wrote (store/forget.py).
+_MARK = """
+local function mark_tomb(t, mark, grace)
+  local old, tag = redis.call('GET', t), ''
+  if old then
+    local bar = string.find(old, '|', 1, true)
+    if bar then tag = string.sub(old, bar) end
+  end
+  redis.call('SET', t, mark .. tag, 'PX', grace)
+end
+"""
+
 # KEYS: blocks in chain order, all of one hash slot (their tombstones share it: named from them, not in KEYS).
 # ARGV[1]: TTL ms; ARGV[2]: the expiry instant in unix ms ('': this server's TIME + TTL); ARGV[3]: each key's
 # chain position, u32 little-endian ('': 0, 1, 2, …); ARGV[4]: the refresh grain ms; ARGV[5]: the tombstone
 # name prefix ('': none); ARGV[6]: the length of the block name prefix; ARGV[7]: the grace ms; ARGV[8]: '1'
-# to explain the first absent key. A block at chain position c lagging `at - c` by more than the grain is set
-# to expire at `at - c`, or 1 ms before the block walked before it, whichever is sooner (tails first); its
-# tombstone `grace` after it. Returns how many leading KEYS are present, or with ARGV[8] and a tombstone of the
-# first absent one 'COUNT expired|evicted UNIX_MS' (the table in the module docstring; one string: cheaper to
-# parse than an array).
-MATCH = _NOW + """
+# to explain the first absent key; ARGV[9]: the prefix of the quota sets' names ('': no accounting). A block at
+# chain position c lagging `at - c` by more than the grain is set to expire at `at - c`, or 1 ms before the block
+# walked before it, whichever is sooner (tails first); its tombstone `grace` after it; its member in its bucket's
+# set moves to `at - ttl` (the hit's instant: the set orders by last refresh). Returns how many leading KEYS are
+# present, or with ARGV[8] and a tombstone of the first absent one 'COUNT expired|evicted UNIX_MS' (the table in
+# the module docstring; one string: cheaper to parse than an array).
+MATCH = _NOW + _ACCOUNT + """
 local ttl, at, pos, grain = tonumber(ARGV[1]), ARGV[2], ARGV[3], tonumber(ARGV[4])
 local tprefix, blen, grace = ARGV[5], tonumber(ARGV[6]), tonumber(ARGV[7])
+local zprefix = ARGV[9]
 local now = nil
 local function explain(n, tomb)
   local v = redis.call('GET', tomb)
@@ -98,6 +132,12 @@ for i, k in ipairs(KEYS) do
     e = math.min(at - c, prev - 1)
     redis.call('PEXPIREAT', k, e)
     if tprefix ~= '' then redis.call('PEXPIREAT', tprefix .. string.sub(k, blen + 1), e + grace, 'GT') end
+    if zprefix ~= '' then
+      local q = redis.call('HGET', k, 'q')
+      if q then
+        redis.call('ZADD', zprefix .. tagof(k, blen) .. string.sub(q, 1, 8), 'XX', 'GT', at - ttl, member(k, q))
+      end
+    end
   end
   if e >= 0 then prev = e end
 end
@@ -114,18 +154,32 @@ return table.concat(out)
 """
 
 # KEYS[1]: the block; KEYS[2], if given: its tombstone. ARGV: metadata, the field of the bytes ('d') or of their
-# location ('l'), its value, the expiry instant in unix ms, the tombstone's grace ms, the name of its tenant's hold
-# in this slot ('': none; store/forget.py), the tenant tag in hex ('': none). Returns 2 when the tenant is held
-# (nothing written), 0 when the block is present (written once), else 1.
-PUT = """
-if ARGV[6] ~= '' and redis.call('EXISTS', ARGV[6]) == 1 then return 2 end
+# location ('l'), its value, the expiry instant in unix ms, the tombstone's grace ms; then the quota names'
+# prefixes ('': no accounting), the block prefix's length, the block's `q` (bucket id and size), its bucket's
+# names, the instant in ms (its score); then the name of its tenant's hold in this slot ('': none;
+# store/forget.py) and the tenant tag in hex its tombstone carries ('': none). Returns 2 when the tenant is held
+# (nothing written), 0 when the block is present (written once), else 1. A member already in the set (its block
+# expired by Redis, never released) is moved, not counted twice.
+PUT = _ACCOUNT + """
+if ARGV[12] ~= '' and redis.call('EXISTS', ARGV[12]) == 1 then return 2 end
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
 redis.call('HSET', KEYS[1], 'm', ARGV[1], ARGV[2], ARGV[3])
 redis.call('PEXPIREAT', KEYS[1], ARGV[4])
 if KEYS[2] then
   local v = ARGV[5]
-  if ARGV[7] ~= '' then v = v .. '|' .. ARGV[7] end
+  if ARGV[13] ~= '' then v = v .. '|' .. ARGV[13] end
   redis.call('SET', KEYS[2], v, 'PXAT', tonumber(ARGV[4]) + tonumber(ARGV[5]))
+end
+local uprefix, zprefix, blen, q = ARGV[6], ARGV[7], tonumber(ARGV[8]), ARGV[9]
+if uprefix ~= '' then
+  local k, id = KEYS[1], string.sub(q, 1, 8)
+  redis.call('HSET', k, 'q', q)
+  if redis.call('ZADD', zprefix .. tagof(k, blen) .. id, ARGV[11], member(k, q)) == 1 then
+    local size, u = struct.unpack('<I4', q, 9), uprefix .. tagof(k, blen)
+    redis.call('HINCRBY', u, 't', size)
+    redis.call('HINCRBY', u, 'b' .. id, size)
+    redis.call('HSETNX', u, 'n' .. id, ARGV[10])
+  end
 end
 return 1
 """
@@ -143,25 +197,74 @@ return v
 """
 
 # KEYS: blocks of one hash slot. ARGV[1]: the tombstone name prefix ('': none); ARGV[2]: the length of the block
-# name prefix; ARGV[3]: the grace ms. Deletes each block; the tombstone of each one deleted says 'x' + this
-# server's time in ms (evicted then), keeps the tenant tag its PUT wrote, and lives `grace` from now. Returns how
-# many blocks were deleted.
-BURY = _NOW + """
-local tprefix, blen, grace = ARGV[1], tonumber(ARGV[2]), ARGV[3]
+# name prefix; ARGV[3]: the grace ms; ARGV[4], ARGV[5]: the quota names' prefixes ('': no accounting). Deletes
+# each block, releasing its bytes; the tombstone of each one deleted says 'x' + this server's time in ms
+# (evicted then), keeps the tenant tag its PUT wrote, and lives `grace` from now. Returns how many blocks were
+# deleted.
+BURY = _NOW + _ACCOUNT + _MARK + """
+local tprefix, blen, grace, uprefix, zprefix = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4], ARGV[5]
 local mark, n = string.format('x%d', now_ms()), 0
 for _, k in ipairs(KEYS) do
+  local q = uprefix ~= '' and redis.call('HGET', k, 'q')
   if redis.call('DEL', k) == 1 then
     n = n + 1
-    if tprefix ~= '' then
-      local t = tprefix .. string.sub(k, blen + 1)
-      local old, tag = redis.call('GET', t), ''
-      if old then
-        local bar = string.find(old, '|', 1, true)
-        if bar then tag = string.sub(old, bar) end
-      end
-      redis.call('SET', t, mark .. tag, 'PX', grace)
+    if tprefix ~= '' then mark_tomb(tprefix .. string.sub(k, blen + 1), mark, grace) end
+    if q then release(uprefix, zprefix, k, blen, q) end
+  end
+end
+return n
+"""
+
+# Eviction and its sweep (redis_quota.py). KEYS: blocks of one hash slot; ARGV[1..5] as BURY's; ARGV[6]: 'evict'
+# or 'sweep'; then per key its `q` and the score eviction planned it at. evict: a block whose member is still at
+# that score (no hit since, no other evictor first) is released and deleted, with an evicted tombstone; sweep:
+# the member of a block Redis no longer holds (expired, or removed behind kvledger's back) is released, a live
+# one left alone. Returns {blocks deleted, bytes released} (released ≥ deleted: stale members count bytes only).
+EVICT = _NOW + _ACCOUNT + _MARK + """
+local tprefix, blen, grace, uprefix, zprefix, mode = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4], ARGV[5], ARGV[6]
+local mark, n, freed = string.format('x%d', now_ms()), 0, 0
+for i, k in ipairs(KEYS) do
+  local q, planned = ARGV[5 + 2 * i], tonumber(ARGV[6 + 2 * i])
+  local live = redis.call('EXISTS', k) == 1
+  local score = tonumber(redis.call('ZSCORE', zprefix .. tagof(k, blen) .. string.sub(q, 1, 8), member(k, q)))
+  if score and score <= planned and (mode == 'evict' or not live) then
+    freed = freed + release(uprefix, zprefix, k, blen, q)
+    if live and redis.call('DEL', k) == 1 then
+      n = n + 1
+      if tprefix ~= '' then mark_tomb(tprefix .. string.sub(k, blen + 1), mark, grace) end
     end
   end
+end
+return {n, freed}
+"""
+
+# A forget (redis_forget.py). KEYS: blocks of one hash slot; ARGV[1..5] as BURY's. Deletes each block, releasing its
+# bytes, and its tombstone: a forgotten block leaves none. Returns how many blocks were deleted.
+FORGET = _ACCOUNT + """
+local tprefix, blen, uprefix, zprefix = ARGV[1], tonumber(ARGV[2]), ARGV[4], ARGV[5]
+local n = 0
+for _, k in ipairs(KEYS) do
+  local q = uprefix ~= '' and redis.call('HGET', k, 'q')
+  n = n + redis.call('DEL', k)
+  if q then release(uprefix, zprefix, k, blen, q) end
+  if tprefix ~= '' then redis.call('DEL', tprefix .. string.sub(k, blen + 1)) end
+end
+return n
+"""
+
+# What a forgotten tenant's buckets still count in one group (redis_quota.py): members of blocks Redis expired by
+# itself, never released. KEYS[1]: the group's usage hash; ARGV[1]: its sets' name prefix (with the group's tag);
+# ARGV[2..]: the tenant's bucket ids. Each bucket's set goes, and its bytes and names leave the hash. Returns the
+# members dropped.
+FORGET_BUCKETS = """
+local n = 0
+for i = 2, #ARGV do
+  local id = ARGV[i]
+  n = n + redis.call('ZCARD', ARGV[1] .. id)
+  redis.call('DEL', ARGV[1] .. id)
+  local b = tonumber(redis.call('HGET', KEYS[1], 'b' .. id) or '0')
+  if b ~= 0 then redis.call('HINCRBY', KEYS[1], 't', -b) end
+  redis.call('HDEL', KEYS[1], 'b' .. id, 'n' .. id)
 end
 return n
 """

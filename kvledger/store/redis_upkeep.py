@@ -15,6 +15,7 @@ import redis
 import xxhash
 
 from kvledger.store.backend import BlockInfo, StoreStats, VerifyResult
+from kvledger.store.quota import bytes_by_name
 from kvledger.store.redis_meta import MetaFields, decode_meta
 from kvledger.store.shared_files import Outcome
 from kvledger.util.redis_fanout import FAULTS
@@ -81,7 +82,12 @@ def remove_unreadable(store: RedisStore, batch: int) -> tuple[int, int]:
 
 
 def stats(store: RedisStore) -> StoreStats:
-    st = StoreStats(store.backend, store.shown)
+    st = StoreStats(store.backend, store.shown, capacity_bytes=store.capacity_bytes,
+                    guarantees=store.quotas.as_dict())
+    if store.place.accounted:
+        with contextlib.suppress(*FAULTS):
+            usage = store.quota.overall(store.quota.usage()).values()
+            st.namespace_bytes, st.class_bytes = bytes_by_name(usage)
     parents: set[bytes] = set()
     keys: list[bytes] = []
     for b in blocks(store):

@@ -44,6 +44,7 @@ import xxhash
 
 from kvledger.store import segment as sg
 from kvledger.store.backend import ChainWrite
+from kvledger.util.private_file import open_private, private_dir
 
 IOV_MAX = 1024
 READ_PIECE_BYTES = 512 << 10    # a run of blocks is read this much at a time: about one core's L2, so a piece is
@@ -94,7 +95,7 @@ class SegmentFiles:
     def __init__(self, root: Path, *, fsync: bool = True) -> None:
         self.root = root
         self.seg_dir = root / "segments"
-        self.seg_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.seg_dir)   # 0700, and its files 0600: whatever the writer's umask (DESIGN)
         self.fsync = fsync
         self._fds: OrderedDict[str, int] = OrderedDict()
         self._io_lock = threading.Lock()   # the descriptor cache is shared by this process's threads
@@ -138,7 +139,7 @@ class SegmentFiles:
         name = f"{time.time_ns():020d}-{tag}{sg.SUFFIX}"
         tmp = self.seg_dir / f".tmp-{tag}"
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            fd = open_private(tmp, os.O_WRONLY | os.O_EXCL)
             try:
                 rows, _ = write_segment(fd, write, sel, views, now)
                 if self.fsync:

@@ -32,6 +32,7 @@ from kvledger.store import segment as sg
 from kvledger.store.backend import BlockInfo, ChainWrite, Dest, probe_folder
 from kvledger.store.forget import owned_by
 from kvledger.store.segment_files import STALE_TMP_S, Location, Outcome, PartDone, SegmentFiles
+from kvledger.util.private_file import open_private
 
 log = logging.getLogger("kvledger.store")
 
@@ -80,7 +81,7 @@ class SharedFiles:
         if not path.exists():   # (a folder that went read-only still opens while its id is there)
             mine = self.root / f".{VOLUME_FILE}.{secrets.token_hex(8)}.tmp"
             try:
-                with open(mine, "x") as f:
+                with os.fdopen(open_private(mine, os.O_WRONLY | os.O_EXCL), "w") as f:   # 0600 (DESIGN)
                     f.write(secrets.token_hex(16) + "\n")
                     f.flush()
                     os.fsync(f.fileno())

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from kvledger.core import DEFAULT_MODEL
+from kvledger.util.private_file import write_private
 
 KVLEDGER = Path(sys.executable).parent / "kvledger"
 START_TIMEOUT_S = 600.0   # model load: ~50 s at load average 25 on a 2-core machine, minutes at 35
@@ -104,7 +105,7 @@ class ServeProcess:
         self.keys_file: Path | None = None
         if keys is not None:
             self.keys_file = self.data_dir.parent / f"{self.data_dir.name}-keys.json"
-            self.keys_file.write_text(json.dumps(keys))
+            write_private(self.keys_file, json.dumps(keys))   # 0600: a key file others may read is refused
         self.port = 0
         self.proc: subprocess.Popen | None = None
         self.log = self.data_dir.parent / f"{self.data_dir.name}-serve.log"

@@ -112,6 +112,11 @@ def test_a_damaged_recording_is_read_up_to_the_damage_with_a_warning(run_cli, tm
     ("ok", ("--routing", "nearest"), "invalid choice"),
     ("ok", ("--last", "0"), "--last must be >= 1"),
     ("ok", ("--model", "gpt-9"), "--model"),
+    ("ok", ("--prefill-engines", "1025"), "--prefill-engines must be at most 1024"),   # issue 54: bounds
+    ("ok", ("--decode-engines", "1025"), "--decode-engines must be at most 1024"),
+    ("ok", ("--capacity", "2000000T"), "--capacity must be at most 1e+18 bytes"),
+    ("ok", ("--ttl", "agent=400d"), "--ttl must be at most 365 days"),
+    ("ok", ("--routing", "round-robin") * 9, "--routing: at most 8 values"),
 ])
 def test_bad_input_and_no_trace_are_one_line_exit_2(run_cli, tmp_path, setup, args, message):
     data = tmp_path / "data"

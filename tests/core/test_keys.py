@@ -117,3 +117,40 @@ def test_any_cache_salt_gets_a_namespace():
     names = {salted_namespace("t", salt) for salt in ("\ud800", "x" * (1 << 17), "é", "e\u0301")}
     assert len(names) == 4 and all(n.startswith("t#salt-") for n in names)
     assert len({root_key(SPEC, n) for n in names}) == 4
+
+
+# --- a published public prefix (rule 12) ---------------------------------------------------------------------------
+
+def _prompt(spec, blocks: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 50_000, size=blocks * spec.block_size + 7).astype(np.uint32)
+
+
+def test_a_public_prefix_is_one_chain_for_every_tenant_and_what_follows_it_is_each_tenants_own():
+    from kvledger.core import chain_keys
+
+    spec = SPEC
+    prompt = _prompt(spec, 5, 0)
+    a = chain_keys(prompt, spec, "tenant-a", public_blocks=2)
+    b = chain_keys(prompt, spec, "tenant-b", public_blocks=2)
+    assert a[:2] == b[:2]                                   # the public blocks: shared
+    assert not set(a[2:]) & set(b[2:])                      # the same text after them: never shared
+    assert not set(a) & set(chain_keys(prompt, spec, "tenant-a"))   # unpublished, the tenant's chain throughout
+
+
+def test_no_namespace_names_the_public_root():
+    from kvledger.core import PUBLIC_NAMESPACE, public_root
+
+    spec = SPEC
+    assert public_root(spec) not in {root_key(spec, ns) for ns in ("", "public", PUBLIC_NAMESPACE, "default")}
+    assert public_root(spec) != public_root(ModelSpec.preset("tiny-v4"))   # per model, as every root
+
+
+@pytest.mark.parametrize("have", [0, 1, 2, 3, 5])
+def test_a_chain_continued_from_any_block_is_the_chain_made_at_once(have):
+    from kvledger.core import chain_keys, continue_chain
+
+    spec = SPEC
+    prompt = _prompt(spec, 5, 1)
+    whole = chain_keys(prompt, spec, "t", public_blocks=2)
+    assert continue_chain(prompt, spec, "t", whole[:have], public_blocks=2) == whole
+    assert continue_chain(prompt, spec, "t", whole[:have], public_blocks=2, upto=max(have, 4)) == whole[:max(have, 4)]

@@ -93,7 +93,7 @@ def test_an_entry_not_sealed_by_a_cluster_engine_is_absent(redis_server):
     field changed (its URL, its limits), a genuine one under another id, an old one replayed. None lists."""
     import json as json_
 
-    from kvledger.engine.engine_registry import MAX_AGE_S, seal
+    from kvledger.engine.engine_registry import CLOCK_SKEW_S, seal
 
     registry = Registry.from_url(redis_server.url, KEY, prefix="kvl-forge:")
     registry.announce(info())
@@ -106,15 +106,51 @@ def test_an_entry_not_sealed_by_a_cluster_engine_is_absent(redis_server):
         "aaa-limits": json_.dumps(genuine | {"info": json_.dumps(body | {"max_model_len": 2})}),
         "aaa-renamed": json_.dumps(genuine),
         "aaa-stale": seal(EngineInfo("aaa-stale", "prefill", "http://127.0.0.1:9", "tiny-v4", 4096, 100, (0,), 1),
-                          KEY, time.time() - MAX_AGE_S - 1),
+                          KEY, time.time() - 2.0 - CLOCK_SKEW_S - 1, 2.0),
         "aaa-other-token": seal(EngineInfo("aaa-other-token", "prefill", "http://127.0.0.1:9", "tiny-v4", 4096,
-                                           100, (0,), 1), derive_keys("u" * 32).registry, time.time()),
+                                           100, (0,), 1), derive_keys("u" * 32).registry, time.time(), 2.0),
     }
     for engine_id, raw in forged.items():
         r.sadd(registry.set_key, engine_id)
         r.set(entry + engine_id, raw)   # no expiry, as the attack did
     assert members(registry) == ["prefill-0"]
     assert registry.refused == set(forged)
+
+
+def test_a_genuine_entry_replayed_after_its_ttl_is_absent(redis_server):
+    """Issue 54 item 4: an engine's entry expires from Redis `ttl_s` after its last beat, but main accepted it
+    for 30 s: whoever captured a genuine entry could put it back after the engine froze and route requests
+    to it (one stalled 3.2 s). Replayed once its TTL and the clock-skew allowance have passed, it is absent."""
+    from kvledger.engine.engine_registry import CLOCK_SKEW_S
+
+    ttl_s = 0.5
+    registry = Registry.from_url(redis_server.url, KEY, prefix="kvl-replay:", ttl_s=ttl_s)
+    registry.announce(info())
+    r, entry = registry.redis, registry.entry_prefix + "prefill-0"
+    captured = r.get(entry)
+    assert members(registry) == ["prefill-0"]
+    registry.withdraw("prefill-0")   # the engine froze: no more beats, its entry is gone
+    r.sadd(registry.set_key, "prefill-0")
+    r.set(entry, captured)           # replayed at once: within its TTL, as a beat would be
+    assert members(registry) == ["prefill-0"]
+    time.sleep(ttl_s + CLOCK_SKEW_S + 0.2)
+    r.sadd(registry.set_key, "prefill-0")
+    r.set(entry, captured)           # replayed past its TTL (no expiry, as the attack did)
+    assert members(registry) == [] and registry.refused == {"prefill-0"}
+
+
+def test_an_entry_s_ttl_is_sealed_with_it(redis_server):
+    """The age window is the entry's own TTL, so the TTL is under the MAC: a captured entry whose TTL is
+    raised to an hour is absent at once."""
+    import json as json_
+
+    registry = Registry.from_url(redis_server.url, KEY, prefix="kvl-ttl:")
+    registry.announce(info())
+    r, entry = registry.redis, registry.entry_prefix + "prefill-0"
+    genuine = json_.loads(r.get(entry))
+    assert float(genuine["ttl_s"]) == 2.0
+    r.set(entry, json_.dumps(genuine | {"ttl_s": "3600.0"}))
+    assert members(registry) == [] and registry.refused == {"prefill-0"}
 
 
 def test_engine_info_refuses_impossible_values():

@@ -61,15 +61,15 @@ def test_snapshot_at_l1_decides(tmp_path):
 def test_a_later_leg_hashes_only_its_new_blocks(tmp_path, monkeypatch):
     """A continuation leg (prompt + output) keeps the keys of the blocks it had: the same keys, and only
     the output's new blocks are hashed."""
-    import kvledger.entrypoint.check as check
+    import kvledger.core.keys as keys_module
 
     spec = ModelSpec.preset("smollm2-135m")
     tokens = np.arange(1300, dtype=np.uint32) % 700
     hashed: list[int] = []
-    real = check.extend_chain
-    monkeypatch.setattr(check, "extend_chain", lambda parent, t, b: hashed.append(len(t)) or real(parent, t, b))
+    real = keys_module.extend_chain
+    monkeypatch.setattr(keys_module, "extend_chain", lambda parent, t, b: hashed.append(len(t)) or real(parent, t, b))
     with BlockLedger.open(path=tmp_path, fsync=False) as ledger:
         first, _ = check_prompt(tokens[:1000], spec, block_ledger=ledger, state_ledger=None)
         keys, d = check_prompt(tokens, spec, block_ledger=ledger, state_ledger=None, known_keys=first)
+    assert hashed == [7 * 128, 3 * 128]   # the whole blocks of each leg's new tokens
     assert keys == chain_keys(tokens, spec) and len(first) == 7 and len(keys) == 10
-    assert hashed == [1000, 1300 - 7 * 128]

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvledger.core import ModelSpec, chain_keys, decide_hit, diff_prompts
+from kvledger.core import ModelSpec, chain_keys, decide_hit, diff_prompts, salted_namespace
 from kvledger.core.attribution import MissCause, split_misses
-from kvledger.entrypoint.misses import MissBook
+from kvledger.entrypoint.misses import PROMPT_COST, MissBook
 from kvledger.store.backend import Gone
 
 SPEC = ModelSpec.preset("smollm2-135m")
@@ -78,19 +78,69 @@ def test_the_sample_keeps_to_its_caps_and_forgets_what_it_dropped():
     changed[300] += 1
     keys = chain_keys(changed, SPEC, "alpha")
     assert book.first_absent("alpha", changed, keys, 2, None).cause is MissCause.COLD   # forgotten
-    assert book.sample_bytes("alpha") == 4 * (1000 * 4 + 16 * (1000 // B))
-    for seed in range(20, 23):                    # another namespace: the total cap makes alpha give way
-        sampled(book, "beta", prompt(1000, seed))
-    assert book.sample_bytes("alpha") + book.sample_bytes("beta") <= 6 * (1000 * 4 + 16 * (1000 // B))
-    assert book.sample_bytes("beta") == 3 * (1000 * 4 + 16 * (1000 // B))
+    per_prompt = 1000 * 4 + 16 * (1000 // B)
+    assert book.sample_bytes("alpha") == 4 * per_prompt
+    salted = salted_namespace("alpha", "x")
+    for seed in range(20, 23):                    # a salt of the same tenant: its budget makes alpha give way
+        sampled(book, salted, prompt(1000, seed))
+    fit = 6 * 1000 // (1000 + PROMPT_COST)        # the prompts the tenant's budget holds
+    assert book.sample_bytes("alpha") + book.sample_bytes(salted) == fit * per_prompt
+    assert book.sample_bytes(salted) == 3 * per_prompt
+    sampled(book, "beta", prompt(1000, 30))       # another tenant: beyond the one this book samples
+    assert book.sample_bytes("beta") == 0 and book.sample_bytes(salted) == 3 * per_prompt
+
+
+def _edited(tokens: np.ndarray, at: int) -> np.ndarray:
+    """`tokens` with the token at `at` changed (a probe whose cause is `diverged` while `tokens` is sampled)."""
+    out = tokens.copy()
+    out[at] += 1
+    return out
+
+
+def _cause(book: MissBook, ns: str, tokens: np.ndarray, blocks: int) -> MissCause:
+    return book.first_absent(ns, tokens, chain_keys(tokens, SPEC, ns), blocks, None).cause
+
+
+def test_one_tenants_salted_flood_never_evicts_another_tenants_sample():
+    """Issue 54: tenant beta's prompts under 50 cache salts (50,000 tokens, six times the whole sample) evicted
+    alpha's sample, so alpha's edit of its own prompt turned from `diverged` to `cold`. The salts of one tenant
+    count against that tenant: beta keeps at most its share, and alpha's sample stays."""
+    caps = {"max_prompts": 4, "max_tokens": 4 * 1000, "max_total_tokens": 8 * 1000}
+    book = MissBook(B, tenants=2, **caps)
+    a = prompt(1000, 30)
+    sampled(book, "alpha", a)
+    assert _cause(book, "alpha", _edited(a, 300), 2) is MissCause.DIVERGED
+    salts = [salted_namespace("beta", f"salt-{i}") for i in range(50)]
+    for i, ns in enumerate(salts):
+        sampled(book, ns, prompt(1000, 100 + i))
+    assert _cause(book, "alpha", _edited(a, 300), 2) is MissCause.DIVERGED
+    per_prompt = 1000 * 4 + 16 * (1000 // B)
+    beta_bytes = sum(book.sample_bytes(ns) for ns in salts)
+    assert 0 < beta_bytes <= caps["max_total_tokens"] // 2 * 4 and beta_bytes % per_prompt == 0   # beta's half
+
+
+def test_a_tenant_cannot_see_another_tenants_traffic_through_its_own_probes():
+    """Issue 54: a tenant holding the sample at its cap saw the cause of its own probe flip from `diverged` to
+    `cold` when another tenant's 1,024-token prompt made the global cap evict its oldest prompt. Now no
+    tenant's prompt moves another's sample: beta's probes answer the same before and after alpha's traffic."""
+    book = MissBook(B, tenants=2, max_prompts=4, max_tokens=4 * 1000, max_total_tokens=8 * 1000)
+    mine = [(salted_namespace("beta", f"salt-{i % 2}"), prompt(1000, 200 + i)) for i in range(8)]   # 8,000 tokens
+    for ns, tokens in mine:
+        sampled(book, ns, tokens)
+
+    def probes() -> list[MissCause]:
+        return [_cause(book, ns, _edited(tokens, 300), 2) for ns, tokens in mine]
+
+    before = probes()
+    assert MissCause.DIVERGED in before
+    sampled(book, "alpha", prompt(1024, 300))   # the other tenant's prompt that beta should not see
+    assert probes() == before
 
 
 def test_forget_drops_a_tenants_sample_and_sites_with_its_salts():
     """DESIGN rule 12: a forgotten tenant's prompts leave the sample (each of its salted namespaces' too), and its
-    causes and sites go; another tenant's stay, and the sample's totals shrink by what went."""
-    from kvledger.core import salted_namespace
-
-    book = MissBook(B)
+    causes and sites go; another tenant's stay, and its place in the sample is free for another tenant."""
+    book = MissBook(B, tenants=2)
     a = prompt(1000, 1)
     salted = salted_namespace("alpha", "s")
     for ns in ("alpha", salted, "beta"):
@@ -102,4 +152,6 @@ def test_forget_drops_a_tenants_sample_and_sites_with_its_salts():
     for ns in ("alpha", salted):
         assert book.first_absent(ns, b, chain_keys(b, SPEC, ns), 2, None).cause is MissCause.COLD
     assert book.first_absent("beta", b, chain_keys(b, SPEC, "beta"), 2, None).cause is MissCause.DIVERGED
-    assert book.report("alpha") == [] and book.sample_bytes("beta") > 0 and book._total == 1000
+    assert book.report("alpha") == [] and book.sample_bytes("beta") > 0
+    sampled(book, "gamma", a)                    # alpha's place is free again: a second tenant is sampled
+    assert book.sample_bytes("gamma") > 0

@@ -27,6 +27,7 @@ def serve_app(tmp_path):
         if keys is not None:
             path = tmp_path / f"keys-{len(states)}.json"
             path.write_text(json.dumps(keys))
+            path.chmod(0o600)   # a key file others may read is refused
         state = ServerState(ServeConfig(model="tiny-v4", data_dir=tmp_path / f"data-{len(states)}", api_keys=path))
         state.vocab_size = 1000   # what the engine's load would say
         states.append(state)

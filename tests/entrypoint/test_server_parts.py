@@ -2,6 +2,7 @@
 the chat template, the body limit."""
 
 import json
+import re
 
 import pytest
 from pydantic import ValidationError
@@ -11,7 +12,7 @@ from starlette.routing import Route
 from starlette.testclient import TestClient
 
 from kvledger.core import ModelSpec, chain_keys, salted_namespace
-from kvledger.entrypoint.auth import KeyFileError, authenticate, load_keys
+from kvledger.entrypoint.auth import KeyFileError, Tenant, authenticate, load_keys, tenant_count
 from kvledger.entrypoint.body_limit import BodyLimit
 from kvledger.engine.models.chat_template import ChatTemplate, ChatTemplateError
 from kvledger.entrypoint.detokenize import TextStream
@@ -169,10 +170,17 @@ def test_ttft_is_summarized_per_prompt_length_bucket_cold_and_hit():
 # --- API keys and namespaces -----------------------------------------------------------------
 
 
+def _key_file(path, text: str, mode: int = 0o600):
+    """A key file as an operator keeps it: 0600 unless `mode` says otherwise."""
+    path.write_text(text)
+    path.chmod(mode)
+    return path
+
+
 def test_key_file_maps_keys_to_tenants(tmp_path):
-    f = tmp_path / "keys.json"
-    f.write_text(json.dumps({"sk-aaaaaaaa": "alpha", "sk-bbbbbbbb": {"namespace": "beta", "ttl_class": "agent"},
-                             "sk-qqqqqqqq": {"namespace": "quiet", "store": False}}))
+    f = _key_file(tmp_path / "keys.json",
+                  json.dumps({"sk-aaaaaaaa": "alpha", "sk-bbbbbbbb": {"namespace": "beta", "ttl_class": "agent"},
+                              "sk-qqqqqqqq": {"namespace": "quiet", "store": False}}))
     keys = load_keys(f, CLASSES)
     assert authenticate(keys, "Bearer sk-aaaaaaaa").namespace == "alpha"
     assert authenticate(keys, "Bearer sk-aaaaaaaa").store and not authenticate(keys, "Bearer sk-qqqqqqqq").store
@@ -183,15 +191,20 @@ def test_key_file_maps_keys_to_tenants(tmp_path):
     assert authenticate(None, None).namespace == "default"   # open server
 
 
+def test_the_tenants_are_the_key_files_namespaces_and_an_open_server_is_one():
+    """What the miss sample divides its memory by (entrypoint/misses.py): keys sharing a namespace are one tenant."""
+    keys = {"sk-aaaaaaaa": Tenant("alpha"), "sk-a2a2a2a2": Tenant("alpha"), "sk-bbbbbbbb": Tenant("beta")}
+    assert tenant_count(keys) == 2 and tenant_count(None) == 1
+
+
 @pytest.mark.parametrize("content", [
     "not json", "[]", "{}", '{"short": "ns"}', '{"sk-aaaaaaaa": "bad namespace!"}',
     '{"sk-aaaaaaaa": {"namespace": "a", "ttl_class": "forever"}}', '{"sk-aaaaaaaa": {"namespace": "a", "x": 1}}',
     '{"sk-aaaaaaaa": "a#salt-00"}', '{"sk-aaaaaaaa": {"namespace": "a", "store": "no"}}',
 ])
 def test_bad_key_files_are_refused(tmp_path, content):
-    f = tmp_path / "keys.json"
-    f.write_text(content)
-    with pytest.raises(KeyFileError):
+    f = _key_file(tmp_path / "keys.json", content)
+    with pytest.raises(KeyFileError, match="^(?!--api-keys)"):   # refused for its content, not its mode
         load_keys(f, CLASSES)
 
 
@@ -200,8 +213,7 @@ def test_a_key_file_another_user_could_have_written_is_refused(tmp_path, planted
     """`nobody` planting a key for tenant alpha: the file is refused, never read as keys."""
     import os
 
-    f = tmp_path / "keys.json"
-    f.write_text(json.dumps({"sk-planted-0000": "alpha"}))
+    f = _key_file(tmp_path / "keys.json", json.dumps({"sk-planted-0000": "alpha"}))
     if planted == "owned by nobody":
         if os.geteuid() != 0:
             pytest.skip("giving a file to another user needs root")
@@ -212,14 +224,27 @@ def test_a_key_file_another_user_could_have_written_is_refused(tmp_path, planted
         load_keys(f, CLASSES)
 
 
-def test_serve_refuses_a_writable_key_file_in_one_line_with_exit_2(run_cli, tmp_path):
-    f = tmp_path / "keys.json"
-    f.write_text(json.dumps({"sk-planted-0000": "alpha"}))
-    f.chmod(0o666)
+@pytest.mark.parametrize("mode", [0o644, 0o640, 0o604, 0o610], ids=oct)
+def test_a_key_file_others_may_read_is_refused_naming_the_file_and_mode(tmp_path, mode):
+    """Issue 54 item 4: a 0644 key file hands every tenant's key to every local user; refused as ssh refuses
+    such a private key (the file's name, its mode, the fix), and accepted once it is 0600."""
+    f = _key_file(tmp_path / "keys.json", json.dumps({"sk-aaaaaaaa": "alpha"}), mode)
+    what = "executable" if mode == 0o610 else "readable"
+    line = f"--api-keys {f}: {what} by group or others (mode {mode:04o}); chmod 600 {f}"
+    with pytest.raises(KeyFileError, match=f"^{re.escape(line)}$"):
+        load_keys(f, CLASSES)
+    f.chmod(0o600)
+    assert load_keys(f, CLASSES)["sk-aaaaaaaa"].namespace == "alpha"
+
+
+@pytest.mark.parametrize("mode", [0o666, 0o644], ids=oct)
+def test_serve_refuses_a_key_file_open_to_others_in_one_line_with_exit_2(run_cli, tmp_path, mode):
+    f = _key_file(tmp_path / "keys.json", json.dumps({"sk-planted-0000": "alpha"}), mode)
     r = run_cli("serve", "--model", "tiny-v4", "--port", "0", "--data-dir", str(tmp_path / "d"), "--api-keys", str(f),
                 timeout=60)
     assert r.returncode == 2, r.stderr
     assert r.stderr.startswith("kvledger: error: --api-keys ") and r.stderr.count("\n") == 1, r.stderr
+    assert f"(mode {mode:04o}); chmod 600 {f}" in r.stderr, r.stderr
 
 
 def test_cache_salt_splits_a_namespace_without_collisions():

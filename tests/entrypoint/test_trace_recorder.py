@@ -13,10 +13,11 @@ import pytest
 from kvledger.bench.trace import read_trace
 from kvledger.core import ModelSpec, chain_keys
 from kvledger.entrypoint.config import TraceSettings
-from kvledger.entrypoint.trace_recorder import Finished, TraceRecorder, hash_id, rotated, tenant_id
+from kvledger.entrypoint.trace_recorder import Finished, TraceRecorder, hash_id, rotated, tenant_id, trace_key
 from kvledger.util.serve_process import ServeProcess
 
 TINY = ModelSpec.preset("tiny-v4")
+SECRET = bytes(range(32))
 LIVE = {"cached_tokens": 0, "ttft_s": 0.1, "engine": None, "hit_kind": "miss", "fetch_bytes": 0, "fetch_s": None,
         "decode_s": 0.2}
 
@@ -27,7 +28,7 @@ def _finished(tokens, output=(), namespace="default", arrival_s=1_800_000_000.0)
 
 
 def _recorder(folder, **settings) -> TraceRecorder:
-    return TraceRecorder(folder, TraceSettings(**settings), TINY, {"model": "tiny-v4"})
+    return TraceRecorder(folder, TraceSettings(**settings), TINY, {"model": "tiny-v4"}, SECRET)
 
 
 def test_a_line_is_hashes_only_and_reads_back_as_a_trace(tmp_path):
@@ -41,10 +42,11 @@ def test_a_line_is_hashes_only_and_reads_back_as_a_trace(tmp_path):
     line = json.loads(text)
     assert set(line) == {"timestamp", "input_length", "output_length", "block_tokens", "hash_ids", "output_hash_ids",
                          "ttl_class", "tenant_id", "live"}
-    assert line["tenant_id"] == tenant_id(TINY, "tenant-secret") == tenant_id(TINY, "tenant-secret#salt-00")
+    assert line["tenant_id"] == tenant_id(TINY, "tenant-secret", SECRET) == tenant_id(TINY, "tenant-secret#salt-00",
+                                                                                      SECRET)
     seq = chain_keys(np.asarray(tokens + [777_777] * 99, dtype=np.uint32), TINY, "tenant-secret")
-    assert line["hash_ids"] == [hash_id(k) for k in seq[:2]]          # the prompt's 2 full blocks of 128
-    assert line["output_hash_ids"] == [hash_id(seq[2])]               # (300 + 100 − 1) // 128 = 3 blocks stored
+    assert line["hash_ids"] == [hash_id(k, SECRET) for k in seq[:2]]  # the prompt's 2 full blocks of 128
+    assert line["output_hash_ids"] == [hash_id(seq[2], SECRET)]       # (300 + 100 − 1) // 128 = 3 blocks stored
     trace = read_trace(tmp_path / "trace" / "requests.jsonl")
     r = trace.requests[0]
     assert (r.input_length, r.output_length, r.block_tokens, r.ttl_class) == (300, 100, 128, "chatbot")
@@ -81,8 +83,8 @@ def test_forget_rewrites_every_file_without_the_tenants_lines(tmp_path):
     assert rec.flush()
     rec.close()
     lines = [json.loads(x) for k in range(4) for x in rotated(folder, k).read_text().splitlines()]
-    assert [x.get("tenant_id") for x in lines].count(tenant_id(TINY, "beta")) == 11
-    assert tenant_id(TINY, "acme") not in [x.get("tenant_id") for x in lines] and len(lines) == 12
+    assert [x.get("tenant_id") for x in lines].count(tenant_id(TINY, "beta", SECRET)) == 11
+    assert tenant_id(TINY, "acme", SECRET) not in [x.get("tenant_id") for x in lines] and len(lines) == 12
     assert all(oct(rotated(folder, k).stat().st_mode & 0o777) == "0o600" for k in range(3))
 
 
@@ -158,3 +160,75 @@ def test_bad_flags_are_one_line_and_exit_2(run_cli, tmp_path, flags, message):
     p = run_cli("serve", "--model", "tiny-v4", "--data-dir", str(tmp_path / "d"), *flags, timeout=60)
     assert p.returncode == 2 and p.stderr.startswith("kvledger: error: "), p.stderr
     assert len(p.stderr.strip().splitlines()) == 1 and message in p.stderr, p.stderr
+
+
+def test_the_trace_key_is_made_once_0600_and_a_cluster_derives_one_from_its_token(tmp_path):
+    """Embedded: made on the first start, the same on the next (one trace's ids agree across restarts), refused
+    (one line naming the file) when others may read it or it is not a key. A cluster: every entrypoint that
+    holds the token has the same key, with no file; another token, another key."""
+    import stat
+
+    from kvledger.entrypoint.trace_recorder import KEY_FILE
+
+    first = trace_key(tmp_path / "data", None)
+    path = tmp_path / "data" / KEY_FILE
+    assert len(first) == 32 and stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert trace_key(tmp_path / "data", None) == first
+    assert trace_key(tmp_path / "other", None) != first
+    path.chmod(0o644)
+    with pytest.raises(ValueError, match=f"^trace key {path}: readable by group or others"):
+        trace_key(tmp_path / "data", None)
+    path.write_text("not hex\n")
+    path.chmod(0o600)
+    with pytest.raises(ValueError, match=f"^trace key {path}: not 64 hex characters"):
+        trace_key(tmp_path / "data", None)
+    token = "t" * 64
+    assert trace_key(tmp_path / "a", token) == trace_key(tmp_path / "b", token) != trace_key(tmp_path / "a", "u" * 64)
+    assert not (tmp_path / "a").exists()
+
+
+def test_a_key_file_that_cannot_be_used_turns_recording_off_not_the_server(tmp_path, caplog):
+    from kvledger.entrypoint.server_state import ServeConfig, ServerState
+    from kvledger.entrypoint.trace_recorder import KEY_FILE
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / KEY_FILE).write_text("0" * 64 + "\n")
+    (data / KEY_FILE).chmod(0o644)   # not this user's alone: someone else may hold it
+    with caplog.at_level(logging.WARNING, logger="kvledger.serve"):
+        state = ServerState(ServeConfig(model="tiny-v4", data_dir=data))
+    try:
+        assert not state.trace.enabled
+        assert [r.message for r in caplog.records if "trace recording is off" in r.message and KEY_FILE in r.message]
+    finally:
+        state.close()
+
+
+def test_a_guessed_prompt_matches_no_id_of_a_real_servers_trace(tmp_path):
+    """Issue 54 item 4: the trace is meant to be shared, and its ids were the chain keys' first 8 bytes (SHA-256
+    over model, namespace and tokens, nothing secret), so whoever held it could hash a guessed prompt under a
+    guessed namespace and confirm it (3 of 3 blocks matched). A real `kvledger serve` answers a request; its
+    trace line's ids are HMACs of the chain keys under the server's key (0600, outside the trace folder, not in
+    it): the right guess, hashed without the key, matches none; with it, all."""
+    import stat
+
+    from kvledger.entrypoint.trace_recorder import KEY_FILE
+
+    data, prompt = tmp_path / "data", list(range(1, 400))   # 3 full blocks
+    server = ServeProcess(data, model="tiny-v4").start()
+    try:
+        status, _ = server.post("/v1/completions", {"model": "tiny-v4", "prompt": prompt, "max_tokens": 1,
+                                                    "temperature": 0})
+        assert status == 200
+    finally:
+        assert server.stop() == 0
+    ids = json.loads((data / "trace" / "requests.jsonl").read_text())["hash_ids"]
+    guessed = chain_keys(np.asarray(prompt, dtype=np.uint32), TINY, "default")   # the open server's namespace
+    unkeyed = [int.from_bytes(k[:8], "little") & (2**63 - 1) for k in guessed]   # what the ids were before
+    assert len(ids) == 3 and not set(unkeyed) & set(ids)
+    key_file = data / KEY_FILE
+    assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+    secret = bytes.fromhex(key_file.read_text())
+    assert ids == [hash_id(k, secret) for k in guessed]
+    trace_bytes = b"".join(p.read_bytes() for p in (data / "trace").iterdir())
+    assert key_file.read_text().strip().encode() not in trace_bytes and secret not in trace_bytes

@@ -14,6 +14,7 @@ import torch
 
 from kvledger.core import chain_keys
 from kvledger.integrations.vllm.config import ConnectorConfig, KvGeometry, connector_spec, namespace_of
+from kvledger.integrations.vllm.events import EventLog
 from kvledger.integrations.vllm.identity import ModelIdentity
 from kvledger.integrations.vllm.layout import KvLayout
 from kvledger.integrations.vllm.records import BlockRun, StepPlan
@@ -26,6 +27,7 @@ GEOMETRY = KvGeometry(n_layers=3, kv_heads=2, head_dim=8, dtype_bytes=2, device=
 IDENTITY = ModelIdentity("ab" * 32, "bfloat16", salt="tiny")   # weights of no file: the sides never read them
 SPEC = connector_spec(IDENTITY, GEOMETRY)
 NUM_BLOCKS = 16
+EVENTS_KEY = bytes(range(32))
 
 
 def request(req_id: str, n: int, salt: str | None = None, seed: int = 0) -> SimpleNamespace:
@@ -212,7 +214,7 @@ def cpu_caches(seed: int) -> dict[str, torch.Tensor]:
 
 
 def worker(ledger: BlockLedger, caches: dict[str, torch.Tensor], events: Path | None = None) -> WorkerSide:
-    side = WorkerSide(ledger, str(events) if events else None)
+    side = WorkerSide(ledger, EventLog(events, EVENTS_KEY) if events else None)
     side.register(KvLayout(caches, NUM_BLOCKS, B * GEOMETRY.layer_token_bytes))
     return side
 
@@ -270,3 +272,33 @@ def test_a_corrupt_block_is_reported_never_copied_and_poisons_later_saves(ledger
 
 def test_the_sides_import_no_vllm():
     assert "vllm" not in sys.modules
+
+
+def test_a_published_prefix_is_saved_once_as_public_and_read_by_every_salt_never_its_continuation(ledger, tmp_path):
+    """Rule 12 under the connector (a request's `cache_salt` is its tenant): with `public_prefix` set, tenant A's
+    prefill saves the prefix's whole blocks as the public namespace's and the rest as its own; tenant B then hits
+    the public blocks only, though its prompt is A's token for token; a tenant's salt never names the public chain."""
+    import json
+
+    from kvledger.core import PUBLIC_NAMESPACE
+    from kvledger.util.public_prefix import load_public_prefixes
+
+    a = request("a", 600, salt="tenantA", seed=3)
+    (tmp_path / "public.json").write_text(json.dumps([a.prompt_token_ids[:2 * B + 10]]))
+    public = load_public_prefixes(tmp_path / "public.json", None, None, B)
+    side = SchedulerSide(ledger, SPEC, public=public)
+    assert side.matched_tokens(a, 0) == 0
+    side.after_alloc(a, 0)
+    plan = side.plan_step(step(new=[new_req(a, list(range(5)), 0)], scheduled={"a": 600}))
+    assert [(r.start, len(r.keys), r.namespace) for r in plan.saves] == [(0, 2, PUBLIC_NAMESPACE), (2, 2, "tenantA")]
+    side.finished("a")
+    for run in plan.saves:   # what the worker side would write
+        ledger.put_chain(list(run.keys), [bytes(SPEC.block_bytes())] * len(run.keys), namespace=run.namespace,
+                         start_pos=run.start, parent=run.parent)
+
+    b = SimpleNamespace(**{**vars(a), "request_id": "b", "cache_salt": "tenantB"})
+    assert side.matched_tokens(b, 0) == 2 * B                                          # the public blocks only
+    assert side.matched_tokens(SimpleNamespace(**{**vars(a), "request_id": "a2"}), 0) == 4 * B   # A: its own too
+    named = SimpleNamespace(**{**vars(b), "request_id": "c", "cache_salt": PUBLIC_NAMESPACE})
+    assert side.matched_tokens(named, 0) == 2 * B   # naming the public namespace reads no more than any tenant
+    assert SchedulerSide(ledger, SPEC).matched_tokens(b, 0) == 0   # unpublished: B's own chain, nothing stored

@@ -210,6 +210,7 @@ def test_a_replicated_head_is_stored_once_under_the_blocks_chain_keys(tmp_path):
 
     from kvledger.integrations.vllm.layout import KvLayout
     from kvledger.integrations.vllm.records import BlockRun, StepPlan
+    from kvledger.integrations.vllm.events import EventLog
     from kvledger.integrations.vllm.worker import WorkerSide
 
     geometry = KvGeometry(2, 1, 8, 2, "cpu", "bfloat16")
@@ -221,7 +222,7 @@ def test_a_replicated_head_is_stored_once_under_the_blocks_chain_keys(tmp_path):
         for rank in range(2):
             slicing = Slicing(1, 2, head_bytes, engine, KvSlice(*head_range(1, rank, 2), 0, 2),
                               first_replica(1, rank, 2))
-            w = WorkerSide(ledger, str(tmp_path / f"events{rank}.jsonl"), slicing=slicing)
+            w = WorkerSide(ledger, EventLog(tmp_path / f"events{rank}.jsonl", bytes(32)), slicing=slicing)
             w.register(KvLayout({n: torch.ones((4, 1, 128, 16), dtype=torch.bfloat16) for n in names}, 4, head_bytes))
             w.start_step(StepPlan(saves=(BlockRun("r", "default", 0, keys, (1, 2), None),)))
             w.finish_step()

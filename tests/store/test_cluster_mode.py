@@ -31,8 +31,8 @@ def test_two_machines_share_index_and_files(tmp_path, redis_server):
     bufs = [bytearray(BLOCK) for _ in keys]
     assert a.get_into(keys, bufs) == [BLOCK] * 12 and [bytes(x) for x in bufs] == blocks
     r = redis.Redis.from_url(redis_server.url)
-    assert r.dbsize() == 12 + 12 + 1 and r.hget(b"kvl:b:" + keys[0], "d") is None  # metadata only (+ the
-    # blocks' tombstones and the volume id)
+    assert r.dbsize() == 12 + 12 + 1 + 2 and r.hget(b"kvl:b:" + keys[0], "d") is None  # metadata only (+ the
+    # blocks' tombstones, the volume id, and their bucket's totals and set: redis_quota.py)
     assert r.get(b"kvl:volume").decode() == (tmp_path / "volume.id").read_text().strip()
     st = a.stats()
     assert st.blocks == 12 and st.segments == 2 and st.disk_bytes > 12 * BLOCK

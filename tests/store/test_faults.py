@@ -16,7 +16,7 @@ from kvledger.store import segment as sg
 from kvledger.store.backend import ChainWrite
 from kvledger.store.lmdb_store import LmdbStore
 
-from .conftest import chain
+from .conftest import BLOCK, chain
 
 REPO = Path(__file__).parents[2]
 
@@ -109,7 +109,9 @@ def _same_chain(where: str, tmp_path: Path, n_writers: int = 3) -> list[tuple[in
 def test_concurrent_writers_of_one_chain_redis(tmp_path, redis_server):
     results = _same_chain(redis_server.url, tmp_path)
     assert sum(r[0] for r in results) == 200 and all(r[2] == 0 for r in results)
-    assert redis.Redis.from_url(redis_server.url).dbsize() == 200 + 200   # each block once, with its tombstone
+    r = redis.Redis.from_url(redis_server.url)
+    assert r.dbsize() == 200 + 200 + 2   # each block once, with its tombstone; its bucket's totals and set
+    assert int(r.hget("kvl:u:", "t")) == 200 * BLOCK and r.zcard(r.keys("kvl:z:*")[0]) == 200   # counted once
 
 
 def test_gc_racing_reads_in_another_process_is_a_miss_never_an_error(tmp_path, clock):

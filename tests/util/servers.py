@@ -32,6 +32,37 @@ def running(app: Any, **options: Any) -> Iterator[int]:
         sock.close()
 
 
+def connect_from(port: int, source: str = "127.0.0.1", timeout: float = 5) -> socket.socket:
+    """A connection to 127.0.0.1:`port` from the loopback address `source` (Linux routes all of 127/8 to lo, so
+    each address is a client of its own to the server)."""
+    conn = socket.socket()
+    conn.settimeout(timeout)
+    try:
+        conn.bind((source, 0))
+        conn.connect(("127.0.0.1", port))
+    except OSError:
+        conn.close()
+        raise
+    return conn
+
+
+def held_open(conns: list[socket.socket], settle_s: float = 0.5) -> int:
+    """How many of `conns` the server still holds open after `settle_s`, on which it has sent nothing."""
+    time.sleep(settle_s)
+    held = 0
+    for conn in conns:
+        timeout = conn.gettimeout()
+        conn.setblocking(False)
+        try:
+            held += conn.recv(1) != b""   # b"": closed
+        except BlockingIOError:
+            held += 1
+        except OSError:   # reset
+            pass
+        conn.settimeout(timeout)
+    return held
+
+
 def closed_within(conn: socket.socket, seconds: float) -> tuple[bool, bytes]:
     """(whether the server closed `conn` within `seconds`, what it sent before)."""
     conn.settimeout(0.1)

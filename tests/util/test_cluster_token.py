@@ -4,6 +4,7 @@ planted it, refused when short enough to guess."""
 from __future__ import annotations
 
 import os
+import re
 import stat
 
 import pytest
@@ -39,6 +40,19 @@ def test_a_token_file_others_may_write_is_refused(tmp_path, mode):
     assert load_token(path) == GOOD
 
 
+@pytest.mark.parametrize("mode", [0o640, 0o604, 0o644], ids=oct)
+def test_a_token_file_others_may_read_is_refused(tmp_path, mode):
+    """Issue 54 item 4: whoever reads the token speaks to every engine's internal API."""
+    path = tmp_path / "cluster.token"
+    path.write_text(GOOD)
+    path.chmod(mode)
+    line = f"--token-file {path}: readable by group or others (mode {mode:04o}); chmod 600 {path}"
+    with pytest.raises(ValueError, match=f"^{re.escape(line)}$"):
+        load_token(path)
+    path.chmod(0o600)
+    assert load_token(path) == GOOD
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
 def test_a_token_file_another_user_owns_is_refused(tmp_path):
     path = tmp_path / "cluster.token"
@@ -67,7 +81,7 @@ def test_short_tokens_are_refused(tmp_path, monkeypatch, token):
 def test_the_cli_names_the_flag_in_one_line_and_exits_2(run_cli, tmp_path, command):
     path = tmp_path / "cluster.token"
     path.write_text(GOOD)
-    path.chmod(0o666)
+    path.chmod(0o644)
     r = run_cli(*command, "--redis-url", "redis://127.0.0.1:9/0", "--data-dir", str(tmp_path / "d"),
                 "--token-file", str(path), "--model", "tiny-v4", timeout=60)
     assert r.returncode == 2, r.stderr

@@ -16,7 +16,7 @@ Keys of the extra config (all optional but one of `path` / `redis_url`):
 | `namespaces`  | namespace → class bindings, "tenantA=agent"                                 |
 | `ttl_class`   | default class of unbound namespaces ("chatbot")                             |
 | `fsync`       | fsync each stored chain (default true)                                      |
-| `events`      | a JSON-lines file: one line per load, failed load and save (for operators)  |
+| `events`      | a JSON-lines file: one line per load, failed load and save (events.py)      |
 
 No vLLM import here: the main test suite reads this module.
 """
@@ -53,6 +53,7 @@ class ConnectorConfig:
     fsync: bool = True
     events: str | None = None
     pin_index: bool = True   # keep the embedded store's LMDB index in memory, as `kvledger serve` does (index_pin.py)
+    public_prefix: str | None = None   # JSON file: published public prefixes as token-id lists (rule 12)
 
     def __post_init__(self) -> None:
         if self.path is None and self.redis_url is None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -38,12 +39,14 @@ from kvledger.integrations.vllm.config import (
     shared_ledger,
     shared_state_ledger,
 )
+from kvledger.integrations.vllm.events import event_log
 from kvledger.integrations.vllm.identity import model_identity
 from kvledger.integrations.vllm.layout import KvLayout, layer_index
 from kvledger.integrations.vllm.records import KvGroups, StepPlan
 from kvledger.integrations.vllm.scheduler import SchedulerSide
 from kvledger.integrations.vllm.slices import KvSlice, Slicing, engine_slices, first_replica, head_range
 from kvledger.integrations.vllm.worker import WorkerSide
+from kvledger.util.public_prefix import load_public_prefixes
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -178,8 +181,10 @@ class KvledgerConnector(KVConnectorBase_V1, SupportsHMA):
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
+            public = (load_public_prefixes(Path(self.config.public_prefix), None, None, BLOCK_SIZE)
+                      if self.config.public_prefix else None)
             self.scheduler_side = SchedulerSide(ledger, self.spec, state=state, groups=self.groups,
-                                                slicing=self.slicing)
+                                                slicing=self.slicing, public=public)
             log.warning("kvledger connector: store %s, keys of model %r (weights %s, fingerprint %s); KV cache "
                         "groups: full %d → block ledger, sliding-window %s → state ledger (W = %s)",
                         self.config.path or self.config.redis_url, self.spec.name, identity.weights,
@@ -189,7 +194,7 @@ class KvledgerConnector(KVConnectorBase_V1, SupportsHMA):
                         self.slicing.kv_heads, self.slicing.n_layers, len(self.slicing.engine),
                         [(s.head0, s.head1, s.layer0, s.layer1) for s in self.slicing.engine])
         else:
-            self.worker_side = WorkerSide(ledger, self.config.events, state, self.slicing)
+            self.worker_side = WorkerSide(ledger, event_log(self.config), state, self.slicing)
 
     # --- scheduler side ------------------------------------------------------------
 

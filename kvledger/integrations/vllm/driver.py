@@ -42,7 +42,7 @@ def transfer_config(opts: dict[str, Any]) -> dict[str, Any] | None:
     kind = opts.get("connector")
     if kind == "kvledger":
         extra = {"path": opts["store"], "fsync": opts.get("fsync", True)}
-        extra.update({k: opts[k] for k in ("events", "model_name") if opts.get(k)})
+        extra.update({k: opts[k] for k in ("events", "model_name", "public_prefix") if opts.get(k)})
         if "model_name" in extra:
             extra["model"] = extra.pop("model_name")
         return {"kv_connector": "KvledgerConnector", "kv_connector_module_path": "kvledger.integrations.vllm",

@@ -62,12 +62,16 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvledger.core import ModelSpec, decide_hit, extend_chain, prefill_store_positions, root_key, snapshot_candidates
+import numpy as np
+
+from kvledger.core import (PUBLIC_NAMESPACE, ModelSpec, checkpoint_positions, continue_chain, decide_hit,
+                           prefill_store_positions, snapshot_candidates)
 from kvledger.integrations.vllm.config import namespace_of
 from kvledger.integrations.vllm.records import BlockRun, KvGroups, StepPlan, WindowRun
 from kvledger.integrations.vllm.slices import Slicing
 from kvledger.state.ledger import StateLedger
 from kvledger.store.ledger import BlockLedger
+from kvledger.util.public_prefix import PublicPrefixes
 
 log = logging.getLogger("kvledger.vllm")
 
@@ -83,6 +87,7 @@ class RequestTrack:
 
     request: Any
     namespace: str
+    public_blocks: int = 0          # leading blocks of a published public prefix (rule 12, `core.chain_parent`)
     keys: list[bytes] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
     pending_load: int = 0
@@ -106,12 +111,14 @@ class SchedulerSide:
     """CHECK and step planning; one instance lives in vLLM's scheduler process."""
 
     def __init__(self, ledger: BlockLedger, spec: ModelSpec, *, state: StateLedger | None = None,
-                 groups: KvGroups | None = None, slicing: Slicing | None = None) -> None:
+                 groups: KvGroups | None = None, slicing: Slicing | None = None,
+                 public: PublicPrefixes | None = None) -> None:
         groups = groups or KvGroups()
         assert spec.has_swa == (state is not None) == bool(groups.windows), \
             "a model with sliding-window layers has sliding-window groups and a state ledger, and only it"
         assert state is None or slicing is None or len(slicing.engine) == 1, "a hybrid model runs unsliced"
         self.ledger = ledger
+        self.public = public or PublicPrefixes(spec.block_size)   # the operator's published prefixes (rule 12)
         self.slicing = slicing
         # The partitions a block may be read from, own first (None: the block's chain key only, one part).
         self.partitions = slicing.partitions() if slicing is not None and state is None else None
@@ -133,7 +140,14 @@ class SchedulerSide:
 
     def cached_blocks(self, token_ids: Sequence[int], namespace: str) -> int:
         """Leading blocks of the prompt present in the ledger, from metadata only (no TTL refresh)."""
-        return len(self._leading(extend_chain(root_key(self.spec, namespace), token_ids, self.block)))
+        return len(self._leading(self._chain(token_ids, namespace)))
+
+    def _public_blocks(self, token_ids: Sequence[int]) -> int:
+        return self.public.blocks(np.asarray(token_ids, dtype=np.uint32)) if self.public.prefixes else 0
+
+    def _chain(self, token_ids: Sequence[int], namespace: str) -> list[bytes]:
+        """The prompt's chain keys: a published prefix's blocks under the public root, the rest the namespace's."""
+        return continue_chain(token_ids, self.spec, namespace, [], public_blocks=self._public_blocks(token_ids))
 
     def _leading(self, keys: list[bytes]) -> tuple[int, ...]:
         """Per leading block present, the partition (index into `partitions`) it is read from. A block counts only
@@ -190,7 +204,7 @@ class SchedulerSide:
         if not cacheable(request):
             return 0
         prompt = request.prompt_token_ids
-        keys = extend_chain(root_key(self.spec, namespace_of(request.cache_salt)), prompt, self.block)
+        keys = self._chain(prompt, namespace_of(request.cache_salt))
         sources = self._leading(keys)
         cached = len(sources)
         self.sources[request.request_id] = sources
@@ -218,7 +232,8 @@ class SchedulerSide:
             return
         track = self.tracks.get(request.request_id)
         if track is None:
-            track = RequestTrack(request, namespace_of(request.cache_salt))
+            track = RequestTrack(request, namespace_of(request.cache_salt),
+                                 self._public_blocks(request.prompt_token_ids))
             self.tracks[request.request_id] = track
         if self.loads_async and num_external_tokens:
             assert block_ids is not None, "an asynchronous load is planned from the allocation"
@@ -304,7 +319,9 @@ class SchedulerSide:
         if self.state is None:
             return
         end = computed + scheduled.get(track.request.request_id, 0)
-        for x in prefill_store_positions(len(track.request.prompt_token_ids), self.spec):
+        n = len(track.request.prompt_token_ids)
+        public_end = checkpoint_positions(n, self.spec, 0, also=(track.public_blocks * self.block,))   # rule 12
+        for x in sorted({*prefill_store_positions(n, self.spec), *public_end}):
             if computed < x <= end:
                 window = self._window(track, x)
                 if window is None:
@@ -324,9 +341,11 @@ class SchedulerSide:
                 first = run.end              # a block loaded whole is not saved back
         new = scheduled.get(req_id, 0)
         last = (computed + new) // self.block  # blocks that end by the step's end are full
-        run = self._run(track, req_id, first, last)
-        if run is not None:
-            saves.append(run)
+        public = track.public_blocks   # a published prefix's blocks are saved as the public namespace's
+        for lo, hi in ((first, min(last, public)), (max(first, public), last)):
+            run = self._run(track, req_id, lo, hi)
+            if run is not None:
+                saves.append(run)
 
     def _load_run(self, track: RequestTrack, req_id: str, computed: int) -> BlockRun | None:
         """The blocks holding [computed − pending, computed), the tokens vLLM counts as loaded this step: whole
@@ -354,16 +373,15 @@ class SchedulerSide:
             found = self.sources.get(req_id, ())
             assert len(found) >= last, "a loaded block was present at the CHECK"
             sources = found[first:last] if any(found[first:last]) else ()
-        return BlockRun(req_id, track.namespace, first, tuple(keys[first:last]),
+        namespace = PUBLIC_NAMESPACE if last <= track.public_blocks else track.namespace
+        return BlockRun(req_id, namespace, first, tuple(keys[first:last]),
                         tuple(track.block_ids[first:last]), keys[first - 1] if first else None, sources)
 
     def _keys(self, track: RequestTrack, n_blocks: int) -> list[bytes]:
         """The first `n_blocks` keys of the request, extending the chain from its last key."""
-        have = len(track.keys)
-        if have < n_blocks:
-            tokens = track.request.all_token_ids[have * self.block:n_blocks * self.block]
-            parent = track.keys[-1] if have else root_key(self.spec, track.namespace)
-            track.keys.extend(extend_chain(parent, list(tokens), self.block))
+        if len(track.keys) < n_blocks:
+            track.keys = continue_chain(track.request.all_token_ids, self.spec, track.namespace, track.keys,
+                                        public_blocks=track.public_blocks, upto=n_blocks)
         return track.keys
 
     def _refresh(self, track: RequestTrack, n_blocks: int) -> None:

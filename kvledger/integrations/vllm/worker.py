@@ -38,9 +38,7 @@ torch only (no vLLM import): the main suite drives it with plain tensors and rec
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 
@@ -48,6 +46,7 @@ import numpy as np
 import torch
 
 from kvledger.engine.swapin import SwapIn, SwapItem
+from kvledger.integrations.vllm.events import EventLog
 from kvledger.integrations.vllm.layout import KvLayout
 from kvledger.integrations.vllm.records import BlockRun, StepPlan, WindowRun
 from kvledger.integrations.vllm.slices import Slicing
@@ -97,7 +96,7 @@ class Staging:
 class WorkerSide:
     """Loads and saves for one worker; `layout` is set once vLLM registers its KV caches."""
 
-    def __init__(self, ledger: BlockLedger, events: str | None = None, state: StateLedger | None = None,
+    def __init__(self, ledger: BlockLedger, events: EventLog | None = None, state: StateLedger | None = None,
                  slicing: Slicing | None = None) -> None:
         assert slicing is None or slicing.own is not None, "a worker's slicing names its own slice"
         self.ledger = ledger
@@ -377,28 +376,21 @@ class WorkerSide:
         return set(self.failed)
 
     def _window_event(self, kind: str, w: WindowRun, *, ok: bool, seconds: float) -> None:
-        self._write_event({"event": kind, "req_id": w.req_id, "position": w.position,
-                           "blocks": len(w.block_ids[0]), "ok": int(ok), "seconds": round(seconds, 6),
-                           "t": time.time()})
+        if self.events is not None:
+            self.events.write({"event": kind, "req_id": w.req_id, "position": w.position,
+                               "blocks": len(w.block_ids[0]), "ok": int(ok), "seconds": round(seconds, 6),
+                               "t": time.time()})
 
     def _event(self, kind: str, run: BlockRun, *, ok: int, seconds: float, **extra: float) -> None:
-        """One JSON line per transfer into the `events` file (appended; one write per line); a sliced worker's
-        also says its slice, [head0, head1, layer0, layer1]."""
+        """One line per transfer in the event log (events.py; its namespace as a keyed digest, never in clear);
+        a sliced worker's also says its slice, [head0, head1, layer0, layer1]."""
+        if self.events is None:
+            return
         sliced = {}
         if self.slicing is not None and self.slicing.own != self.slicing.everything:
             own = self.slicing.own
             assert own is not None
             sliced = {"slice": [own.head0, own.head1, own.layer0, own.layer1]}
-        self._write_event({"event": kind, "req_id": run.req_id, "namespace": run.namespace, "start": run.start,
-                           "blocks": len(run.keys), "ok": ok, "seconds": round(seconds, 6), "t": time.time(),
-                           **sliced, **{k: round(v, 6) for k, v in extra.items()}})
-
-    def _write_event(self, fields: dict[str, object]) -> None:
-        if not self.events:
-            return
-        line = json.dumps(fields)
-        fd = os.open(self.events, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        try:
-            os.write(fd, (line + "\n").encode())
-        finally:
-            os.close(fd)
+        self.events.write({"event": kind, "req_id": run.req_id, "namespace_digest": self.events.digest(run.namespace),
+                           "start": run.start, "blocks": len(run.keys), "ok": ok, "seconds": round(seconds, 6),
+                           "t": time.time(), **sliced, **{k: round(v, 6) for k, v in extra.items()}})
