@@ -12,7 +12,7 @@ import numpy as np
 
 from kvledger.bench.cluster_process import ClusterProcess
 from kvledger.core import ModelSpec
-from kvledger.entrypoint.trace_recorder import tenant_id
+from kvledger.entrypoint.trace_recorder import tenant_id, trace_key
 from kvledger.util.serve_process import request
 
 MODEL = "tiny-v4"
@@ -86,6 +86,7 @@ def test_no_store_and_forget_through_kvledger_up(tmp_path):
         assert again["prompt_tokens_details"]["cached_tokens"] == 0 and set(again["kvledger"]["miss"]["causes"]) == \
             {"cold", "tail"}, again
         assert ask(c.url, q, BETA)["prompt_tokens_details"]["cached_tokens"] == CAP
+        secret = trace_key(c.data_dir, c.token)   # a cluster's trace key derives from its token
     lines = [json.loads(x) for x in (tmp_path / "c" / "trace" / "requests.jsonl").read_text().splitlines()]
     tenants = [x["tenant_id"] for x in lines]
-    assert tenants.count(tenant_id(SPEC, "acme")) == 1 and tenants.count(tenant_id(SPEC, "beta")) == 3
+    assert tenants.count(tenant_id(SPEC, "acme", secret)) == 1 and tenants.count(tenant_id(SPEC, "beta", secret)) == 3

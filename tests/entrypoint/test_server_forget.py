@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from kvledger.core import ModelSpec, chain_keys, salted_namespace
-from kvledger.entrypoint.trace_recorder import tenant_id
+from kvledger.entrypoint.trace_recorder import tenant_id, trace_key
 from kvledger.store.snapshots import snapshot_path
 from kvledger.util.serve_process import ServeProcess
 
@@ -24,16 +24,22 @@ WAIT_S = 60.0
 CAP = (700 - 134) // 128 * 128   # tiny-v4 computes its last W + K = 134 tokens: 512 of a 700-token prompt hit
 
 
+def ids(n: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(100, 30000, n).tolist()
+
+
+PUBLIC = ids(256, 99)   # a published prefix of 2 whole blocks (the window at its end is kept too)
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    s = ServeProcess(tmp_path_factory.mktemp("forget") / "data", "--max-tokens-limit", "8", model=MODEL, keys=KEYS)
+    root = tmp_path_factory.mktemp("forget")
+    (root / "public.json").write_text(json.dumps([PUBLIC]))
+    s = ServeProcess(root / "data", "--max-tokens-limit", "8", "--public-prefix", str(root / "public.json"),
+                     model=MODEL, keys=KEYS)
     s.start()
     yield s
     s.stop()
-
-
-def ids(n: int, seed: int) -> list[int]:
-    return np.random.default_rng(seed).integers(100, 30000, n).tolist()
 
 
 def ask(server, prompt: list[int], key: str, headers: dict | None = None, **fields) -> dict:
@@ -84,7 +90,8 @@ def test_forget_removes_a_tenant_everywhere_and_counts_it(server):
     salted = salted_namespace("acme", "s1")
     before = until(lambda: (b := blocks_of(server)).get("acme") == 5 and b.get(salted) == 5 and b.get("beta") == 5
                    and b, "acme's and beta's blocks")
-    acme_id, beta_id = tenant_id(SPEC, "acme"), tenant_id(SPEC, "beta")
+    secret = trace_key(server.data_dir, None)                                   # the server's own, 0600
+    acme_id, beta_id = tenant_id(SPEC, "acme", secret), tenant_id(SPEC, "beta", secret)
     until(lambda: trace_ids(server).count(acme_id) == 3 and beta_id in trace_ids(server), "the trace lines")
     assert snapshots(server, p, "acme") == [True, True] and snapshots(server, q, "beta") == [True, True]
 
@@ -141,3 +148,18 @@ def test_forget_needs_an_operator_and_a_tenant_name(server):
         status, out = server.post("/admin/forget", fields, {"Authorization": f"Bearer {OPS}"})
         assert status == 400 and out["error"]["param"] == param, out
     assert blocks_of(server).get("beta", 0) > 0            # nothing was forgotten by a refused call
+
+
+def test_forgetting_a_tenant_leaves_the_public_prefix_it_read_and_wrote(server):
+    """A tenant's prompt that starts with a published prefix writes the prefix's blocks and the window at its end
+    as the public namespace's (rule 12): forgetting the tenant removes its private continuation only, and another
+    tenant still resumes exactly at the prefix's end (256: the public window is still there, not a fallback)."""
+    mine, theirs = PUBLIC + ids(444, 7), PUBLIC + ids(444, 8)
+    before = blocks_of(server).get("acme", 0)             # what the tests before left of acme's
+    ask(server, mine, ACME)
+    until(lambda: blocks_of(server).get("kvledger:public") == 2 and blocks_of(server).get("acme") == before + 3,
+          "the public blocks and acme's private ones")
+    status, receipt = forget(server, "acme", hold_s=0)
+    assert status == 200 and receipt["store"]["blocks"] == before + 3, receipt
+    assert blocks_of(server).get("kvledger:public") == 2 and "acme" not in blocks_of(server)
+    assert ask(server, theirs, BETA)["prompt_tokens_details"]["cached_tokens"] == 256
