@@ -270,6 +270,7 @@ def _operator_routes(app: FastAPI) -> None:
         state.public = public
         log.info("public prefixes: %d published, %d withdrawn; %d now", len(added), withdrawn, len(public.prefixes))
         return JSONResponse({"prefixes": public.describe(), "withdrawn": withdrawn})
+
     @app.post("/admin/forget", responses=OPERATOR_ERRORS, tags=["operator"])
     async def forget(request: Request, body: ForgetRequest, _: Operator) -> JSONResponse:
         """Forget a tenant (DESIGN rule 12): its blocks, snapshots, tombstones, miss sample and trace lines, on every
