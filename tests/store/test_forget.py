@@ -44,7 +44,7 @@ def test_forget_takes_every_block_and_tombstone_of_a_tenant_and_nothing_of_anoth
 
         k = keys["acme"][3]
         assert store.nodes.run([Call(store.place.slot(k), command("DEL", store.place.name(k)))]) == [1]
-    assert led.stats().namespace_bytes["acme"] == 7 * BLOCK     # 4 + 3 salted (counted as acme's); on Redis the gone one too
+    assert led.stats().namespace_bytes["acme"] == 7 * BLOCK   # 4 + 3 salted (acme's); on Redis the gone one too
     got = led.forget("acme", hold_s=60)
     # on Redis the block gone by expiry left its tombstone (tagged acme): found among the tombstones
     assert (got.blocks, got.bytes, got.tombstones, got.faults) == (7 - redis, (7 - redis) * BLOCK, 2 + redis, 0)
