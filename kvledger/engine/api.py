@@ -67,6 +67,8 @@ class EngineRequest:
     tail_kv: bytes | None = None  # a P/D decode leg: that block, handed over (`core.with_tail` raised the decision)
     prompt_len: int = 0          # the request's own prompt length, when `tokens` continue it; 0: all of `tokens`
     public_blocks: int = 0       # leading whole blocks that are a published public prefix (`core.chain_parent`)
+    store: bool = True           # False (no-store, DESIGN rule 12): nothing it computes stays once it ends (no
+                                 # block, snapshot, device cache entry or tail); it may still read what is cached
 
     def __post_init__(self) -> None:
         if not 0 <= self.prompt_len <= len(self.tokens):

@@ -42,6 +42,7 @@ class StepEngine(Protocol):
     def hand_off(self, request_id: str) -> None: ...
     def request_ids(self) -> list[str]: ...
     def has_unfinished(self) -> bool: ...
+    def forget(self, tenant: str) -> dict[str, int]: ...
     def close(self) -> None: ...
 
 
@@ -85,6 +86,13 @@ class AsyncEngine:
     def hand_off_all(self) -> None:
         """Every running request ends with finish_reason "handoff", its KV stored (cluster scale-down)."""
         self._inbox.put(("handoff", None))
+
+    async def forget(self, tenant: str) -> dict[str, dict[str, int] | None]:
+        """`Engine.forget` on the loop thread, between two steps; {"embedded": its counts} (`EngineClient.forget`)."""
+        assert self._loop is not None
+        done: asyncio.Future = self._loop.create_future()
+        self._inbox.put(("forget", (tenant, done)))
+        return {"embedded": await done}
 
     @property
     def running(self) -> int:
@@ -174,6 +182,15 @@ class AsyncEngine:
                 self.engine.abort(arg)
             except Exception:
                 log.exception("engine abort failed")
+        elif op == "forget":
+            tenant, done = arg
+            try:
+                counts = self.engine.forget(tenant)
+            except Exception as e:
+                log.exception("engine forget failed")
+                self._call_soon(_settle, done, None, e)
+            else:
+                self._call_soon(_settle, done, counts, None)
 
     def _fail_all(self, error: Exception) -> None:
         for rid in list(self._streams):
@@ -207,3 +224,13 @@ class AsyncEngine:
         for ev in events:
             failed = ev.finish_reason == "error"
             self._put(ev.request_id, EngineFailed("the engine failed on this request alone") if failed else ev)
+
+
+def _settle(done: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    """Complete `done` on the event loop (unless its waiter went away)."""
+    if done.done():
+        return
+    if error is not None:
+        done.set_exception(error)
+    else:
+        done.set_result(result)

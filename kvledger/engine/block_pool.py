@@ -11,6 +11,9 @@ Every block is in exactly one of three states:
 free + cached + used = total (block 0, the null block, is never handed out and counts in none).
 The free queue is in eviction order: the least recently released block is taken first, and
 taking a cached block drops its key. Keys are `core.chain_keys` values, never a second hash.
+
+A keyed block also names its tenant (`core.tenant_of` of the namespace it was computed in), so that forgetting
+a tenant (DESIGN rule 12) drops its keys, used blocks' included, and its next request is cold (`forget`).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ class Block:
     block_id: int
     ref_count: int = 0
     key: bytes | None = None
+    tenant: str = ""          # whose block `key` is (set with it; "" when not given)
 
 
 class NoFreeBlocks(Exception):
@@ -58,7 +62,7 @@ class BlockPool:
             assert block.ref_count == 0, f"block {block_id} in the free queue while in use"
             if block.key is not None:
                 del self.by_key[block.key]
-                block.key = None
+                block.key, block.tenant = None, ""
             block.ref_count = 1
             out.append(block_id)
         return out
@@ -87,8 +91,8 @@ class BlockPool:
             n += 1
         return n
 
-    def cache(self, block_id: int, key: bytes) -> None:
-        """Record that `block_id` (in use, full) holds the block of chain key `key`."""
+    def cache(self, block_id: int, key: bytes, tenant: str = "") -> None:
+        """Record that `block_id` (in use, full) holds the block of chain key `key`, computed for `tenant`."""
         block = self.blocks[block_id]
         assert block.ref_count > 0 and block_id != NULL_BLOCK, "only a used block can be cached"
         if block.key == key:
@@ -96,8 +100,19 @@ class BlockPool:
         if key in self.by_key:  # another block already holds this key: keep the first one
             return
         assert block.key is None, f"block {block_id} already caches another key"
-        block.key = key
+        block.key, block.tenant = key, tenant
         self.by_key[key] = block_id
+
+    def forget(self, tenant: str) -> int:
+        """Drop the key of every block of `tenant`, cached or in use (a sequence using one keeps its bytes; nobody
+        finds them by key again); how many."""
+        n = 0
+        for block in self.blocks:
+            if block.key is not None and block.tenant == tenant:
+                del self.by_key[block.key]
+                block.key, block.tenant = None, ""
+                n += 1
+        return n
 
     def hold(self, block_ids: list[int]) -> None:
         """One more reference to each block in use (a fetch still writing into blocks whose sequence went away)."""
@@ -122,7 +137,7 @@ class BlockPool:
             block = self.blocks[block_id]
             if block.key is not None:
                 del self.by_key[block.key]
-                block.key = None
+                block.key, block.tenant = None, ""
                 n += 1
         return n
 

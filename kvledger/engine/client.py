@@ -35,6 +35,10 @@ class EngineClient(Protocol):
     def generate(self, req: EngineRequest) -> AsyncIterator[TokenEvent]:
         """The request's events until it finishes; a consumer that stops early aborts it."""
 
+    async def forget(self, tenant: str) -> dict[str, dict[str, int] | None]:
+        """Forget `tenant` on every engine this client serves through (DESIGN rule 12: `Engine.forget`): engine id →
+        what it dropped, or None for an engine that did not answer."""
+
     @property
     def alive(self) -> bool:
         """A prompt sent now can be served."""

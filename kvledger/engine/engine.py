@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from kvledger.core import (ModelSpec, check_decision, checkpoint_positions, decided_length, hit_cap, is_handed,
-                           chain_parent, tail_key, tail_parts, takes_tail)
+                           chain_parent, tail_key, tail_parts, takes_tail, tenant_of)
 from kvledger.engine.api import EngineRequest, RequestUsage, TokenEvent, check_request_keys
 from kvledger.engine.block_pool import BlockPool
 from kvledger.engine.fetch_target import PoolTarget, StagingTarget
@@ -48,6 +48,7 @@ from kvledger.engine.threads import usable_cpus
 from kvledger.engine.writer import LedgerWriter
 
 DEFAULT_KV_BYTES = 512 << 20
+FORGET_WAIT_S = 30.0   # a forget waits this long at most for the writer's queued puts (the store holds the rest)
 
 
 def streams_by_default() -> bool:
@@ -242,6 +243,22 @@ class Engine:
         `timeout_s` seconds (None: no bound); whether they all were."""
         return self.writer.wait(timeout_s)
 
+    def forget(self, tenant: str, wait_s: float = FORGET_WAIT_S) -> dict[str, int]:
+        """Forget `tenant` in this engine (DESIGN rule 12; on the engine's thread): its requests running or waiting
+        keep running and store nothing more (`Sequence.stores`), its puts not yet on the block ledger are dropped
+        (waiting at most `wait_s` seconds for those already queued), and its device prefix cache entries, host pool
+        snapshots (withdrawn from the directory) and P/D tails go. The counts, by what they were; `writes_pending`
+        1 when the writer did not drain in time (what it still writes is refused by the store's hold)."""
+        running = [s for s in (*self.scheduler.running, *self.scheduler.waiting)
+                   if s.stores and tenant_of(s.request.namespace) == tenant]
+        for seq in running:
+            seq.stores = False
+        puts, drained = self.writer.forget(tenant, wait_s)
+        snapshots, pinned = self.writer.state_ledger.forget(tenant) if self.writer.state_ledger is not None else (0, 0)
+        return {"running_requests": len(running), "puts_dropped": puts, "writes_pending": int(not drained),
+                "device_blocks": self.pool.forget(tenant), "host_snapshots": snapshots, "pinned_snapshots": pinned,
+                "tails": self.tails.forget(tenant)}
+
     def clear_device_cache(self) -> int:
         """Forget the device prefix cache (the next hit comes from the ledgers); blocks forgotten."""
         return self.pool.clear_cache()
@@ -380,10 +397,10 @@ class Engine:
         """P/D: the tail of the prompt (`core.tail_parts` for the decode leg's L = prompt + 1: the block the prompt
         ends in, then the windows at its end) kept for the decode engine by `core.tail_key` (engine/tails.py).
         Nothing to keep for V4 (`core.takes_tail`), a full-attention prompt of whole blocks, or a sequence that
-        is not exact (rule 9)."""
+        does not keep what it computes (`Sequence.keeps`: rules 9 and 12)."""
         b, n = self.spec.block_size, seq.prompt_len
         block, window = tail_parts(n + 1, self.spec)
-        if not takes_tail(self.spec) or not block + window or not seq.exact:
+        if not takes_tail(self.spec) or not block + window or not seq.keeps:
             return
         whole = n // b
         parent = chain_parent(self.spec, seq.request.namespace, seq.keys[:whole],
@@ -393,7 +410,7 @@ class Engine:
             kv[:block] = self.writer.export_blocks([seq.block_table[whole]]).tobytes()
         if window:
             self.model.export_window(seq.slot, n, torch.frombuffer(kv, dtype=torch.uint8, offset=block))
-        self.tails.put(tail_key(parent, seq.tokens[whole * b:n]), kv)
+        self.tails.put(tail_key(parent, seq.tokens[whole * b:n]), kv, tenant_of(seq.request.namespace))
 
     def _retire_fetch(self, seq: Sequence) -> None:
         """The fetched blocks are on the device (or not needed): free the staging, if any."""
@@ -411,13 +428,16 @@ class Engine:
 
     def _cache_blocks(self, seq: Sequence) -> None:
         """Full blocks computed so far become findable in the device prefix cache by chain key; of a sequence
-        that is not exact (rule 9) only those it reused, never one it computed."""
+        that is not exact (rule 9) only those it reused, never one it computed; of one that does not store (rule
+        12: no-store, or its tenant forgotten) none (those it found on the device stay there as they were)."""
+        if not seq.stores:
+            return
         full = seq.computed // self.spec.block_size
         if not seq.exact:
             full = min(full, seq.decision.reused_block_tokens // self.spec.block_size)
         self.writer.ensure_keys(seq, full)
         for i in range(full):
-            self.pool.cache(seq.block_table[i], seq.keys[i])
+            self.pool.cache(seq.block_table[i], seq.keys[i], seq.owner(i))
 
     def _finish(self, seq: Sequence, reason: str, *, store: bool) -> None:
         seq.finish_reason = reason

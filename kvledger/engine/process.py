@@ -37,7 +37,7 @@ from kvledger.engine.async_engine import AsyncEngine
 from kvledger.engine.client import EngineFailed, EngineRejected
 from kvledger.engine.engine_registry import DEFAULT_TTL_S, EngineInfo, Heartbeat, Registry
 from kvledger.engine.session import H_MAC, H_SEQ, H_SESSION, SESSION_PATH, ProofFailed, SessionClient, SessionTable
-from kvledger.engine.wire import KEEPALIVE_S, GenerateBody, WireEvent
+from kvledger.engine.wire import FORGET_PATH, KEEPALIVE_S, ForgetBody, GenerateBody, WireEvent
 from kvledger.state.auth import derive_keys
 from kvledger.store.quota import Quotas
 
@@ -319,6 +319,13 @@ def build_engine_app(proc: EngineProcess, url: str) -> FastAPI:
         except ValueError as e:
             return JSONResponse({"error": {"message": str(e), "type": "invalid_request_error"}}, status_code=400)
         return StreamingResponse(proc.stream(body, req), media_type="application/x-ndjson")
+
+    @app.post(FORGET_PATH)
+    async def forget(body: ForgetBody) -> JSONResponse:
+        """Forget a tenant on this engine (`Engine.forget`): what it dropped, by kind."""
+        if proc.engine is None:
+            return JSONResponse({"error": {"message": "not started", "type": "unavailable"}}, status_code=503)
+        return JSONResponse((await proc.engine.forget(body.tenant))["embedded"])
 
     @app.get(TAIL_PATH + "{key}")
     async def tail(key: str, request: Request) -> Response:

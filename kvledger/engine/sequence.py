@@ -30,7 +30,7 @@ from enum import Enum, auto
 
 import torch
 
-from kvledger.core import HitDecision
+from kvledger.core import PUBLIC_NAMESPACE, HitDecision, tenant_of
 from kvledger.engine.api import EngineRequest, SamplingParams
 
 
@@ -83,6 +83,8 @@ class Sequence:
     preemptions: int = 0                   # times the scheduler preempted this sequence (RequestUsage.preemptions)
     handed_tail: bool = False              # the hit's last block is a tail handed over (P/D), not a ledger block
     uid: int = field(default_factory=new_uid)   # this admission's id: a preemption gives a new one (decode_mirror)
+    stores: bool = True                    # what it computes may stay (blocks, snapshots, device cache, tail): the
+                                           # request's `store`, turned off for good by a forget of its tenant
 
     def prefill_chunk(self, budget: int) -> int:
         """Tokens the next prefill chunk computes: the rest of [computed, len(tokens)) within `budget`, ending at
@@ -109,10 +111,21 @@ class Sequence:
         a resume after a preemption, its reused blocks gone, recomputes it from 0: `HitLoader` resume table)."""
         return self.truncate_from is None
 
+    def owner(self, block: int) -> str:
+        """Whose block `block` of this sequence is, as a forget finds it (DESIGN rule 12): a published public
+        prefix's blocks are the public namespace's, the others its request's tenant's (`core.tenant_of`)."""
+        return PUBLIC_NAMESPACE if block < self.request.public_blocks else tenant_of(self.request.namespace)
+
+    @property
+    def keeps(self) -> bool:
+        """Whether what this sequence computes may outlive it: exact (rule 9) and storing (rule 12's no-store and
+        forget). Every write-back and the device prefix cache ask this, never `exact` or `stores` alone."""
+        return self.exact and self.stores
+
     @classmethod
     def from_request(cls, req: EngineRequest) -> Sequence:
         tokens = [int(t) for t in req.tokens]
-        return cls(req, tokens, len(tokens), req.decision, list(req.keys))
+        return cls(req, tokens, len(tokens), req.decision, list(req.keys), stores=req.store)
 
     @property
     def request_prompt_len(self) -> int:

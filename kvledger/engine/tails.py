@@ -7,7 +7,8 @@ A prefill leg asked to keep its tail (`EngineRequest.keep_tail`) leaves it here;
 outlives `ttl_s`, whichever comes first, and the store holds at most `capacity_bytes` (the oldest go first): a
 tail nobody pulls costs the decode leg a recompute, never a wrong answer.
 
-Thread-safe: the engine's step thread puts, the HTTP server's loop takes.
+Thread-safe: the engine's step thread puts, the HTTP server's loop takes. Each tail names its tenant, so a
+forget of the tenant (DESIGN rule 12) drops its tails at once (`forget`).
 """
 
 from __future__ import annotations
@@ -27,17 +28,17 @@ class TailStore:
     def __init__(self, ttl_s: float = DEFAULT_TTL_S, capacity_bytes: int = DEFAULT_CAPACITY_BYTES) -> None:
         assert ttl_s > 0 and capacity_bytes > 0
         self.ttl_s, self.capacity_bytes = ttl_s, capacity_bytes
-        self._tails: OrderedDict[bytes, tuple[float, bytearray]] = OrderedDict()   # key → (deadline, KV)
+        self._tails: OrderedDict[bytes, tuple[float, bytearray, str]] = OrderedDict()   # key → (deadline, KV, tenant)
         self.held_bytes = 0
         self._lock = threading.Lock()
 
-    def put(self, key: bytes, kv: bytearray) -> None:
+    def put(self, key: bytes, kv: bytearray, tenant: str = "") -> None:
         """Keep `kv` under `key` for `ttl_s` seconds (a tail larger than the whole store is not kept)."""
         if len(kv) > self.capacity_bytes:
             return
         with self._lock:
             self._drop(key)
-            self._tails[key] = (time.monotonic() + self.ttl_s, kv)
+            self._tails[key] = (time.monotonic() + self.ttl_s, kv, tenant)
             self.held_bytes += len(kv)
             while self.held_bytes > self.capacity_bytes:
                 self._drop(next(iter(self._tails)))
@@ -51,6 +52,14 @@ class TailStore:
                 return None
             self._drop(key)
             return entry[1]
+
+    def forget(self, tenant: str) -> int:
+        """Drop every tail of `tenant`; how many."""
+        with self._lock:
+            mine = [k for k, (_, _, owner) in self._tails.items() if owner == tenant]
+            for k in mine:
+                self._drop(k)
+        return len(mine)
 
     def __len__(self) -> int:
         return len(self._tails)

@@ -1,6 +1,7 @@
 """The entrypoint ↔ engine messages of the cluster mode: JSON over HTTP, never pickle.
 
     POST /engine/v1/generate   body: GenerateBody            → NDJSON stream of WireEvent lines
+    POST /engine/v1/forget     body: ForgetBody              → {what it dropped: count} (`Engine.forget`)
     GET  /engine/v1/health     → {"status": ok/unhealthy/down, "engine", "role", "fault", "running"}
     GET  /engine/v1/tail/{key} → a P/D tail's KV (one block, octets), its reply MACed; 404 when not held
 
@@ -31,6 +32,7 @@ from kvledger.engine.api import (FINISH_REASONS, EngineRequest, RequestUsage, Sa
                                  check_request_keys)
 
 KEEPALIVE_S = 1.0
+FORGET_PATH = "/engine/v1/forget"
 TOKEN_HEADER = "authorization"   # "Bearer <cluster token>"
 
 
@@ -103,23 +105,32 @@ class GenerateBody(BaseModel):
                                  # the URL of the engine that kept the tail of `tokens` but the last
     prompt_len: Annotated[int, Field(ge=0)] = 0   # the request's own prompt, when `tokens` continue it (api.py)
     public_blocks: Annotated[int, Field(ge=0)] = 0   # leading blocks of a published public prefix (api.py)
+    store: bool = True           # False: a no-store request (api.py), nothing of it stays on the engine
 
     @classmethod
     def of(cls, req: EngineRequest, *, wait_stored: bool = False, tail_from: str | None = None) -> GenerateBody:
         return cls(request_id=req.request_id, tokens=[int(t) for t in req.tokens], keys=[k.hex() for k in req.keys],
                    decision=WireDecision.of(req.decision), namespace=req.namespace, ttl_class=req.ttl_class,
                    sampling=WireSampling.of(req.sampling), wait_stored=wait_stored, keep_tail=req.keep_tail,
-                   tail_from=tail_from, prompt_len=req.prompt_len, public_blocks=req.public_blocks)
+                   tail_from=tail_from, prompt_len=req.prompt_len, public_blocks=req.public_blocks, store=req.store)
 
     def engine_request(self, spec: ModelSpec) -> EngineRequest:
         """The request this body names; `ValueError` when its keys or decision cannot be this prompt's."""
         tokens = np.asarray(self.tokens, dtype=np.uint32)
         req = EngineRequest(self.request_id, tokens, [bytes.fromhex(k) for k in self.keys], self.decision.decision(),
                             self.sampling.params(), self.namespace, self.ttl_class, keep_tail=self.keep_tail,
-                            prompt_len=self.prompt_len, public_blocks=self.public_blocks)
+                            prompt_len=self.prompt_len, public_blocks=self.public_blocks, store=self.store)
         check_request_keys(req, tokens, spec)
         check_decision(req.decision, decided_length(tokens.size, req.own_prompt_len, spec), spec)
         return req
+
+
+class ForgetBody(BaseModel):
+    """Forget a tenant on this engine (DESIGN rule 12): `tenant` is its namespace, salts apart (`core.tenant_of`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tenant: Annotated[str, Field(min_length=1, max_length=1024)]
 
 
 class WireEvent(BaseModel):

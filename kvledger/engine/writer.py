@@ -7,7 +7,9 @@
     | decode crosses k·B    | —                                   | window at k·B → the slot's replica    |
     | request end           | full blocks [L/B, computed/B)       | the latest replica, at its boundary   |
 
-Rule 9: a sequence that is not exact (`Sequence.exact`: a window was truncated) stores nothing.
+Rule 9: a sequence that is not exact (`Sequence.exact`: a window was truncated) stores nothing; nor does one that
+does not store (rule 12: a no-store request, or one whose tenant was forgotten while it ran). `Sequence.keeps` says
+both.
 
 Blocks are copied from the device to host memory on the engine's thread, at `flush()`: `store_blocks` only
 notes them, and the engine flushes before it next allocates a block (the start of a step), so a step's copies
@@ -28,7 +30,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from kvledger.core import PUBLIC_NAMESPACE, continue_chain, prefill_store_positions
+from kvledger.core import PUBLIC_NAMESPACE, continue_chain, prefill_store_positions, tenant_of
 from kvledger.engine.models.base import Model
 from kvledger.engine.sequence import Sequence
 from kvledger.engine.state_slots import StateSlots
@@ -66,12 +68,18 @@ class LedgerWriter:
         self._done = threading.Condition()
         self._queued = self._finished = 0   # puts queued (noted ones included) / finished so far (FIFO)
         self._exports: list[_Export] = []   # puts noted since the last flush, in order
+        self._skipping: set[str] = set()     # tenants being forgotten: their queued puts are dropped (`forget`)
+        self._skipped: dict[str, int] = {}   # ... and how many were
         self.thread = threading.Thread(target=self._run, name="kvledger-writer", daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
         while (job := self.queue.get()) is not None:
+            tenant = tenant_of(job.namespace)
             try:
+                if tenant in self._skipping:
+                    self._skipped[tenant] = self._skipped.get(tenant, 0) + 1
+                    continue
                 result = self.block_ledger.put_chain(job.keys, list(job.blocks), namespace=job.namespace,
                                                      start_pos=job.start_pos, parent=job.parent,
                                                      ttl_class=job.ttl_class)
@@ -98,9 +106,9 @@ class LedgerWriter:
 
     def store_blocks(self, seq: Sequence, upto: int) -> None:
         """Queue blocks [seq.stored_blocks, upto) of the sequence for the block ledger (none of a sequence
-        that is not exact: rule 9)."""
+        that does not keep what it computes: `Sequence.keeps`, rules 9 and 12)."""
         first = seq.stored_blocks
-        if upto <= first or not seq.exact:
+        if upto <= first or not seq.keeps:
             return
         self.ensure_keys(seq, upto)
         seq.stored_blocks = upto
@@ -132,18 +140,18 @@ class LedgerWriter:
             self.queue.put(PutJob(e.keys, blocks, e.start_pos, e.parent, e.namespace, e.ttl_class))
 
     def store_prefill_snapshots(self, seq: Sequence) -> None:
-        """Rule 4: the windows at the prompt's own cap and at its last boundary (rule 9: exact ones only). A
+        """Rule 4: the windows at the prompt's own cap and at its last boundary (`Sequence.keeps` only). A
         position before the hit's resume point is the hit's own, stored by whoever computed it, and this
         sequence never held its window (a P/D decode leg resuming at L − 1 from a handed tail)."""
-        if self.state_ledger is None or not self.spec.has_swa or not seq.exact:
+        if self.state_ledger is None or not self.spec.has_swa or not seq.keeps:
             return
         for position in prefill_store_positions(seq.prompt_len, self.spec):
             if position >= seq.decision.recompute_from:
                 self._put_window(seq, position)
 
     def store_checkpoint(self, seq: Sequence, position: int) -> None:
-        """Rule 4′ (periodic): the window at `position`, where a prefill chunk just ended (rule 9: exact only)."""
-        if self.state_ledger is None or not seq.exact:
+        """Rule 4′ (periodic): the window at `position`, where a prefill chunk just ended (`Sequence.keeps` only)."""
+        if self.state_ledger is None or not seq.keeps:
             return
         assert seq.computed == position
         self._put_window(seq, position)
@@ -152,16 +160,33 @@ class LedgerWriter:
         """The slot's window ending at `position` (a multiple of B its ring still holds) to the state ledger."""
         assert self.state_ledger is not None and position % self.spec.block_size == 0
         self.model.export_window(seq.slot, position, self.slots.staging)
-        self.state_ledger.put(seq.keys[position // self.spec.block_size - 1], position, self.slots.staging.numpy())
+        block = position // self.spec.block_size - 1
+        self.state_ledger.put(seq.keys[block], position, self.slots.staging.numpy(), seq.owner(block))
 
     def store_replica(self, seq: Sequence) -> None:
-        """Rule 4 at request end: the latest decode replica, attached at its boundary (rule 9: exact ones only)."""
+        """Rule 4 at request end: the latest decode replica, attached at its boundary (`Sequence.keeps` only)."""
         position = self.slots.replica_position[seq.slot] if seq.slot >= 0 else 0
-        if self.state_ledger is None or position == 0 or not seq.exact:
+        if self.state_ledger is None or position == 0 or not seq.keeps:
             return
         self.ensure_keys(seq, position // self.spec.block_size)
-        self.state_ledger.put(seq.keys[position // self.spec.block_size - 1], position,
-                              self.slots.replica[seq.slot].numpy())
+        block = position // self.spec.block_size - 1
+        self.state_ledger.put(seq.keys[block], position, self.slots.replica[seq.slot].numpy(), seq.owner(block))
+
+    def forget(self, tenant: str, timeout_s: float) -> tuple[int, bool]:
+        """A forget of `tenant` (DESIGN rule 12), on the engine's thread: its puts noted and not yet copied are
+        dropped, and those already queued are skipped by the writer thread, which this waits for (at most
+        `timeout_s` seconds). (puts dropped, whether every put queued before is done.)"""
+        mine = [e for e in self._exports if tenant_of(e.namespace) == tenant]
+        self._exports = [e for e in self._exports if tenant_of(e.namespace) != tenant]
+        with self._done:
+            self._finished += len(mine)
+            self._done.notify_all()
+        self._skipping.add(tenant)
+        try:
+            drained = self.wait(timeout_s)
+        finally:
+            self._skipping.discard(tenant)
+        return len(mine) + self._skipped.pop(tenant, 0), drained
 
     def wait(self, timeout_s: float | None = None) -> bool:
         """Until every put queued before this call is on the ledger (or failed: rule 8), at most `timeout_s`

@@ -1,8 +1,9 @@
 """API keys → tenants (DESIGN.md rule 2: a tenant is a namespace; two never share a block).
 
 The key file is a JSON object: each key maps to its namespace, or to
-`{"namespace": ..., "ttl_class": ..., "role": "tenant" | "operator", "quota": "512MB"}` (`quota`: the
-namespace's guaranteed share of the block store, bytes or a size; store/quota.py). Only an operator key opens
+`{"namespace": ..., "ttl_class": ..., "role": "tenant" | "operator", "quota": "512MB", "store": false}`
+(`quota`: the namespace's guaranteed share of the block store, bytes or a size; store/quota.py; `"store": false`:
+every request of the key is a no-store one, DESIGN rule 12). Only an operator key opens
 the operator endpoints (`/metrics`, `/dashboard*`: every tenant's figures and last requests); it is
 a tenant too, of its own namespace. Without a key file the server runs open: every request is
 the tenant `default`, the operator endpoints are open too (and the server binds to loopback only).
@@ -33,13 +34,15 @@ class KeyFileError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class Tenant:
-    """Who sends a request: its namespace (rule 2), TTL class (None: the namespace's), key label and role."""
+    """Who sends a request: its namespace (rule 2), TTL class (None: the namespace's), key label, role, and
+    whether its requests may be stored (False: each is a no-store request, rule 12)."""
 
     namespace: str
     ttl_class: str | None = None
     label: str = "open"   # what metrics and logs show for the key (never the key itself)
     role: str = TENANT    # OPERATOR: may read the operator endpoints too
     quota: int | None = None   # the namespace's guaranteed bytes of the block store (None: the server's default)
+    store: bool = True         # False: every request of the key is a no-store one (rule 12)
 
 
 OPEN_TENANT = Tenant(OPEN_NAMESPACE)
@@ -65,13 +68,14 @@ def _tenant(path: str | Path, key: str, value: object, known_classes: set[str]) 
     where = f"{path}: key {key[:4]}…"
     if len(key) < 8:
         raise KeyFileError(f"{where}: an API key must have at least 8 characters")
-    ttl_class, role, quota = None, TENANT, None
+    ttl_class, role, quota, store = None, TENANT, None, True
     if isinstance(value, dict):
-        unknown = set(value) - {"namespace", "ttl_class", "role", "quota"}
+        unknown = set(value) - {"namespace", "ttl_class", "role", "quota", "store"}
         if unknown:
             raise KeyFileError(f"{where}: unknown field(s) {', '.join(sorted(unknown))}")
         namespace, ttl_class, role = value.get("namespace"), value.get("ttl_class"), value.get("role", TENANT)
         quota = _quota(where, value["quota"]) if "quota" in value else None
+        store = value.get("store", True)
     else:
         namespace = value
     if not isinstance(namespace, str) or not _NAMESPACE.match(namespace):
@@ -80,7 +84,9 @@ def _tenant(path: str | Path, key: str, value: object, known_classes: set[str]) 
         raise KeyFileError(f"{where}: unknown ttl_class {ttl_class!r}; known: {', '.join(sorted(known_classes))}")
     if role not in (TENANT, OPERATOR):
         raise KeyFileError(f"{where}: role must be {TENANT!r} or {OPERATOR!r}, not {role!r}")
-    return Tenant(namespace, ttl_class, label=namespace, role=role, quota=quota)
+    if not isinstance(store, bool):
+        raise KeyFileError(f"{where}: store must be true or false, not {store!r}")
+    return Tenant(namespace, ttl_class, label=namespace, role=role, quota=quota, store=store)
 
 
 def _quota(where: str, value: object) -> int:

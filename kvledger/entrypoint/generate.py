@@ -53,6 +53,8 @@ class Outcome:
     last_token_at: float | None = None
     miss: dict[str, Any] | None = None   # usage.kvledger.miss, when the request asked (explain_cache_miss)
     first_absent: FirstAbsent | None = None   # the first absent block under the cap, and why (at the end)
+    kept: bool = True   # what of it stays (sample, trace; its blocks did): a storing request whose tenant was not
+                        # forgotten while it ran (`Forgetting.keeps`)
 
 
 async def run(state: ServerState, prep: Prepared, out: Outcome) -> AsyncIterator[Delta]:
@@ -88,6 +90,7 @@ async def run(state: ServerState, prep: Prepared, out: Outcome) -> AsyncIterator
     finally:
         state.metrics.running.dec()
     out.text = text.text
+    out.kept = prep.stores and state.forgetting.keeps(prep.engine_request.namespace, prep.arrival)
     out.first_absent = first_absent(state, prep)
     if prep.explain_miss:
         split = miss_split(prep, usage_of(prep, out).prompt_cache_hit_tokens, out.first_absent)
@@ -162,20 +165,23 @@ def _tick(state: ServerState, out: Outcome) -> None:
 def usage_of(prep: Prepared, out: Outcome) -> Usage:
     u = out.usage
     if u is None:
-        return Usage.of(prep.prompt_tokens, 0, len(out.token_ids))
+        return Usage.of(prep.prompt_tokens, 0, len(out.token_ids), stored=out.kept)
     cached = min(u.cached_tokens, prep.prompt_tokens)
     legs = [LegDetails(kind=leg.kind, engine=leg.engine, start=leg.start, cached_tokens=leg.cached_tokens,
                        computed_prompt_tokens=leg.computed_prompt_tokens) for leg in u.legs] or None
     return Usage.of(prep.prompt_tokens, cached, len(out.token_ids), hit_kind=u.hit_kind,
                     device_cached=min(u.device_cached_tokens, cached), computed=u.computed_prompt_tokens,
-                    engine=u.engine, legs=legs, miss=out.miss)
+                    engine=u.engine, legs=legs, miss=out.miss, stored=out.kept)
 
 
 def usage_json(prep: Prepared, out: Outcome) -> dict[str, Any]:
-    """The response's usage object: `kvledger.miss` only when asked for (the default response is unchanged)."""
+    """The response's usage object: `kvledger.miss` only when asked for, `kvledger.stored` (false) only on a no-store
+    request (the default response is unchanged)."""
     usage = usage_of(prep, out).model_dump()
-    if usage["kvledger"] is not None and usage["kvledger"]["miss"] is None:
-        del usage["kvledger"]["miss"]
+    details = usage["kvledger"]
+    for name in ("miss", "stored"):
+        if details is not None and details[name] is None:
+            del details[name]
     return usage
 
 
@@ -199,12 +205,15 @@ def record(state: ServerState, prep: Prepared, out: Outcome) -> None:
     _record_misses(state, prep, out, cached)
     state.activity.record(RequestRecord(time.time(), prep.request_id, ns, prep.endpoint, usage.prompt_tokens,
                                         cached, usage.completion_tokens, kind, ttft, out.finish_reason))
-    trace_request(state, prep, out, usage, ttft)
+    if out.kept:   # a no-store request leaves no trace line (rule 12); counts and metrics keep no token of it
+        trace_request(state, prep, out, usage, ttft)
 
 
 def _record_misses(state: ServerState, prep: Prepared, out: Outcome, cached: int) -> None:
     """Miss tokens by cause (`kvledger_prompt_miss_tokens_total`), the tenant's causes and divergence sites, and
-    the prompt into its namespace's sample (after its own lookup: a prompt never explains itself)."""
+    the prompt into its namespace's sample (after its own lookup: a prompt never explains itself). A no-store
+    request is counted in the metrics only: its tenant's sites would keep a span of its text, and its sample the
+    prompt (rule 12)."""
     if state.config.no_cache:
         return
     req = prep.engine_request
@@ -212,8 +221,9 @@ def _record_misses(state: ServerState, prep: Prepared, out: Outcome, cached: int
     tenant = tenant_of(req.namespace)
     for cause, n in split.tokens.items():
         state.metrics.prompt_miss_tokens.labels(tenant, str(cause)).inc(n)
-    state.misses.account(req.namespace, split, out.first_absent, req.tokens)
-    state.misses.add(req.namespace, req.tokens, req.keys)
+    if out.kept:
+        state.misses.account(req.namespace, split, out.first_absent, req.tokens)
+        state.misses.add(req.namespace, req.tokens, req.keys)
 
 
 def _record_fetch(state: ServerState, prep: Prepared, out: Outcome, cached: int) -> None:

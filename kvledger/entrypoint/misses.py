@@ -291,6 +291,16 @@ class MissBook:
             return ids
         return self.decode(ids) + ("…" if more else "")
 
+    # --- forgetting ---------------------------------------------------------------------------
+
+    def forget(self, tenant: str) -> int:
+        """Drop everything kept of `tenant` (DESIGN rule 12): the sample of each of its namespaces (salted ones too)
+        and its causes and sites; how many sampled prompts went."""
+        with self._lock:
+            sample = self._samples.pop(tenant, None)
+            self._tenants.pop(tenant, None)
+        return 0 if sample is None else sum(len(space.prompts) for space in sample.spaces.values())
+
     # --- what the endpoint and the page show ------------------------------------------------
 
     def report(self, tenant: str | None = None, top: int = 10) -> list[dict[str, Any]]:

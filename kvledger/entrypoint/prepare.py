@@ -4,6 +4,9 @@ Order: model name, prompt text too long to fit (by its bytes), prompt tokens (ch
 length limits, sampling, namespace (the tenant's, split by `cache_salt`), then CHECK: chain keys +
 the index + the directory's snapshot at L1 + `decide_hit` — all before the engine sees the request,
 from metadata alone. Tokenizing and CHECK run in worker threads, never on the event loop.
+
+Whether the request may be stored (DESIGN rule 12) is decided here, once (`may_store`), and travels with it as
+`EngineRequest.store`: the engine, the miss sample and the trace read that flag and decide nothing of their own.
 """
 
 from __future__ import annotations
@@ -49,6 +52,11 @@ class Prepared:
     explain_miss: bool = False      # the client asked for usage.kvledger.miss
 
     @property
+    def stores(self) -> bool:
+        """Whether anything of the request may stay (blocks, snapshots, the miss sample, the trace): `may_store`."""
+        return self.engine_request.store
+
+    @property
     def request_id(self) -> str:
         return self.engine_request.request_id
 
@@ -61,7 +69,9 @@ class Prepared:
         return self.engine_request.decision
 
 
-async def prepare(state: ServerState, tenant: Tenant, body: SamplingFields, endpoint: str) -> Prepared:
+async def prepare(state: ServerState, tenant: Tenant, body: SamplingFields, endpoint: str,
+                  cache_control: str | None = None) -> Prepared:
+    """`cache_control`: the request's `Cache-Control` header, if any (`may_store`)."""
     arrival = time.perf_counter()
     if body.model != state.model:
         raise model_not_found(body.model, state.model)
@@ -79,9 +89,27 @@ async def prepare(state: ServerState, tenant: Tenant, body: SamplingFields, endp
     absent = most - min(blocks_spanned(decision.block_hit_tokens, state.spec), most)
     prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
     req = EngineRequest(f"{prefix}-{uuid.uuid4().hex}", tokens, keys, decision, sampling, namespace,
-                        tenant.ttl_class, public_blocks=public)
+                        tenant.ttl_class, public_blocks=public,
+                        store=may_store(tenant, body, cache_control, held=state.forgetting.holds(namespace)))
     return Prepared(req, endpoint, tenant, body.stop_strings, body.stream, body.include_usage, arrival,
                     absent if not state.config.no_cache else 0, found, body.explain_cache_miss)
+
+
+def may_store(tenant: Tenant, body: SamplingFields, cache_control: str | None, *, held: bool = False) -> bool:
+    """Whether the request may be stored (DESIGN rule 12): not when its key says `"store": false`, its body
+    `"store": false`, its header `Cache-Control` carries the directive `no-store` (RFC 9111 §5.2.1.5: no cache
+    keeps any part of the request; directives are comma-separated and case-insensitive, `no-store` takes no
+    argument), or its tenant is `held` (forgotten moments ago: forget.py). Any one is enough; `"store": true`
+    overrides none of the others.
+
+        may_store(Tenant("a"), body, "no-cache, No-Store")   → False
+        may_store(Tenant("a"), body, "max-age=0")            → True (with the body's store absent or true)"""
+    if not tenant.store or body.store is False or held:
+        return False
+    if cache_control is None:
+        return True
+    directives = (part.split("=", 1)[0].strip().lower() for part in cache_control.split(","))
+    return "no-store" not in directives
 
 
 def refuse_unsupported(body: SamplingFields) -> None:

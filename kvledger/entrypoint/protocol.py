@@ -68,6 +68,8 @@ class SamplingFields(_Request):
     user: str | None = None
     cache_salt: Annotated[str, Field(min_length=1, max_length=1024)] | None = None
     explain_cache_miss: bool = False   # kvledger's: usage.kvledger.miss says why the prompt's tokens missed
+    store: bool | None = None   # false: a no-store request (DESIGN rule 12; OpenAI's field of the same name);
+                                # the header `Cache-Control: no-store` says the same (prepare.may_store)
     logprobs: Any = None
     response_format: Any = None   # only null or {"type": "text"} (prepare.refuse_unsupported)
 
@@ -169,6 +171,7 @@ class CacheDetails(BaseModel):
     engine: str | None = None     # the engine that served the prompt (cluster mode)
     legs: list[LegDetails] | None = None   # cluster mode: the engine legs, in order
     miss: dict[str, Any] | None = None     # with explain_cache_miss only: miss tokens by cause, the divergence
+    stored: bool | None = None             # False on a no-store request (nothing of it was kept); absent otherwise
 
 
 class Usage(BaseModel):
@@ -185,14 +188,14 @@ class Usage(BaseModel):
     @classmethod
     def of(cls, prompt: int, cached: int, completion: int, *, hit_kind: str = "miss", device_cached: int = 0,
            computed: int | None = None, engine: str | None = None, legs: list[LegDetails] | None = None,
-           miss: dict[str, Any] | None = None) -> Usage:
+           miss: dict[str, Any] | None = None, stored: bool = True) -> Usage:
         assert 0 <= device_cached <= cached <= prompt
         return cls(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                    prompt_cache_hit_tokens=cached, prompt_cache_miss_tokens=prompt - cached,
                    prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
                    kvledger=CacheDetails(hit_kind=hit_kind, device_cached_tokens=device_cached,
                                          store_cached_tokens=cached - device_cached, computed_prompt_tokens=computed,
-                                         engine=engine, legs=legs, miss=miss))
+                                         engine=engine, legs=legs, miss=miss, stored=None if stored else False))
 
 
 class ModelCard(BaseModel):
@@ -232,3 +235,11 @@ class PublicPrefixChange(_Request):
 
     add: Annotated[list[Annotated[str, Field(max_length=1_000_000)] | TokenIds], Field(max_length=64)] = []
     remove: Annotated[list[Annotated[str, Field(max_length=1_000_000)] | TokenIds], Field(max_length=64)] = []
+
+
+class ForgetRequest(_Request):
+    """POST /admin/forget: the tenant to forget (its namespace as --api-keys names it) and how long after its writes
+    are held, in seconds (default `store.forget.DEFAULT_HOLD_S`; 0: none)."""
+
+    namespace: Annotated[str, Field(max_length=1024)]
+    hold_s: float | None = None

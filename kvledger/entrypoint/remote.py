@@ -13,6 +13,10 @@ each one `POST /engine/v1/generate` on one engine (wire.py):
 | continue | another engine, after a       | prompt + output so far | what is left  | as the leg it replaces|
 |          | hand-off, a death or a failure|                        |               |                       |
 
+A no-store request (`EngineRequest.store` False, DESIGN rule 12) runs whole: P/D hands the prompt over through
+the block ledger, which such a request may not write; a continuation after a hand-off or a failure recomputes
+what it cannot read.
+
 Every leg after the first is CHECKed again (rule 5) on prompt + output: the blocks the previous
 leg stored hit, and only the tail is recomputed (less than one block for full-attention models;
 at most R + B tokens for windowed ones). A decode leg after a prefill leg recomputes not even that
@@ -41,7 +45,7 @@ from kvledger.engine.api import EngineRequest, Leg, RequestUsage, TokenEvent
 from kvledger.engine.client import EngineFailed, EngineRejected
 from kvledger.engine.engine_registry import EngineInfo, Registry
 from kvledger.engine.session import ProofFailed, SessionClient
-from kvledger.engine.wire import KEEPALIVE_S, GenerateBody, WireEvent
+from kvledger.engine.wire import FORGET_PATH, KEEPALIVE_S, ForgetBody, GenerateBody, WireEvent
 from kvledger.entrypoint.router import Load, PromptView, Router
 
 log = logging.getLogger("kvledger.cluster")
@@ -55,6 +59,7 @@ LEG_IDLE_S = 3 * KEEPALIVE_S   # a leg silent this long (no event, no keepalive)
                                # engine; the request continues elsewhere
 UNTRUSTED_S = 60.0   # an engine that failed the token proof gets no request this long (then it may try again)
 GENERATE_PATH = "/engine/v1/generate"
+FORGET_TIMEOUT_S = 60.0   # an engine's forget waits up to Engine.forget's FORGET_WAIT_S for its writer
 
 
 class LegBroken(Exception):
@@ -152,7 +157,8 @@ class RemoteEngines:
         budget = req.sampling.max_tokens
         first: RequestUsage | None = None
         keys, decision, failed = req.keys, req.decision, set[str]()
-        phase = "prefill" if budget > 1 and self._disaggregated() else "whole"
+        # P/D hands the prompt over through the block ledger; a no-store request stores nothing, so it runs whole
+        phase = "prefill" if budget > 1 and req.store and self._disaggregated() else "whole"
         kind = phase   # what this leg is, for the metrics: whole | prefill | decode | continue
         legs: list[Leg] = []   # for the client's usage: where each leg began
         tail_from: str | None = None   # the prefill engine that kept the prompt's tail for the decode leg
@@ -206,6 +212,32 @@ class RemoteEngines:
                 failed.add(engine.engine_id)
                 kind = "continue"
         raise EngineFailed(f"the request did not finish within {MAX_LEGS} engine legs")
+
+    async def forget(self, tenant: str) -> dict[str, dict[str, int] | None]:
+        """Forget `tenant` on every engine the registry lists, at once (`POST /engine/v1/forget`, each over its
+        session): engine id → what it dropped, None for one that did not answer (or not one of this cluster's). An
+        engine that was down has no pool and no device cache to bring back; what it wrote late the store's hold
+        refuses (store/forget.py)."""
+        engines = await asyncio.to_thread(self.registry.members)   # every one listed: misconfigured ones hold KV too
+        answers = await asyncio.gather(*(self._forget_on(e, tenant) for e in engines))
+        return {e.engine_id: got for e, got in zip(engines, answers)}
+
+    async def _forget_on(self, engine: EngineInfo, tenant: str) -> dict[str, int] | None:
+        assert self.client is not None
+        content = ForgetBody(tenant=tenant).model_dump_json().encode()
+        try:
+            headers = await self.sessions.headers(self.client, engine.url, "POST", FORGET_PATH, content)
+            r = await self.client.post(engine.url + FORGET_PATH, content=content, timeout=FORGET_TIMEOUT_S,
+                                       headers={**headers, "Content-Type": "application/json"})
+            if r.status_code == 401:
+                self.sessions.forget(engine.url)
+            if r.status_code != 200:
+                raise ValueError(f"HTTP {r.status_code}: {_message(r.content)}")
+            got = r.json()
+            return {str(k): int(v) for k, v in got.items()}
+        except (httpx.HTTPError, ProofFailed, ValueError, TypeError, AttributeError) as e:
+            log.warning("forget on engine %r failed: %s: %s", engine.engine_id[:64], type(e).__name__, e)
+            return None
 
     def _leg_ended(self, legs: list[Leg], kind: str, engine: EngineInfo, usage: RequestUsage | None) -> None:
         """The last leg ended: the metrics, and its own counts on its record (the client's usage shows them)."""

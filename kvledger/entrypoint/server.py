@@ -11,9 +11,9 @@ concurrent requests of one key (429). A client that hangs up ends its request: a
 Starlette, a non-streamed request by `_while_connected`; either way the engine's stream is closed, which
 aborts the request in the engine (embedded) or closes the leg's connection (cluster: the engine aborts it).
 
-The operator endpoints (`/metrics`, `/dashboard/*`, `/whatif`, `/admin/public-prefixes`) name every namespace and
-show every tenant's last requests or change what all share: with a key file they need an operator key
-(`auth.may_operate`).
+The operator endpoints (`/metrics`, `/dashboard/*`, `/whatif`, `/admin/public-prefixes`, `/admin/forget`) name
+every namespace and show every tenant's last requests, change what all share, or forget a tenant on every node
+(forget.py): with a key file they need an operator key (`auth.may_operate`).
 """
 
 from __future__ import annotations
@@ -40,8 +40,9 @@ from kvledger.entrypoint.errors import ApiError, bad_request, forbidden, interna
 from kvledger.entrypoint.generate import CLIENT_GONE, Outcome, chat_body, completion_body, record, run, sse
 from kvledger.entrypoint.prepare import Prepared, prepare
 from kvledger.util.public_prefix import parse_items
+from kvledger.entrypoint.forget import forget_tenant
 from kvledger.entrypoint.protocol import (ChatCompletionRequest, CompletionRequest, DiffRequest, ErrorResponse,
-                                          ModelCard, ModelList, PublicPrefixChange)
+                                          ForgetRequest, ModelCard, ModelList, PublicPrefixChange)
 from kvledger.entrypoint.server_state import ServeConfig, ServerState
 
 STATIC = Path(__file__).with_name("static")
@@ -141,7 +142,8 @@ async def _serve(request: Request, tenant: Tenant, body, endpoint: str) -> Respo
     state = _state(request)
     release = _admit(state, tenant)
     try:
-        prep = await prepare(state, tenant, body, endpoint)
+        cache_control = ", ".join(request.headers.getlist("cache-control")) or None   # every such header counts
+        prep = await prepare(state, tenant, body, endpoint, cache_control)
         if prep.stream:
             stream = sse(state, prep, release)
             release = _nothing  # the stream releases at its end
@@ -268,6 +270,20 @@ def _operator_routes(app: FastAPI) -> None:
         state.public = public
         log.info("public prefixes: %d published, %d withdrawn; %d now", len(added), withdrawn, len(public.prefixes))
         return JSONResponse({"prefixes": public.describe(), "withdrawn": withdrawn})
+
+    @app.post("/admin/forget", responses=OPERATOR_ERRORS, tags=["operator"])
+    async def forget(request: Request, body: ForgetRequest, _: Operator) -> JSONResponse:
+        """Forget a tenant (DESIGN rule 12): its blocks, snapshots, tombstones, miss sample and trace lines, on every
+        node; the receipt counts what was removed where (forget.py)."""
+        from kvledger.store.forget import DEFAULT_HOLD_S, check_hold, check_tenant
+
+        hold_s = DEFAULT_HOLD_S if body.hold_s is None else body.hold_s
+        for param, check, value in (("namespace", check_tenant, body.namespace), ("hold_s", check_hold, hold_s)):
+            try:
+                check(value)
+            except ValueError as e:
+                raise bad_request(str(e), param, "invalid_value") from None
+        return JSONResponse(await forget_tenant(_state(request), body.namespace, float(hold_s)))
 
     @app.get("/whatif", responses=OPERATOR_ERRORS, tags=["operator"])
     async def whatif(request: Request, _: Operator) -> JSONResponse:

@@ -19,6 +19,7 @@ from kvledger.engine.models.tokenizer import encode_ids, longest_token_bytes
 from kvledger.entrypoint.activity import Activity
 from kvledger.entrypoint.auth import OPEN_NAMESPACE, Tenant, load_keys, tenant_count, tenant_quotas
 from kvledger.entrypoint.config import ServeConfig
+from kvledger.entrypoint.forget import Forgetting
 from kvledger.entrypoint.metrics import ServeMetrics, public_namespace
 from kvledger.entrypoint.misses import MissBook
 from kvledger.util.public_prefix import PublicPrefixes, load_public_prefixes
@@ -62,6 +63,7 @@ class ServerState:
         self.misses = MissBook(self.spec.block_size, tenants=tenant_count(self.keys),   # why prompts miss (misses.py)
                                decode=None if tok is None else lambda ids: tok.decode(ids, skip_special_tokens=False))
         self.trace = open_recorder(self)   # the server's own trace (`kvledger whatif` reads it)
+        self.forgetting = Forgetting()     # tenants being forgotten, and held after (forget.py)
         self.upkeep: PeriodicGc | None = None  # embedded: expired blocks removed while serving
         self.in_flight: dict[str, int] = {}   # tenant label → requests admitted and not finished
         self.engine: EngineClient | None = None

@@ -10,8 +10,13 @@ A line: `timestamp` (ms since the epoch, the request's arrival), `input_length`,
 as a 63-bit integer, so identical prefixes share ids and two namespaces never do; the partial last
 block has no id), `output_hash_ids` (the full blocks of prompt + output the engine stores at the request's
 end, from block ⌊input_length / 128⌋ on: rule 7), `ttl_class` (the request's, as the block ledger
-resolved it), and `live` (what this server measured: cached tokens, TTFT, engine, fetch, decode;
-`trace.LiveFigures`). Hashes only: no token id, no text, no namespace name.
+resolved it), `tenant_id` (the keyed id of its tenant's root key, `tenant_id`: every line of one tenant, salted or
+not, has the same one, so a forget finds them), and `live` (what this server measured: cached tokens, TTFT, engine,
+fetch, decode; `trace.LiveFigures`). Hashes only: no token id, no text, no namespace name.
+
+Forgetting a tenant (DESIGN rule 12; `forget`) rewrites every file of the folder without its lines, on the writer
+thread (so no line is written meanwhile), each file replaced whole. Lines written before lines carried
+`tenant_id` name no tenant and stay.
 
 The trace is meant to be shared, and a chain key is a public function of model, namespace and tokens:
 an id that were the key itself would let whoever holds the trace confirm a guessed prompt. So an id is
@@ -41,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from kvledger.core import ModelSpec, continue_chain
+from kvledger.core import ModelSpec, continue_chain, root_key, tenant_of
 from kvledger.entrypoint.config import TraceSettings
 from kvledger.state.auth import derive_keys
 from kvledger.util.private_file import claim_secret
@@ -74,6 +79,12 @@ def trace_key(data_dir: Path, cluster_token: str | None) -> bytes:
     return claim_secret(Path(data_dir) / KEY_FILE, "trace key", KEY_BYTES)
 
 
+def tenant_id(spec: ModelSpec, namespace: str, secret: bytes) -> int:
+    """The `tenant_id` of a line: the id (`hash_id`, keyed) of the root key of the namespace's tenant
+    (`core.tenant_of`): without the trace key, a guessed tenant name matches no line."""
+    return hash_id(root_key(spec, tenant_of(namespace)), secret)
+
+
 def rotated(folder: Path, k: int) -> Path:
     """The k-th file of the folder (0: the current one; k ≥ 1: the k-th most recent rotated one)."""
     return folder / (CURRENT if k == 0 else f"requests.{k}.jsonl")
@@ -94,6 +105,15 @@ class Finished:
     public_blocks: int = 0   # leading blocks of a published public prefix (`core.chain_parent`)
 
 
+@dataclass(slots=True)
+class _Forget:
+    """A forget handed to the writer thread: `removed` is set, then `done`."""
+
+    tenant_id: int
+    done: threading.Event
+    removed: int = 0
+
+
 class TraceRecorder:
     """Records finished requests into `settings`' folder (see the module docstring). Thread-safe `record`;
     `flush` waits for the queued lines; `close` stops the writer. `enabled` falls to False on the first
@@ -108,7 +128,7 @@ class TraceRecorder:
         self._server, self._late = dict(server), late
         self.enabled = settings.enabled
         self.written = self.dropped = 0
-        self._queue: queue.Queue[Finished | None] = queue.Queue(QUEUE_MAX)
+        self._queue: queue.Queue[Finished | _Forget | None] = queue.Queue(QUEUE_MAX)
         self._fd: int | None = None
         self._size = 0
         self._thread: threading.Thread | None = None
@@ -138,6 +158,19 @@ class TraceRecorder:
             time.sleep(0.01)
         return True
 
+    def forget(self, tenant: str, timeout_s: float = 60.0) -> int | None:
+        """Rewrite the folder's files without the lines of `tenant` (see the module docstring); how many went,
+        None when the writer did not finish within `timeout_s` (blocking: call it off the event loop)."""
+        job = _Forget(tenant_id(self.spec, tenant, self._secret), threading.Event())
+        if self._thread is None or not self._thread.is_alive():   # no writer (recording off): nothing races it
+            self._rewrite(job)
+            return job.removed
+        try:
+            self._queue.put(job, timeout=timeout_s)
+        except queue.Full:
+            return None
+        return job.removed if job.done.wait(timeout_s) else None
+
     def close(self) -> None:
         if self._thread is not None and self._thread.is_alive():
             self._queue.put(None)
@@ -151,7 +184,9 @@ class TraceRecorder:
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
             try:
-                if self.enabled:
+                if isinstance(item, _Forget):
+                    self._rewrite(item)
+                elif self.enabled:
                     self._guard(self._write, self.line(item))
             except Exception:   # a bug here must not kill the thread that every later flush waits on
                 log.exception("trace recorder: a line could not be made; recording goes on")
@@ -217,6 +252,44 @@ class TraceRecorder:
         self._fd = os.open(rotated(self.folder, 0), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         self._size = 0
 
+    def _rewrite(self, job: _Forget) -> None:
+        """Each file of the folder without the lines of `job`'s tenant, replaced whole (a temporary file, then a
+        rename); the current file's descriptor reopened after. A line that does not parse is kept. An OSError
+        leaves that file as it was (logged); `job.done` is set whatever happens."""
+        try:
+            for k in range(self.settings.files + 1):
+                path = rotated(self.folder, k)
+                try:
+                    job.removed += self._rewrite_file(path, job.tenant_id, current=k == 0)
+                except OSError as e:
+                    log.warning("trace: %s could not be rewritten without a forgotten tenant's lines: %s", path, e)
+        finally:
+            job.done.set()
+
+    def _rewrite_file(self, path: Path, tenant: int, current: bool) -> int:
+        try:
+            lines = path.read_bytes().splitlines(keepends=True)
+        except FileNotFoundError:
+            return 0
+        kept = [line for line in lines if _tenant_of_line(line) != tenant]
+        if len(kept) == len(lines):
+            return 0
+        tmp = path.with_name(f".{path.name}.forget.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, b"".join(kept))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        if current and self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        os.replace(tmp, path)
+        if current and self.enabled:
+            self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            self._size = os.fstat(self._fd).st_size
+        return len(lines) - len(kept)
+
     def line(self, item: Finished) -> bytes:
         """The JSON line of one request (see the module docstring)."""
         b, n = self.spec.block_size, len(item.prompt_tokens)
@@ -227,6 +300,7 @@ class TraceRecorder:
         if out:
             obj["output_hash_ids"] = [hash_id(k, self._secret) for k in out]
         obj["ttl_class"] = item.ttl_class
+        obj["tenant_id"] = tenant_id(self.spec, item.namespace, self._secret)
         obj["live"] = dict(item.live)
         return (json.dumps(obj, separators=(",", ":")) + "\n").encode()
 
@@ -241,6 +315,15 @@ class TraceRecorder:
                                  np.asarray(item.output_tokens, dtype=np.uint32)])
         return continue_chain(tokens, self.spec, item.namespace, item.keys[:first], public_blocks=item.public_blocks,
                               upto=end)[first:]
+
+
+def _tenant_of_line(line: bytes) -> int | None:
+    """The `tenant_id` of a trace line; None for a line without one, or one that does not parse."""
+    try:
+        got = json.loads(line).get("tenant_id")
+    except (ValueError, AttributeError):
+        return None
+    return got if isinstance(got, int) else None
 
 
 def trace_request(state: Any, prep: Any, out: Any, usage: Any, ttft_s: float | None) -> None:

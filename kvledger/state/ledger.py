@@ -126,9 +126,9 @@ class StateLedger:
 
     # --- writes ------------------------------------------------------------------
 
-    def put(self, key: bytes, position: int, data: bytes | bytearray | memoryview) -> bool:
+    def put(self, key: bytes, position: int, data: bytes | bytearray | memoryview, tenant: str = "") -> bool:
         """Keep the snapshot taken at `position` (tokens) under `key`, the chain key of the block
-        ending there. True when it went somewhere (pool or disk) per the strategy."""
+        ending there, as `tenant`'s (`forget`). True when it went somewhere (pool or disk) per the strategy."""
         assert len(key) == KEY_BYTES and position > 0 and position % self.spec.block_size == 0
         kept = False
         if self.files is not None and self.strategy.persists(position):
@@ -139,11 +139,24 @@ class StateLedger:
                 self._fault("disk")
         if self.pool is not None and self.holder is not None:
             with deadline(self.directory_timeout_s):  # the evictions' withdraw and the publish share it
-                result = self.pool.put(key, position, data)
+                result = self.pool.put(key, position, data, tenant)
                 if result.stored:
                     kept = True
                     self._publish(SnapshotEntry(key, self.holder, position, memoryview(data).nbytes, time.time()))
         return kept
+
+    def forget(self, tenant: str) -> tuple[int, int]:
+        """Forget `tenant`'s snapshots this ledger holds (DESIGN rule 12): out of the pool, out of the directory, off
+        the disk; (how many went, how many a reader still pins: `SlotPool.discard_tenant`). Snapshot files of keys
+        the pool no longer held go with the block ledger's forget (store/forget.py), by key."""
+        if self.pool is None:
+            return 0, 0
+        gone, pinned = self.pool.discard_tenant(tenant)
+        self._withdraw(gone)
+        if self.files is not None:
+            for key in gone:
+                self.files.remove(key)
+        return len(gone), pinned
 
     def _publish(self, entry: SnapshotEntry) -> None:
         """Publish, then withdraw again if an eviction raced the publish: an evicting thread's

@@ -67,6 +67,7 @@ class _Slot:
     checksum: int     # xxh3-64 of those bytes
     stored_at: float  # unix seconds
     pins: int = 0
+    tenant: str = ""  # whose snapshot it is (`core.tenant_of` of its namespace; "" when not given)
 
 
 class Pinned(NamedTuple):
@@ -136,8 +137,8 @@ class SlotPool:
                 return idx, [key]
         return None, []
 
-    def put(self, key: bytes, position: int, data: bytes | bytearray | memoryview) -> SnapshotPut:
-        """Store a snapshot (copied into a slot); evicts the LRU unpinned slot when full."""
+    def put(self, key: bytes, position: int, data: bytes | bytearray | memoryview, tenant: str = "") -> SnapshotPut:
+        """Store a snapshot of `tenant` (copied into a slot); evicts the LRU unpinned slot when full."""
         assert len(key) == KEY_BYTES and position >= 0
         data = memoryview(data).cast("B")
         if data.nbytes > self.slot_bytes:
@@ -154,7 +155,7 @@ class SlotPool:
             try:
                 off = idx * self.stride
                 self._buf[off:off + data.nbytes] = data
-                slot = _Slot(key, position, data.nbytes, checksum(data), time.time())
+                slot = _Slot(key, position, data.nbytes, checksum(data), time.time(), tenant=tenant)
             except BaseException:
                 with self._lock:
                     self._reserved -= 1
@@ -181,6 +182,18 @@ class SlotPool:
             self._slots[idx] = None
             self._free.append(idx)
             return True
+
+    def discard_tenant(self, tenant: str) -> tuple[list[bytes], int]:
+        """Drop every snapshot of `tenant` now (a forget); (their keys, how many stay because a reader pins them:
+        those go once unpinned only by eviction, and no lookup names them once the directory forgets them)."""
+        with self._lock:
+            mine = [(k, i) for k, i in self._index.items() if self._slots[i].tenant == tenant]
+            gone = [k for k, i in mine if not self._slots[i].pins]
+            for k in gone:
+                idx = self._index.pop(k)
+                self._slots[idx] = None
+                self._free.append(idx)
+        return gone, len(mine) - len(gone)
 
     # --- reads -------------------------------------------------------------------
 

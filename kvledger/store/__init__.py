@@ -16,9 +16,11 @@
     quota.py         guaranteed shares: who owns a block's bytes, and which blocks eviction may take (rule 12)
     redis_quota.py   a RedisStore's totals per bucket, its eviction down to capacity, and their sweep
     snapshots.py     the state ledger's snapshot files follow their chain block (`store gc`, `store stats`)
+    forget.py        forgetting a tenant (rule 12): its tags, hold and receipt; lmdb_forget.py, redis_forget.py
+                     each store's removal
     ttl.py           TTL classes (agent 3 d, chatbot 7 d) per namespace and per request
     ledger.py        BlockLedger: the facade engines and the entrypoint use
-    cli.py           `kvledger store stats|gc|verify`
+    cli.py           `kvledger store stats|gc|verify|forget`
 """
 
 from kvledger.store.ledger import BlockLedger

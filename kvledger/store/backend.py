@@ -22,11 +22,14 @@ import hashlib
 import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from kvledger.core import KEY_BYTES
 from kvledger.core.attribution import MissCause
 from kvledger.core.keys import namespace_bytes
+
+if TYPE_CHECKING:
+    from kvledger.store.forget import Forgotten
 
 Buffer = Any  # anything with the writable/readable buffer protocol: bytearray, memoryview, numpy array
 Dest = Any    # where `get_into` reads one block: a writable Buffer, or a tuple of them (its parts, filled in order:
@@ -93,6 +96,7 @@ class Counters:
     gc_expired: int = 0
     gc_evicted: int = 0
     quota_overrides: int = 0      # blocks evicted within a guarantee: every owner was within its own (over-subscribed)
+    blocks_refused: int = 0       # not stored: their tenant is held after a forget (store/forget.py)
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -238,6 +242,11 @@ class BlockStore(Protocol):
         """Learn now what other writers stored (a no-op where every reader shares one index)."""
 
     def delete(self, keys: Sequence[bytes]) -> int: ...
+
+    def forget(self, tenant: str, hold_s: float) -> Forgotten:
+        """Hold `tenant` for `hold_s` seconds (its puts refused), then remove every block of its namespaces and every
+        tombstone tagged with it, leaving no tombstone (store/forget.py). Faults are logged and counted as not
+        removed, never raised."""
 
     def gc(self, batch: int = 4096) -> GcResult: ...
 

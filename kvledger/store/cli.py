@@ -1,4 +1,4 @@
-"""`kvledger store stats|gc|verify`: operator views of a block ledger.
+"""`kvledger store stats|gc|verify|forget`: operator views of a block ledger, and forgetting a tenant in it.
 
 `--path DIR` opens a file store: DIR itself when it holds `segments/`, or the store under it when
 DIR is the `--data-dir` of `kvledger serve` / `up` (`store.ledger.blocks_dir`). `--redis-url URL`
@@ -28,7 +28,7 @@ SEGMENTS = "segments"   # what every file block store holds (store/segment_files
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser("store", help="block ledger: stats, gc, verify",
+    parser = sub.add_parser("store", help="block ledger: stats, gc, verify, forget",
                             description="Operator views of a block ledger: a file store (a folder, or the "
                             "--data-dir of `kvledger serve`/`up`),\na Redis one, or both (the cluster mode). "
                             "With neither --path nor --redis-url, serve's default data dir.",
@@ -38,6 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     _stats_parser(cmds)
     _gc_parser(cmds)
     _verify_parser(cmds)
+    _forget_parser(cmds)
 
 
 def _location_args(p: argparse.ArgumentParser) -> None:
@@ -81,6 +82,26 @@ def _verify_parser(cmds: argparse._SubParsersAction) -> None:
     _location_args(v)
     v.add_argument("--keep", action="store_true", help="report bad blocks without removing them")
     v.set_defaults(func=cmd_verify)
+
+
+def _forget_parser(cmds: argparse._SubParsersAction) -> None:
+    from kvledger.store.forget import DEFAULT_HOLD_S
+
+    f = cmds.add_parser("forget", help="remove every block, tombstone and snapshot file of a tenant; print a receipt",
+                        description="Forget a tenant (DESIGN rule 12): hold its writes for --hold-s seconds, so that "
+                        "no late write\nbrings anything back, then remove every block of its namespace and of its "
+                        "salted ones, every\ntombstone of them and the snapshot files beside the blocks. The receipt "
+                        "counts what was removed.\nFor a running server use its POST /admin/forget instead: it also "
+                        "clears the miss sample,\nthe trace and every engine's caches.",
+                        epilog=examples("kvledger store forget --path DATA --namespace acme --json",
+                                        "kvledger store forget --redis-url redis://127.0.0.1:6379/0 --path MOUNT "
+                                        "--namespace acme"))
+    _location_args(f)
+    f.add_argument("--namespace", required=True, metavar="NAME",
+                   help="the tenant: its namespace as --api-keys names it (\"default\" on an open server)")
+    f.add_argument("--hold-s", type=float, default=DEFAULT_HOLD_S, metavar="SECONDS",
+                   help="refuse the tenant's writes this long after (0: no hold)")
+    f.set_defaults(func=cmd_forget)
 
 
 def add_quota_arg(p: argparse.ArgumentParser) -> None:
@@ -257,3 +278,26 @@ def cmd_verify(args: argparse.Namespace) -> None:
         emit_json(res._asdict())
     else:
         _table("verify", [(k, f"{v:,}") for k, v in res._asdict().items()])
+
+
+def cmd_forget(args: argparse.Namespace) -> None:
+    from kvledger.store.forget import check_hold, check_tenant, forget_store
+
+    for flag, check, value in (("--namespace", check_tenant, args.namespace), ("--hold-s", check_hold, args.hold_s)):
+        try:
+            check(value)
+        except ValueError as e:
+            raise CliError(f"{flag}: {e}") from None
+    tenant, hold_s = args.namespace, args.hold_s
+    root = store_root(args.path, args.redis_url)
+    store = open_store(root, args.redis_url)
+    try:
+        got = forget_store(store, tenant, hold_s=hold_s, root=root)
+    finally:
+        store.close()
+    receipt = {"object": "forget.receipt", "namespace": tenant, "store": got.receipt()}
+    if args.json:
+        emit_json(receipt)
+    else:
+        _table(f"forget {tenant}", [(k, "-" if v is None else _when(v) if k == "held_until" else f"{v:,}")
+                                    for k, v in got.receipt().items()])

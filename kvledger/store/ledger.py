@@ -22,6 +22,7 @@ from typing import Any
 from kvledger.core import KEY_BYTES, ModelSpec, extend_chain, root_key
 from kvledger.store.backend import (Buffer, BlockStore, Dest, ChainWrite, GcResult, Match, PutResult, StoreStats,
                                     VerifyResult)
+from kvledger.store.forget import Forgotten, forget_store
 from kvledger.store.open import DEFAULT_PREFIX, StoreLocation, open_block_store
 from kvledger.store.quota import Quotas
 from kvledger.store.ttl import Clock, TtlPolicy, wall_clock
@@ -115,6 +116,11 @@ class BlockLedger:
 
     def delete(self, keys: Sequence[bytes]) -> int:
         return self.store.delete(keys)
+
+    def forget(self, tenant: str, *, hold_s: float, root: str | os.PathLike | None = None) -> Forgotten:
+        """Forget a tenant: its blocks, tombstones and (under `root`) snapshot files; a hold on its writes
+        (`store.forget.forget_store`)."""
+        return forget_store(self.store, tenant, hold_s=hold_s, root=root)
 
     # --- upkeep ----------------------------------------------------------------
 

@@ -43,7 +43,7 @@ from kvledger.core.attribution import MissCause
 from kvledger.store import quota
 from kvledger.store.backend import Counters, GcResult
 from kvledger.store.lmdb_index import ORDER, SEG_ID, BlockRec, LmdbIndex, SegRec, order_key
-from kvledger.store.lmdb_tombs import Tombstones
+from kvledger.store.lmdb_tombs import Tombstones, tag_of
 
 log = logging.getLogger("kvledger.store")
 TXN_BLOCKS = 128    # blocks removed per write transaction at most
@@ -112,7 +112,8 @@ class Collector:
                     keys, got_bytes, path = idx.remove_segment(w, seg_id, seg)
                     n, nbytes = n + len(keys), nbytes + got_bytes
                     paths.append(path)
-                    self.tombs.bury(w, keys, cause, seg.expiry if cause is MissCause.EXPIRED else now)
+                    self.tombs.bury(w, keys, cause, seg.expiry if cause is MissCause.EXPIRED else now,
+                                    [tag_of(seg.namespace)] * len(keys))
                 segs += 1
         if segs:
             held = time.perf_counter() - t0
@@ -230,7 +231,7 @@ class Collector:
                     if seg is None or order_key(seg.last_hit, seg.first_pos, seg_id) != planned:
                         continue
                     keys, got_bytes, path = self.index.remove_segment(w, seg_id, seg)
-                    self.tombs.bury(w, keys, MissCause.EVICTED, now)
+                    self.tombs.bury(w, keys, MissCause.EVICTED, now, [tag_of(seg.namespace)] * len(keys))
                     paths.append(path)
                     blocks += len(keys)
                     n, nbytes = n + len(keys), nbytes + got_bytes
@@ -274,15 +275,16 @@ class Collector:
 
         idx = self.index
         paths = []
-        gone = []
+        gone, tags = [], []
         try:
             with idx.env.begin(write=True) as w:
                 for k in keys:
                     rec = idx.block(w, k)
                     if rec is not None:
+                        tags += self.tombs.tags_of(w, [rec])
                         paths.append(idx.drop_block(w, k, rec, COMPACT_BELOW))
                         gone.append(k)
-                self.tombs.bury(w, gone, MissCause.EVICTED, now)
+                self.tombs.bury(w, gone, MissCause.EVICTED, now, tags)
         except lmdb.Error as e:
             log.warning("delete on %s failed: %s", self.where, e)
             return 0

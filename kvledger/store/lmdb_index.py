@@ -13,7 +13,8 @@ transaction), opening is O(1) and a process's memory holds only the pages it tou
     by_hit     (last hit ms, ~first position, segment id) → ''  eviction order: least recently hit, tails first
     sparse     segment id → ''                                  live share under the compaction threshold
     paths      relative path → segment id                       verify: files the index does not know
-    meta       name → u64                                       totals, next segment id, format
+    meta       name → u64                                       totals, next segment id, format, the holds of
+                                                                forgotten tenants (lmdb_forget.py)
     tombs, tomb_order                                           removed blocks: when and why (lmdb_tombs.py)
     buckets    bucket id (8 B) → live bytes (i64) + its names   per (tenant namespace, class): quota.py
     by_bucket_hit  (bucket id, last hit ms, ~first pos, seg id) → ''  each bucket's eviction order

@@ -38,11 +38,12 @@ from pathlib import Path
 
 import lmdb
 
-from kvledger.store import lmdb_gc, lmdb_upkeep, lmdb_write
+from kvledger.store import lmdb_forget, lmdb_gc, lmdb_upkeep, lmdb_write
 from kvledger.core.attribution import MissCause
 from kvledger.store.backend import (BlockInfo, ChainWrite, Dest, Counters, GcResult, Gone, Match, PutResult,
                                     StoreStats, VerifyResult, probe_folder, shown_name)
 from kvledger.store.chain_check import leading_present
+from kvledger.store.forget import Forgotten
 from kvledger.store.index_pin import IndexPin
 from kvledger.store.lmdb_index import BLOCK, INDEX_DIR, BlockRec, LmdbIndex, SegRec, data_file
 from kvledger.store.lmdb_tombs import DEFAULT_CAP, Tombstones
@@ -265,7 +266,12 @@ class LmdbStore:
                     return PutResult(0, skipped, len(sel))
                 self.collector.make_room(incoming, now)
             path, rows, file_size = self.writer.write_segment(write, sel, views, now)
-            written = self.writer.index_segment(write, path, rows, file_size, now)
+            try:
+                written = self.writer.index_segment(write, path, rows, file_size, now)
+            except lmdb_forget.Held:   # its tenant was forgotten moments ago: a late write (store/forget.py)
+                self.unlink([path])
+                self.counters.blocks_refused += len(sel)
+                return PutResult(0, skipped, len(sel))
             self.index.persist()   # acknowledged only once its index entries are durable
             self.counters.blocks_written += written
             self.counters.blocks_skipped += len(sel) - written
@@ -367,6 +373,11 @@ class LmdbStore:
 
     def delete(self, keys: Sequence[bytes]) -> int:
         return self.collector.delete(keys, self.clock())
+
+    def forget(self, tenant: str, hold_s: float) -> Forgotten:
+        """`BlockStore.forget` (lmdb_forget.py)."""
+        self.flush()
+        return lmdb_forget.forget(self.index, self.tombs, self.unlink, tenant, hold_s, self.clock())
 
     def gc(self, batch: int = 4096) -> GcResult:
         return self.collector.gc(self.clock(), batch)

@@ -163,15 +163,16 @@ def drop_bad(tombs: Tombstones, unlink: Callable[[list[str]], None], bad: list[t
 
     index = tombs.index
     paths = []
-    gone = []
+    gone, tags = [], []
     try:
         with index.env.begin(write=True) as w:
             for key, rec in bad:
                 now_rec = index.block(w, key)
                 if now_rec is not None and now_rec.seg == rec.seg and now_rec.idx == rec.idx:
+                    tags += tombs.tags_of(w, [now_rec])
                     paths.append(index.drop_block(w, key, now_rec, COMPACT_BELOW))
                     gone.append(key)
-            tombs.bury(w, gone, MissCause.EVICTED, now)
+            tombs.bury(w, gone, MissCause.EVICTED, now, tags)
     except lmdb.Error as e:
         log.warning("cannot drop %d bad blocks: %s", len(bad), e)
     unlink([p for p in paths if p])

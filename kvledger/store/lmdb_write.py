@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 import lmdb
 
+from kvledger.store import lmdb_forget
 from kvledger.store import segment as seg_format
 from kvledger.store.backend import ChainWrite, stored_name
 from kvledger.store.lmdb_index import BLOCK, BLOCK_TAIL, SEG_LE, BlockRec, LmdbIndex, SegRec
@@ -86,9 +87,12 @@ class Writer:
         return rel, rows, size
 
     def index_segment(self, write: ChainWrite, path: str, rows: list[tuple], file_size: int, now: float) -> int:
-        """One write transaction: the segment and those of its blocks nobody indexed meanwhile."""
+        """One write transaction: the segment and those of its blocks nobody indexed meanwhile. `lmdb_forget.Held`
+        (nothing indexed) when the write's tenant is held after a forget."""
         prep = prepare(write, path, rows, file_size, now)
         with self.index.env.begin(write=True) as w:
+            if lmdb_forget.held(w, self.index, prep.seg.namespace, now):
+                raise lmdb_forget.Held(write.namespace)
             live, unlink = self.index_prepared(w, prep, now)
         self.unlink(unlink)
         return live

@@ -48,7 +48,7 @@ import xxhash
 from redis.crc import key_slot
 
 from kvledger.core.attribution import MissCause
-from kvledger.store import redis_upkeep
+from kvledger.store import redis_forget, redis_upkeep
 from kvledger.store.backend import (
     BlockInfo,
     Buffer,
@@ -65,6 +65,7 @@ from kvledger.store.backend import (
     VerifyResult,
     stored_name,
 )
+from kvledger.store.forget import Forgotten, tenant_tag
 from kvledger.store.quota import Quotas, bucket_and_id
 from kvledger.store.redis_keys import Placement
 from kvledger.store.redis_quota import RedisQuota, quota_field
@@ -271,25 +272,28 @@ class RedisStore:
             where = {i: loc.pack() for i, loc in zip(sel, located)}
         expire_at_ms = int((now + write.ttl_s) * 1000)  # one clock for the whole put: the skew orders it exactly
         bid, bucket = bucket_and_id(stored_name(write.namespace), stored_name(write.ttl_class))
-        account = (bid, bucket.pack(), int(now * 1000))
-        written = raced = 0  # raced: written by another writer between our exists and our put
+        account = (bid, bucket.pack(), int(now * 1000), tenant_tag(write.namespace))
+        written = raced = refused = 0  # raced: written by another writer between our exists and our put
         for chunk in self._chunks(sel, write.blocks):
             replies = self.nodes.run([self._put_call(write, i, now, expire_at_ms, where.get(i), account)
                                       for i in chunk])
             written += sum(1 for r in replies if r == 1)
             raced += sum(1 for r in replies if r == 0)
+            refused += sum(1 for r in replies if r == 2)   # its tenant is held after a forget (store/forget.py)
             fault = next((r for r in replies if isinstance(r, BaseException)), None)
             if fault is not None:  # stop here: a hung server would cost a timeout per chunk
                 log.warning("put of %d blocks to %s failed: %s", len(sel), self.shown, fault)
                 self.counters.put_failures += 1
                 self.counters.blocks_written += written
+                self.counters.blocks_refused += refused
                 return PutResult(written, skipped + raced, len(sel) - written - raced)
         self.counters.blocks_written += written
         self.counters.blocks_skipped += skipped + raced
+        self.counters.blocks_refused += refused
         self.counters.bytes_written += incoming
         if written:
             self.quota.make_room()
-        return PutResult(written, skipped + raced, 0)
+        return PutResult(written, skipped + raced, refused)
 
     @staticmethod
     def _chunks(sel: list[int], blocks: Sequence[Buffer]) -> Iterator[list[int]]:
@@ -306,9 +310,10 @@ class RedisStore:
             yield chunk
 
     def _put_call(self, write: ChainWrite, i: int, now: float, expire_at_ms: int, where: bytes | None,
-                  account: tuple[bytes, bytes, int]) -> Call:
+                  account: tuple[bytes, bytes, int, bytes]) -> Call:
         """The PUT script of block i: its bytes in field `d`, or its location `where` in field `l`; `account`: its
-        bucket id, the bucket's packed names and the put's instant in ms (redis_quota.py)."""
+        bucket id, the bucket's packed names and the put's instant in ms (redis_quota.py), and its tenant's tag:
+        refused while the tenant's hold lives in its slot, and carried by its tombstone (store/forget.py)."""
         v = memoryview(write.blocks[i]).cast("B")
         parent = write.keys[i - 1] if i > 0 else write.parent
         pos = write.start_pos + i
@@ -319,11 +324,12 @@ class RedisStore:
         names = [self._k(key)]
         if (tomb := self.place.tomb_name(key)) is not None:
             names.append(tomb)
-        bid, bucket_names, now_ms = account
+        bid, bucket_names, now_ms, tag = account
         return Call(self.place.slot(key), command("EVALSHA", self._put, len(names), *names, meta, field, value,
                                                   expire_at_ms - pos, self.grace_ms, self.place.uprefix,
                                                   self.place.zprefix, len(self.bprefix),
-                                                  quota_field(bid, v.nbytes), bucket_names, now_ms))
+                                                  quota_field(bid, v.nbytes), bucket_names, now_ms,
+                                                  self.place.hold_name(key, tag) or b"", tag.hex()))
 
     # --- read ------------------------------------------------------------------
 
@@ -430,6 +436,10 @@ class RedisStore:
         if not keys:
             return 0
         return self._unpublish(keys)
+
+    def forget(self, tenant: str, hold_s: float) -> Forgotten:
+        """`BlockStore.forget` (redis_forget.py)."""
+        return redis_forget.forget(self, tenant, hold_s, self._bury_args)
 
     def blocks(self) -> Iterator[BlockInfo]:
         return redis_upkeep.blocks(self)

@@ -31,6 +31,10 @@ Quota accounting (redis_quota.py), per group, in the group's slot: `{prefix}u:{<
 live bytes (field `t`) and each bucket's (`b` + bucket id; `n` + id its names), and `{prefix}z:{<tag>}<id>`
 a sorted set per bucket of the group's blocks by last refresh. On one server the one group's names are
 `{prefix}u:` and `{prefix}z:<id>`. Where tombstones cannot share a slot, neither can these: no accounting.
+
+Holds (store/forget.py): a forgotten tenant's hold is one key per group, `{prefix}h:<tag hex>` on one server,
+`{prefix}h:{<tag>}<tag hex>` on a cluster, so a block's PUT script reads the hold of its own slot. Where tombstones
+cannot share a slot, neither can holds: such a store holds nothing (`Placement.holds` False).
 """
 
 from __future__ import annotations
@@ -83,6 +87,9 @@ class Placement:
         self.tprefix = tprefix if self.tombs else b""
         self.accounted = bool(uprefix and zprefix) and self._same_slot(uprefix) and self._same_slot(zprefix)
         self.uprefix, self.zprefix = (uprefix, zprefix) if self.accounted else (b"", b"")
+        hprefix = tprefix[:-2] + b"h:" if tprefix else b""   # `{prefix}h:`, beside `{prefix}t:`
+        self.holds = bool(hprefix) and self._same_slot(hprefix)
+        self.hprefix = hprefix if self.holds else b""
 
     def _same_slot(self, other: bytes) -> bool:
         """Whether names made with `other` for `bprefix` share each group's slot."""
@@ -95,6 +102,17 @@ class Placement:
             return [(0, b"")]
         assert self.slots is not None
         return [(slot, h[len(self.bprefix):]) for h, slot in zip(self.heads, self.slots)]
+
+    def hold_name(self, key: bytes, tag: bytes) -> bytes | None:
+        """The name of the hold of tenant `tag` in `key`'s slot (None where the store keeps none)."""
+        if not self.holds:
+            return None
+        return self.hprefix + self.heads[(key[0] if key else 0) % TAGS][len(self.bprefix):] + tag.hex().encode()
+
+    def hold_names(self, tag: bytes) -> list[tuple[int, bytes]]:
+        """(slot, name) of the holds of tenant `tag`, one per group a block can take (none where none is kept)."""
+        return [(slot, self.hprefix + part + tag.hex().encode()) for slot, part in self.group_tags()] if self.holds \
+            else []
 
     def tomb_name(self, key: bytes) -> bytes | None:
         """The name of `key`'s tombstone (None where the store keeps none): `tprefix` for `bprefix` in its name."""

@@ -20,6 +20,9 @@ expiry is the tombstone's minus its value. When a CHECK finds a block absent and
     |                                 | tombstones, gone over G ago, or the        |                   |
     |                                 | tombstone itself evicted by maxmemory      |                   |
 
+Either value may end in '|' + the tenant tag of the block's namespace (16 hex digits, store/forget.py): PUT writes
+it, BURY keeps it, and a forget finds a tenant's tombstones by it, those of blocks gone before it included.
+
 What bounds them: a tombstone lives at most G past its block, so Redis holds the tombstones of its
 live blocks plus those of the blocks gone in the last G: at most the blocks put in the last TTL + G, and
 each ~100 B of used_memory (72 B by MEMORY USAGE; a block's record in the cluster mode, metadata and
@@ -71,6 +74,19 @@ local function release(uprefix, zprefix, k, blen, q)
 end
 """
 
+# mark_tomb: set a tombstone to `mark` (an eviction's 'x' + ms) for `grace` ms, keeping the tenant tag ('|' + hex)
+# its PUT wrote (store/forget.py).
+_MARK = """
+local function mark_tomb(t, mark, grace)
+  local old, tag = redis.call('GET', t), ''
+  if old then
+    local bar = string.find(old, '|', 1, true)
+    if bar then tag = string.sub(old, bar) end
+  end
+  redis.call('SET', t, mark .. tag, 'PX', grace)
+end
+"""
+
 # KEYS: blocks in chain order, all of one hash slot (their tombstones share it: named from them, not in KEYS).
 # ARGV[1]: TTL ms; ARGV[2]: the expiry instant in unix ms ('': this server's TIME + TTL); ARGV[3]: each key's
 # chain position, u32 little-endian ('': 0, 1, 2, …); ARGV[4]: the refresh grain ms; ARGV[5]: the tombstone
@@ -89,6 +105,8 @@ local now = nil
 local function explain(n, tomb)
   local v = redis.call('GET', tomb)
   if not v then return n end
+  local bar = string.find(v, '|', 1, true)
+  if bar then v = string.sub(v, 1, bar - 1) end
   if string.sub(v, 1, 1) == 'x' then return string.format('%d evicted %s', n, string.sub(v, 2)) end
   local expiry = redis.call('PEXPIRETIME', tomb) - tonumber(v)
   now = now or now_ms()
@@ -138,13 +156,20 @@ return table.concat(out)
 # KEYS[1]: the block; KEYS[2], if given: its tombstone. ARGV: metadata, the field of the bytes ('d') or of their
 # location ('l'), its value, the expiry instant in unix ms, the tombstone's grace ms; then the quota names'
 # prefixes ('': no accounting), the block prefix's length, the block's `q` (bucket id and size), its bucket's
-# names, the instant in ms (its score). Returns 0 when the block is present (written once), else 1. A member
-# already in the set (its block expired by Redis, never released) is moved, not counted twice.
+# names, the instant in ms (its score); then the name of its tenant's hold in this slot ('': none;
+# store/forget.py) and the tenant tag in hex its tombstone carries ('': none). Returns 2 when the tenant is held
+# (nothing written), 0 when the block is present (written once), else 1. A member already in the set (its block
+# expired by Redis, never released) is moved, not counted twice.
 PUT = _ACCOUNT + """
+if ARGV[12] ~= '' and redis.call('EXISTS', ARGV[12]) == 1 then return 2 end
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
 redis.call('HSET', KEYS[1], 'm', ARGV[1], ARGV[2], ARGV[3])
 redis.call('PEXPIREAT', KEYS[1], ARGV[4])
-if KEYS[2] then redis.call('SET', KEYS[2], ARGV[5], 'PXAT', tonumber(ARGV[4]) + tonumber(ARGV[5])) end
+if KEYS[2] then
+  local v = ARGV[5]
+  if ARGV[13] ~= '' then v = v .. '|' .. ARGV[13] end
+  redis.call('SET', KEYS[2], v, 'PXAT', tonumber(ARGV[4]) + tonumber(ARGV[5]))
+end
 local uprefix, zprefix, blen, q = ARGV[6], ARGV[7], tonumber(ARGV[8]), ARGV[9]
 if uprefix ~= '' then
   local k, id = KEYS[1], string.sub(q, 1, 8)
@@ -174,15 +199,16 @@ return v
 # KEYS: blocks of one hash slot. ARGV[1]: the tombstone name prefix ('': none); ARGV[2]: the length of the block
 # name prefix; ARGV[3]: the grace ms; ARGV[4], ARGV[5]: the quota names' prefixes ('': no accounting). Deletes
 # each block, releasing its bytes; the tombstone of each one deleted says 'x' + this server's time in ms
-# (evicted then) and lives `grace` from now. Returns how many blocks were deleted.
-BURY = _NOW + _ACCOUNT + """
+# (evicted then), keeps the tenant tag its PUT wrote, and lives `grace` from now. Returns how many blocks were
+# deleted.
+BURY = _NOW + _ACCOUNT + _MARK + """
 local tprefix, blen, grace, uprefix, zprefix = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4], ARGV[5]
 local mark, n = string.format('x%d', now_ms()), 0
 for _, k in ipairs(KEYS) do
   local q = uprefix ~= '' and redis.call('HGET', k, 'q')
   if redis.call('DEL', k) == 1 then
     n = n + 1
-    if tprefix ~= '' then redis.call('SET', tprefix .. string.sub(k, blen + 1), mark, 'PX', grace) end
+    if tprefix ~= '' then mark_tomb(tprefix .. string.sub(k, blen + 1), mark, grace) end
     if q then release(uprefix, zprefix, k, blen, q) end
   end
 end
@@ -194,7 +220,7 @@ return n
 # that score (no hit since, no other evictor first) is released and deleted, with an evicted tombstone; sweep:
 # the member of a block Redis no longer holds (expired, or removed behind kvledger's back) is released, a live
 # one left alone. Returns {blocks deleted, bytes released} (released ≥ deleted: stale members count bytes only).
-EVICT = _NOW + _ACCOUNT + """
+EVICT = _NOW + _ACCOUNT + _MARK + """
 local tprefix, blen, grace, uprefix, zprefix, mode = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4], ARGV[5], ARGV[6]
 local mark, n, freed = string.format('x%d', now_ms()), 0, 0
 for i, k in ipairs(KEYS) do
@@ -205,11 +231,42 @@ for i, k in ipairs(KEYS) do
     freed = freed + release(uprefix, zprefix, k, blen, q)
     if live and redis.call('DEL', k) == 1 then
       n = n + 1
-      if tprefix ~= '' then redis.call('SET', tprefix .. string.sub(k, blen + 1), mark, 'PX', grace) end
+      if tprefix ~= '' then mark_tomb(tprefix .. string.sub(k, blen + 1), mark, grace) end
     end
   end
 end
 return {n, freed}
+"""
+
+# A forget (redis_forget.py). KEYS: blocks of one hash slot; ARGV[1..5] as BURY's. Deletes each block, releasing its
+# bytes, and its tombstone: a forgotten block leaves none. Returns how many blocks were deleted.
+FORGET = _ACCOUNT + """
+local tprefix, blen, uprefix, zprefix = ARGV[1], tonumber(ARGV[2]), ARGV[4], ARGV[5]
+local n = 0
+for _, k in ipairs(KEYS) do
+  local q = uprefix ~= '' and redis.call('HGET', k, 'q')
+  n = n + redis.call('DEL', k)
+  if q then release(uprefix, zprefix, k, blen, q) end
+  if tprefix ~= '' then redis.call('DEL', tprefix .. string.sub(k, blen + 1)) end
+end
+return n
+"""
+
+# What a forgotten tenant's buckets still count in one group (redis_quota.py): members of blocks Redis expired by
+# itself, never released. KEYS[1]: the group's usage hash; ARGV[1]: its sets' name prefix (with the group's tag);
+# ARGV[2..]: the tenant's bucket ids. Each bucket's set goes, and its bytes and names leave the hash. Returns the
+# members dropped.
+FORGET_BUCKETS = """
+local n = 0
+for i = 2, #ARGV do
+  local id = ARGV[i]
+  n = n + redis.call('ZCARD', ARGV[1] .. id)
+  redis.call('DEL', ARGV[1] .. id)
+  local b = tonumber(redis.call('HGET', KEYS[1], 'b' .. id) or '0')
+  if b ~= 0 then redis.call('HINCRBY', KEYS[1], 't', -b) end
+  redis.call('HDEL', KEYS[1], 'b' .. id, 'n' .. id)
+end
+return n
 """
 
 

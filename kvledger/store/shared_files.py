@@ -30,6 +30,7 @@ from pathlib import Path
 
 from kvledger.store import segment as sg
 from kvledger.store.backend import BlockInfo, ChainWrite, Dest, probe_folder
+from kvledger.store.forget import owned_by
 from kvledger.store.segment_files import STALE_TMP_S, Location, Outcome, PartDone, SegmentFiles
 from kvledger.util.private_file import open_private
 
@@ -166,6 +167,16 @@ class SharedFiles:
                 self.files.cut(name, end)
             removed, freed = removed + dead, freed + size - (end or 0)
         return removed, freed, batches
+
+    def forget(self, tenant: str) -> int:
+        """Unlink every segment whose header names one of `tenant`'s namespaces (a forget, store/forget.py: the
+        index's records of its blocks are gone first); how many. Lists the mount."""
+        n = 0
+        for name, meta, _ in list(self.segments()):
+            if owned_by(meta.namespace, tenant):
+                self.files.unlink(name)
+                n += 1
+        return n
 
     def close(self) -> None:
         self.files.close()

@@ -7,13 +7,16 @@ that refreshes the block keeps its snapshot, and once the block expires by its T
 evicted or deleted) the snapshot goes at the next GC. Files younger than `grace_s` are spared (a
 snapshot may be written just before its block is published), and so are names that are not a
 snapshot's. Stray temporaries of dead writers older than `grace_s` go too.
+
+A forget (store/forget.py) removes the snapshot files of a tenant by the keys of its blocks and tombstones
+(`remove_snapshots`): a file records no namespace, its key does.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import NamedTuple
 
@@ -57,6 +60,17 @@ def snapshot_files(root: str | os.PathLike) -> Iterator[SnapshotFile]:
             yield SnapshotFile(key, p, st.st_size, st.st_mtime)
 
 
+def snapshot_path(root: str | os.PathLike, key: bytes) -> Path:
+    """Where the snapshot of chain key `key` lies under `root` (kvledger.state.files' layout)."""
+    h = key.hex()
+    return Path(root) / "snapshots" / h[:2] / f"{h}{SUFFIX}"
+
+
+def remove_snapshots(root: str | os.PathLike, keys: Iterable[bytes]) -> int:
+    """Unlink the snapshot files of `keys` under `root` (one unlink each, no listing); how many there were."""
+    return sum(_unlink(snapshot_path(root, k)) for k in keys if len(k) == KEY_BYTES)
+
+
 def snapshot_stats(root: str | os.PathLike) -> tuple[int, int]:
     """(files, bytes) of the snapshot files under `root`."""
     n = size = 0
@@ -89,7 +103,7 @@ def collect_snapshots(root: str | os.PathLike, store: BlockStore, *, grace_s: fl
 def _unlink(path: Path) -> bool:
     try:
         path.unlink()
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return False
     return True
 

@@ -55,3 +55,36 @@ def test_exhaustion_and_clear_cache():
     pool.free(blocks)
     assert pool.clear_cache() == 1 and pool.lookup([K[0]]) == []
     pool.check_integrity()
+
+
+def test_forget_drops_every_key_of_a_tenant_cached_or_in_use():
+    """DESIGN rule 12: a forget finds a tenant's blocks by the tenant each keyed block names; a block in use keeps
+    its bytes for its sequence, but nobody finds it by key again."""
+    pool = BlockPool(6)
+    a = pool.allocate(3)
+    for block, key, tenant in zip(a, K, ("acme", "acme", "other")):
+        pool.cache(block, key, tenant)
+    pool.free(a[1:])                       # K[1] (acme) and K[2] (other) cached; K[0] (acme) still in use
+    assert pool.forget("acme") == 2 and pool.forget("acme") == 0
+    assert pool.cached_prefix(K[:1]) == 0 and pool.cached_prefix(K[2:3]) == 1
+    pool.free(a[:1])
+    pool.check_integrity()
+    assert pool.counts() == (4, 1, 0)
+
+
+def test_tails_and_host_snapshots_of_a_tenant_are_forgotten():
+    from kvledger.engine.tails import TailStore
+    from kvledger.state.pool import SlotPool
+
+    tails = TailStore()
+    tails.put(K[0], bytearray(8), "acme")
+    tails.put(K[1], bytearray(8), "other")
+    assert tails.forget("acme") == 1 and tails.take(K[0]) is None and tails.take(K[1]) == bytearray(8)
+    with SlotPool(100, 4) as pool:
+        for key, tenant in zip(K, ("acme", "acme", "other")):
+            pool.put(key, 128, b"w" * 100, tenant)
+        pinned = pool.pin(K[1])
+        assert pool.discard_tenant("acme") == ([K[0]], 1)   # a pinned one stays for its reader
+        pinned.view.release()
+        pool.unpin(K[1])
+        assert pool.discard_tenant("acme") == ([K[1]], 0) and list(pool.keys()) == [K[2]]

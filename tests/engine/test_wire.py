@@ -49,6 +49,9 @@ def test_a_leg_carries_the_entrypoints_keys_and_decision():
     body = GenerateBody.of(req, wait_stored=True)
     back = GenerateBody.model_validate_json(body.model_dump_json()).engine_request(spec)
     assert (back.keys, back.decision, back.namespace, list(back.tokens)) == (req.keys, req.decision, "t", list(tokens))
+    assert back.store
+    quiet = GenerateBody.of(EngineRequest("r.2", tokens, req.keys, req.decision, req.sampling, "t", store=False))
+    assert not GenerateBody.model_validate_json(quiet.model_dump_json()).engine_request(spec).store   # rule 12
     wrong = [GenerateBody.of(EngineRequest("r", tokens, chain_keys(tokens, spec, "other"), req.decision, req.sampling,
                                            "t")),
              GenerateBody.of(EngineRequest("r", tokens, req.keys[:-1], req.decision, req.sampling, "t")),

@@ -86,3 +86,76 @@ def test_a_step_can_leave_its_block_copies_until_its_events_are_out(tmp_path):
             assert engine.wait_stored(20) is True and ledger.match(b) == 2
         finally:
             engine.close()
+
+
+def test_a_no_store_request_leaves_no_block_snapshot_or_device_entry(tmp_path):
+    """DESIGN rule 12: a request with `store=False` computes as any other, and nothing it computed stays: no block
+    in the ledger, no snapshot in the pool or on disk, no key in the device prefix cache. The same prompt stored
+    normally afterwards lands in all three."""
+    from kvledger.core import ModelSpec
+    from kvledger.engine.ledgers import Part, open_ledgers
+    from kvledger.store.snapshots import snapshot_stats
+
+    engine = None
+    ledgers = open_ledgers(ModelSpec.preset("tiny-v4"), tmp_path, Part.EMBEDDED)
+    try:
+        engine = Engine("tiny-v4", block_ledger=ledgers.block, state_ledger=ledgers.state)
+        tokens = [t % 32000 for t in prompt(700, 5)]
+
+        def run(request_id: str, store: bool) -> list[int]:
+            keys, decision = check_prompt(tokens, engine.spec, block_ledger=ledgers.block, state_ledger=ledgers.state)
+            engine.add_request(EngineRequest(request_id, tokens, keys, decision,
+                                             SamplingParams(max_tokens=3, ignore_eos=True), store=store))
+            out, _ = drain(engine)
+            engine.wait_stored()
+            return out
+
+        quiet = run("quiet", False)
+        keys, _ = check_prompt(tokens, engine.spec, block_ledger=ledgers.block, state_ledger=ledgers.state)
+        assert ledgers.block.match(keys) == 0 and len(ledgers.state.pool) == 0
+        assert snapshot_stats(tmp_path / "blocks") == (0, 0) and engine.pool.counts()[1] == 0
+        assert run("normal", True) == quiet                   # the same answer; now it stays
+        assert ledgers.block.match(keys) == len(keys) == 5 and len(ledgers.state.pool) > 0
+        assert snapshot_stats(tmp_path / "blocks")[0] > 0 and engine.pool.counts()[1] > 0
+    finally:
+        if engine is not None:
+            engine.close()
+        ledgers.close()
+
+
+def test_forget_on_the_engine_clears_its_caches_and_stops_a_running_requests_writes(tmp_path):
+    """`Engine.forget` (DESIGN rule 12): the tenant's device prefix cache entries and host pool snapshots go, a
+    request of it still waiting or running computes on and stores nothing, another tenant keeps everything."""
+    from kvledger.core import ModelSpec
+    from kvledger.engine.ledgers import Part, open_ledgers
+
+    engine = None
+    ledgers = open_ledgers(ModelSpec.preset("tiny-v4"), tmp_path, Part.EMBEDDED)
+    try:
+        engine = Engine("tiny-v4", block_ledger=ledgers.block, state_ledger=ledgers.state)
+
+        def add(request_id: str, seed: int, namespace: str) -> list[bytes]:
+            tokens = [t % 32000 for t in prompt(700, seed)]
+            keys, decision = check_prompt(tokens, engine.spec, block_ledger=ledgers.block,
+                                          state_ledger=ledgers.state, namespace=namespace)
+            engine.add_request(EngineRequest(request_id, tokens, keys, decision,
+                                             SamplingParams(max_tokens=2, ignore_eos=True), namespace=namespace))
+            return keys
+
+        stored, other = add("a", 1, "acme"), add("o", 2, "other")
+        drain(engine)
+        engine.wait_stored()
+        late = add("b", 3, "acme#salt-0123")            # a salted namespace of acme's, not begun yet
+        counts = engine.forget("acme")
+        assert counts["running_requests"] == 1 and counts["device_blocks"] == 5 and counts["host_snapshots"] >= 1
+        assert counts["writes_pending"] == 0
+        drain(engine)
+        engine.wait_stored()
+        assert ledgers.block.match(late) == 0                      # b computed, and kept nothing
+        assert engine.pool.cached_prefix(stored) == engine.pool.cached_prefix(late) == 0
+        assert engine.pool.cached_prefix(other) == 5 and ledgers.state.positions(other)
+        assert not ledgers.state.positions(stored) and not ledgers.state.positions(late)
+    finally:
+        if engine is not None:
+            engine.close()
+        ledgers.close()

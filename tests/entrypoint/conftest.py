@@ -3,8 +3,9 @@ import pytest
 from kvledger.util.serve_process import ServeProcess
 
 ALPHA, BETA, OPS = "sk-alpha-0123456789", "sk-beta-9876543210", "sk-ops-5555555555"
+QUIET = "sk-quiet-2468013579"   # a key configured no-store (DESIGN rule 12)
 KEYS = {ALPHA: "alpha", BETA: {"namespace": "beta", "ttl_class": "agent"},
-        OPS: {"namespace": "ops", "role": "operator"}}
+        OPS: {"namespace": "ops", "role": "operator"}, QUIET: {"namespace": "quiet", "store": False}}
 OPERATOR = {"Authorization": f"Bearer {OPS}"}   # /metrics and /dashboard* need the operator key
 # Limits of the shared server: small enough that a fuzzer's request never runs for long.
 LIMITS = ("--max-prompt-tokens", "320", "--max-tokens-limit", "8", "--max-body-bytes", "65536",

@@ -135,3 +135,23 @@ def test_a_tenant_cannot_see_another_tenants_traffic_through_its_own_probes():
     assert MissCause.DIVERGED in before
     sampled(book, "alpha", prompt(1024, 300))   # the other tenant's prompt that beta should not see
     assert probes() == before
+
+
+def test_forget_drops_a_tenants_sample_and_sites_with_its_salts():
+    """DESIGN rule 12: a forgotten tenant's prompts leave the sample (each of its salted namespaces' too), and its
+    causes and sites go; another tenant's stay, and its place in the sample is free for another tenant."""
+    book = MissBook(B, tenants=2)
+    a = prompt(1000, 1)
+    salted = salted_namespace("alpha", "s")
+    for ns in ("alpha", salted, "beta"):
+        sampled(book, ns, a)
+    book.account("alpha", split_misses(1000, decide_hit(1000, 0, set(), SPEC), 0, 0, MissCause.COLD), None, a)
+    assert book.forget("alpha") == 2 and book.forget("alpha") == 0
+    b = a.copy()
+    b[277] += 1
+    for ns in ("alpha", salted):
+        assert book.first_absent(ns, b, chain_keys(b, SPEC, ns), 2, None).cause is MissCause.COLD
+    assert book.first_absent("beta", b, chain_keys(b, SPEC, "beta"), 2, None).cause is MissCause.DIVERGED
+    assert book.report("alpha") == [] and book.sample_bytes("beta") > 0
+    sampled(book, "gamma", a)                    # alpha's place is free again: a second tenant is sampled
+    assert book.sample_bytes("gamma") > 0

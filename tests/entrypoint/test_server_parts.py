@@ -179,9 +179,11 @@ def _key_file(path, text: str, mode: int = 0o600):
 
 def test_key_file_maps_keys_to_tenants(tmp_path):
     f = _key_file(tmp_path / "keys.json",
-                  json.dumps({"sk-aaaaaaaa": "alpha", "sk-bbbbbbbb": {"namespace": "beta", "ttl_class": "agent"}}))
+                  json.dumps({"sk-aaaaaaaa": "alpha", "sk-bbbbbbbb": {"namespace": "beta", "ttl_class": "agent"},
+                              "sk-qqqqqqqq": {"namespace": "quiet", "store": False}}))
     keys = load_keys(f, CLASSES)
     assert authenticate(keys, "Bearer sk-aaaaaaaa").namespace == "alpha"
+    assert authenticate(keys, "Bearer sk-aaaaaaaa").store and not authenticate(keys, "Bearer sk-qqqqqqqq").store
     beta = authenticate(keys, "bearer sk-bbbbbbbb")
     assert (beta.namespace, beta.ttl_class) == ("beta", "agent")
     for header in (None, "", "Bearer", "Bearer sk-cccccccc", "Basic sk-aaaaaaaa", "sk-aaaaaaaa"):
@@ -198,7 +200,7 @@ def test_the_tenants_are_the_key_files_namespaces_and_an_open_server_is_one():
 @pytest.mark.parametrize("content", [
     "not json", "[]", "{}", '{"short": "ns"}', '{"sk-aaaaaaaa": "bad namespace!"}',
     '{"sk-aaaaaaaa": {"namespace": "a", "ttl_class": "forever"}}', '{"sk-aaaaaaaa": {"namespace": "a", "x": 1}}',
-    '{"sk-aaaaaaaa": "a#salt-00"}',
+    '{"sk-aaaaaaaa": "a#salt-00"}', '{"sk-aaaaaaaa": {"namespace": "a", "store": "no"}}',
 ])
 def test_bad_key_files_are_refused(tmp_path, content):
     f = _key_file(tmp_path / "keys.json", content)

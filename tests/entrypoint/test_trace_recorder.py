@@ -13,7 +13,7 @@ import pytest
 from kvledger.bench.trace import read_trace
 from kvledger.core import ModelSpec, chain_keys
 from kvledger.entrypoint.config import TraceSettings
-from kvledger.entrypoint.trace_recorder import Finished, TraceRecorder, hash_id, rotated, trace_key
+from kvledger.entrypoint.trace_recorder import Finished, TraceRecorder, hash_id, rotated, tenant_id, trace_key
 from kvledger.util.serve_process import ServeProcess
 
 TINY = ModelSpec.preset("tiny-v4")
@@ -41,7 +41,9 @@ def test_a_line_is_hashes_only_and_reads_back_as_a_trace(tmp_path):
     assert "777777" not in text and "tenant-secret" not in text   # no token id, no namespace name
     line = json.loads(text)
     assert set(line) == {"timestamp", "input_length", "output_length", "block_tokens", "hash_ids", "output_hash_ids",
-                         "ttl_class", "live"}
+                         "ttl_class", "tenant_id", "live"}
+    assert line["tenant_id"] == tenant_id(TINY, "tenant-secret", SECRET) == tenant_id(TINY, "tenant-secret#salt-00",
+                                                                                      SECRET)
     seq = chain_keys(np.asarray(tokens + [777_777] * 99, dtype=np.uint32), TINY, "tenant-secret")
     assert line["hash_ids"] == [hash_id(k, SECRET) for k in seq[:2]]  # the prompt's 2 full blocks of 128
     assert line["output_hash_ids"] == [hash_id(seq[2], SECRET)]       # (300 + 100 − 1) // 128 = 3 blocks stored
@@ -63,6 +65,27 @@ def test_identical_prefixes_share_ids_and_namespaces_never_do(tmp_path):
                             .splitlines())
     assert first[:2] == edited[:2] and first[2] != edited[2]    # shared up to the block where they part
     assert not set(first) & set(other)                          # another namespace shares nothing
+
+
+def test_forget_rewrites_every_file_without_the_tenants_lines(tmp_path):
+    """DESIGN rule 12: a forget removes a tenant's lines (its salted namespaces' too) from the current file and the
+    rotated ones, on the writer thread, and recording goes on in the current file; a line that names no tenant (an
+    older server's) and another tenant's stay."""
+    folder = tmp_path / "trace"
+    rec = _recorder(folder, file_bytes=4096, files=3)
+    for i in range(30):
+        rec.record(_finished(list(range(1 + i, 300 + i)), namespace=("acme", "acme#salt-ab", "beta")[i % 3],
+                             arrival_s=1_800_000_000.0 + i))
+    assert rec.flush()
+    (folder / "requests.3.jsonl").write_text('{"timestamp":1,"input_length":1,"output_length":1,"hash_ids":[]}\n')
+    assert rec.forget("acme") == 20
+    rec.record(_finished(list(range(5, 305)), namespace="beta"))
+    assert rec.flush()
+    rec.close()
+    lines = [json.loads(x) for k in range(4) for x in rotated(folder, k).read_text().splitlines()]
+    assert [x.get("tenant_id") for x in lines].count(tenant_id(TINY, "beta", SECRET)) == 11
+    assert tenant_id(TINY, "acme", SECRET) not in [x.get("tenant_id") for x in lines] and len(lines) == 12
+    assert all(oct(rotated(folder, k).stat().st_mode & 0o777) == "0o600" for k in range(3))
 
 
 def test_rotation_keeps_the_newest_lines_under_the_cap(tmp_path):

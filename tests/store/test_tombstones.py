@@ -158,7 +158,7 @@ def test_tombstone_bytes_at_scale(tmp_path, clock):
         keys = [os.urandom(16) for _ in range(n + 1000)]
         with store.index.env.begin(write=True) as w:
             for i in range(0, len(keys), 1000):
-                store.tombs.bury(w, keys[i:i + 1000], EXPIRED, clock.t)
+                store.tombs.bury(w, keys[i:i + 1000], EXPIRED, clock.t, [b"tenant.8"] * 1000)
         with store.index.env.begin() as txn:
             assert store.tombs.count(txn) == n
             pages = sum(txn.stat(db)["branch_pages"] + txn.stat(db)["leaf_pages"] + txn.stat(db)["overflow_pages"]
