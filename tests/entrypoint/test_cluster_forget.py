@@ -9,6 +9,7 @@ import json
 import time
 
 import numpy as np
+import pytest
 
 from kvledger.bench.cluster_process import ClusterProcess
 from kvledger.core import ModelSpec
@@ -39,12 +40,13 @@ def ask(url: str, prompt: list[int], key: str, headers: dict | None = None) -> d
     return out["usage"]
 
 
-def per_namespace(cluster: ClusterProcess) -> tuple[dict[str, int], set[str]]:
-    """(blocks per namespace in Redis, namespaces of the segment files on the cluster's folder)."""
+def per_namespace(cluster: ClusterProcess, folder: str) -> tuple[dict[str, int], set[str]]:
+    """(blocks per namespace in Redis, namespaces of the segment files in the cluster's `folder`: its data dir, or
+    a JuiceFS mount of its volume)."""
     from kvledger.store.redis_backend import RedisStore
     from kvledger.store.shared_files import SharedFiles
 
-    with RedisStore(cluster.redis_url, files=SharedFiles(cluster.data_dir / "blocks", create=False)) as store:
+    with RedisStore(cluster.redis_url, files=SharedFiles(cluster.data_dir / folder / "blocks", create=False)) as store:
         return store.stats().per_namespace, {b.namespace for b in store.files.blocks()}
 
 
@@ -56,12 +58,20 @@ def until(check, what: str):
     return got
 
 
-def test_no_store_and_forget_through_kvledger_up(tmp_path):
+@pytest.mark.parametrize("volume", ["folder", "juicefs"])
+def test_no_store_and_forget_through_kvledger_up(tmp_path, volume):
+    """On the cluster's folder, and on a real JuiceFS volume `up` formats and mounts (each engine on a mount of its
+    own; the files are checked through a mount; skipped, saying why, where FUSE or juicefs is unavailable)."""
+    from kvledger.util.juicefs import fuse_unavailable
+
+    if volume == "juicefs" and (why := fuse_unavailable()) is not None:
+        pytest.skip(why)
+    store_args, folder = ((), ".") if volume == "folder" else (("--juicefs", "--juicefs-mounts", "2"), "mounts/m0")
     keys = tmp_path / "keys.json"
     keys.write_text(json.dumps({ACME: "acme", BETA: "beta", OPS: {"namespace": "ops", "role": "operator"}}))
     keys.chmod(0o600)
     p, q, r = ids(700, 1), ids(700, 2), ids(700, 3)
-    with ClusterProcess(tmp_path / "c", "--api-keys", str(keys), prefill=1, decode=1, model=MODEL) as c:
+    with ClusterProcess(tmp_path / "c", "--api-keys", str(keys), *store_args, prefill=1, decode=1, model=MODEL) as c:
         quiet = ask(c.url, r, ACME, {"Cache-Control": "no-store"})
         assert quiet["kvledger"]["stored"] is False
         assert [leg["kind"] for leg in quiet["kvledger"]["legs"]] == ["whole"]   # no P/D hand-over through the store
@@ -69,7 +79,7 @@ def test_no_store_and_forget_through_kvledger_up(tmp_path):
         assert ask(c.url, p, ACME)["prompt_tokens_details"]["cached_tokens"] == CAP
         ask(c.url, q, BETA)
         assert ask(c.url, q, BETA)["prompt_tokens_details"]["cached_tokens"] == CAP
-        blocks, files = until(lambda: (got := per_namespace(c))[0].get("acme") == 5 and got, "acme's blocks")
+        blocks, files = until(lambda: (got := per_namespace(c, folder))[0].get("acme") == 5 and got, "acme's blocks")
         assert blocks == {"acme": 5, "beta": 5} and files == {"acme", "beta"}   # r (no-store) left nothing
 
         status, receipt = post(c.url, "/admin/forget", {"namespace": "acme", "hold_s": 0}, OPS)
@@ -80,7 +90,7 @@ def test_no_store_and_forget_through_kvledger_up(tmp_path):
         assert sum(e["host_snapshots"] for e in engines.values()) > 0
         assert receipt["store"]["blocks"] == 5 and receipt["store"]["files"] >= 1
         assert receipt["entrypoint"]["trace_lines"] == 2 and receipt["entrypoint"]["sample_prompts"] == 2
-        blocks, files = per_namespace(c)
+        blocks, files = per_namespace(c, folder)
         assert blocks == {"beta": 5} and files == {"beta"}
         again = ask(c.url, p, ACME)
         assert again["prompt_tokens_details"]["cached_tokens"] == 0 and set(again["kvledger"]["miss"]["causes"]) == \

@@ -122,35 +122,42 @@ def test_a_windowed_model_snapshots_at_the_published_prefix_end_and_a_tenant_res
         cached.stop(), reference.stop()
 
 
-def test_through_kvledger_up_the_prefix_is_computed_once_and_replies_are_one_engines(tmp_path):
+def test_through_kvledger_up_64_tenants_compute_the_prefix_once_and_replies_are_one_engines(tmp_path):
     """The same through `kvledger up` (1 prefill + 1 decode engine, tiny-v4): the entrypoint decides the public
-    part once and every leg keys by it (the wire's public_blocks); the second tenant hits the prefix's blocks and
-    window, and both replies equal one no-cache engine's."""
+    part once and every leg keys by it (the wire's public_blocks). 64 tenants: the first computes the prefix, the
+    other 63 read its 3 blocks and window and nothing of each other's; replies equal one no-cache engine's; a
+    tenant's key cannot publish."""
     from kvledger.bench.cluster_process import ClusterProcess
 
     prefix = [t % 1000 for t in tokens(4, 3 * B + 40)]
     (tmp_path / "public.json").write_text(json.dumps([prefix]))
     keys_file = tmp_path / "keys.json"
-    keys_file.write_text(json.dumps({tenant_key(i): f"tenant-{i}" for i in range(2)}))
+    keys = {tenant_key(i): f"tenant-{i}" for i in range(TENANTS)} | {OPS: {"namespace": "ops", "role": "operator"}}
+    keys_file.write_text(json.dumps(keys))
     keys_file.chmod(0o600)
-    prompts = [prefix + [t % 1000 for t in tokens(20 + i, 300)] for i in range(2)]
+    prompts = [prefix + [t % 1000 for t in tokens(20 + i % 2, 300)] for i in range(TENANTS)]   # two questions
     body = {"model": "tiny-v4", "max_tokens": 6, "temperature": 0}
     reference = ServeProcess(tmp_path / "ref", "--no-cache", model="tiny-v4").start()
     try:
-        want = [reference.post("/v1/completions", body | {"prompt": p})[1]["choices"][0]["token_ids"] for p in prompts]
+        want = [reference.post("/v1/completions", body | {"prompt": p})[1]["choices"][0]["token_ids"]
+                for p in prompts[:2]]
     finally:
         reference.stop()
     c = ClusterProcess(tmp_path / "cluster", "--public-prefix", str(tmp_path / "public.json"), "--api-keys",
                        str(keys_file), prefill=1, decode=1, model="tiny-v4").start()
     try:
+        front = ServeProcess(tmp_path / "unused")
+        front.port = c.port
         got = []
         for i, prompt in enumerate(prompts):
-            server = ServeProcess(tmp_path / "unused", api_key=tenant_key(i))
-            server.port = c.port
-            status, out = server.post("/v1/completions", body | {"prompt": prompt})
+            status, out = front.post("/v1/completions", body | {"prompt": prompt},
+                                     headers={"Authorization": f"Bearer {tenant_key(i)}"})
             assert status == 200, out
             got.append(out)
+        status, out = front.post("/admin/public-prefixes", {"add": [prompts[0][:2 * B]]},
+                                 headers={"Authorization": f"Bearer {tenant_key(3)}"})
+        assert status == 403 and out["error"]["code"] == "operator_key_required"
     finally:
         c.stop()
-    assert [g["usage"]["prompt_cache_hit_tokens"] for g in got] == [0, 3 * B]
-    assert [g["choices"][0]["token_ids"] for g in got] == want
+    assert [g["usage"]["prompt_cache_hit_tokens"] for g in got] == [0] + [3 * B] * (TENANTS - 1)
+    assert all(g["choices"][0]["token_ids"] == want[i % 2] for i, g in enumerate(got))
