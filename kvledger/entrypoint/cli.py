@@ -25,7 +25,7 @@ from kvledger.util.output import EXIT_INTERRUPTED, CliError
 from kvledger.util.paths import default_data_dir
 from kvledger.util.redis_client import REDIS_URL_ENV
 
-GRACE_S = 10.0   # SIGTERM: seconds requests in flight may finish (then they end with a 503), default --grace-s
+SERVE_GRACE_S = 10.0   # SIGTERM: seconds requests in flight may finish (then they end with a 503), default --grace-s
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -167,7 +167,7 @@ def cli_threads(requested: int | None) -> int:
 
 
 def grace_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--grace-s", type=float, default=GRACE_S, help="on SIGTERM: seconds requests in flight get to "
+    p.add_argument("--grace-s", type=float, default=SERVE_GRACE_S, help="on SIGTERM: seconds requests in flight get to "
                    "finish before they end with a 503 (Ctrl-C ends them at once) (default %(default)s)")
 
 

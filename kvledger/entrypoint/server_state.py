@@ -153,8 +153,8 @@ class ServerState:
                                 known_keys=known_keys, prompt_len=prompt_len, public_blocks=public_blocks)
 
         assert self.config.redis_url is not None and self.config.cluster_token is not None
-        registry = Registry.from_url(self.config.redis_url, derive_keys(self.config.cluster_token).registry)
-        self.engine = RemoteEngines(registry, Router(self.config.routing),
+        engines = Registry.from_url(self.config.redis_url, derive_keys(self.config.cluster_token).registry)
+        self.engine = RemoteEngines(engines, Router(self.config.routing),
                                     self.config.cluster_token, check, self.spec, on_members=self._members,
                                     on_leg=self.metrics.leg, tail_handoff=self.config.tail_handoff)
         self.engine.start(loop)

@@ -23,7 +23,7 @@ from typing import NamedTuple
 from kvledger.core import KEY_BYTES
 from kvledger.store.backend import BlockStore
 
-GRACE_S = 60.0
+SNAPSHOT_GC_GRACE_S = 60.0
 SUFFIX = ".snap"
 CHUNK = 4096  # keys asked of the block store per call
 
@@ -80,7 +80,7 @@ def snapshot_stats(root: str | os.PathLike) -> tuple[int, int]:
     return n, size
 
 
-def collect_snapshots(root: str | os.PathLike, store: BlockStore, *, grace_s: float = GRACE_S,
+def collect_snapshots(root: str | os.PathLike, store: BlockStore, *, grace_s: float = SNAPSHOT_GC_GRACE_S,
                       now: float | None = None) -> SnapshotGc:
     """Remove the snapshot files whose chain block `store` no longer holds (see the module docstring)."""
     cutoff = (time.time() if now is None else now) - grace_s
