@@ -65,7 +65,12 @@ class SnapshotFiles:
                 os.close(fd)
 
     def exists(self, key: bytes) -> bool:
-        return self.path(key).is_file()
+        """Whether the snapshot's file is there; a mount that fails the stat (EIO, ESTALE, ENOTCONN) answers no
+        (rule 8: a fault is a miss, never a failed request)."""
+        try:
+            return self.path(key).is_file()
+        except OSError:
+            return False
 
     def read(self, key: bytes) -> tuple[int, bytearray] | None:
         """(position, bytes), or None when absent or damaged (a damaged file is removed)."""
