@@ -9,7 +9,7 @@ right:
     |-----------------------|------------------------------------------------------------------------|
     | [cached, hit)         | load_failed: promised by the CHECK, unreadable when fetched             |
     | [hit, L1)             | snapshot_missing: blocks present, the window not (fallback, replay)     |
-    | [L1, cap)             | the first absent block's cause (`BlockCause`): expired, evicted,        |
+    | [L1, cap)             | the first absent block's cause (`BLOCK_CAUSES`): expired, evicted,      |
     |                       | diverged or cold                                                       |
     | [max(cap, 0), L)      | tail: the last R tokens and the partial block, which no cache serves   |
 

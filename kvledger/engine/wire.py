@@ -33,7 +33,6 @@ from kvledger.engine.api import (FINISH_REASONS, EngineRequest, RequestUsage, Sa
 
 KEEPALIVE_S = 1.0
 FORGET_PATH = "/engine/v1/forget"
-TOKEN_HEADER = "authorization"   # "Bearer <cluster token>"
 
 
 class WireSampling(BaseModel):

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvledger.engine.ledgers import Part
 from kvledger.entrypoint.body_limit import BODY_TIMEOUT_S
 from kvledger.entrypoint.config import (DEFAULT_TTL_CLASSES, MAX_TOKENS_LIMIT, OPEN_PER_KEY, TRACE_FILE_BYTES,
                                         TRACE_FILES, per_key_default)
@@ -25,7 +26,7 @@ from kvledger.util.output import EXIT_INTERRUPTED, CliError
 from kvledger.util.paths import default_data_dir
 from kvledger.util.redis_client import REDIS_URL_ENV
 
-GRACE_S = 10.0   # SIGTERM: seconds requests in flight may finish (then they end with a 503), default --grace-s
+SERVE_GRACE_S = 10.0   # SIGTERM: seconds requests in flight may finish (then they end with a 503), default --grace-s
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -54,8 +55,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     store_args(p)
     trace_args(p)
     grace_arg(p)
-    p.set_defaults(func=cmd_serve, redis_url=None, token_file=None, routing="cache-aware", listen_fd=None,
-                   no_tail_handoff=False)
+    p.set_defaults(func=cmd_serve, part=Part.EMBEDDED, redis_url=None, token_file=None, routing="cache-aware",
+                   listen_fd=None, no_tail_handoff=False)
 
     p = sub.add_parser("entrypoint", help="a cluster's HTTP front: tokenizer, CHECK, router (no model weights)",
                        description="A cluster's HTTP front (the same API as serve): tokenizer, CHECK on the shared "
@@ -76,8 +77,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     cluster_store_args(p)
     trace_args(p)
     grace_arg(p)
-    p.set_defaults(func=cmd_serve, no_cache=False, max_num_seqs=8, checkpoint_every=0, threads=None,
-                   stream_hits="auto", ttl_classes=DEFAULT_TTL_CLASSES, gc_interval_s=0.0, kv_cache_bytes=None)
+    p.set_defaults(func=cmd_serve, part=Part.ENTRYPOINT, no_cache=False, max_num_seqs=8, checkpoint_every=0,
+                   threads=None, stream_hits="auto", ttl_classes=DEFAULT_TTL_CLASSES, gc_interval_s=0.0,
+                   kv_cache_bytes=None)
 
 
 def cluster_store_args(p: argparse.ArgumentParser) -> None:
@@ -167,7 +169,7 @@ def cli_threads(requested: int | None) -> int:
 
 
 def grace_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--grace-s", type=float, default=GRACE_S, help="on SIGTERM: seconds requests in flight get to "
+    p.add_argument("--grace-s", type=float, default=SERVE_GRACE_S, help="on SIGTERM: seconds requests in flight get to "
                    "finish before they end with a 503 (Ctrl-C ends them at once) (default %(default)s)")
 
 
@@ -239,8 +241,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
                  "header_timeout_s", "body_timeout_s", "max_connections", "max_connections_per_client"):
         if getattr(args, flag) is not None and getattr(args, flag) <= 0:
             raise CliError(f"--{flag.replace('_', '-')} must be > 0")
-    token = None
-    if args.redis_url is not None:
+    token, embedded = None, args.part is Part.EMBEDDED   # the mode, chosen by the command (`serve`, `entrypoint`)
+    if not embedded:
         from kvledger.util.cluster_token import load_token
 
         try:
@@ -249,14 +251,14 @@ def cmd_serve(args: argparse.Namespace) -> None:
             raise CliError(str(e)) from None
     capacity, ttl_classes, kv_cache_bytes = store_limits(args)
     quota_flags = cli_quotas(args.quota, ttl_classes)
-    threads = cli_threads(args.threads) if args.redis_url is None else None   # an entrypoint computes nothing
+    threads = cli_threads(args.threads) if embedded else None   # an entrypoint computes nothing
     trace = trace_settings(args)
     data_dir = writable_dir(args.data_dir or default_data_dir(), "--data-dir")
     # before the model load: a busy port fails at once
     sock = listen(args.host, args.port) if args.listen_fd is None else adopt(args.listen_fd)
     port = sock.getsockname()[1]
     per_key = args.max_concurrent_per_key or per_key_default(args.max_num_seqs, args.api_keys is not None)
-    config = ServeConfig(model=args.model, host=args.host, port=port, data_dir=data_dir,
+    config = ServeConfig(part=args.part, model=args.model, host=args.host, port=port, data_dir=data_dir,
                          api_keys=args.api_keys, public_prefix=args.public_prefix, no_cache=args.no_cache,
                          max_body_bytes=args.max_body_bytes,
                          body_timeout_s=args.body_timeout_s,
@@ -268,7 +270,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
                          store_capacity_bytes=capacity, quota_flags=quota_flags, gc_interval_s=args.gc_interval_s,
                          trace=trace,
                          kv_cache_bytes=kv_cache_bytes, stream_hits=stream_hits(args.stream_hits))
-    mode = "serve" if args.redis_url is None else "entrypoint"
+    mode = "serve" if embedded else "entrypoint"
     state, code = None, EXIT_INTERRUPTED   # until the server ran to its end: close as fast as after a Ctrl-C
     try:
         state = _open_state(config)

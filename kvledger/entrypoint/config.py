@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvledger.engine.ledgers import Part
 from kvledger.engine.models import registry
 from kvledger.entrypoint.body_limit import BODY_TIMEOUT_S
 from kvledger.store.quota import Owner
@@ -67,8 +68,12 @@ class TraceSettings:
 
 @dataclass(frozen=True, slots=True)
 class ServeConfig:
-    """What `kvledger serve` was started with. Limits are per request unless named otherwise."""
+    """What `kvledger serve` (or `kvledger entrypoint`) was started with. Limits are per request unless named
+    otherwise. `part` is the mode, chosen once by the command: EMBEDDED (`serve`: the engine in this process, the
+    store local) or ENTRYPOINT (a cluster's front: engines elsewhere, the index in Redis); no other code infers it.
+    Invariant: the entrypoint has a Redis URL and a cluster token, the embedded server neither."""
 
+    part: Part = Part.EMBEDDED
     model: str = registry.DEFAULT_MODEL   # a registry name or a path (`registry.resolve`)
     host: str = "127.0.0.1"
     port: int = 8000
@@ -103,11 +108,17 @@ class ServeConfig:
 
     def __post_init__(self) -> None:
         registry.resolve(self.model)   # ModelError (a ValueError) names what is served
-        assert (self.redis_url is None) == (self.cluster_token is None), "the cluster mode needs both"
+        assert self.part in (Part.EMBEDDED, Part.ENTRYPOINT), self.part
+        assert (self.part is Part.EMBEDDED) == (self.redis_url is None) == (self.cluster_token is None), \
+            "the entrypoint has a Redis URL and a cluster token, the embedded server neither"
         assert self.max_body_bytes > 0 and self.max_concurrent_per_key > 0 and self.default_max_tokens > 0
         assert self.body_timeout_s > 0
         assert self.store_capacity_bytes is None or self.store_capacity_bytes > 0
         assert self.gc_interval_s >= 0
+
+    @property
+    def embedded(self) -> bool:
+        return self.part is Part.EMBEDDED
 
     def device_pool(self) -> dict[str, int]:
         """The embedded engine's device pool arguments: `kv_cache_bytes` when set, with the longest request this

@@ -48,8 +48,7 @@ class ServerState:
         self.quotas = resolve_quotas(config.store_capacity_bytes, config.quota_flags, tenant_quotas(self.keys))
         self.tokenizer, self.chat_template = self.entry.text()   # before the ledgers: a bad model opens nothing
         self.public = self._public_prefixes()   # rule 12: swapped whole when an operator publishes or withdraws
-        part = Part.EMBEDDED if config.redis_url is None else Part.ENTRYPOINT
-        self.ledgers = open_ledgers(self.spec, config.data_dir, part, redis_url=config.redis_url,
+        self.ledgers = open_ledgers(self.spec, config.data_dir, config.part, redis_url=config.redis_url,
                                     token=config.cluster_token, policy=self.policy,
                                     capacity_bytes=config.store_capacity_bytes, quotas=self.quotas)
         self.block_ledger, self.state_ledger = self.ledgers.block, self.ledgers.state
@@ -92,7 +91,7 @@ class ServerState:
         """Embedded: load the model (seconds; the first run converts its weights, tens of seconds).
         Runs in the caller's thread, before the event loop starts, so Ctrl-C stops a load at once.
         Cluster: nothing to load (the entrypoint holds no weights)."""
-        if self.config.redis_url is not None or self._engine_core is not None:
+        if not self.config.embedded or self._engine_core is not None:
             return
         from kvledger.engine.engine import Engine
 
@@ -120,7 +119,7 @@ class ServerState:
 
         self.loop = loop = asyncio.get_running_loop()
         self.stopping = asyncio.Event()
-        if self.config.redis_url is not None:
+        if not self.config.embedded:
             return self._start_remote(loop)
         self.load_engine()
         assert self._engine_core is not None
@@ -152,9 +151,9 @@ class ServerState:
                                 namespace=namespace, ttl_class=ttl_class, replay=self.config.replay,
                                 known_keys=known_keys, prompt_len=prompt_len, public_blocks=public_blocks)
 
-        assert self.config.redis_url is not None and self.config.cluster_token is not None
-        registry = Registry.from_url(self.config.redis_url, derive_keys(self.config.cluster_token).registry)
-        self.engine = RemoteEngines(registry, Router(self.config.routing),
+        assert self.config.part is Part.ENTRYPOINT and self.config.redis_url and self.config.cluster_token
+        engines = Registry.from_url(self.config.redis_url, derive_keys(self.config.cluster_token).registry)
+        self.engine = RemoteEngines(engines, Router(self.config.routing),
                                     self.config.cluster_token, check, self.spec, on_members=self._members,
                                     on_leg=self.metrics.leg, tail_handoff=self.config.tail_handoff)
         self.engine.start(loop)

@@ -366,7 +366,7 @@ def open_recorder(state: Any) -> TraceRecorder:
             log.warning("trace recording is off: %s (requests are served as before)",
                         f"{config.data_dir}: {e.strerror}" if isinstance(e, OSError) else e)
             settings = replace(settings, enabled=False)
-    server = {"model": config.model, "mode": "embedded" if config.redis_url is None else "cluster",
+    server = {"model": config.model, "mode": "embedded" if config.embedded else "cluster",
               "block_bytes": spec.block_bytes(), "ttl_s": dict(policy.classes), "default_class": policy.default_class,
               "store_capacity_bytes": config.store_capacity_bytes, "routing": config.routing,
               "replay": config.replay, "checkpoint_every": config.checkpoint_every,

@@ -68,7 +68,7 @@ from kvledger.util.serve_process import spawn, terminate_all
 START_TIMEOUT_S = 600.0   # model loads: tens of seconds each on a loaded 2-core machine
 RESTART_BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)   # before the n-th restart of a child in a row
 STABLE_S = 60.0           # a child ready this long has its backoff reset
-GRACE_S = 2.0             # default --grace-s
+UP_GRACE_S = 2.0             # default --grace-s
 STOP_SLACK_S = 15.0       # beyond --grace-s: a process's own teardown (torch, uvicorn) on a loaded machine
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 NAP_S = 0.05              # how soon the main thread sees a signal's stop request
@@ -138,8 +138,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "threads together leave a CPU free (default %(default)s)")
     cluster_store_args(p)   # every engine's and the entrypoint's, the guarantees resolved once here
     trace_args(p)   # the entrypoint's; its default folder is <data-dir>/trace (not a JuiceFS mount's)
-    p.add_argument("--grace-s", type=float, default=GRACE_S, help="on a stop: seconds the entrypoint's open requests "
-                   "and the engines' hand-offs get before they are cut (default %(default)s)")
+    p.add_argument("--grace-s", type=float, default=UP_GRACE_S, help="on a stop: seconds the entrypoint's open "
+                   "requests and the engines' hand-offs get before they are cut (default %(default)s)")
     p.set_defaults(func=cmd_up)
 
 

@@ -16,9 +16,9 @@ import time
 import uuid
 from pathlib import Path
 
-from kvledger.core import KEY_BYTES
 from kvledger.state.pool import checksum
 from kvledger.util.private_file import open_private, private_dir
+from kvledger.util.snapshot_layout import snapshot_path, snapshots_dir
 
 MAGIC = b"KVLSNAP1"
 _HEADER = struct.Struct("<8sQQQ")
@@ -29,16 +29,15 @@ class SnapshotFiles:
     """Snapshot files under `root/snapshots`. `durable=True` fsyncs each file and its folder."""
 
     def __init__(self, root: str | Path, *, max_bytes: int = 64 << 20, durable: bool = False) -> None:
-        self.dir = Path(root) / "snapshots"
+        self.root = Path(root)
+        self.dir = snapshots_dir(root)
         private_dir(self.dir)   # 0700, its files 0600: whatever the writer's umask (DESIGN)
         self.max_bytes = max_bytes
         self.durable = durable
         self.corrupt = 0  # files found damaged and removed
 
     def path(self, key: bytes) -> Path:
-        assert len(key) == KEY_BYTES
-        h = key.hex()
-        return self.dir / h[:2] / f"{h}.snap"
+        return snapshot_path(self.root, key)
 
     def write(self, key: bytes, position: int, data: bytes | bytearray | memoryview) -> None:
         data = memoryview(data).cast("B")
@@ -66,7 +65,12 @@ class SnapshotFiles:
                 os.close(fd)
 
     def exists(self, key: bytes) -> bool:
-        return self.path(key).is_file()
+        """Whether the snapshot's file is there; a mount that fails the stat (EIO, ESTALE, ENOTCONN) answers no
+        (rule 8: a fault is a miss, never a failed request)."""
+        try:
+            return self.path(key).is_file()
+        except OSError:
+            return False
 
     def read(self, key: bytes) -> tuple[int, bytearray] | None:
         """(position, bytes), or None when absent or damaged (a damaged file is removed)."""

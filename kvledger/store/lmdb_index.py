@@ -64,7 +64,6 @@ SEG = struct.Struct("<ddddIIIQQQ16sHHH")  # expiry, last_hit, created, ttl_s, fi
 ORDER = struct.Struct(">QIQ")         # time ms, ~first_pos, seg id: big-endian so LMDB sorts it
 SEG_ID = struct.Struct(">Q")
 U64 = struct.Struct("<q")
-TOTALS = (b"blocks", b"live_bytes", b"disk_bytes", b"segments")
 BLOCK_TAIL = struct.Struct("<IIIQQ16s")  # BLOCK without its segment id: packed before the write transaction
 SEG_LE = struct.Struct("<Q")              # ... which prefixes it inside
 assert BLOCK.size == 52 and SEG_LE.size + BLOCK_TAIL.size == BLOCK.size

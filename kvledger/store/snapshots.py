@@ -1,5 +1,5 @@
 """Snapshot files follow the block ledger: `kvledger store gc` removes the state ledger's snapshot
-files (`<root>/snapshots/<xx>/<key hex>.snap`, kvledger.state.files) whose chain block is gone.
+files (`<root>/snapshots/<xx>/<key hex>.snap`, util/snapshot_layout.py) whose chain block is gone.
 
 A snapshot is keyed by the chain key of the block that ends at its position, so it belongs to
 that block's chain: it lives exactly as long as that block does in the block store — a hit
@@ -22,9 +22,9 @@ from typing import NamedTuple
 
 from kvledger.core import KEY_BYTES
 from kvledger.store.backend import BlockStore
+from kvledger.util.snapshot_layout import key_of, snapshot_path, snapshots_dir
 
-GRACE_S = 60.0
-SUFFIX = ".snap"
+SNAPSHOT_GC_GRACE_S = 60.0
 CHUNK = 4096  # keys asked of the block store per call
 
 
@@ -42,28 +42,21 @@ class SnapshotGc(NamedTuple):
 
 def snapshot_files(root: str | os.PathLike) -> Iterator[SnapshotFile]:
     """Every snapshot file under `root/snapshots` (none when the folder is missing)."""
-    base = Path(root) / "snapshots"
+    base = snapshots_dir(root)
     if not base.is_dir():
         return
     for folder in base.iterdir():
         if not folder.is_dir():
             continue
         for p in folder.iterdir():
-            name = p.name
-            if not name.endswith(SUFFIX) or len(name) != 2 * KEY_BYTES + len(SUFFIX):
+            key = key_of(p.name)
+            if key is None:
                 continue
             try:
-                key = bytes.fromhex(name[:-len(SUFFIX)])
                 st = p.stat()
-            except (ValueError, OSError):
+            except OSError:
                 continue
             yield SnapshotFile(key, p, st.st_size, st.st_mtime)
-
-
-def snapshot_path(root: str | os.PathLike, key: bytes) -> Path:
-    """Where the snapshot of chain key `key` lies under `root` (kvledger.state.files' layout)."""
-    h = key.hex()
-    return Path(root) / "snapshots" / h[:2] / f"{h}{SUFFIX}"
 
 
 def remove_snapshots(root: str | os.PathLike, keys: Iterable[bytes]) -> int:
@@ -80,7 +73,7 @@ def snapshot_stats(root: str | os.PathLike) -> tuple[int, int]:
     return n, size
 
 
-def collect_snapshots(root: str | os.PathLike, store: BlockStore, *, grace_s: float = GRACE_S,
+def collect_snapshots(root: str | os.PathLike, store: BlockStore, *, grace_s: float = SNAPSHOT_GC_GRACE_S,
                       now: float | None = None) -> SnapshotGc:
     """Remove the snapshot files whose chain block `store` no longer holds (see the module docstring)."""
     cutoff = (time.time() if now is None else now) - grace_s

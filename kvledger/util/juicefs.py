@@ -141,10 +141,6 @@ class JuiceFS:
                   *(["--capacity", str(capacity_gib)] if capacity_gib else []), self.meta_url, self.name)
         return self
 
-    def set_capacity(self, capacity_gib: int) -> None:
-        """Change the volume's hard quota (0: none); mounted clients see it within a heartbeat."""
-        self._run("config", self.meta_url, "--capacity", str(capacity_gib), "--yes")
-
     def mount(self, path: Path, *options: str) -> Mount:
         """A new client mounted at `path` (created), ready when `path` is a mount point. Each client has a cache
         folder of its own under the volume's root, as each machine would (clients sharing one would read each

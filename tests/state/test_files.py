@@ -53,3 +53,20 @@ def test_gc_removes_old_snapshots_and_stray_temporaries(tmp_path):
         os.utime(p, (old, old))
     assert files.gc(max_age_s=1800) == 2
     assert not files.exists(b"o" * 16) and not stray.exists() and files.read(b"n" * 16) == (256, b"new")
+
+
+def test_a_mount_that_fails_the_stat_answers_absent(tmp_path, monkeypatch):
+    """Rule 8: a shared mount whose stat fails (EIO, ESTALE, ENOTCONN: a dead FUSE client) is a miss, not an error
+    in the CHECK (the fault injected at the filesystem call, as a dead mount raises it)."""
+    import errno
+    from pathlib import Path
+
+    files = SnapshotFiles(tmp_path)
+    files.write(b"k" * 16, 128, b"abc")
+    assert files.exists(b"k" * 16)
+
+    def dead(self):
+        raise OSError(errno.ENOTCONN, "Transport endpoint is not connected", str(self))
+
+    monkeypatch.setattr(Path, "is_file", dead)
+    assert not files.exists(b"k" * 16)

@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from kvledger.engine.models.tokenizer import load_tokenizer
+from kvledger.engine.models.tokenizer import tokenizer_from
 from kvledger.engine.models.model_files import ROLE_TOKENS, cache_dir, file_digest, hf_tensor_name
 
 FORMAT = 1  # bump when the folder's contents change shape; old folders are then rebuilt
@@ -116,7 +116,7 @@ def _write_folder(gguf_path: Path, out: Path, source: dict[str, Any]) -> None:
     else:
         config = llama_config(field, tied=not any(t.name == "output.weight" for t in reader.tensors))
         _write_weights(reader, config, out / "model.safetensors")
-    load_tokenizer(str(gguf_path)).save(str(out / "tokenizer.json"))  # cached: no second GGUF parse
+    tokenizer_from(str(gguf_path)).save(str(out / "tokenizer.json"))  # cached: no second GGUF parse
     template = field("tokenizer.chat_template") if "tokenizer.chat_template" in reader.fields else None
     special = {role: vocab[field(key)] for role, key in ROLE_TOKENS.items() if key in reader.fields}
     # add_bos_token False: a tokenizer.json that needs <bos> (Gemma) adds it in its own post-processor

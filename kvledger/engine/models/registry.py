@@ -161,7 +161,7 @@ def load_tokenizer(model: str) -> Any:
     """A model's tokenizer by name (`smollm2` too), or from a path to a .gguf / tokenizer.json
     (`kvledger diff --tokenizer`). TokenizerError when there is none."""
     from kvledger.engine.models.tokenizer import TokenizerError
-    from kvledger.engine.models.tokenizer import load_tokenizer as from_path
+    from kvledger.engine.models.tokenizer import tokenizer_from as from_path
 
     name = {"smollm2": "smollm2-135m"}.get(model, model)
     if name not in _ENTRIES:

@@ -1,6 +1,6 @@
 """A model's tokenizer: a tokenizer.json, or one built from the vocabulary inside a GGUF model file.
 
-`load_tokenizer(path)` takes either (a model by name: `registry.load_tokenizer`).
+`tokenizer_from(path)` takes either (a model by name: `registry.load_tokenizer`).
 Parsing a GGUF's metadata takes seconds (the reader walks every field), so the
 built tokenizer is cached as a tokenizer.json under $XDG_CACHE_HOME/kvledger, keyed
 by the model file's path, size and mtime. The cache is a plain JSON file (no pickle).
@@ -27,7 +27,7 @@ class TokenizerError(Exception):
     """The tokenizer could not be found or built."""
 
 
-def load_tokenizer(source: str | Path) -> Tokenizer:
+def tokenizer_from(source: str | Path) -> Tokenizer:
     """From a path to a .gguf file or to a tokenizer.json."""
     path = Path(source)
     if not path.is_file():

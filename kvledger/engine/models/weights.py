@@ -90,9 +90,9 @@ class GgufFile:
         return gguf_to_hf_folder(self.locate(), self.name)
 
     def tokenizer(self) -> Any:
-        from kvledger.engine.models.tokenizer import load_tokenizer
+        from kvledger.engine.models.tokenizer import tokenizer_from
 
-        return load_tokenizer(self.locate())
+        return tokenizer_from(self.locate())
 
     def chat_template(self, tokenizer: Any) -> Any:
         """From the GGUF's `tokenizer.chat_template` (what the converted folder's tokenizer_config.json
@@ -122,10 +122,10 @@ class HfFolder:
 
     def tokenizer(self) -> Any:
         """None without tokenizer.json: the model is then served on token ids only."""
-        from kvledger.engine.models.tokenizer import load_tokenizer
+        from kvledger.engine.models.tokenizer import tokenizer_from
 
         path = self.path / "tokenizer.json"
-        return load_tokenizer(path) if path.is_file() else None
+        return tokenizer_from(path) if path.is_file() else None
 
     def chat_template(self, tokenizer: Any) -> Any:
         """None when tokenizer_config.json has no chat_template (completions only)."""
