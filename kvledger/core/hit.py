@@ -132,7 +132,7 @@ def decide_hit(
 ) -> HitDecision:
     """Rules 3 and 3′. `cached_blocks`: leading blocks the block ledger holds (may exceed the cap);
     `swa_snapshots`: positions that hold a snapshot for this prefix (`snapshot_candidates` says which
-    ones can matter).
+    ones can matter; `lookup_hit` asks a directory about them and calls this).
 
     Without a snapshot at L1, what a windowed model does:
 
@@ -276,7 +276,7 @@ def exact_replay(prompt_len: int, cached_blocks: int, spec: ModelSpec) -> HitDec
 def snapshot_candidates(prompt_len: int, cached_blocks: int, spec: ModelSpec, *, replay: bool = False) -> list[int]:
     """The snapshot positions `decide_hit` may use for this prompt, ascending: L1 alone for a model that
     falls back (or a replay), every block boundary up to L1 for an exact model (rule 3′). Empty for a
-    model without sliding-window layers. A CHECK asks the directory about exactly these."""
+    model without sliding-window layers. `lookup_hit` asks the directory about exactly these."""
     if not spec.has_swa:
         return []
     b = spec.block_size
@@ -288,9 +288,9 @@ def snapshot_candidates(prompt_len: int, cached_blocks: int, spec: ModelSpec, *,
 
 SnapshotLookup = Callable[[Sequence[int]], Collection[int]]
 """Candidate snapshot positions (ascending, each a block boundary) → those that hold a snapshot of this chain.
-Metadata only (no KV byte read), and it never raises: a directory that cannot be reached answers no position
-(rule 8). Its owner keeps that promise (`state.StateLedger.positions` counts the fault and answers what it
-found); `lookup_hit` catches nothing."""
+Metadata only (no KV byte read). A directory that cannot be reached answers no position (rule 8): the lookup's
+owner turns the fault into a miss (`state.StateLedger.positions` counts it and answers what it found);
+`lookup_hit` catches nothing."""
 
 
 @dataclass(frozen=True, slots=True)
