@@ -10,7 +10,7 @@ Model (units: seconds, tokens, bytes):
   are stored (rules 4 and 7) — when the request names them (workloads do; Mooncake traces do not).
 - The cache is kept at the request's id granularity (512 tokens in Mooncake traces): an id holds
   as many 128-token blocks as the writer had whole (a partial last 512-token block holds fewer).
-  Every hit decision goes through `kvledger.core.decide_hit`; snapshot positions come from
+  Every hit decision goes through `kvledger.core.lookup_hit`; snapshot positions come from
   `prefill_store_positions` / `decode_store_position` (or every N blocks for `periodic:N`).
 - Blocks are written at the end of prefill (in-flight prompts are not yet hits), tail first, so
   LRU eviction takes chain tails before heads; a hit renews the TTL of the blocks it reuses.
@@ -32,8 +32,8 @@ import numpy as np
 
 from kvledger.bench.sim_store import DevicePool, SimBlockStore, StatePool
 from kvledger.bench.trace import TraceRequest
-from kvledger.core import HitKind, ModelSpec, decide_hit, decode_replica_positions, decode_store_position
-from kvledger.core import prefill_store_positions, snapshot_candidates
+from kvledger.core import HitKind, ModelSpec, decode_replica_positions, decode_store_position, lookup_hit
+from kvledger.core import prefill_store_positions
 from kvledger.core.plan import PUBLISHED_PREFILL_TOKENS_PER_S
 from kvledger.store.lmdb_store import REFRESH_GRAIN_S
 
@@ -221,29 +221,33 @@ class Simulator:
         return blocks
 
     def _decide(self, r: TraceRequest, engine: int, now: float) -> _Decision:
-        """The hit of r on `engine`: `decide_hit` over the cached blocks and the snapshots reachable at the
-        positions it may use (`snapshot_candidates`: L1 alone for a model that falls back, every boundary
-        up to L1 for one that resumes exactly, rule 3′). Only the highest reachable one can decide (a
-        snapshot at L1, else the latest q < L1), so the search stops there. `l1` stays the blocks' L1 (what
-        the CHECK refreshes), also when an exact resume starts earlier."""
+        """The hit of r on `engine`: `core.lookup_hit` over the cached blocks and the snapshots reachable at the
+        positions it may use (L1 alone for a model that falls back, every boundary up to L1 for one that resumes
+        exactly, rule 3′). Only the highest reachable one can decide (a snapshot at L1, else the latest q < L1),
+        so the search stops there. `l1` stays the blocks' L1 (what the CHECK refreshes), also when an exact
+        resume starts earlier."""
         store = self.stores[engine if self.cfg.local else 0]
         return self._decide_blocks(r, self._cached_blocks(r, store, now), engine, store, now)
 
     def _decide_blocks(self, r: TraceRequest, cached: int, engine: int, store: SimBlockStore, now: float
                        ) -> _Decision:
         """The hit of r with `cached` leading blocks in hand (`_decide`)."""
-        cfg, spec = self.cfg, self.spec
-        replay = cfg.replay or cfg.swa == "zero"
+        cfg = self.cfg
         found: dict[int, tuple[int, int | None, tuple | None]] = {}
-        for pos in reversed(snapshot_candidates(r.input_length, cached, spec, replay=replay)):
-            where = self._snapshot(r, pos, engine, store, now)
-            if where is not None:
-                found[pos] = where
-                break
-        d = decide_hit(r.input_length, cached, found.keys(), spec, replay=replay)
-        l1 = min(min(cached, r.input_length // self.B) * self.B, d.cap)
-        out = (_Decision(d.hit_tokens, d.recompute_from, d.kind.value, l1, *found[d.hit_tokens]) if d.swa_hit
-               else _Decision(d.hit_tokens, d.recompute_from, d.kind.value, l1))
+
+        def highest_reachable(at: Sequence[int]) -> set[int]:
+            """The highest of `at` whose snapshot is reachable (`lookup_hit` needs no other), noting where it is."""
+            for pos in reversed(at):
+                where = self._snapshot(r, pos, engine, store, now)
+                if where is not None:
+                    found[pos] = where
+                    return {pos}
+            return set()
+
+        hit = lookup_hit(r.input_length, cached, highest_reachable, self.spec, replay=cfg.replay or cfg.swa == "zero")
+        d = hit.decision
+        out = (_Decision(d.hit_tokens, d.recompute_from, d.kind.value, hit.l1, *found[d.hit_tokens]) if d.swa_hit
+               else _Decision(d.hit_tokens, d.recompute_from, d.kind.value, hit.l1))
         out.cached = cached
         return out
 

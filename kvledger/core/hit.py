@@ -9,7 +9,7 @@ trained for the fallback (rule 3′), where an exact resume starts (the latest s
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -115,6 +115,13 @@ def cap_blocks(prompt_len: int, spec: ModelSpec) -> int:
     return blocks_spanned(hit_cap(prompt_len, spec), spec)
 
 
+def block_reach(prompt_len: int, cached_blocks: int, spec: ModelSpec) -> int:
+    """L1 of rule 3, in tokens: min(cached_blocks · B, cap), the prefix the block ledger's leading blocks cover
+    up to the hit cap (`cached_blocks` may exceed it; a partial block has no key, so it is never cached).
+    A multiple of B, except a full-attention cap of L − 1. V4, L = 1000 (cap 768): 5 blocks → 640, 9 → 768."""
+    return min(min(cached_blocks, prompt_len // spec.block_size) * spec.block_size, hit_cap(prompt_len, spec))
+
+
 def decide_hit(
     prompt_len: int,
     cached_blocks: int,
@@ -125,7 +132,7 @@ def decide_hit(
 ) -> HitDecision:
     """Rules 3 and 3′. `cached_blocks`: leading blocks the block ledger holds (may exceed the cap);
     `swa_snapshots`: positions that hold a snapshot for this prefix (`snapshot_candidates` says which
-    ones can matter).
+    ones can matter; `lookup_hit` asks a directory about them and calls this).
 
     Without a snapshot at L1, what a windowed model does:
 
@@ -142,7 +149,7 @@ def decide_hit(
     _check_count("cached_blocks", cached_blocks)
     b = spec.block_size
     cap = hit_cap(prompt_len, spec)
-    l1 = min(min(cached_blocks, prompt_len // b) * b, cap)   # a partial block has no key: never cached
+    l1 = block_reach(prompt_len, cached_blocks, spec)
     if l1 == 0:
         return HitDecision(HitKind.MISS, 0, 0, False, 0, None, cap)
     if not spec.has_swa:
@@ -262,21 +269,63 @@ def exact_replay(prompt_len: int, cached_blocks: int, spec: ModelSpec) -> HitDec
     _check_count("cached_blocks", cached_blocks)
     assert spec.has_swa, "a model without sliding-window layers resumes at L1 from its blocks alone"
     cap = hit_cap(prompt_len, spec)
-    l1 = min(cached_blocks * spec.block_size, cap)
+    l1 = block_reach(prompt_len, cached_blocks, spec)
     return HitDecision(HitKind.REPLAY if l1 else HitKind.MISS, 0, l1, False, 0, None, cap)
 
 
 def snapshot_candidates(prompt_len: int, cached_blocks: int, spec: ModelSpec, *, replay: bool = False) -> list[int]:
     """The snapshot positions `decide_hit` may use for this prompt, ascending: L1 alone for a model that
     falls back (or a replay), every block boundary up to L1 for an exact model (rule 3′). Empty for a
-    model without sliding-window layers. A CHECK asks the directory about exactly these."""
+    model without sliding-window layers. `lookup_hit` asks the directory about exactly these."""
     if not spec.has_swa:
         return []
     b = spec.block_size
-    l1 = min(cached_blocks * b, hit_cap(prompt_len, spec))
+    l1 = block_reach(prompt_len, cached_blocks, spec)
     if l1 == 0:
         return []
     return list(range(b, l1 + 1, b)) if resumes_exactly(spec, replay=replay) else [l1]
+
+
+SnapshotLookup = Callable[[Sequence[int]], Collection[int]]
+"""Candidate snapshot positions (ascending, each a block boundary) → those that hold a snapshot of this chain.
+Metadata only (no KV byte read). A directory that cannot be reached answers no position (rule 8): the lookup's
+owner turns the fault into a miss (`state.StateLedger.positions` counts it and answers what it found);
+`lookup_hit` catches nothing."""
+
+
+@dataclass(frozen=True, slots=True)
+class HitLookup:
+    """What one lookup decided, and how far the blocks alone reach.
+
+    `l1` = min(cached blocks · B, cap), the L1 of rule 3: the blocks a CHECK found present, up to the cap
+    (what it refreshes, what a miss split starts its block causes at). Invariant:
+    decision.block_hit_tokens <= l1 <= decision.cap; the two differ only where rule 3′ resumes exactly at a
+    snapshot q < L1 (block_hit_tokens = q) or finds none (a miss with blocks present)."""
+
+    decision: HitDecision
+    l1: int   # tokens
+
+
+def lookup_hit(prompt_len: int, cached_blocks: int, find_snapshots: SnapshotLookup | None, spec: ModelSpec, *,
+               replay: bool = False, request_prompt_len: int | None = None) -> HitLookup:
+    """The hit lookup, in one place: the candidates `snapshot_candidates` names → `find_snapshots` → `decide_hit`.
+    Every CHECK calls it (the entrypoint, the engine's device-cache raise, the vLLM connector, the demo, the
+    simulator); none composes the three itself.
+
+    `prompt_len`: the tokens this leg computes; `request_prompt_len`: the request's own prompt when the leg
+    continues it (None: the same), so the rule decides on `decided_length` (rule 10). `cached_blocks`: the
+    leading blocks present (it may exceed the cap). `find_snapshots` is asked once, and only when there are
+    candidates (never for a model without sliding-window layers, nor with no block present); None: no state
+    ledger, so no snapshot. It may leave out every position below the highest it finds: `decide_hit` uses the
+    snapshot at L1, else the latest one below it.
+
+    Example, tiny-v4 (B = 128, R = 134, resumes exactly), L = 1000, 7 blocks present: cap = 768 = L1; the
+    lookup is asked about [128, 256, …, 768]; an answer of {512} gives a snapshot hit at 512 with l1 = 768."""
+    length = prompt_len if request_prompt_len is None else decided_length(prompt_len, request_prompt_len, spec)
+    at = snapshot_candidates(length, cached_blocks, spec, replay=replay)
+    found = find_snapshots(at) if at and find_snapshots is not None else ()
+    decision = decide_hit(length, cached_blocks, found, spec, replay=replay)
+    return HitLookup(decision, block_reach(length, cached_blocks, spec))
 
 
 def prefill_store_positions(prompt_len: int, spec: ModelSpec) -> tuple[int, ...]:

@@ -18,7 +18,7 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from kvledger.core import ModelSpec, chain_keys, decide_hit, diff_prompts, hit_cap, plan, prefill_store_positions
+from kvledger.core import ModelSpec, chain_keys, decide_hit, diff_prompts, lookup_hit, plan, prefill_store_positions
 from kvledger.core.spec import PUBLISHED_MODEL
 from kvledger.demo.prompts import agent_prompt
 from kvledger.util.render import diff_view, plan_table
@@ -108,8 +108,7 @@ def _two_ledgers(console: Console, spec: ModelSpec, turn1: list[int], turn2: lis
             reopen_ms = (time.perf_counter() - t0) * 1e3
             t0 = time.perf_counter()
             keys2, cached = store.match_tokens(turn2, spec)
-            l1 = min(cached * b, hit_cap(len(turn2), spec))
-            d = decide_hit(len(turn2), cached, entrypoint.positions(keys2, at={l1}), spec)
+            d = lookup_hit(len(turn2), cached, lambda at: entrypoint.positions(keys2, at=at), spec).decision
             check_ms = (time.perf_counter() - t0) * 1e3
             t.add_row("block ledger restarted", f"index rebuilt from segment headers in {reopen_ms:.1f} ms")
             t.add_row("CHECK at the entrypoint", f"{cached} leading blocks stored, snapshot at {d.block_hit_tokens:,}: "

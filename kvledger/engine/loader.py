@@ -83,7 +83,7 @@ from dataclasses import dataclass
 import torch
 
 from kvledger.core import (HitDecision, blocks_spanned, cap_blocks, decide_hit, decided_length, exact_replay, is_handed,
-                           resumes_exactly, snapshot_candidates, tail_parts)
+                           lookup_hit, resumes_exactly, tail_parts)
 from kvledger.engine.block_pool import BlockPool
 from kvledger.engine.fetch_target import PoolTarget, StagingTarget
 from kvledger.engine.fetcher import STREAMS_HERE, Fetcher
@@ -204,16 +204,15 @@ class HitLoader:
     def _with_device_cache(self, seq: Sequence) -> HitDecision:
         """The device prefix cache may hold more leading blocks than the CHECK found: blocks this engine
         computed whose write to the block ledger is still queued. Taking them reads no KV from anywhere,
-        so the decision is raised to them (the snapshot, for windowed models, looked up as the CHECK does)."""
+        so the decision is raised to them (`core.lookup_hit`, the CHECK's lookup, over the state ledger)."""
         d, b = seq.decision, self.spec.block_size
         held = self.pool.cached_prefix(seq.keys[:cap_blocks(self._decided(seq), self.spec)])
         if min(held * b, d.cap) <= d.block_hit_tokens:
             return d
-        snapshots: set[int] = set()
-        if self.spec.has_swa and self.state_ledger is not None:
-            at = snapshot_candidates(self._decided(seq), held, self.spec, replay=self.replay)
-            snapshots = self.state_ledger.positions(seq.keys, at=at)
-        better = decide_hit(self._decided(seq), held, snapshots, self.spec, replay=self.replay)
+        ledger = self.state_ledger
+        snapshots = None if ledger is None else lambda at: ledger.positions(seq.keys, at=at)
+        better = lookup_hit(seq.prompt_len, held, snapshots, self.spec, replay=self.replay,
+                            request_prompt_len=seq.request_prompt_len).decision
         return better if better.hit_tokens > d.hit_tokens else d
 
     def _snapshot(self, seq: Sequence, slot: int) -> HitDecision:

@@ -2,10 +2,10 @@
 
     keys, decision = check_prompt(tokens, spec, block_ledger=blocks, state_ledger=states)
 
-The block ledger's index answers how many leading blocks exist; for a model with sliding-window
-layers the state ledger's directory answers which of `core.snapshot_candidates` hold a snapshot
-(L1 alone for a model that falls back; every boundary up to L1 for one that resumes exactly,
-rule 3′), in one batched lookup; `core.decide_hit` turns both into the decision the engine follows.
+The block ledger's index answers how many leading blocks exist; `core.lookup_hit` asks the state
+ledger's directory, in one batched lookup, which of the positions that can matter hold a snapshot (L1
+alone for a model that falls back; every boundary up to L1 for one that resumes exactly, rule 3′) and
+turns both into the decision the engine follows.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from kvledger.core import HitDecision, ModelSpec, continue_chain, decide_hit, decided_length, snapshot_candidates
+from kvledger.core import HitDecision, ModelSpec, continue_chain, lookup_hit
 from kvledger.state.ledger import StateLedger
 from kvledger.store.backend import Match
 from kvledger.store.ledger import BlockLedger
@@ -37,7 +37,7 @@ def check_prompt_explained(tokens: Any, spec: ModelSpec, *, block_ledger: BlockL
                            state_ledger: StateLedger | None, namespace: str = "default", ttl_class: str | None = None,
                            replay: bool = False, known_keys: Sequence[bytes] = (), prompt_len: int | None = None,
                            public_blocks: int = 0) -> tuple[list[bytes], HitDecision, Match]:
-    """Chain keys + CHECK on the index + the directory's snapshot positions + decide_hit, and the index's answer
+    """Chain keys + CHECK on the index + `core.lookup_hit` over the directory, and the index's answer
     (`store.backend.Match`: the leading blocks present, the first absent one's tombstone, if it kept one).
 
     `known_keys`: the keys of the leading blocks of `tokens`, computed earlier in this process (a later leg
@@ -52,10 +52,7 @@ def check_prompt_explained(tokens: Any, spec: ModelSpec, *, block_ledger: BlockL
     assert len(known_keys) <= len(arr) // b, "known keys name full blocks of this prompt"
     keys = continue_chain(arr, spec, namespace, known_keys, public_blocks=public_blocks)
     found = block_ledger.match_explained(keys, namespace=namespace, ttl_class=ttl_class)
-    cached = found.blocks
-    snapshots: set[int] = set()
-    length = decided_length(len(arr), prompt_len or len(arr), spec)
-    at = snapshot_candidates(length, cached, spec, replay=replay)
-    if at and state_ledger is not None:
-        snapshots = state_ledger.positions(keys, at=at)
-    return keys, decide_hit(length, cached, snapshots, spec, replay=replay), found
+    snapshots = None if state_ledger is None else lambda at: state_ledger.positions(keys, at=at)
+    hit = lookup_hit(len(arr), found.blocks, snapshots, spec, replay=replay,
+                     request_prompt_len=prompt_len or None)
+    return keys, hit.decision, found

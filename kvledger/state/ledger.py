@@ -193,7 +193,10 @@ class StateLedger:
         """Positions holding a snapshot, metadata only: `keys[i]` is the chain key of block i,
         so its snapshot position is (i + 1)·B. The result is `decide_hit`'s `swa_snapshots`.
         `at` limits the question to some positions (`core.snapshot_candidates`: L1 alone for a model that falls
-        back, every boundary up to L1 for one that resumes exactly, rule 3′)."""
+        back, every boundary up to L1 for one that resumes exactly, rule 3′). Bound to `keys`, this is every
+        CHECK's `core.SnapshotLookup`, and the one place that turns its faults into misses (rule 8;
+        `core.lookup_hit` catches nothing): a directory that cannot be reached is counted and answers no
+        position."""
         if not self.strategy.keeps:
             return set()
         b = self.spec.block_size

@@ -12,8 +12,9 @@ from kvledger import (
 )
 from dataclasses import replace
 
-from kvledger.core import (blocks_spanned, cap_blocks, check_decision, checkpoint_positions, decided_length,
-                           exact_replay, hit_cap, is_handed, snapshot_candidates, tail_parts, takes_tail, with_tail)
+from kvledger.core import (block_reach, blocks_spanned, cap_blocks, check_decision, checkpoint_positions,
+                           decided_length, exact_replay, hit_cap, is_handed, lookup_hit, snapshot_candidates,
+                           tail_parts, takes_tail, with_tail)
 
 V4 = ModelSpec.preset("deepseek-v4.1-flash")
 TINY = ModelSpec.preset("tiny-v4")
@@ -462,3 +463,67 @@ def test_a_later_leg_of_a_model_anchored_at_its_prompt_is_decided_on_that_prompt
         assert decided_length(646, 645, ModelSpec.preset(name)) == 646
     with pytest.raises(AssertionError):
         decided_length(645, 646, tiny)   # a prompt longer than the tokens given is no leg of it
+
+
+# --- the hit lookup (`lookup_hit`): candidates → the snapshot lookup → decide_hit, in one place ------------
+
+class _Directory:
+    """A snapshot lookup that holds `held` and records what it was asked."""
+
+    def __init__(self, held: set[int]) -> None:
+        self.held, self.asked = held, []
+
+    def __call__(self, at):
+        self.asked.append(list(at))
+        return {p for p in at if p in self.held}
+
+
+def test_lookup_asks_about_the_candidates_and_decides_on_the_answer():
+    """tiny-v4, L = 1000 (cap 768), 7 blocks: asked about every boundary up to L1, no snapshot at 768 → 512."""
+    directory = _Directory({256, 512, 896})
+    found = lookup_hit(1000, 7, directory, TINY)
+    assert directory.asked == [[128, 256, 384, 512, 640, 768]]
+    assert found.decision == decide_hit(1000, 7, {256, 512, 896}, TINY)
+    assert (found.decision.kind, found.decision.hit_tokens, found.l1) == (HitKind.SNAPSHOT, 512, 768)
+
+
+def test_lookup_asks_only_about_l1_where_the_model_falls_back_or_replays():
+    for spec, replay in ((V4, False), (TINY, True)):
+        directory = _Directory(set())
+        found = lookup_hit(1000, 7, directory, spec, replay=replay)
+        assert directory.asked == [[768]] and found.l1 == found.decision.block_hit_tokens == 768
+
+
+def test_lookup_asks_nothing_without_candidates_or_a_state_ledger():
+    """No sliding-window layers, no block present, or a prompt under the cap: the directory is not asked."""
+    directory = _Directory({128, 256})
+    assert lookup_hit(1000, 7, directory, LLAMA).decision.hit_tokens == 896
+    assert lookup_hit(1000, 0, directory, TINY).decision.kind is HitKind.MISS
+    assert lookup_hit(100, 7, directory, TINY).decision.kind is HitKind.MISS
+    assert directory.asked == []
+    none = lookup_hit(1000, 7, None, TINY)   # no state ledger: no snapshot
+    assert none.decision == decide_hit(1000, 7, set(), TINY) and none.l1 == 768
+
+
+def test_a_lookup_that_answers_only_its_highest_find_decides_the_same():
+    """`decide_hit` uses the snapshot at L1, else the latest below it: an answer of that one alone is enough."""
+    highest = lambda at: {max(p for p in at if p in {256, 512})}   # noqa: E731
+    assert lookup_hit(1000, 7, highest, TINY).decision == lookup_hit(1000, 7, _Directory({256, 512}), TINY).decision
+
+
+def test_a_later_leg_is_looked_up_on_its_request_prompt():
+    """tiny-v4, a decode leg of 646 tokens of a 645-token prompt: decided on 645 (cap 384), not 646 (cap 512)."""
+    directory = _Directory({384, 512})
+    found = lookup_hit(646, 5, directory, TINY, request_prompt_len=645)
+    assert directory.asked == [[128, 256, 384]]
+    assert found.decision == decide_hit(645, 5, {384, 512}, TINY) and found.l1 == 384
+
+
+@given(lengths, blocks, positions, specs, st.booleans())
+def test_lookup_is_decide_hit_over_what_the_directory_holds(L, cached, snaps, spec, replay):
+    """Whatever the directory holds, the lookup decides as `decide_hit` over all of it, and its l1 is rule 3's L1
+    (blocks present up to the cap), never below the decision's block_hit_tokens."""
+    found = lookup_hit(L, cached, _Directory(snaps), spec, replay=replay)
+    assert found.decision == decide_hit(L, cached, snaps, spec, replay=replay)
+    assert found.l1 == _l1(L, cached, spec) == block_reach(L, cached, spec)
+    assert found.decision.block_hit_tokens <= found.l1 <= max(found.decision.cap, 0)

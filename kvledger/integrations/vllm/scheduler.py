@@ -28,7 +28,7 @@ load that failed leaves vLLM recomputing from the failed block, which is then sa
 
 A hybrid model (full and sliding-window layers, vLLM's hybrid KV cache manager on: one block
 table per KV cache group) asks the state ledger too, and the hit is core's rule 3′ as it is
-(`decide_hit` over the leading blocks and the snapshot positions `snapshot_candidates` names;
+(`lookup_hit` over the leading blocks and the state ledger's snapshot positions;
 for Gemma 3, R = 1: a hit at L1 = ⌊(L − 1)/B⌋·B needs the snapshot at L1, else the latest
 earlier one q, and the hit is q). Its ranges, W the window:
 
@@ -64,8 +64,8 @@ from typing import Any
 
 import numpy as np
 
-from kvledger.core import (PUBLIC_NAMESPACE, ModelSpec, checkpoint_positions, continue_chain, decide_hit,
-                           prefill_store_positions, snapshot_candidates)
+from kvledger.core import (PUBLIC_NAMESPACE, ModelSpec, checkpoint_positions, continue_chain, lookup_hit,
+                           prefill_store_positions)
 from kvledger.integrations.vllm.config import namespace_of
 from kvledger.integrations.vllm.records import BlockRun, KvGroups, StepPlan, WindowRun
 from kvledger.integrations.vllm.slices import Slicing
@@ -208,18 +208,12 @@ class SchedulerSide:
         sources = self._leading(keys)
         cached = len(sources)
         self.sources[request.request_id] = sources
-        if self.state is None:
-            hit = decide_hit(len(prompt), cached, (), self.spec).hit_tokens
-        else:
-            hit = decide_hit(len(prompt), cached, self._snapshots(len(prompt), cached, keys), self.spec).hit_tokens
+        state = self.state
+        snapshots = None if state is None else lambda at: state.positions(keys, at=at)   # metadata only
+        hit = lookup_hit(len(prompt), cached, snapshots, self.spec).decision.hit_tokens
+        if state is not None:
             self.checked[request.request_id] = (num_computed_tokens, hit)
         return max(hit - num_computed_tokens, 0)
-
-    def _snapshots(self, prompt_len: int, cached: int, keys: list[bytes]) -> set[int]:
-        """The snapshot positions among those `decide_hit` may use (metadata only: the files' presence)."""
-        assert self.state is not None
-        wanted = snapshot_candidates(prompt_len, cached, self.spec)
-        return self.state.positions(keys, at=wanted) if wanted else set()
 
     # --- allocation and steps ------------------------------------------------------
 
