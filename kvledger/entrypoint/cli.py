@@ -180,8 +180,9 @@ def http_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000, help="HTTP port")
     p.add_argument("--api-keys", type=Path, default=None, metavar="FILE",
                    help='JSON: {"KEY": "namespace"} or {"KEY": {"namespace": ..., "ttl_class": ..., "role": '
-                        '"operator"}} (operator keys read /metrics and /dashboard; the file must be owned by you and '
-                        "writable by nobody else) (default: none, open to every caller on loopback)")
+                        '"operator", "quota": SIZE, "store": false}} (operator keys read /metrics and /dashboard and '
+                        "publish and forget; the file must be yours and mode 0600) (default: none, open to every "
+                        "caller on loopback)")
     p.add_argument("--public-prefix", type=Path, default=None, metavar="FILE",
                    help="JSON: a list of public prefixes (token-id lists, or strings tokenized as a prompt's start) "
                         "every tenant's prompt shares: their whole blocks are computed and stored once for all "
