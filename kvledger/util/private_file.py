@@ -123,14 +123,35 @@ def private_dir(path: Path) -> Path:
 def open_private(path: str | Path, flags: int) -> int:
     """`os.open(path, flags | O_CREAT | O_CLOEXEC)` of a file only its owner may read or write: a file it
     creates is 0600 whatever the umask, and an existing one this user owns with group or other bits set
-    (an older version's 0644) is made 0600 too. The descriptor (the caller closes it)."""
+    (an older version's 0644) is made 0600 too. The descriptor (the caller closes it).
+
+    With O_EXCL the file is new and this call made it with mode 0600, which a umask can only narrow: no
+    fstat then, and a chmod only when the umask took the owner's own bits (a segment file on a shared mount is
+    created without a metadata round trip)."""
     fd = os.open(path, flags | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    if flags & os.O_EXCL:
+        mask = _umask()
+        if mask is None or mask & 0o600:
+            _chmod(fd, 0o600)
+        return fd
     try:
         tighten(fd)
     except BaseException:
         os.close(fd)
         raise
     return fd
+
+
+def _umask() -> int | None:
+    """This process's umask, read without changing it (Linux's /proc/self/status; None where it is not there)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return None
 
 
 def tighten(file: int | str | Path) -> None:
