@@ -126,7 +126,7 @@ def test_through_kvledger_up_the_prefix_is_computed_once_and_replies_are_one_eng
     """The same through `kvledger up` (1 prefill + 1 decode engine, tiny-v4): the entrypoint decides the public
     part once and every leg keys by it (the wire's public_blocks); the second tenant hits the prefix's blocks and
     window, and both replies equal one no-cache engine's."""
-    from kvledger.bench.cluster_process import ClusterProcess
+    from kvledger.entrypoint.cluster_process import ClusterProcess
 
     prefix = [t % 1000 for t in tokens(4, 3 * B + 40)]
     (tmp_path / "public.json").write_text(json.dumps([prefix]))
