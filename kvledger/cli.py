@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -18,9 +20,32 @@ from kvledger.util.output import (EXIT_INTERRUPTED, CliError, HelpFormatter, emi
                                    loads_strict, to_devnull)
 
 EXIT_USAGE = 2
-# Command groups that live with their packages; each module has `register(subparsers)`.
-COMMAND_GROUPS = ("kvledger.store.cli", "kvledger.bench.cli", "kvledger.entrypoint.cli", "kvledger.entrypoint.up",
-                  "kvledger.engine.cli", "kvledger.bench.whatif_cli")
+# The product's command groups, which live with their packages; each module has `register(subparsers)`.
+COMMAND_GROUPS = ("kvledger.store.cli", "kvledger.entrypoint.cli", "kvledger.entrypoint.up", "kvledger.engine.cli")
+
+
+@dataclass(frozen=True, slots=True)
+class Tool:
+    """A command group above the product (DESIGN.md "Layout": the bench, and the demo that runs its simulator).
+    The product imports nothing of it: this table is the one place that names it, and `main` imports its
+    module only to run its command, once the modules it `needs` (the `bench` extra) are found."""
+
+    module: str                   # has `register(subparsers)`
+    help: str                     # its line in `kvledger --help`, as its module's own parser says it
+    needs: tuple[str, ...] = ()   # modules of the `bench` extra it cannot run without
+
+
+BENCH_EXTRA = "pip install 'kvledger[bench]'"
+TOOLS = {
+    "bench": Tool("kvledger.bench.cli", "benchmarks, each side by side with its baseline",
+                  ("matplotlib", "zmq", "openai")),
+    # the simulator on a server's trace: numpy only, so `GET /whatif` answers without the extra (a chart, --out,
+    # needs matplotlib and says so)
+    "whatif": Tool("kvledger.bench.whatif_cli", "the simulator on the server's own recorded traffic: hit rate and "
+                   "TTFT with other settings, beside the live"),
+    "demo": Tool("kvledger.demo.cli", "the main job on built-in examples"),
+}
+
 # Commands that write the ledgers, Redis's dump, logs or the cluster token: what they (and every child they
 # start) create is the user's alone (files 0600, folders 0700), whatever umask they were started with.
 PRIVATE_COMMANDS = frozenset({"serve", "entrypoint", "engine", "up", "store"})
@@ -164,25 +189,23 @@ def cmd_diff(args: argparse.Namespace) -> None:
         diff_view(d, a, b, spec.name, _console(), decode)
 
 
-# --- demo ------------------------------------------------------------------------
-
-def cmd_demo(args: argparse.Namespace) -> None:
-    from kvledger.demo import run_demo
-
-    run_demo(_console(), chat_turns=args.turns)
-
-
 # --- parser ----------------------------------------------------------------------
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(tools: Collection[str] = tuple(TOOLS)) -> argparse.ArgumentParser:
+    """The command line: the product's commands, and the tools named in `tools` in full (`main` names the one its
+    command runs, if any), the others by their line in `kvledger --help` only."""
     p = _Parser(prog="kvledger", description="kvledger: a shared, persistent KV-cache tier for LLM serving.",
                 epilog=examples("kvledger demo", "kvledger serve", "kvledger COMMAND --help"))
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _plan_parser(sub)
     _diff_parser(sub)
-    _demo_parser(sub)
     for name in COMMAND_GROUPS:
         importlib.import_module(name).register(sub)
+    for name, tool in TOOLS.items():
+        if name in tools:
+            importlib.import_module(tool.module).register(sub)
+        else:
+            sub.add_parser(name, help=tool.help)
     return p
 
 
@@ -239,23 +262,23 @@ def _diff_parser(sub: argparse._SubParsersAction) -> None:
     df.set_defaults(func=cmd_diff)
 
 
-def _demo_parser(sub: argparse._SubParsersAction) -> None:
-    dm = sub.add_parser("demo", help="the main job on built-in examples",
-                        description="The main job on built-in examples: the V4 capacity plan, a prompt diff, "
-                        "hit decisions,\nblocks stored and read back, and a chat with SmolLM2 whose later turns "
-                        "hit the cache.",
-                        epilog=examples("kvledger demo", "kvledger demo --turns 0   # without the chat (no model "
-                                        "load)"))
-    dm.add_argument("--turns", type=int, default=3, choices=range(4), metavar="{0..3}",
-                    help="chat turns with SmolLM2 on the reference engine (default %(default)s; 0: skip the chat)")
-    dm.set_defaults(func=cmd_demo)
+def _tool_to_run(argv: Sequence[str]) -> tuple[str, ...]:
+    """The tool whose command `argv` is (none: a product command); CliError when what it needs is not installed."""
+    tool = TOOLS.get(argv[0]) if argv else None
+    if tool is None:
+        return ()
+    missing = [name for name in tool.needs if importlib.util.find_spec(name) is None]
+    if missing:
+        raise CliError(f"`kvledger {argv[0]}` needs the bench extra (no module {', '.join(missing)}): {BENCH_EXTRA}")
+    return (argv[0],)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Every way out is one of: 0, a one-line error and 2 (bad input) or 1 (a bug), 130 (Ctrl-C, at any
     moment after this module's few imports), or the status a server's own stop chose (SystemExit)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        args = build_parser().parse_args(argv)
+        args = build_parser(_tool_to_run(argv)).parse_args(argv)
         if args.command in PRIVATE_COMMANDS:
             os.umask(PRIVATE_UMASK)
         args.func(args)

@@ -1,5 +1,7 @@
 import argparse
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -129,6 +131,38 @@ def test_demo_runs(run_cli):
     for part in ("capacity plan", "130,816", "130,688", "prompt diff", "snapshot hit of 2,176 tokens",
                  "17 of 17 blocks read back", "bytes identical", "byte-exact", "ceiling 0.640", "Try next"):
         assert part in r.stdout
+
+
+def _tool_lines(parser: argparse.ArgumentParser) -> dict[str, str]:
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return {choice.dest: choice.help for choice in action._choices_actions}
+
+
+def test_the_tools_are_listed_as_they_describe_themselves(run_cli):
+    """`kvledger --help` lists bench, whatif and demo from `TOOLS`, their modules unimported, in the words their
+    own parsers use."""
+    from kvledger.cli import TOOLS, build_parser
+
+    listed = _tool_lines(build_parser(()))
+    assert {name: listed[name] for name in TOOLS} == {name: _tool_lines(build_parser())[name] for name in TOOLS}
+    r = run_cli("--help")
+    assert r.returncode == 0 and all(f"    {name} " in r.stdout for name in TOOLS)
+
+
+def test_a_bench_without_its_extra_is_one_line_and_exit_2():
+    """Without the `bench` extra (None in sys.modules reads as not installed) `kvledger bench` says what to
+    install, in one line, and exits 2, before importing any bench."""
+    code = ("import sys\n"
+            "sys.modules['matplotlib'] = sys.modules['zmq'] = None\n"
+            "from kvledger.cli import main\n"
+            "try:\n"
+            "    main(['bench', 'store', '--json'])\n"
+            "finally:\n"
+            "    assert not [m for m in sys.modules if m.startswith('kvledger.bench')]\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert (r.returncode, r.stdout) == (2, "")
+    assert r.stderr.splitlines() == ["kvledger: error: `kvledger bench` needs the bench extra (no module matplotlib, "
+                                     "zmq): pip install 'kvledger[bench]'"]
 
 
 def _commands(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):

@@ -36,7 +36,7 @@ from typing import Any
 
 from kvledger.bench.chaos_faults import FAULTS
 from kvledger.bench.chaos_load import HUNG_S, Load, Sample, check_against, complete
-from kvledger.bench.cluster_process import ClusterProcess
+from kvledger.entrypoint.cluster_process import ClusterProcess
 from kvledger.util.output import CliError, emit_json
 
 HELP = "the cluster on JuiceFS under faults: wrong answers, failures, recovery times"

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from kvledger.bench.cluster_process import ClusterProcess
+from kvledger.entrypoint.cluster_process import ClusterProcess
 from kvledger.util.juicefs import abort_connection
 
 BUSY_WAIT_S = 5.0      # how long a "mid-prefill" / "mid-stream" fault waits for its engine to be busy

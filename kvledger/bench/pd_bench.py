@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _measure(tmp: Path, model: str, prompts: list[list[int]]) -> dict[str, list[dict[str, Any]]]:
     """Both sides' clusters up at once (each engine its own process), the requests alternating between them."""
-    from kvledger.bench.cluster_process import ClusterProcess
+    from kvledger.entrypoint.cluster_process import ClusterProcess
 
     clusters = {side: ClusterProcess(tmp / side, *flags, prefill=1, decode=1, model=model)
                 for side, flags in SIDES.items()}

@@ -1,7 +1,7 @@
 """The local server a replay starts when it is not given `--url`: one per routing policy, each on a
 fresh data directory, stopped when its run ends (also when the replay is interrupted).
 
-- `up` (the default): `kvledger up --prefill N --decode M --routing POLICY` (`bench.cluster_process`),
+- `up` (the default): `kvledger up --prefill N --decode M --routing POLICY` (`entrypoint.cluster_process`),
   Redis and the engines included;
 - `serve`: `kvledger serve`, one engine that prefills and decodes, no router (the policy is not
   applied, and the report says so).
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvledger.bench.cluster_process import ClusterProcess
+from kvledger.entrypoint.cluster_process import ClusterProcess
 from kvledger.util.serve_process import ServeProcess
 
 LAUNCHERS = ("up", "serve")

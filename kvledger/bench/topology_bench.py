@@ -153,7 +153,7 @@ def complete(url: str, model: str, prompt: list[int], max_tokens: int, temperatu
 def _through(tmp: Path, args: argparse.Namespace, systems: list[list[int]],
              plan: list[list[tuple[list[int], int]]]) -> list[Reply]:
     """The workload through the system under test, in order; each next turn extends its own reply."""
-    from kvledger.bench.cluster_process import ClusterProcess
+    from kvledger.entrypoint.cluster_process import ClusterProcess
     from kvledger.util.serve_process import ServeProcess
 
     threads = ("--threads", str(args.threads))

@@ -145,7 +145,7 @@ def serve_run(args: argparse.Namespace, requests: list[Any], folder: Path, label
 
 def cluster_run(args: argparse.Namespace, requests: list[Any], folder: Path, label: str) -> dict[str, Any]:
     """One fresh `kvledger up --both N --routing POLICY`, driven by the requests."""
-    from kvledger.bench.cluster_process import ClusterProcess
+    from kvledger.entrypoint.cluster_process import ClusterProcess
 
     with ClusterProcess(folder, prefill=0, decode=0, both=args.engines, routing=args.routing, model=args.model) as c:
         return {"server": f"kvledger up --both {args.engines} --routing {args.routing}",

@@ -21,6 +21,7 @@ took 300 s of CPU, 10^8 allocated 2.8 GiB; 1,024 engines over a 400-request wind
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import sys
 from pathlib import Path
@@ -149,6 +150,9 @@ def _ttl(text: str, server: dict[str, float]) -> dict[str, float]:
 
 
 def run(args: argparse.Namespace) -> None:
+    if args.out and importlib.util.find_spec("matplotlib") is None:   # the one part that needs the bench extra
+        raise CliError("--out draws whatif.png with matplotlib, which is not installed: pip install "
+                       "'kvledger[bench]' (or leave out --out)")
     report = report_of(args)
     if args.out:
         from kvledger.bench import plots

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 
 import pytest
 
@@ -131,6 +133,25 @@ def test_bad_input_and_no_trace_are_one_line_exit_2(run_cli, tmp_path, setup, ar
     assert p.returncode == 2 and p.stdout == "", (p.stdout, p.stderr)
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("kvledger: error:") and message in lines[0], p.stderr
+
+
+def test_without_the_bench_extra_it_runs_and_only_the_chart_is_refused(tmp_path):
+    """`GET /whatif` runs `kvledger whatif` where the product runs, without the bench extra (None in sys.modules
+    reads as not installed): the report comes; `--out`, whose chart needs matplotlib, is one line and exit 2."""
+    data = _folder(tmp_path)
+    code = ("import sys\n"
+            "sys.modules['matplotlib'] = sys.modules['zmq'] = sys.modules['openai'] = None\n"
+            "from kvledger.cli import main\n"
+            "main(sys.argv[1:])\n")
+    p = subprocess.run([sys.executable, "-c", code, "whatif", "--trace", str(data), "--json"], capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 0 and json.loads(p.stdout)["requests"] == 40, p.stderr
+    p = subprocess.run([sys.executable, "-c", code, "whatif", "--trace", str(data), "--out", str(tmp_path / "out")],
+                       capture_output=True, text=True, timeout=120)
+    assert (p.returncode, p.stdout, p.stderr.splitlines()) == (2, "", [
+        "kvledger: error: --out draws whatif.png with matplotlib, which is not installed: pip install "
+        "'kvledger[bench]' (or leave out --out)"])
+    assert not (tmp_path / "out").exists()
 
 
 def test_help_has_defaults_and_an_example(run_cli):

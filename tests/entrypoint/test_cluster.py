@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from kvledger.engine.session import engine_request
-from kvledger.bench.cluster_process import ClusterProcess
+from kvledger.entrypoint.cluster_process import ClusterProcess
 from kvledger.util.serve_process import ServeProcess, request
 
 BLOCK = 128

@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from kvledger.bench.cluster_process import ClusterProcess
+from kvledger.entrypoint.cluster_process import ClusterProcess
 from kvledger.core import ModelSpec
 from kvledger.entrypoint.trace_recorder import tenant_id, trace_key
 from kvledger.util.serve_process import request

@@ -9,7 +9,7 @@ import os
 import stat
 from pathlib import Path
 
-from kvledger.bench.cluster_process import ClusterProcess
+from kvledger.entrypoint.cluster_process import ClusterProcess
 from kvledger.util.serve_process import ServeProcess, request
 
 PROMPT = list(range(1, 400))   # 3 full blocks stored (tiny-v4), and its two snapshots

@@ -127,7 +127,7 @@ def test_through_kvledger_up_64_tenants_compute_the_prefix_once_and_replies_are_
     part once and every leg keys by it (the wire's public_blocks). 64 tenants: the first computes the prefix, the
     other 63 read its 3 blocks and window and nothing of each other's; replies equal one no-cache engine's; a
     tenant's key cannot publish."""
-    from kvledger.bench.cluster_process import ClusterProcess
+    from kvledger.entrypoint.cluster_process import ClusterProcess
 
     prefix = [t % 1000 for t in tokens(4, 3 * B + 40)]
     (tmp_path / "public.json").write_text(json.dumps([prefix]))

@@ -30,7 +30,7 @@ from typing import NamedTuple
 import pytest
 
 from kvledger.store import segment as sg
-from kvledger.bench.cluster_process import ClusterProcess
+from kvledger.entrypoint.cluster_process import ClusterProcess
 from kvledger.util.serve_process import ServeProcess, request, spawn, terminate
 
 B = 128

@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from kvledger.bench.cluster_process import ClusterProcess
+from kvledger.entrypoint.cluster_process import ClusterProcess
 from kvledger.util.serve_process import ServeProcess, request
 from tests.entrypoint.conftest import ALPHA, BETA, KEYS, OPERATOR
 from tests.entrypoint.metrics_text import metric

@@ -45,7 +45,7 @@ def test_a_cluster_serves_a_model_given_by_path(tmp_path):
     registers under the name the entrypoint serves, and a request is routed to it."""
     import shutil
 
-    from kvledger.bench.cluster_process import ClusterProcess
+    from kvledger.entrypoint.cluster_process import ClusterProcess
 
     mine = shutil.copy(resolve("smollm2-135m").weights.locate(), tmp_path / "my-smol.gguf")
     with ClusterProcess(tmp_path / "data", prefill=0, decode=0, both=1, model=str(mine)) as cluster:

@@ -97,7 +97,7 @@ def test_up_serves_gemma3_and_the_decode_engine_takes_the_prefill_engines_tail(t
     726, 8 MiB: `core.tail_parts`), so it computes one token where it used to compute 87 from the snapshot at 640.
     The text is transformers' greedy text. A second prompt that shares only the first 600 tokens resumes at the
     prefill's checkpoint at 512 (rule 4′; without it, a miss: the prompt's own snapshot is at 640)."""
-    from kvledger.bench.cluster_process import ClusterProcess
+    from kvledger.entrypoint.cluster_process import ClusterProcess
     from kvledger.util.serve_process import request
 
     def complete(url, prompt, max_tokens):

@@ -8,7 +8,7 @@ import json
 
 import numpy as np
 
-from kvledger.bench.cluster_process import ClusterProcess
+from kvledger.entrypoint.cluster_process import ClusterProcess
 from kvledger.core import ModelSpec, chain_keys
 from kvledger.entrypoint.trace_recorder import KEY_FILE, hash_id
 from kvledger.state.auth import derive_keys

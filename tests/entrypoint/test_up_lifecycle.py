@@ -315,7 +315,7 @@ def test_the_redis_up_starts_needs_a_password_no_command_line_shows(tmp_path):
     URL in their environment, so no command line (world-readable in /proc) carries it."""
     import redis
 
-    from kvledger.bench.cluster_process import ClusterProcess
+    from kvledger.entrypoint.cluster_process import ClusterProcess
 
     with ClusterProcess(tmp_path / "c", prefill=1, decode=0, model="tiny-v4") as c:
         conf = tmp_path / "c" / "redis" / "redis-auth.conf"

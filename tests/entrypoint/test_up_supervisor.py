@@ -13,7 +13,7 @@ import signal
 import threading
 import time
 
-from kvledger.bench.cluster_process import ClusterProcess
+from kvledger.entrypoint.cluster_process import ClusterProcess
 from kvledger.engine.engine_registry import DEFAULT_TTL_S
 from kvledger.entrypoint.remote import LEG_IDLE_S
 from kvledger.util.serve_process import request

@@ -1,4 +1,5 @@
-"""`kvledger up` as a real subprocess on a free loopback port (the cluster tests, `kvledger bench replay`).
+"""`kvledger up` as a real subprocess on a free loopback port (the cluster tests, and the benches that run a cluster:
+`kvledger bench replay`, `chaos`, `pd`, `topology`, `whatif`).
 
     with ClusterProcess(tmp / "c", prefill=2, decode=1, routing="round-robin") as c:
         c.url                        # the entrypoint, http://127.0.0.1:PORT
