@@ -24,20 +24,29 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.registry import Collector
-
 from kvledger.core import tenant_of
 from kvledger.engine.api import RequestUsage
 from kvledger.engine.engine_registry import ROLES, EngineInfo
 from kvledger.store.backend import StoreStats
+from kvledger.util.output import interrupts_held
 
+with interrupts_held():  # this module is the one that imports prometheus_client: see `interrupts_held`
+    from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+    from prometheus_client.registry import Collector
+
+EXPOSITION_TYPE = CONTENT_TYPE_LATEST   # the Content-Type of `exposition`
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 120.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 FETCH_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
 STATS_EVERY_S = 10.0   # store figures in /metrics: a scrape that finds them older starts a scan
 STATS_WAIT_S = 0.5     # ... and waits this long for it before it serves the older figures
+
+
+def exposition(registry: CollectorRegistry) -> bytes:
+    """The registry's figures in Prometheus' text format (`EXPOSITION_TYPE`); its collectors may read the store's
+    last scan, so the server calls it off its event loop."""
+    return generate_latest(registry)
 
 
 class StoreFigures:

@@ -29,7 +29,6 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvledger.entrypoint import dashboard, whatif_endpoint
@@ -38,6 +37,7 @@ from kvledger.entrypoint.auth import Tenant, authenticate, may_operate
 from kvledger.entrypoint.body_limit import BodyLimit
 from kvledger.entrypoint.errors import ApiError, bad_request, forbidden, internal_error, too_many, unauthorized
 from kvledger.entrypoint.generate import CLIENT_GONE, Outcome, chat_body, completion_body, record, run, sse
+from kvledger.entrypoint.metrics import EXPOSITION_TYPE, exposition
 from kvledger.entrypoint.prepare import Prepared, prepare
 from kvledger.util.public_prefix import parse_items
 from kvledger.entrypoint.forget import forget_tenant
@@ -240,7 +240,7 @@ def _operator_routes(app: FastAPI) -> None:
     @app.get("/metrics", responses=OPERATOR_ERRORS, tags=["operator"])
     async def metrics(request: Request, _: Operator) -> Response:
         registry = _state(request).metrics.registry
-        return Response(await asyncio.to_thread(generate_latest, registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(await asyncio.to_thread(exposition, registry), media_type=EXPOSITION_TYPE)
 
     @app.get("/dashboard/activity", responses=OPERATOR_ERRORS, tags=["operator"])
     async def activity(request: Request, _: Operator) -> JSONResponse:

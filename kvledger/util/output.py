@@ -1,6 +1,7 @@
 """What every command shares: the error type for bad input, the one-JSON-object output, `--help`
 (every default shown, an example in each epilog), and status lines that survive a closed pipe
-(`LinePrinter`)."""
+(`LinePrinter`), and a Ctrl-C held over a few milliseconds of code that would report it on stderr
+(`interrupts_held`)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,36 @@ import json
 import math
 import os
 import select
+import signal
 import sys
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 
 EXIT_INTERRUPTED = 130   # 128 + SIGINT: how a shell reports a Ctrl-C, and how every kvledger command ends on one
+
+
+@contextlib.contextmanager
+def interrupts_held() -> Iterator[None]:
+    """A SIGINT that lands inside the block is delivered when the block ends, to the handler that was in place.
+
+    For a few milliseconds of someone else's code that reports any exception on stderr before it re-raises
+    (prometheus_client's vendored `decorator` prints the source it was compiling), so that a Ctrl-C then
+    still ends a command with its one line. Off the main thread, where Python delivers no signal, it holds
+    nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, _frame: held.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if held:
+        signal.raise_signal(signal.SIGINT)
 
 
 class CliError(Exception):
