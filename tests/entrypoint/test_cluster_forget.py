@@ -6,7 +6,6 @@ the files and the entrypoint's trace, and its receipt names each."""
 from __future__ import annotations
 
 import json
-import time
 
 import numpy as np
 import pytest
@@ -15,12 +14,12 @@ from kvledger.entrypoint.cluster_process import ClusterProcess
 from kvledger.core import ModelSpec
 from kvledger.entrypoint.trace_recorder import tenant_id, trace_key
 from kvledger.util.serve_process import request
+from tests.support import until
 
 MODEL = "tiny-v4"
 SPEC = ModelSpec.preset(MODEL)
 ACME, BETA, OPS = "sk-acme-0123456789", "sk-beta-0123456789", "sk-ops-01234567890"
 CAP = (700 - 134) // 128 * 128
-WAIT_S = 60.0
 
 
 def ids(n: int, seed: int) -> list[int]:
@@ -48,14 +47,6 @@ def per_namespace(cluster: ClusterProcess, folder: str) -> tuple[dict[str, int],
 
     with RedisStore(cluster.redis_url, files=SharedFiles(cluster.data_dir / folder / "blocks", create=False)) as store:
         return store.stats().per_namespace, {b.namespace for b in store.files.blocks()}
-
-
-def until(check, what: str):
-    deadline = time.monotonic() + WAIT_S
-    while not (got := check()):
-        assert time.monotonic() < deadline, what
-        time.sleep(0.3)
-    return got
 
 
 @pytest.mark.parametrize("volume", ["folder", "juicefs"])

@@ -4,25 +4,14 @@ bytes, the salted namespace names in index.lmdb, Redis's dump.rdb, the logs, the
 
 from __future__ import annotations
 
-import contextlib
-import os
 import stat
 from pathlib import Path
 
 from kvledger.entrypoint.cluster_process import ClusterProcess
 from kvledger.util.serve_process import ServeProcess, request
+from tests.support import umask
 
 PROMPT = list(range(1, 400))   # 3 full blocks stored (tiny-v4), and its two snapshots
-
-
-@contextlib.contextmanager
-def umask(mask: int):
-    """The umask the children are started with (a shell's usual 022)."""
-    before = os.umask(mask)
-    try:
-        yield
-    finally:
-        os.umask(before)
 
 
 def exposed(root: Path) -> list[str]:

@@ -40,6 +40,17 @@ def complete(server: ServeProcess, key: str, prompt: list[int], salt: str | None
     return out["usage"]
 
 
+def tenants_replies(server: ServeProcess, prompts: list[list[int]], body: dict) -> list[dict]:
+    """Each prompt's reply, prompt i asked with tenant i's key."""
+    replies = []
+    for i, prompt in enumerate(prompts):
+        status, out = server.post("/v1/completions", body | {"prompt": prompt},
+                                  headers={"Authorization": f"Bearer {tenant_key(i)}"})
+        assert status == 200, out
+        replies.append(out)
+    return replies
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("public")
@@ -108,12 +119,7 @@ def test_a_windowed_model_snapshots_at_the_published_prefix_end_and_a_tenant_res
         cached.wait_ready(), reference.wait_ready()
         prompts = [prefix + [t % 1000 for t in tokens(10 + i, 300)] for i in range(2)]   # rule 4: windows at 512, 640
         body = {"model": "tiny-v4", "max_tokens": 6, "temperature": 0}
-        replies = []
-        for i, prompt in enumerate(prompts):
-            status, out = cached.post("/v1/completions", body | {"prompt": prompt},
-                                      headers={"Authorization": f"Bearer {tenant_key(i)}"})
-            assert status == 200, out
-            replies.append(out)
+        replies = tenants_replies(cached, prompts, body)
         assert [r["usage"]["prompt_cache_hit_tokens"] for r in replies] == [0, 3 * B]
         for prompt, reply in zip(prompts, replies):
             status, want = reference.post("/v1/completions", body | {"prompt": prompt})
@@ -148,12 +154,7 @@ def test_through_kvledger_up_64_tenants_compute_the_prefix_once_and_replies_are_
     try:
         front = ServeProcess(tmp_path / "unused")
         front.port = c.port
-        got = []
-        for i, prompt in enumerate(prompts):
-            status, out = front.post("/v1/completions", body | {"prompt": prompt},
-                                     headers={"Authorization": f"Bearer {tenant_key(i)}"})
-            assert status == 200, out
-            got.append(out)
+        got = tenants_replies(front, prompts, body)
         status, out = front.post("/admin/public-prefixes", {"add": [prompts[0][:2 * B]]},
                                  headers={"Authorization": f"Bearer {tenant_key(3)}"})
         assert status == 403 and out["error"]["code"] == "operator_key_required"

@@ -15,12 +15,12 @@ from kvledger.core import ModelSpec, chain_keys, salted_namespace
 from kvledger.entrypoint.trace_recorder import tenant_id, trace_key
 from kvledger.store.snapshots import snapshot_path
 from kvledger.util.serve_process import ServeProcess
+from tests.support import until
 
 MODEL = "tiny-v4"
 SPEC = ModelSpec.preset(MODEL)
 ACME, BETA, GAMMA, OPS = "sk-acme-0123456789", "sk-beta-0123456789", "sk-gamma-012345678", "sk-ops-01234567890"
 KEYS = {ACME: "acme", BETA: "beta", GAMMA: "gamma", OPS: {"namespace": "ops", "role": "operator"}}
-WAIT_S = 60.0
 CAP = (700 - 134) // 128 * 128   # tiny-v4 computes its last W + K = 134 tokens: 512 of a 700-token prompt hit
 
 
@@ -71,14 +71,6 @@ def snapshots(server, prompt: list[int], namespace: str) -> list[bool]:
 
     keys = chain_keys(np.asarray(prompt, dtype=np.uint32), SPEC, namespace)
     return [snapshot_path(blocks_dir(server.data_dir), keys[p // 128 - 1]).exists() for p in (512, 640)]
-
-
-def until(check, what: str):
-    deadline = time.monotonic() + WAIT_S
-    while not (got := check()):
-        assert time.monotonic() < deadline, what
-        time.sleep(0.2)
-    return got
 
 
 def test_forget_removes_a_tenant_everywhere_and_counts_it(server):

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from tests.entrypoint.conftest import ALPHA, QUIET
+from tests.support import until
 
 MODEL = "smollm2-135m"
-WAIT_S = 60.0
 
 
 def ids(n: int, seed: int) -> list[int]:
@@ -38,16 +38,6 @@ def store_blocks(run_cli, server) -> dict:
 def trace_lines(server) -> int:
     path = server.data_dir / "trace" / "requests.jsonl"
     return len(path.read_text().splitlines()) if path.exists() else 0
-
-
-def until(check, what: str):
-    deadline = time.monotonic() + WAIT_S
-    while True:
-        got = check()
-        if got or time.monotonic() > deadline:
-            assert got, what
-            return got
-        time.sleep(0.2)
 
 
 WAYS = {"header": (ALPHA, {"headers": {"Cache-Control": "private, No-Store"}}),

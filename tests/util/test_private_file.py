@@ -3,7 +3,6 @@ whoever's process writes them): a library user such as vLLM does not run under `
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing
 import os
 import stat
@@ -11,15 +10,7 @@ import stat
 import pytest
 
 from kvledger.util.private_file import claim_secret, open_private, private_dir, write_private
-
-
-@contextlib.contextmanager
-def umask(mask: int):
-    before = os.umask(mask)
-    try:
-        yield
-    finally:
-        os.umask(before)
+from tests.support import umask
 
 
 def mode(path) -> int:
