@@ -28,9 +28,9 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from kvledger.core import (ModelSpec, check_decision, checkpoint_positions, decided_length, hit_cap, is_handed,
-                           chain_parent, tail_key, tail_parts, takes_tail, tenant_of)
-from kvledger.engine.api import EngineRequest, RequestUsage, TokenEvent, check_request_keys
+from kvledger.core import (ModelSpec, chain_parent, checkpoint_positions, hit_cap, is_handed, tail_key, tail_parts,
+                           takes_tail, tenant_of)
+from kvledger.engine.api import EngineRequest, RequestUsage, TokenEvent
 from kvledger.engine.block_pool import BlockPool
 from kvledger.engine.fetch_target import PoolTarget, StagingTarget
 from kvledger.engine.fetcher import Fetcher
@@ -133,18 +133,14 @@ class Engine:
     # --- API -------------------------------------------------------------------------
 
     def add_request(self, req: EngineRequest) -> None:
-        """Validate and queue; ValueError says what is wrong."""
-        tokens = np.asarray(req.tokens, dtype=np.int64)
-        if tokens.ndim != 1 or tokens.size == 0:
-            raise ValueError("a request needs at least one prompt token")
-        if tokens.min() < 0 or tokens.max() >= self.model.vocab_size:
-            raise ValueError(f"token ids must be in [0, {self.model.vocab_size})")
-        if tokens.size >= self.max_model_len:
-            raise ValueError(f"prompt of {tokens.size} tokens does not fit the context of {self.max_model_len}")
+        """Queue a request; ValueError when this engine cannot take it (its id is running, its tail is not one
+        block's KV, it outgrows the device pool). The request itself was checked where it came in: its tokens,
+        keys and decision by `entrypoint.prepare` (the embedded server) or `wire.GenerateBody.engine_request`
+        (a cluster leg, once, as it enters the engine process)."""
+        tokens = np.asarray(req.tokens)
+        assert tokens.ndim == 1 and 0 < tokens.size < self.max_model_len, "prompt checked where it came in"
         if self.scheduler.find(req.request_id) is not None:
             raise ValueError(f"request {req.request_id!r} is already running")
-        check_request_keys(req, tokens, self.spec)
-        check_decision(req.decision, decided_length(tokens.size, req.own_prompt_len, self.spec), self.spec)
         if req.tail_kv is not None or req.decision.hit_tokens > hit_cap(tokens.size, self.spec):
             self._check_tail(req, tokens.size)
         seq = Sequence.from_request(req)

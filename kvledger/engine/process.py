@@ -311,11 +311,8 @@ def build_engine_app(proc: EngineProcess, url: str) -> FastAPI:
         if proc.draining:
             return JSONResponse({"error": {"message": "draining", "type": "unavailable"}}, status_code=503)
         try:
-            info = proc.info0
-            if max(body.tokens) >= info.vocab_size or len(body.tokens) >= info.max_model_len:
-                raise ValueError(f"tokens must lie in [0, {info.vocab_size}) and number fewer than "
-                                 f"{info.max_model_len}")
-            req = body.engine_request(proc.spec)   # keys and decision: a ValueError is the caller's mistake
+            info = proc.info0   # a ValueError is the caller's mistake
+            req = body.engine_request(proc.spec, vocab_size=info.vocab_size, max_model_len=info.max_model_len)
         except ValueError as e:
             return JSONResponse({"error": {"message": str(e), "type": "invalid_request_error"}}, status_code=400)
         return StreamingResponse(proc.stream(body, req), media_type="application/x-ndjson")

@@ -11,9 +11,10 @@ long prefill. The last line has `finished: true`; a stream that ends without one
 engine died) and the entrypoint continues the request elsewhere.
 
 The chain keys and the hit decision are the entrypoint's (its CHECK computed them, once) and
-travel with the tokens. The engine checks them without hashing the prompt again: one 16-byte key
-per full block, the first one this namespace's (one block hashed: `api.check_request_keys`), and a
-decision `core.decide_hit` can make for this prompt (`core.check_decision`, O(1)). It can
+travel with the tokens. `GenerateBody.engine_request` checks them once, as the leg enters the engine
+process, without hashing the prompt again: one 16-byte key per full block, the first one this
+namespace's (one block hashed: `api.check_request_keys`), and a decision `core.decide_hit` can
+make for this prompt (`core.check_decision`, O(1)). It can
 trust the keys because every body is authenticated (engine/session.py: a MAC under a key derived
 from the cluster token), so only an entrypoint of this cluster can name which blocks a leg reads.
 """
@@ -113,8 +114,15 @@ class GenerateBody(BaseModel):
                    sampling=WireSampling.of(req.sampling), wait_stored=wait_stored, keep_tail=req.keep_tail,
                    tail_from=tail_from, prompt_len=req.prompt_len, public_blocks=req.public_blocks, store=req.store)
 
-    def engine_request(self, spec: ModelSpec) -> EngineRequest:
-        """The request this body names; `ValueError` when its keys or decision cannot be this prompt's."""
+    def engine_request(self, spec: ModelSpec, *, vocab_size: int, max_model_len: int) -> EngineRequest:
+        """The request this body names, checked: the one check of a leg, where it enters the engine process (an
+        in-process caller, the embedded server's `entrypoint.prepare`, made the keys and decision itself, so the
+        engine takes its `EngineRequest` as it is). `ValueError` when a token lies outside `[0, vocab_size)`,
+        the tokens do not fit a context of `max_model_len`, or the keys or decision cannot be this prompt's."""
+        if max(self.tokens) >= vocab_size:
+            raise ValueError(f"token ids must be in [0, {vocab_size})")
+        if len(self.tokens) >= max_model_len:
+            raise ValueError(f"{len(self.tokens)} tokens do not fit the context of {max_model_len}")
         tokens = np.asarray(self.tokens, dtype=np.uint32)
         req = EngineRequest(self.request_id, tokens, [bytes.fromhex(k) for k in self.keys], self.decision.decision(),
                             self.sampling.params(), self.namespace, self.ttl_class, keep_tail=self.keep_tail,

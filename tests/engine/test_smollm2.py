@@ -212,24 +212,6 @@ def test_batching_and_abort(cold, smollm2, ledger):
     assert joined_while_decoding and seen["a"] == out[:6] and len(seen["b"]) == 6 and len(seen["c"]) == 2
 
 
-def test_rejects_bad_requests(smollm2):
-    from kvledger.core import chain_keys, decide_hit
-    from kvledger.engine.api import EngineRequest, SamplingParams
-
-    sp = SamplingParams(max_tokens=4)
-    good = decide_hit(500, 0, set(), smollm2.spec)
-    with pytest.raises(ValueError, match="keys"):
-        smollm2.add_request(EngineRequest("x", PROMPT, chain_keys(PROMPT, smollm2.spec, "other"), good, sp))
-    with pytest.raises(ValueError, match="decision"):
-        smollm2.add_request(EngineRequest("x", PROMPT, chain_keys(PROMPT, smollm2.spec),
-                                          decide_hit(900, 7, set(), smollm2.spec), sp))
-    with pytest.raises(ValueError, match="context"):
-        long = [5] * smollm2.max_model_len
-        smollm2.add_request(EngineRequest("x", long, chain_keys(long, smollm2.spec),
-                                          decide_hit(len(long), 0, set(), smollm2.spec), sp))
-    assert not smollm2.has_unfinished()
-
-
 def test_device_cache_raises_a_stale_check(cold, smollm2, ledger):
     """A CHECK made before the previous request's blocks reached the ledger says miss; the engine
     still takes the blocks its own device cache holds (no KV read), and reports them as device hits."""

@@ -32,6 +32,9 @@ def test_an_answer_no_engine_of_ours_sends_is_refused():
             WireEvent(**({"token_ids": [5]} | fields)).token_event("r", vocab_size=100)
 
 
+FITS = {"vocab_size": 49152, "max_model_len": 8192}   # smollm2-135m's vocabulary and context
+
+
 def test_a_leg_carries_the_entrypoints_keys_and_decision():
     """Keys and the decision are computed once, by the entrypoint's CHECK, and carried; the engine checks them
     (the first key against its namespace's root, the decision against the prompt) without hashing the prompt."""
@@ -47,15 +50,44 @@ def test_a_leg_carries_the_entrypoints_keys_and_decision():
     req = EngineRequest("r.1", tokens, chain_keys(tokens, spec, "t"), decide_hit(1000, 5, (), spec),
                         SamplingParams(max_tokens=3), "t")
     body = GenerateBody.of(req, wait_stored=True)
-    back = GenerateBody.model_validate_json(body.model_dump_json()).engine_request(spec)
+    back = GenerateBody.model_validate_json(body.model_dump_json()).engine_request(spec, **FITS)
     assert (back.keys, back.decision, back.namespace, list(back.tokens)) == (req.keys, req.decision, "t", list(tokens))
     assert back.store
     quiet = GenerateBody.of(EngineRequest("r.2", tokens, req.keys, req.decision, req.sampling, "t", store=False))
-    assert not GenerateBody.model_validate_json(quiet.model_dump_json()).engine_request(spec).store   # rule 12
+    assert not GenerateBody.model_validate_json(quiet.model_dump_json()).engine_request(spec, **FITS).store   # rule 12
     wrong = [GenerateBody.of(EngineRequest("r", tokens, chain_keys(tokens, spec, "other"), req.decision, req.sampling,
                                            "t")),
              GenerateBody.of(EngineRequest("r", tokens, req.keys[:-1], req.decision, req.sampling, "t")),
              GenerateBody.of(EngineRequest("r", tokens, req.keys, decide_hit(2000, 5, (), spec), req.sampling, "t"))]
     for bad in wrong:
         with pytest.raises(ValueError, match="keys|decision"):
-            bad.engine_request(spec)
+            bad.engine_request(spec, **FITS)
+
+
+def test_a_leg_is_refused_where_it_enters_the_engine_process():
+    """Keys made for another namespace, a decision no CHECK could make for this prompt, tokens past the vocabulary
+    or the context: a ValueError (the engine process's 400) before the engine sees the leg."""
+    import numpy as np
+    import pytest
+
+    from kvledger.core import ModelSpec, chain_keys, decide_hit
+    from kvledger.engine.api import EngineRequest, SamplingParams
+    from kvledger.engine.wire import GenerateBody
+
+    spec, sp = ModelSpec.preset("smollm2-135m"), SamplingParams(max_tokens=4)
+    prompt = np.arange(1, 501, dtype=np.uint32)
+    good = decide_hit(500, 0, set(), spec)
+
+    def leg(tokens, keys, decision) -> GenerateBody:
+        return GenerateBody.of(EngineRequest("x", tokens, keys, decision, sp))
+
+    leg(prompt, chain_keys(prompt, spec), good).engine_request(spec, **FITS)
+    with pytest.raises(ValueError, match="keys"):
+        leg(prompt, chain_keys(prompt, spec, "other"), good).engine_request(spec, **FITS)
+    with pytest.raises(ValueError, match="decision"):
+        leg(prompt, chain_keys(prompt, spec), decide_hit(900, 7, set(), spec)).engine_request(spec, **FITS)
+    long = np.full(FITS["max_model_len"], 5, dtype=np.uint32)
+    with pytest.raises(ValueError, match="context"):
+        leg(long, chain_keys(long, spec), decide_hit(long.size, 0, set(), spec)).engine_request(spec, **FITS)
+    with pytest.raises(ValueError, match="token ids"):
+        leg(prompt, chain_keys(prompt, spec), good).engine_request(spec, vocab_size=500, max_model_len=8192)
