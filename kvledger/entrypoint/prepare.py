@@ -25,14 +25,13 @@ from kvledger.engine.models.chat_template import ChatTemplateError
 from kvledger.entrypoint.check import check_prompt_explained
 from kvledger.entrypoint.errors import ApiError, bad_request, model_not_found
 from kvledger.store.backend import Match
-from kvledger.entrypoint.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from kvledger.entrypoint.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, refuse_unsupported
 from kvledger.entrypoint.server_state import ServerState
 from kvledger.engine.models.tokenizer import encode_ids
 
 DEFAULT_TEMPERATURE = 1.0   # OpenAI's default; send 0 for greedy
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 GREEDY_BELOW = 1e-5         # a temperature this small samples as greedy (dividing logits by it would overflow)
-UNSUPPORTED = "unsupported_parameter"   # the error code of a field refused until it is supported
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,23 +109,6 @@ def may_store(tenant: Tenant, body: SamplingFields, cache_control: str | None, *
         return True
     directives = (part.split("=", 1)[0].strip().lower() for part in cache_control.split(","))
     return "no-store" not in directives
-
-
-def refuse_unsupported(body: SamplingFields) -> None:
-    """A 400 naming the field for what the server cannot honour yet, as vLLM does without a tool
-    parser: tools and a tool choice that asks for calls, and a response format other than text.
-    The harmless values pass: `tools` null or [], `tool_choice` null or "none", `response_format`
-    null or {"type": "text"}."""
-    if isinstance(body, ChatCompletionRequest):
-        if body.tools not in (None, []):
-            raise bad_request("tools are not supported yet (this server has no tool-call parser); send null or [].",
-                              "tools", UNSUPPORTED)
-        if body.tool_choice not in (None, "none"):
-            raise bad_request('tool_choice is not supported yet (no tool-call parser); send null or "none".',
-                              "tool_choice", UNSUPPORTED)
-    if body.response_format not in (None, {"type": "text"}):
-        raise bad_request('response_format is not supported yet (no structured output); send null or '
-                          '{"type": "text"}.', "response_format", UNSUPPORTED)
 
 
 def _check(state: ServerState, tokens: np.ndarray, namespace: str, ttl_class: str | None, public_blocks: int

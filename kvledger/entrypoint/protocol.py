@@ -4,7 +4,7 @@ Requests are validated strictly (no "5" for 5, no 1.0 or true for 1): a wrong ty
 OpenAI's error object, never a 5xx. Fields that vLLM's and SGLang's benchmark clients send are accepted
 (`ignore_eos`, `top_k`, `repetition_penalty`, `cache_salt`, ...); unknown fields are ignored,
 as vLLM does. Fields that would change the answer's shape and are not supported yet (`tools`,
-`tool_choice`, `response_format`) are refused with a 400 unless harmless (prepare.py), never
+`tool_choice`, `response_format`) are refused with a 400 unless harmless (`refuse_unsupported`), never
 silently ignored. Lengths are in tokens.
 """
 
@@ -15,6 +15,10 @@ from typing import Annotated, Any, Literal
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, WrapValidator,
                       model_validator)
 from pydantic_core import PydanticCustomError
+
+from kvledger.entrypoint.errors import bad_request
+
+UNSUPPORTED = "unsupported_parameter"   # the error code of a field refused until it is supported
 
 TokenIds = Annotated[list[int], Field(min_length=1)]   # the range is the vocabulary's (prepare.token_ids)
 PROMPT_SHAPES = "a string, a list of token ids, or a list of one of either"
@@ -71,7 +75,7 @@ class SamplingFields(_Request):
     store: bool | None = None   # false: a no-store request (DESIGN rule 12; OpenAI's field of the same name);
                                 # the header `Cache-Control: no-store` says the same (prepare.may_store)
     logprobs: Any = None
-    response_format: Any = None   # only null or {"type": "text"} (prepare.refuse_unsupported)
+    response_format: Any = None   # only null or {"type": "text"} (refuse_unsupported)
 
     @model_validator(mode="after")
     def _supported(self) -> SamplingFields:
@@ -133,7 +137,7 @@ class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=4096)]
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
-    tools: Any = None             # only null or []: no tool parser yet (prepare.refuse_unsupported)
+    tools: Any = None             # only null or []: no tool parser yet (refuse_unsupported)
     tool_choice: Any = None       # only null or "none"
 
     @property
@@ -243,3 +247,20 @@ class ForgetRequest(_Request):
 
     namespace: Annotated[str, Field(max_length=1024)]
     hold_s: float | None = None
+
+
+def refuse_unsupported(body: SamplingFields) -> None:
+    """A 400 naming the field for what the server cannot honour yet, as vLLM does without a tool
+    parser: tools and a tool choice that asks for calls, and a response format other than text.
+    The harmless values pass: `tools` null or [], `tool_choice` null or "none", `response_format`
+    null or {"type": "text"}."""
+    if isinstance(body, ChatCompletionRequest):
+        if body.tools not in (None, []):
+            raise bad_request("tools are not supported yet (this server has no tool-call parser); send null or [].",
+                              "tools", UNSUPPORTED)
+        if body.tool_choice not in (None, "none"):
+            raise bad_request('tool_choice is not supported yet (no tool-call parser); send null or "none".',
+                              "tool_choice", UNSUPPORTED)
+    if body.response_format not in (None, {"type": "text"}):
+        raise bad_request('response_format is not supported yet (no structured output); send null or '
+                          '{"type": "text"}.', "response_format", UNSUPPORTED)

@@ -129,7 +129,7 @@ def test_an_engine_failure_names_no_internals(caplog):
 
 def test_unsupported_fields_are_refused_by_name_and_harmless_values_pass():
     from kvledger.entrypoint.errors import ApiError
-    from kvledger.entrypoint.prepare import refuse_unsupported
+    from kvledger.entrypoint.protocol import refuse_unsupported
 
     chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     for extra in ({}, {"tools": []}, {"tools": None}, {"tool_choice": "none"}, {"response_format": {"type": "text"}},
