@@ -93,8 +93,8 @@ def _case(ledger: BlockLedger, spec: ModelSpec, book: MissBook, tokens: np.ndarr
     def on() -> Any:
         return check_prompt_explained(tokens, spec, block_ledger=ledger, state_ledger=None, namespace=NAMESPACE)
 
-    keys, decision, found = on()
-    absent = found.blocks * spec.block_size < max(decision.cap, 0)
+    keys, lookup, found = on()
+    absent = found.blocks * spec.block_size < max(lookup.decision.cap, 0)
 
     def cause() -> Any:   # at the request's end
         return book.first_absent(NAMESPACE, tokens, keys, found.blocks, found.gone) if absent else None

@@ -305,6 +305,18 @@ class HitLookup:
     decision: HitDecision
     l1: int   # tokens
 
+    def branch_point(self, spec: ModelSpec) -> int:
+        """Rule 4″ (a): where this prompt's prefill also snapshots because the chain's blocks reach past the
+        snapshot it resumes from (another prompt stored them and went on differently): L1, when the decision
+        resumes below it on a model with sliding-window layers; 0 (none) otherwise. The second prompt that shares
+        a prefix pays for its window once; every later one resumes there.
+
+        Gemma 3, a 1,161-token chat whose first 8 blocks (a system prompt) another conversation stored: L1 = 1024,
+        no snapshot there, the decision a miss → 1024. With the snapshot at 1024: a hit there → 0."""
+        if not spec.has_swa or self.l1 <= self.decision.hit_tokens or self.l1 % spec.block_size:
+            return 0
+        return self.l1
+
 
 def lookup_hit(prompt_len: int, cached_blocks: int, find_snapshots: SnapshotLookup | None, spec: ModelSpec, *,
                replay: bool = False, request_prompt_len: int | None = None) -> HitLookup:
@@ -326,6 +338,26 @@ def lookup_hit(prompt_len: int, cached_blocks: int, find_snapshots: SnapshotLook
     found = find_snapshots(at) if at and find_snapshots is not None else ()
     decision = decide_hit(length, cached_blocks, found, spec, replay=replay)
     return HitLookup(decision, block_reach(length, cached_blocks, spec))
+
+
+MESSAGE_SNAPSHOTS = 2   # rule 4″ (b): the chat message ends a request snapshots at, at most (the first message's,
+                        # a system prompt, and the latest earlier one's)
+
+
+def shared_prefix_positions(lookup: HitLookup, spec: ModelSpec, message_ends: Sequence[int] = ()) -> tuple[int, ...]:
+    """Rule 4″: the block boundaries where a prefill also snapshots because other prompts likely share the prefix
+    up to there: the branch point (`HitLookup.branch_point`), and the last boundary at or before each of
+    `message_ends` (token offsets where a chat's earlier messages end). Only those past the decision's hit (the
+    prefill computes through them); ascending; empty for a model without sliding-window layers.
+    `checkpoint_positions` then drops any at or past the prompt's own rule-4 positions.
+
+    Gemma 3 (B = 128), a new conversation whose 1,061-token system message another one stored: a miss with
+    L1 = 1024 and the system message ending at 1,061 → (1024,)."""
+    if not spec.has_swa:
+        return ()
+    b = spec.block_size
+    at = {lookup.branch_point(spec), *(end // b * b for end in message_ends)}
+    return tuple(sorted(x for x in at if x > lookup.decision.hit_tokens))
 
 
 def prefill_store_positions(prompt_len: int, spec: ModelSpec) -> tuple[int, ...]:

@@ -69,6 +69,8 @@ class EngineRequest:
     public_blocks: int = 0       # leading whole blocks that are a published public prefix (`core.chain_parent`)
     store: bool = True           # False (no-store, DESIGN rule 12): nothing it computes stays once it ends (no
                                  # block, snapshot, device cache entry or tail); it may still read what is cached
+    snapshot_at: tuple[int, ...] = ()   # rule 4″: block boundaries where the prefill also snapshots, other
+                                 # prompts likely sharing the prefix up to there (`core.shared_prefix_positions`)
 
     def __post_init__(self) -> None:
         if not 0 <= self.prompt_len <= len(self.tokens):

@@ -144,8 +144,8 @@ class Engine:
         if req.tail_kv is not None or req.decision.hit_tokens > hit_cap(tokens.size, self.spec):
             self._check_tail(req, tokens.size)
         seq = Sequence.from_request(req)
-        seq.checkpoints = checkpoint_positions(seq.prompt_len, self.spec, self.checkpoint_every,   # rules 4′, 12
-                                               also=(req.public_blocks * self.spec.block_size,))
+        seq.checkpoints = checkpoint_positions(seq.prompt_len, self.spec, self.checkpoint_every,   # rules 4′, 4″, 12
+                                               also=(req.public_blocks * self.spec.block_size, *req.snapshot_at))
         seq.block_size = self.spec.block_size
         if self.loader.lifetime_blocks(seq) > self.pool.total:
             raise ValueError(f"prompt + max_tokens needs {self.loader.lifetime_blocks(seq)} blocks; "

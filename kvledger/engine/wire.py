@@ -106,13 +106,15 @@ class GenerateBody(BaseModel):
     prompt_len: Annotated[int, Field(ge=0)] = 0   # the request's own prompt, when `tokens` continue it (api.py)
     public_blocks: Annotated[int, Field(ge=0)] = 0   # leading blocks of a published public prefix (api.py)
     store: bool = True           # False: a no-store request (api.py), nothing of it stays on the engine
+    snapshot_at: Annotated[list[Annotated[int, Field(gt=0)]], Field(max_length=64)] = []   # rule 4″ (api.py)
 
     @classmethod
     def of(cls, req: EngineRequest, *, wait_stored: bool = False, tail_from: str | None = None) -> GenerateBody:
         return cls(request_id=req.request_id, tokens=[int(t) for t in req.tokens], keys=[k.hex() for k in req.keys],
                    decision=WireDecision.of(req.decision), namespace=req.namespace, ttl_class=req.ttl_class,
                    sampling=WireSampling.of(req.sampling), wait_stored=wait_stored, keep_tail=req.keep_tail,
-                   tail_from=tail_from, prompt_len=req.prompt_len, public_blocks=req.public_blocks, store=req.store)
+                   tail_from=tail_from, prompt_len=req.prompt_len, public_blocks=req.public_blocks, store=req.store,
+                   snapshot_at=list(req.snapshot_at))
 
     def engine_request(self, spec: ModelSpec, *, vocab_size: int, max_model_len: int) -> EngineRequest:
         """The request this body names, checked: the one check of a leg, where it enters the engine process (an
@@ -123,10 +125,13 @@ class GenerateBody(BaseModel):
             raise ValueError(f"token ids must be in [0, {vocab_size})")
         if len(self.tokens) >= max_model_len:
             raise ValueError(f"{len(self.tokens)} tokens do not fit the context of {max_model_len}")
+        if any(x % spec.block_size for x in self.snapshot_at):
+            raise ValueError(f"snapshot_at: block boundaries only (multiples of {spec.block_size})")
         tokens = np.asarray(self.tokens, dtype=np.uint32)
         req = EngineRequest(self.request_id, tokens, [bytes.fromhex(k) for k in self.keys], self.decision.decision(),
                             self.sampling.params(), self.namespace, self.ttl_class, keep_tail=self.keep_tail,
-                            prompt_len=self.prompt_len, public_blocks=self.public_blocks, store=self.store)
+                            prompt_len=self.prompt_len, public_blocks=self.public_blocks, store=self.store,
+                            snapshot_at=tuple(self.snapshot_at))
         check_request_keys(req, tokens, spec)
         check_decision(req.decision, decided_length(tokens.size, req.own_prompt_len, spec), spec)
         return req

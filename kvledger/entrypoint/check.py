@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from kvledger.core import HitDecision, ModelSpec, continue_chain, lookup_hit
+from kvledger.core import HitDecision, HitLookup, ModelSpec, continue_chain, lookup_hit
 from kvledger.state.ledger import StateLedger
 from kvledger.store.backend import Match
 from kvledger.store.ledger import BlockLedger
@@ -25,20 +25,21 @@ def check_prompt(tokens: Any, spec: ModelSpec, *, block_ledger: BlockLedger, sta
                  namespace: str = "default", ttl_class: str | None = None, replay: bool = False,
                  known_keys: Sequence[bytes] = (), prompt_len: int | None = None,
                  public_blocks: int = 0) -> tuple[list[bytes], HitDecision]:
-    """`check_prompt_explained` without the tombstone."""
-    keys, decision, _ = check_prompt_explained(tokens, spec, block_ledger=block_ledger, state_ledger=state_ledger,
-                                               namespace=namespace, ttl_class=ttl_class, replay=replay,
-                                               known_keys=known_keys, prompt_len=prompt_len,
-                                               public_blocks=public_blocks)
-    return keys, decision
+    """`check_prompt_explained`'s keys and decision."""
+    keys, lookup, _ = check_prompt_explained(tokens, spec, block_ledger=block_ledger, state_ledger=state_ledger,
+                                             namespace=namespace, ttl_class=ttl_class, replay=replay,
+                                             known_keys=known_keys, prompt_len=prompt_len,
+                                             public_blocks=public_blocks)
+    return keys, lookup.decision
 
 
 def check_prompt_explained(tokens: Any, spec: ModelSpec, *, block_ledger: BlockLedger,
                            state_ledger: StateLedger | None, namespace: str = "default", ttl_class: str | None = None,
                            replay: bool = False, known_keys: Sequence[bytes] = (), prompt_len: int | None = None,
-                           public_blocks: int = 0) -> tuple[list[bytes], HitDecision, Match]:
-    """Chain keys + CHECK on the index + `core.lookup_hit` over the directory, and the index's answer
-    (`store.backend.Match`: the leading blocks present, the first absent one's tombstone, if it kept one).
+                           public_blocks: int = 0) -> tuple[list[bytes], HitLookup, Match]:
+    """Chain keys + CHECK on the index + `core.lookup_hit` over the directory (the decision, and L1, which says
+    where the blocks alone reach), and the index's answer (`store.backend.Match`: the leading blocks present, the
+    first absent one's tombstone, if it kept one).
 
     `known_keys`: the keys of the leading blocks of `tokens`, computed earlier in this process (a later leg
     of the same request): only the blocks after them are hashed. `prompt_len`: the request's own prompt length when
@@ -55,4 +56,4 @@ def check_prompt_explained(tokens: Any, spec: ModelSpec, *, block_ledger: BlockL
     snapshots = None if state_ledger is None else lambda at: state_ledger.positions(keys, at=at)
     hit = lookup_hit(len(arr), found.blocks, snapshots, spec, replay=replay,
                      request_prompt_len=prompt_len or None)
-    return keys, hit.decision, found
+    return keys, hit, found

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvledger.core import HitDecision, blocks_spanned, cap_blocks, decide_hit, salted_namespace
+from kvledger.core import (MESSAGE_SNAPSHOTS, HitDecision, HitLookup, blocks_spanned, cap_blocks, decide_hit,
+                           salted_namespace, shared_prefix_positions)
 from kvledger.engine.api import EngineRequest, SamplingParams
 from kvledger.entrypoint.auth import Tenant
 from kvledger.engine.models.chat_template import ChatTemplateError
@@ -83,12 +84,18 @@ async def prepare(state: ServerState, tenant: Tenant, body: SamplingFields, endp
     sampling = sampling_params(state, body, len(tokens))
     namespace = salted_namespace(tenant.namespace, body.cache_salt)
     public = 0 if state.config.no_cache else state.public.blocks(tokens)   # rule 12: a published prefix's blocks
-    keys, decision, found = await asyncio.to_thread(_check, state, tokens, namespace, tenant.ttl_class, public)
+    keys, lookup, found = await asyncio.to_thread(_check, state, tokens, namespace, tenant.ttl_class, public)
+    decision = lookup.decision
+    shared: tuple[int, ...] = ()   # rule 4″: where the prefill also snapshots
+    if state.spec.has_swa and not state.config.no_cache:
+        chat = isinstance(body, ChatCompletionRequest) and len(body.messages) > 1
+        ends = await asyncio.to_thread(message_ends, state, body, tokens) if chat else ()
+        shared = shared_prefix_positions(lookup, state.spec, ends)
     most = cap_blocks(len(tokens), state.spec)
     absent = most - min(blocks_spanned(decision.block_hit_tokens, state.spec), most)
     prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
     req = EngineRequest(f"{prefix}-{uuid.uuid4().hex}", tokens, keys, decision, sampling, namespace,
-                        tenant.ttl_class, public_blocks=public,
+                        tenant.ttl_class, public_blocks=public, snapshot_at=shared,
                         store=may_store(tenant, body, cache_control, held=state.forgetting.holds(namespace)))
     return Prepared(req, endpoint, tenant, body.stop_strings, body.stream, body.include_usage, arrival,
                     absent if not state.config.no_cache else 0, found, body.explain_cache_miss)
@@ -112,14 +119,15 @@ def may_store(tenant: Tenant, body: SamplingFields, cache_control: str | None, *
 
 
 def _check(state: ServerState, tokens: np.ndarray, namespace: str, ttl_class: str | None, public_blocks: int
-           ) -> tuple[list[bytes], HitDecision, Match | None]:
+           ) -> tuple[list[bytes], HitLookup, Match | None]:
     """The CHECK, with the index's answer: the first absent block's tombstone comes in the same round trip, and
     the rest of its cause (the sample: entrypoint/misses.py) is looked up once the request is done, off the
     CHECK's path."""
     if state.config.no_cache:   # the baseline: nothing is looked up, every prompt is computed
         from kvledger.core import chain_keys
 
-        return chain_keys(tokens, state.spec, namespace), decide_hit(len(tokens), 0, set(), state.spec), None
+        miss = HitLookup(decide_hit(len(tokens), 0, set(), state.spec), 0)
+        return chain_keys(tokens, state.spec, namespace), miss, None
     return check_prompt_explained(tokens, state.spec, block_ledger=state.block_ledger,
                                   state_ledger=state.state_ledger, namespace=namespace, ttl_class=ttl_class,
                                   replay=state.config.replay, public_blocks=public_blocks)
@@ -190,6 +198,17 @@ def chat_tokens(state: ServerState, body: ChatCompletionRequest) -> np.ndarray:
     except ChatTemplateError as e:
         raise bad_request(str(e), "messages") from None
     return _nonempty(np.asarray(ids, dtype=np.uint32), "messages")
+
+
+def message_ends(state: ServerState, body: ChatCompletionRequest, tokens: np.ndarray) -> tuple[int, ...]:
+    """Rule 4″ (b): where a chat's first message (a system prompt) and its latest earlier message end in `tokens`
+    (its prompt), at most `core.MESSAGE_SNAPSHOTS` of them (a re-encoding of those messages: call it off the event
+    loop)."""
+    assert state.chat_template is not None
+    n = len(body.messages) - 1   # the last message ends where the prompt does: rule 4's own positions
+    which = sorted({0, *range(max(n - MESSAGE_SNAPSHOTS + 1, 1), n)})
+    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    return state.chat_template.message_ends(messages, tokens.tolist(), which)
 
 
 def _nonempty(tokens: np.ndarray, param: str) -> np.ndarray:

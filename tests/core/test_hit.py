@@ -527,3 +527,33 @@ def test_lookup_is_decide_hit_over_what_the_directory_holds(L, cached, snaps, sp
     assert found.decision == decide_hit(L, cached, snaps, spec, replay=replay)
     assert found.l1 == _l1(L, cached, spec) == block_reach(L, cached, spec)
     assert found.decision.block_hit_tokens <= found.l1 <= max(found.decision.cap, 0)
+
+
+def test_a_branch_point_is_where_the_blocks_reach_past_the_snapshot_a_prompt_resumes_from():
+    """Rule 4″ (a): L1 when the decision resumes below it (no window there), on a windowed model only."""
+    from kvledger.core import HitLookup, shared_prefix_positions
+
+    no_window = lookup_hit(1161, 8, lambda at: (), GEMMA)
+    assert (no_window.decision.hit_tokens, no_window.l1, no_window.branch_point(GEMMA)) == (0, 1024, 1024)
+    at_l1 = lookup_hit(1161, 8, lambda at: (1024,), GEMMA)
+    assert at_l1.decision.hit_tokens == 1024 and at_l1.branch_point(GEMMA) == 0
+    below = lookup_hit(1161, 9, lambda at: (512,), GEMMA)   # resumes at 512, the blocks reach 1152
+    assert below.decision.hit_tokens == 512 and below.branch_point(GEMMA) == 1152
+    assert lookup_hit(1161, 8, None, LLAMA).branch_point(LLAMA) == 0   # full attention: no window to keep
+    assert lookup_hit(1161, 0, lambda at: (), GEMMA).branch_point(GEMMA) == 0   # nothing stored: no branch
+    # message ends add their last boundary; only what lies past the hit (the prefill computes through it)
+    assert shared_prefix_positions(no_window, GEMMA, (1214, 300)) == (256, 1024, 1152)
+    assert shared_prefix_positions(below, GEMMA, (1214, 300)) == (1152,)
+    assert shared_prefix_positions(lookup_hit(1161, 8, None, LLAMA), LLAMA, (1214,)) == ()
+    assert shared_prefix_positions(HitLookup(no_window.decision, 0), GEMMA, ()) == ()
+
+
+def test_rule_4pp_positions_are_checkpoints_below_the_prompts_own():
+    """What the engine snapshots of them: block boundaries below p, other than rule 4's own."""
+    from kvledger.core import shared_prefix_positions
+
+    lookup = lookup_hit(1500, 8, lambda at: (), GEMMA)
+    shared = shared_prefix_positions(lookup, GEMMA, (1214,))
+    assert shared == (1024, 1152)
+    assert checkpoint_positions(1500, GEMMA, 0, also=shared) == (1024, 1152)
+    assert checkpoint_positions(1160, GEMMA, 0, also=shared) == (1024,)   # 1152 is p, the prompt's own

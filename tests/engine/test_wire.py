@@ -91,3 +91,23 @@ def test_a_leg_is_refused_where_it_enters_the_engine_process():
         leg(long, chain_keys(long, spec), decide_hit(long.size, 0, set(), spec)).engine_request(spec, **FITS)
     with pytest.raises(ValueError, match="token ids"):
         leg(prompt, chain_keys(prompt, spec), good).engine_request(spec, vocab_size=500, max_model_len=8192)
+
+
+def test_a_leg_carries_its_rule_4pp_positions_and_only_block_boundaries():
+    import numpy as np
+    import pytest
+
+    from kvledger.core import ModelSpec, chain_keys, decide_hit
+    from kvledger.engine.api import EngineRequest, SamplingParams
+    from kvledger.engine.wire import GenerateBody
+
+    spec = ModelSpec.preset("gemma3-270m")
+    tokens = np.arange(1, 1501, dtype=np.uint32)
+    fits = {"vocab_size": 262144, "max_model_len": 32768}
+    req = EngineRequest("r", tokens, chain_keys(tokens, spec), decide_hit(1500, 0, (), spec),
+                        SamplingParams(max_tokens=1), snapshot_at=(1024, 1152))
+    back = GenerateBody.model_validate_json(GenerateBody.of(req).model_dump_json()).engine_request(spec, **fits)
+    assert back.snapshot_at == (1024, 1152)
+    odd = GenerateBody.of(EngineRequest("r", tokens, req.keys, req.decision, req.sampling, snapshot_at=(1000,)))
+    with pytest.raises(ValueError, match="snapshot_at"):
+        odd.engine_request(spec, **fits)

@@ -81,18 +81,40 @@ class ChatTemplate:
         """`render`'s text as (text, written by the template) pieces, in order; each content is one piece.
         ChatTemplateError for a template that alters content on its way (trims it, say): then the pieces
         cannot be told apart."""
+        return [(text, message is None) for text, message in self._pieces(messages, add_generation_prompt)]
+
+    def message_ends(self, messages: Sequence[dict[str, Any]], ids: Sequence[int], which: Sequence[int],
+                     add_generation_prompt: bool = True) -> tuple[int, ...]:
+        """For each message index in `which`, the token offset in `ids` (`tokenize(messages)`) where that message's
+        content ends: how many leading ids the prompt rendered up to that content's end shares with `ids` (the
+        tokenizer may merge across the seam; the shared part never includes what follows). Every prompt that
+        starts with the same messages has the same ids up to there (rule 4″ (b): a message boundary to
+        snapshot at). Ascending, one per message of `which` that has content."""
+        assert self.encoder is not None, "message_ends needs the template built with a tokenizer"
+        pieces = self._pieces(messages, add_generation_prompt)
+        ends = set()
+        for k, (_, message) in enumerate(pieces):
+            if message is not None and message in which:
+                head = self.encoder.encode([(text, m is None) for text, m in pieces[:k + 1]])
+                ends.add(next((i for i, (a, b) in enumerate(zip(head, ids)) if a != b), min(len(head), len(ids))))
+        return tuple(sorted(ends))
+
+    def _pieces(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool) -> list[tuple[str, int | None]]:
+        """`pieces`, each content piece with its message's index (None: the template's text)."""
         nonce = secrets.token_hex(8)   # a content cannot spell a mark it cannot guess
         marked = self.render([{**m, "content": f"\x00{nonce}:{i}\x00"} for i, m in enumerate(messages)],
                              add_generation_prompt)
-        out, at = [], 0
+        out: list[tuple[str, int | None]] = []
+        at = 0
         for mark in re.finditer(f"\x00{nonce}:(\\d+)\x00", marked):
-            out += [(marked[at:mark.start()], True), (str(messages[int(mark.group(1))]["content"]), False)]
+            index = int(mark.group(1))
+            out += [(marked[at:mark.start()], None), (str(messages[index]["content"]), index)]
             at = mark.end()
-        out.append((marked[at:], True))
+        out.append((marked[at:], None))
         if "".join(text for text, _ in out) != self.render(messages, add_generation_prompt):
             raise ChatTemplateError("the chat template alters message content, so control tokens cannot be kept "
                                     "out of it")
-        return [(text, by_template) for text, by_template in out if text]
+        return [(text, message) for text, message in out if text]
 
 
 def _token_text(value: Any) -> str | None:
