@@ -1,5 +1,6 @@
 """engine/defaults.py: one table of the serving defaults, which every command's flags, every config record and
-`Engine` read."""
+`Engine` read; and `--store-capacity SIZE`, the one spelling of a store's capacity, on every command that takes
+one."""
 
 from __future__ import annotations
 
@@ -82,3 +83,27 @@ def test_the_per_key_limit_follows_the_batch():
 
     assert per_key_default(DEFAULTS.max_num_seqs, keyed=True) == DEFAULTS.max_num_seqs // 2
     assert per_key_default(DEFAULTS.max_num_seqs, keyed=False) == DEFAULTS.open_per_key
+
+
+def _options(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
+    """(command, option string) of every option of every subcommand, depth first."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _options(sub, (*path, name))
+        else:
+            yield from ((" ".join(path), o) for o in action.option_strings)
+
+
+def test_store_gc_takes_a_store_capacity_as_serve_does(parser):
+    from kvledger.store.cli import cli_capacity
+    from kvledger.util.output import CliError
+
+    takes = {c for c, o in _options(parser) if o == "--store-capacity"}
+    assert {"serve", "entrypoint", "engine", "up", "store gc"} <= takes
+    args = parser.parse_args(["store", "gc", "--store-capacity", "50G"])
+    assert cli_capacity(args.store_capacity) == 50 * 10**9
+    assert cli_capacity("inf") is None and cli_capacity("1") == 1
+    for text, says in (("lots", "expected a size"), ("0.5", "one byte"), ("2e18", "exabyte")):
+        with pytest.raises(CliError, match=says):
+            cli_capacity(text)
