@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def cluster_args() -> list[str]:
-    return ["--juicefs", "--juicefs-mounts", "2", "--juicefs-capacity-gib", "1", "--grace-s", "1"]
+    return ["--juicefs", "--juicefs-mounts", "2", "--juicefs-capacity", "1GiB", "--grace-s", "1"]
 
 
 class Chaos:

@@ -1,6 +1,6 @@
 """engine/defaults.py: one table of the serving defaults, which every command's flags, every config record and
 `Engine` read; and `--store-capacity SIZE`, the one spelling of a store's capacity, on every command that takes
-one."""
+one (a capacity flag takes a size with its unit, never names the unit: `up --juicefs-capacity SIZE` too)."""
 
 from __future__ import annotations
 
@@ -107,3 +107,23 @@ def test_store_gc_takes_a_store_capacity_as_serve_does(parser):
     for text, says in (("lots", "expected a size"), ("0.5", "one byte"), ("2e18", "exabyte")):
         with pytest.raises(CliError, match=says):
             cli_capacity(text)
+
+
+def test_no_capacity_flag_names_its_unit():
+    from kvledger.cli import build_parser
+
+    options = list(_options(build_parser()))   # the tools too
+    assert not [(c, o) for c, o in options if o in ("--capacity-gb", "--juicefs-capacity-gib")]
+    assert not [(c, o) for c, o in options if "capacity" in o and not o.endswith("capacity")]
+
+
+def test_up_rounds_the_juicefs_capacity_up_to_whole_gib(parser):
+    from kvledger.entrypoint.up import juicefs_gib
+    from kvledger.util.output import CliError
+
+    args = parser.parse_args(["up", "--juicefs-capacity", "1.5GiB"])
+    assert juicefs_gib(args.juicefs_capacity) == 2   # juicefs's own --capacity takes whole GiB
+    assert (juicefs_gib("1GiB"), juicefs_gib("1"), juicefs_gib(None), juicefs_gib("inf")) == (1, 1, 0, 0)
+    for text, says in (("lots", "expected a size"), ("0.5", "one byte"), ("2e18", "exabyte")):
+        with pytest.raises(CliError, match=says):
+            juicefs_gib(text)
