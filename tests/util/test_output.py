@@ -13,10 +13,9 @@ from kvledger.util.output import interrupts_held
 
 def test_a_ctrl_c_inside_the_block_is_raised_when_it_ends_not_inside():
     reached_the_end = False
-    with pytest.raises(KeyboardInterrupt):
-        with interrupts_held():
-            signal.raise_signal(signal.SIGINT)
-            reached_the_end = True
+    with pytest.raises(KeyboardInterrupt), interrupts_held():
+        signal.raise_signal(signal.SIGINT)
+        reached_the_end = True
     assert reached_the_end
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
