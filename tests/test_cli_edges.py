@@ -53,8 +53,8 @@ CASES = {
     "NaN in a prompt": (["diff", "[1, NaN]", "[1]"], "NaN"),
     "bad gguf": (["diff", "{d}/a.txt", "{d}/a.txt", "--tokenizer", "{d}/bad.gguf"], "GGUF"),
     "not a gguf": (["diff", "{d}/a.txt", "{d}/a.txt", "--tokenizer", "{d}/notgguf.gguf"], "GGUF"),
-    "tiny capacity": (["store", "gc", "--path", "{d}/store", "--capacity-gb", "1e-12"], "one byte"),
-    "huge capacity": (["store", "gc", "--path", "{d}/store", "--capacity-gb", "1e300"], "exabyte"),
+    "tiny capacity": (["store", "gc", "--path", "{d}/store", "--store-capacity", "1e-12"], "one byte"),
+    "huge capacity": (["store", "gc", "--path", "{d}/store", "--store-capacity", "1e300"], "exabyte"),
     "store bench absurd size": (["bench", "store", "--total-mb", "1e300", "--no-redis"], "limit"),
 }
 

@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def cluster_args() -> list[str]:
-    return ["--juicefs", "--juicefs-mounts", "2", "--juicefs-capacity-gib", "1", "--grace-s", "1"]
+    return ["--juicefs", "--juicefs-mounts", "2", "--juicefs-capacity", "1GiB", "--grace-s", "1"]
 
 
 class Chaos:
@@ -251,11 +251,13 @@ class Chaos:
     def _check(self, samples: list[Sample]) -> Any:
         """On one no-cache reference server per usable CPU (up to MAX_REFERENCES), each on one torch thread: the
         check is CPU-bound, and tiny-v4 computes each sequence of a batch on its own, so a server uses one core."""
+        from kvledger.engine.defaults import DEFAULTS
         from kvledger.engine.threads import usable_cpus
         from kvledger.util.serve_process import ServeProcess
 
-        references = [ServeProcess(self.data / f"reference-{i}", "--no-cache", "--max-num-seqs", "8", "--threads",
-                                   "1", model="tiny-v4") for i in range(min(MAX_REFERENCES, usable_cpus()))]
+        references = [ServeProcess(self.data / f"reference-{i}", "--no-cache", "--max-num-seqs",
+                                   str(DEFAULTS.max_num_seqs), "--threads", "1", model="tiny-v4")
+                      for i in range(min(MAX_REFERENCES, usable_cpus()))]
         try:
             for reference in references:
                 reference.launch()

@@ -128,7 +128,7 @@ def damage_segments(cluster: ClusterProcess, rng: random.Random, hold_s: float, 
 
 
 def fill_volume(cluster: ClusterProcess, rng: random.Random, hold_s: float) -> str:
-    """A filler file up to the volume's quota (`up --juicefs-capacity-gib`), held `hold_s`, then removed."""
+    """A filler file up to the volume's quota (`up --juicefs-capacity`), held `hold_s`, then removed."""
     filler = segment_dir(cluster).parent.parent / f"filler-{os.getpid()}"
     written, chunk = 0, os.urandom(FILL_CHUNK)
     try:

@@ -26,6 +26,8 @@ import statistics
 import time
 from typing import Any
 
+from kvledger.engine.defaults import DEFAULTS
+
 HELP = "engine throughput, pool oversubscribed: preemption by recompute vs reserve up front, median and spread"
 EXAMPLES = ("kvledger bench preempt --json",
             "kvledger bench preempt --model tiny-v4 --requests 8 --repeat 5 --threads 1 --record docs/results")
@@ -44,8 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--oversubscription", type=float, default=2.0,
                    help="blocks the requests' prompt + max_tokens need together over the pool's (default "
                         "%(default)s)")
-    p.add_argument("--max-num-seqs", type=int, default=8, help="the engine's running batch limit (default "
-                   "%(default)s)")
+    p.add_argument("--max-num-seqs", type=int, default=DEFAULTS.max_num_seqs, help="the engine's running batch "
+                   "limit (default %(default)s)")
     p.add_argument("--repeat", type=int, default=5, help="runs of each policy (default %(default)s)")
     p.add_argument("--device", default="cpu", help="torch device (default %(default)s)")
     add_threads_arg(p)
@@ -111,7 +113,7 @@ def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def measure(model: str, requests: int, prompt_tokens: int, max_tokens: int, oversubscription: float, *,
-            repeat: int, device: str = "cpu", max_num_seqs: int = 8) -> dict[str, Any]:
+            repeat: int, device: str = "cpu", max_num_seqs: int = DEFAULTS.max_num_seqs) -> dict[str, Any]:
     from kvledger.engine.models.registry import resolve
 
     entry = resolve(model)

@@ -41,9 +41,9 @@ from kvledger.bench.sim_sweep import SWA_ROWS
 from kvledger.bench.trace import TraceRequest
 from kvledger.bench.whatif_trace import Recorded, live_figures, ttl_seconds
 from kvledger.core import ModelSpec
+from kvledger.engine.defaults import DEFAULTS
 
 LIVE_LOW_WATERMARK = 0.9        # the embedded store evicts down to this share of its capacity (LmdbStore's default)
-ENGINE_KV_BYTES = 512 << 20     # an engine's device KV pool when the server names none (engine.py DEFAULT_KV_BYTES)
 ASSUMED_FETCH_BPS = 10e9        # only when nothing in the window was fetched from the store (said in the report)
 ASSUMED_DECODE_TPS = 30.0
 CAPACITY_SHARES = (0.5, 0.25, 0.125)   # default capacity rows: shares of the store's peak as recorded
@@ -140,18 +140,18 @@ def base_config(recorded: Recorded, spec: ModelSpec, cal: Calibration, decode_en
     server = recorded.server
     engines = max(len(live_figures(recorded.trace.requests)["engines"]), 1)
     capacity = server.get("store_capacity_bytes")
-    policy = server.get("routing") if server.get("mode") == "cluster" else "cache-aware"
+    policy = server.get("routing") if server.get("mode") == "cluster" else DEFAULTS.routing
     device = server.get("device_blocks")
     if not isinstance(device, int) or device < 1:   # a cluster's engines: their default pool
         context = server.get("max_model_len")
         floor = -(-context // spec.block_size) + 2 if isinstance(context, int) and context > 0 else 0
-        device = max(ENGINE_KV_BYTES // spec.block_bytes(), floor)
+        device = max(DEFAULTS.kv_cache_bytes // spec.block_bytes(), floor)
     return SimConfig(spec=spec, prefill_engines=engines, decode_engines=decode_engines,
                      prefill_tps=cal.prefill_tokens_per_s, fetch_bytes_per_s=cal.fetch_bytes_per_s,
                      decode_tps=cal.decode_tokens_per_s,
                      capacity_bytes=float(capacity) if isinstance(capacity, (int, float)) else math.inf,
                      low_watermark=LIVE_LOW_WATERMARK, segments=True, ttl_s=ttl_seconds(server), routing="match",
-                     engine_policy=policy if policy in ENGINE_POLICIES else "cache-aware",
+                     engine_policy=policy if policy in ENGINE_POLICIES else DEFAULTS.routing,
                      replay=bool(server.get("replay", False)), device_blocks=device)
 
 

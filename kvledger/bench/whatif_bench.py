@@ -155,7 +155,8 @@ def cluster_run(args: argparse.Namespace, requests: list[Any], folder: Path, lab
 def changes(args: argparse.Namespace, chosen: list[str], recorded: Any, spec: Any) -> dict[str, Any]:
     """Per chosen setting: its what-if Change and the live server's flags (auto values from the baseline)."""
     from kvledger.bench.sim_core import simulate
-    from kvledger.bench.whatif import ENGINE_KV_BYTES, Change, base_config, calibrate
+    from kvledger.bench.whatif import Change, base_config, calibrate
+    from kvledger.engine.defaults import DEFAULTS
     from kvledger.bench.whatif_trace import live_figures
 
     out: dict[str, Any] = {}
@@ -174,7 +175,7 @@ def changes(args: argparse.Namespace, chosen: list[str], recorded: Any, spec: An
                       ("--ttl-classes", f"{ttl:g}s"), ttl)
     if "routing" in chosen:   # `up`'s engines keep their default device pool
         setting = f"{args.routing}, {args.engines} engines, shared store"
-        device = max(ENGINE_KV_BYTES // spec.block_bytes(), 1)
+        device = max(DEFAULTS.kv_cache_bytes // spec.block_bytes(), 1)
         out["routing"] = (Change("routing", setting, {"routing": "match", "engine_policy": args.routing,
                                                       "prefill_engines": args.engines, "device_blocks": device}),
                           (), args.routing)

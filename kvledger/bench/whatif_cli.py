@@ -75,6 +75,7 @@ def report_of(args: argparse.Namespace) -> dict[str, Any]:
     from kvledger.bench.trace import TraceError
     from kvledger.bench.whatif import whatif
     from kvledger.bench.whatif_trace import load_recorded, ttl_seconds
+    from kvledger.store.ttl import DEFAULT_CLASSES
 
     _check_bounds(args)
     capacities = [_capacity(text) for text in args.capacity]
@@ -87,7 +88,7 @@ def report_of(args: argparse.Namespace) -> dict[str, Any]:
     if bad:
         raise CliError(f"{args.trace}: blocks of {min(bad)} tokens are not whole {spec.block_size}-token blocks of "
                        f"{spec.name}")
-    server_ttl = ttl_seconds(recorded.server) or {"agent": 3 * 86_400.0, "chatbot": 7 * 86_400.0}
+    server_ttl = ttl_seconds(recorded.server) or dict(DEFAULT_CLASSES)
     ttls = [_ttl(text, server_ttl) for text in args.ttl]
     for warning in recorded.warnings:
         print(f"kvledger whatif: warning: {warning}", file=sys.stderr, flush=True)

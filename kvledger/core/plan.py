@@ -15,7 +15,7 @@ from kvledger.core.hit import hit_cap
 from kvledger.core.spec import PUBLISHED_PREFILL_SOURCE, PUBLISHED_PREFILL_TOKENS_PER_S, ModelSpec
 
 DAY_S = 86_400
-DEFAULT_TTL_DAYS = {"agent": 3.0, "chatbot": 7.0}
+DEFAULT_TTL_DAYS = {"agent": 3.0, "chatbot": 7.0}   # the TTL classes' defaults everywhere (store.ttl: seconds)
 MAX_PROMPT_TOKENS = 1 << 30        # one prompt (or its output): at most ~1.07 billion tokens
 MAX_REQUESTS_PER_DAY = 1e12
 MAX_TTL_DAYS = 36_500.0            # a century

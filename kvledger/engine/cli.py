@@ -9,6 +9,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from kvledger.engine.defaults import DEFAULTS
 from kvledger.util.output import CliError, examples
 from kvledger.util.redis_client import REDIS_URL_ENV
 
@@ -35,11 +36,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_checkpoint_arg(p)
     add_threads_arg(p)
     add_stream_hits_arg(p)
-    p.add_argument("--host", default="127.0.0.1", help="address of the internal API and the state server")
+    p.add_argument("--host", default=DEFAULTS.host, help="address of the internal API and the state server")
     p.add_argument("--port", type=int, default=0, help="internal API port (0: any free one)")
     p.add_argument("--engine-id", default=None, help="default: <role>-<random>")
-    p.add_argument("--max-num-seqs", type=int, default=8, help="requests the engine batches at once")
-    p.add_argument("--grace-s", type=float, default=60.0, help="on SIGTERM: seconds to hand off and drain")
+    p.add_argument("--max-num-seqs", type=int, default=DEFAULTS.max_num_seqs,
+                   help="requests the engine batches at once")
+    p.add_argument("--grace-s", type=float, default=DEFAULTS.engine_grace_s,
+                   help="on SIGTERM: seconds to hand off and drain")
     p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"),
                    help="uvicorn's log level (info and debug add the access log)")
     p.add_argument("--store-capacity", default=None, metavar="SIZE", help="the shared block ledger's size limit: "

@@ -32,6 +32,7 @@ from kvledger.core import (ModelSpec, chain_parent, checkpoint_positions, hit_ca
                            takes_tail, tenant_of)
 from kvledger.engine.api import EngineRequest, RequestUsage, TokenEvent
 from kvledger.engine.block_pool import BlockPool
+from kvledger.engine.defaults import DEFAULTS
 from kvledger.engine.fetch_target import PoolTarget, StagingTarget
 from kvledger.engine.fetcher import Fetcher
 from kvledger.engine.loader import HitLoader
@@ -47,7 +48,6 @@ from kvledger.engine.tails import TailStore
 from kvledger.engine.threads import usable_cpus
 from kvledger.engine.writer import LedgerWriter
 
-DEFAULT_KV_BYTES = 512 << 20
 FORGET_WAIT_S = 30.0   # a forget waits this long at most for the writer's queued puts (the store holds the rest)
 
 
@@ -68,9 +68,10 @@ log = logging.getLogger("kvledger.engine")
 
 class Engine:
     def __init__(self, model: str | ModelEntry, *, block_ledger: object | None, state_ledger: object | None = None,
-                 device: str = "cpu", max_num_seqs: int = 8, max_num_batched_tokens: int = 4096,
-                 replay: bool = False, fetcher: str = "process", kv_cache_bytes: int = DEFAULT_KV_BYTES,
-                 fetch_timeout_s: float = 10.0, checkpoint_every: int = 0, max_seq_tokens: int | None = None,
+                 device: str = DEFAULTS.device, max_num_seqs: int = DEFAULTS.max_num_seqs,
+                 max_num_batched_tokens: int = DEFAULTS.max_num_batched_tokens, replay: bool = False,
+                 fetcher: str = "process", kv_cache_bytes: int = DEFAULTS.kv_cache_bytes, fetch_timeout_s: float = 10.0,
+                 checkpoint_every: int = DEFAULTS.checkpoint_every, max_seq_tokens: int | None = None,
                  preemption: bool = True, fetch_into: str | None = None, stream_hits: bool | None = None,
                  stream_wait_s: float = 1.0) -> None:
         """`checkpoint_every`: rule 4′'s periodic checkpointing, a snapshot every that many prompt tokens

@@ -20,6 +20,7 @@ from enum import StrEnum
 from pathlib import Path
 
 from kvledger.core import ModelSpec
+from kvledger.engine.defaults import DEFAULTS
 from kvledger.state.ledger import StateLedger
 from kvledger.store.ledger import BlockLedger, blocks_dir
 from kvledger.store.quota import Quotas
@@ -44,7 +45,7 @@ class Ledgers:
 
 
 def open_ledgers(spec: ModelSpec, data_dir: Path, part: Part, *, redis_url: str | None = None,
-                 token: str | None = None, engine_id: str | None = None, host: str = "127.0.0.1",
+                 token: str | None = None, engine_id: str | None = None, host: str = DEFAULTS.host,
                  policy: TtlPolicy | None = None, capacity_bytes: int | None = None,
                  quotas: Quotas | None = None) -> Ledgers:
     """Both ledgers of a process playing `part` (the module's table). The cluster parts need `redis_url` and

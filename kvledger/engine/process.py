@@ -35,6 +35,7 @@ from kvledger.core import chain_parent, tail_key, tail_parts, takes_tail, with_t
 from kvledger.engine.api import EngineRequest
 from kvledger.engine.async_engine import AsyncEngine
 from kvledger.engine.client import EngineFailed, EngineRejected
+from kvledger.engine.defaults import DEFAULTS
 from kvledger.engine.engine_registry import DEFAULT_TTL_S, EngineInfo, Heartbeat, Registry
 from kvledger.engine.session import H_MAC, H_SEQ, H_SESSION, SESSION_PATH, ProofFailed, SessionClient, SessionTable
 from kvledger.engine.wire import FORGET_PATH, KEEPALIVE_S, ForgetBody, GenerateBody, WireEvent
@@ -55,13 +56,13 @@ class EngineConfig:
     token: str
     data_dir: Path
     engine_id: str
-    host: str = "127.0.0.1"
-    max_num_seqs: int = 8
-    device: str = "cpu"
+    host: str = DEFAULTS.host
+    max_num_seqs: int = DEFAULTS.max_num_seqs
+    device: str = DEFAULTS.device
     replay: bool = False
-    checkpoint_every: int = 0   # rule 4′: a snapshot every this many prompt tokens while prefilling (0: none)
+    checkpoint_every: int = DEFAULTS.checkpoint_every   # rule 4′: a snapshot every this many prompt tokens (0: none)
     stream_hits: bool | None = None   # `Engine(stream_hits=...)`; None: the engine's default
-    grace_s: float = 60.0
+    grace_s: float = DEFAULTS.engine_grace_s
     heartbeat_ttl_s: float = DEFAULT_TTL_S
     store_capacity_bytes: int | None = None   # the shared block ledger's limit: this engine's puts evict past it
     quotas: Quotas | None = None              # the guarantees its evictions keep (None: those the store records)

@@ -38,6 +38,8 @@ import os
 import re
 from pathlib import Path
 
+from kvledger.engine.defaults import DEFAULTS
+
 CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
 # GNU, Intel and LLVM's OpenMP runtimes, as torch's builds ship them ("libgomp-a34b3233.so.1", "libomp.so")
 OPENMP_LIB = re.compile(r"(libgomp|libiomp5|libomp)(-[0-9a-f]+)?\.so[.0-9]*")
@@ -53,7 +55,7 @@ def add_threads_arg(p: argparse.ArgumentParser) -> None:
 
 
 def add_stream_hits_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--stream-hits", choices=STREAM_HITS, default="auto",
+    p.add_argument("--stream-hits", choices=STREAM_HITS, default=DEFAULTS.stream_hits,
                    help="whether a hit's forward may start while its blocks arrive (docs/engine.md, \"A streamed "
                         "hit\"); auto: when a CPU is left free of torch threads for the fetcher (default %(default)s)")
 

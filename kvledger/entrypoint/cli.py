@@ -16,17 +16,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvledger.engine.defaults import DEFAULTS
 from kvledger.engine.ledgers import Part
 from kvledger.entrypoint.body_limit import BODY_TIMEOUT_S
-from kvledger.entrypoint.config import (DEFAULT_TTL_CLASSES, MAX_TOKENS_LIMIT, OPEN_PER_KEY, TRACE_FILE_BYTES,
-                                        TRACE_FILES, per_key_default)
+from kvledger.entrypoint.config import DEFAULT_TTL_CLASSES, per_key_default
 from kvledger.entrypoint.router import POLICIES
 from kvledger.util.http_server import HEADER_TIMEOUT_S, MAX_CONNECTIONS, MAX_CONNECTIONS_PER_CLIENT
 from kvledger.util.output import EXIT_INTERRUPTED, CliError
 from kvledger.util.paths import default_data_dir
 from kvledger.util.redis_client import REDIS_URL_ENV
-
-SERVE_GRACE_S = 10.0   # SIGTERM: seconds requests in flight may finish (then they end with a 503), default --grace-s
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -48,14 +46,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--data-dir", type=Path, default=default_data_dir(),
                    help="block ledger folder (blocks under it), kept across restarts")
     p.add_argument("--no-cache", action="store_true", help="compute every prompt in full (a baseline)")
-    p.add_argument("--max-num-seqs", type=int, default=8, help="requests the engine batches at once")
+    p.add_argument("--max-num-seqs", type=int, default=DEFAULTS.max_num_seqs,
+                   help="requests the engine batches at once")
     add_checkpoint_arg(p)
     add_threads_arg(p)
     add_stream_hits_arg(p)
     store_args(p)
     trace_args(p)
     grace_arg(p)
-    p.set_defaults(func=cmd_serve, part=Part.EMBEDDED, redis_url=None, token_file=None, routing="cache-aware",
+    p.set_defaults(func=cmd_serve, part=Part.EMBEDDED, redis_url=None, token_file=None, routing=DEFAULTS.routing,
                    listen_fd=None, no_tail_handoff=False)
 
     p = sub.add_parser("entrypoint", help="a cluster's HTTP front: tokenizer, CHECK, router (no model weights)",
@@ -70,16 +69,17 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "keeps a password off the command line)")
     p.add_argument("--data-dir", type=Path, required=True, help="the shared store folder (blocks under it)")
     p.add_argument("--token-file", type=Path, default=None, help="the cluster token (or $KVLEDGER_CLUSTER_TOKEN)")
-    p.add_argument("--routing", default="cache-aware", choices=POLICIES, help="how prefill engines are chosen")
+    p.add_argument("--routing", default=DEFAULTS.routing, choices=POLICIES, help="how prefill engines are chosen")
     p.add_argument("--no-tail-handoff", action="store_true", help="in P/D, let the decode leg recompute the prompt's "
                    "partial last block instead of pulling it from the prefill engine (a baseline)")
     p.add_argument("--listen-fd", type=int, default=None, help=argparse.SUPPRESS)  # `kvledger up`'s bound socket
     cluster_store_args(p)
     trace_args(p)
     grace_arg(p)
-    p.set_defaults(func=cmd_serve, part=Part.ENTRYPOINT, no_cache=False, max_num_seqs=8, checkpoint_every=0,
-                   threads=None, stream_hits="auto", ttl_classes=DEFAULT_TTL_CLASSES, gc_interval_s=0.0,
-                   kv_cache_bytes=None)
+    # an engine's batch (half of it: --max-concurrent-per-key with keys); no GC here, the engines' puts evict
+    p.set_defaults(func=cmd_serve, part=Part.ENTRYPOINT, no_cache=False, max_num_seqs=DEFAULTS.max_num_seqs,
+                   checkpoint_every=DEFAULTS.checkpoint_every, threads=None, stream_hits=DEFAULTS.stream_hits,
+                   ttl_classes=DEFAULT_TTL_CLASSES, gc_interval_s=0.0, kv_cache_bytes=None)
 
 
 def cluster_store_args(p: argparse.ArgumentParser) -> None:
@@ -102,13 +102,15 @@ def store_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ttl-classes", default=DEFAULT_TTL_CLASSES, metavar="SPEC", help="how long a block lives after "
                    "its last write or hit, per TTL class: agent=30s,chatbot=2h (units ms, s, m, h, d; a class not "
                    "named keeps its default) or one duration for every class (default %(default)s)")
-    p.add_argument("--gc-interval-s", type=float, default=60.0, help="expired blocks are removed (and the capacity "
-                   "enforced) this often while serving; 0: only at puts past the capacity (default %(default)s)")
+    p.add_argument("--gc-interval-s", type=float, default=DEFAULTS.gc_interval_s, help="expired blocks are removed "
+                   "(and the capacity enforced) this often while serving; 0: only at puts past the capacity (default "
+                   "%(default)s)")
     add_quota_arg(p)
     p.add_argument("--kv-cache-bytes", default=None, metavar="SIZE", help="the engine's device KV pool (1G, 20M), "
                    "which is also its device prefix cache in front of the block ledger; at least one request of "
                    "--max-prompt-tokens + --max-tokens-limit tokens; a Llama's decode steps keep up to half as "
-                   "much again in float32 copies of their sequences' KV (default: the engine's, 512 MiB)")
+                   "much again in float32 copies of their sequences' KV (default: the engine's, "
+                   f"{DEFAULTS.kv_cache_bytes >> 20} MiB)")
 
 
 def trace_args(p: argparse.ArgumentParser) -> None:
@@ -116,9 +118,10 @@ def trace_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-trace", action="store_true", help="do not record the server's own trace: one Mooncake-format "
                    "line per finished request (hashes of its blocks, never tokens; its cached tokens and TTFT) in "
                    "DATA_DIR/trace/requests.jsonl, which `kvledger whatif --trace DATA_DIR` reads")
-    p.add_argument("--trace-file-bytes", type=int, default=TRACE_FILE_BYTES, help="the trace file is rotated "
-                   "before a line would take it past this size (default %(default)s = 32 MiB)")
-    p.add_argument("--trace-files", type=int, default=TRACE_FILES, help="rotated trace files kept beside the "
+    p.add_argument("--trace-file-bytes", type=int, default=DEFAULTS.trace_file_bytes, help="the trace file is "
+                   "rotated before a line would take it past this size (default %(default)s = "
+                   f"{DEFAULTS.trace_file_bytes >> 20} MiB)")
+    p.add_argument("--trace-files", type=int, default=DEFAULTS.trace_files, help="rotated trace files kept beside the "
                    "current one: at most (N + 1) x --trace-file-bytes on disk (default %(default)s)")
     p.add_argument("--trace-dir", type=Path, default=None, help="where the trace goes (default: DATA_DIR/trace)")
 
@@ -169,15 +172,15 @@ def cli_threads(requested: int | None) -> int:
 
 
 def grace_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--grace-s", type=float, default=SERVE_GRACE_S, help="on SIGTERM: seconds requests in flight get to "
-                   "finish before they end with a 503 (Ctrl-C ends them at once) (default %(default)s)")
+    p.add_argument("--grace-s", type=float, default=DEFAULTS.serve_grace_s, help="on SIGTERM: seconds requests in "
+                   "flight get to finish before they end with a 503 (Ctrl-C ends them at once) (default %(default)s)")
 
 
 def http_args(p: argparse.ArgumentParser) -> None:
     from kvledger.engine.models.registry import add_model_arg
 
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (non-loopback needs --api-keys)")
-    p.add_argument("--port", type=int, default=8000, help="HTTP port")
+    p.add_argument("--host", default=DEFAULTS.host, help="address to bind (non-loopback needs --api-keys)")
+    p.add_argument("--port", type=int, default=DEFAULTS.port, help="HTTP port")
     p.add_argument("--api-keys", type=Path, default=None, metavar="FILE",
                    help='JSON: {"KEY": "namespace"} or {"KEY": {"namespace": ..., "ttl_class": ..., "role": '
                         '"operator", "quota": SIZE, "store": false}} (operator keys read /metrics and /dashboard and '
@@ -190,9 +193,9 @@ def http_args(p: argparse.ArgumentParser) -> None:
     add_model_arg(p)
     p.add_argument("--max-concurrent-per-key", type=int, default=None, help="running + waiting requests of one API "
                    f"key; more at once → 429 (default: with --api-keys half of --max-num-seqs, so one key never "
-                   f"fills the batch; without, {OPEN_PER_KEY})")
-    p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies → 413 "
-                   "(default: %(default)s = 4 MiB)")
+                   f"fills the batch; without, {DEFAULTS.open_per_key})")
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULTS.max_body_bytes, help="larger request bodies → 413 "
+                   f"(default: %(default)s = {DEFAULTS.max_body_bytes >> 20} MiB)")
     p.add_argument("--header-timeout-s", type=float, default=HEADER_TIMEOUT_S, help="a request's headers not all "
                    "in within this long of the connection's start (or its previous response) → 408 and closed")
     p.add_argument("--body-timeout-s", type=float, default=BODY_TIMEOUT_S, help="a request body not all in within "
@@ -205,11 +208,11 @@ def http_args(p: argparse.ArgumentParser) -> None:
                    f"the proxy: raise it to --max-connections (default: {MAX_CONNECTIONS_PER_CLIENT}, or an eighth "
                    "of --max-connections when less)")
     p.add_argument("--max-prompt-tokens", type=int, default=None, help="longer prompts → 400 (default: the context)")
-    p.add_argument("--max-tokens-limit", type=int, default=MAX_TOKENS_LIMIT, help="larger max_tokens → 400 "
+    p.add_argument("--max-tokens-limit", type=int, default=DEFAULTS.max_tokens_limit, help="larger max_tokens → 400 "
                    "(default %(default)s)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                    help="info: an access log line per request and the status lines (default %(default)s)")
-    p.add_argument("--status-interval-s", type=float, default=10.0,
+    p.add_argument("--status-interval-s", type=float, default=DEFAULTS.status_interval_s,
                    help="a status line (throughput, prefix cache hit rate) per this many seconds of activity; "
                         "0: none (default %(default)s)")
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from kvledger.core import DEFAULT_MODEL
+from kvledger.engine.defaults import DEFAULTS
 from kvledger.util.serve_process import spawn, terminate
 
 START_TIMEOUT_S = 900.0   # several model loads at once on a loaded 2-core machine
@@ -34,7 +35,7 @@ class Member(NamedTuple):
 
 class ClusterProcess:
     def __init__(self, data_dir: Path, *args: str, prefill: int = 2, decode: int = 1, both: int = 0,
-                 routing: str = "cache-aware", model: str = DEFAULT_MODEL) -> None:
+                 routing: str = DEFAULTS.routing, model: str = DEFAULT_MODEL) -> None:
         self.data_dir = Path(data_dir)
         self.args = ["--prefill", str(prefill), "--decode", str(decode), "--both", str(both), "--routing", routing,
                      "--model", model, *args]

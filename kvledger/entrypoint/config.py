@@ -1,6 +1,7 @@
-"""What `kvledger serve` and `kvledger entrypoint` are started with (`ServeConfig`), and its defaults.
+"""What `kvledger serve` and `kvledger entrypoint` are started with (`ServeConfig`); its defaults are
+`engine.defaults.DEFAULTS`, which the commands' flags read too.
 
-A light module (no engine, no torch): the CLIs read its defaults for `--help` before anything loads.
+A light module (no engine, no torch): the CLIs read it for `--help` before anything loads.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvledger.engine.defaults import DEFAULTS
 from kvledger.engine.ledgers import Part
 from kvledger.engine.models import registry
 from kvledger.entrypoint.body_limit import BODY_TIMEOUT_S
@@ -17,19 +19,13 @@ from kvledger.store.ttl import DEFAULT_CLASSES
 from kvledger.util.paths import default_data_dir
 from kvledger.util.units import format_duration, parse_duration
 
-MIB = 1 << 20
-TRACE_FILE_BYTES = 32 * MIB   # default --trace-file-bytes: one trace file is rotated before it passes this
-TRACE_FILES = 4               # default --trace-files: rotated files kept beside the current one
-MAX_TOKENS_LIMIT = 4096   # default --max-tokens-limit: tokens one request may generate (minutes of a batch slot)
-OPEN_PER_KEY = 16         # default --max-concurrent-per-key without --api-keys: every caller is one tenant
-
 
 def per_key_default(max_num_seqs: int, keyed: bool) -> int:
     """The default --max-concurrent-per-key. With a key file: half of one engine's batch (at least 1), so one
     key never fills the batch, and another tenant's request is admitted at the next step rather than after one
     of the flood's requests (each up to --max-tokens-limit tokens) ends. Without one every caller is the same
-    tenant, with no other to starve: OPEN_PER_KEY."""
-    return max(1, max_num_seqs // 2) if keyed else OPEN_PER_KEY
+    tenant, with no other to starve: `DEFAULTS.open_per_key`."""
+    return max(1, max_num_seqs // 2) if keyed else DEFAULTS.open_per_key
 
 
 
@@ -58,8 +54,8 @@ class TraceSettings:
     data directory's `trace/`."""
 
     enabled: bool = True
-    file_bytes: int = TRACE_FILE_BYTES
-    files: int = TRACE_FILES
+    file_bytes: int = DEFAULTS.trace_file_bytes
+    files: int = DEFAULTS.trace_files
     folder: Path | None = None
 
     def __post_init__(self) -> None:
@@ -75,27 +71,27 @@ class ServeConfig:
 
     part: Part = Part.EMBEDDED
     model: str = registry.DEFAULT_MODEL   # a registry name or a path (`registry.resolve`)
-    host: str = "127.0.0.1"
-    port: int = 8000
+    host: str = DEFAULTS.host
+    port: int = DEFAULTS.port
     data_dir: Path = field(default_factory=default_data_dir)
     api_keys: Path | None = None
     public_prefix: Path | None = None  # published public prefixes (entrypoint/public_prefix.py, rule 12)
     no_cache: bool = False             # every request computes its whole prompt (bench baseline)
-    max_body_bytes: int = 4 * MIB
+    max_body_bytes: int = DEFAULTS.max_body_bytes
     body_timeout_s: float = BODY_TIMEOUT_S   # the whole body in within this long of the headers, else 408
-    max_concurrent_per_key: int = OPEN_PER_KEY   # running + waiting requests of one key; more → 429
+    max_concurrent_per_key: int = DEFAULTS.open_per_key   # running + waiting requests of one key; more → 429
     default_max_tokens: int = 256      # chat requests that name no limit
     max_prompt_tokens: int | None = None   # None: the model's context minus one
-    max_tokens_limit: int | None = MAX_TOKENS_LIMIT   # None: what the context leaves after the prompt
-    max_num_seqs: int = 8
-    status_every_s: float = 10.0           # a status line per this many seconds of activity; 0: none
-    device: str = "cpu"
+    max_tokens_limit: int | None = DEFAULTS.max_tokens_limit   # None: what the context leaves after the prompt
+    max_num_seqs: int = DEFAULTS.max_num_seqs
+    status_every_s: float = DEFAULTS.status_interval_s   # a status line per this many seconds of activity; 0: none
+    device: str = DEFAULTS.device
     replay: bool = False
-    checkpoint_every: int = 0              # rule 4′: a snapshot every this many prompt tokens (0: none)
+    checkpoint_every: int = DEFAULTS.checkpoint_every    # rule 4′: a snapshot every this many prompt tokens (0: none)
     ttl_classes: Mapping[str, float] | None = None   # TTL seconds per class (None: the store's, 3 and 7 days)
     store_capacity_bytes: int | None = None   # the block ledger: LRU eviction past this (None: unlimited)
     quota_flags: tuple[tuple[Owner, int], ...] = ()   # `--quota` (store/quota.py; resolved with the key file's)
-    gc_interval_s: float = 60.0            # embedded: expired blocks removed this often while serving (0: never)
+    gc_interval_s: float = DEFAULTS.gc_interval_s   # embedded: expired blocks removed this often (0: never)
     kv_cache_bytes: int | None = None      # embedded: the engine's device KV pool (None: the engine's default)
     stream_hits: bool | None = None        # embedded: `Engine(stream_hits=...)`; None: the engine's default
     trace: TraceSettings = field(default_factory=TraceSettings)
@@ -103,7 +99,7 @@ class ServeConfig:
     # the engine registry, and the engines are reached with the cluster token
     redis_url: str | None = None
     cluster_token: str | None = field(default=None, repr=False)
-    routing: str = "cache-aware"
+    routing: str = DEFAULTS.routing
     tail_handoff: bool = True              # P/D: the decode leg pulls the prompt's tail from the prefill engine
 
     def __post_init__(self) -> None:

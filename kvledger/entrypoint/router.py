@@ -22,6 +22,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvledger.engine.defaults import DEFAULTS
 from kvledger.engine.engine_registry import EngineInfo
 
 POLICIES = ("cache-aware", "round-robin", "least-loaded", "prefix-affinity")
@@ -46,7 +47,7 @@ class Load:
 
 
 class Router:
-    def __init__(self, policy: str = "cache-aware") -> None:
+    def __init__(self, policy: str = DEFAULTS.routing) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown routing policy {policy!r}; known: {', '.join(POLICIES)}")
         self.policy = policy

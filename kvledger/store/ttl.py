@@ -14,8 +14,10 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from kvledger.core.plan import DEFAULT_TTL_DAYS
+
 DAY_S = 86_400.0
-DEFAULT_CLASSES: dict[str, float] = {"agent": 3 * DAY_S, "chatbot": 7 * DAY_S}
+DEFAULT_CLASSES: dict[str, float] = {name: days * DAY_S for name, days in DEFAULT_TTL_DAYS.items()}   # DESIGN's 3, 7 d
 DEFAULT_CLASS = "chatbot"
 
 Clock = Callable[[], float]  # wall-clock seconds since the epoch (time.time by default)

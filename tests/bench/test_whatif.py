@@ -65,12 +65,12 @@ def test_the_recorded_window_calibrates_the_simulator_and_it_agrees_with_itself(
 def test_the_live_low_watermark_and_device_pool_are_the_servers():
     import inspect
 
-    from kvledger.bench.whatif import ENGINE_KV_BYTES
-    from kvledger.engine.engine import DEFAULT_KV_BYTES
+    from kvledger.engine.defaults import DEFAULTS   # what bench/whatif.py reads for an engine's pool
+    from kvledger.engine.engine import Engine
     from kvledger.store.lmdb_store import LmdbStore
 
     assert inspect.signature(LmdbStore.__init__).parameters["low_watermark"].default == LIVE_LOW_WATERMARK
-    assert ENGINE_KV_BYTES == DEFAULT_KV_BYTES
+    assert inspect.signature(Engine.__init__).parameters["kv_cache_bytes"].default == DEFAULTS.kv_cache_bytes
 
 
 def test_json_is_one_object_and_out_writes_the_chart(run_cli, tmp_path):

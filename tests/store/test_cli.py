@@ -24,7 +24,7 @@ def test_stats_gc_verify_file(run_cli, tmp_path):
     st = json.loads(r.stdout)
     assert (st["blocks"], st["chains"], st["live_bytes"]) == (10, 2, 10 * BLOCK)
     assert st["per_class"] == {"agent": 6, "chatbot": 4} and st["oldest_created"] > 0
-    r = run_cli("store", "gc", "--path", str(tmp_path), "--json", "--capacity-gb", str(5 * BLOCK / 1e9))
+    r = run_cli("store", "gc", "--path", str(tmp_path), "--json", "--store-capacity", str(5 * BLOCK))
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["evicted"] == 6  # down to 0.9 × 5 blocks, tails first
     seg = next((tmp_path / "segments").rglob("*" + sg.SUFFIX))

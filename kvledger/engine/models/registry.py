@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from kvledger.core import DEFAULT_MODEL, ModelSpec
+from kvledger.engine.defaults import DEFAULTS
 from kvledger.engine.models import gemma3_chat
 from kvledger.engine.models.model_files import ModelError, file_digest, gguf_fields
 from kvledger.engine.models.weights import GgufFile, HfFolder, assembled_file, package_file
@@ -114,7 +115,7 @@ def add_model_arg(parser: Any) -> None:
 
 def add_checkpoint_arg(parser: Any) -> None:
     """--checkpoint-every TOKENS (serve, engine, up): rule 4′'s periodic checkpointing; `cli_checkpoint` checks it."""
-    parser.add_argument("--checkpoint-every", type=int, default=0, metavar="TOKENS",
+    parser.add_argument("--checkpoint-every", type=int, default=DEFAULTS.checkpoint_every, metavar="TOKENS",
                         help="sliding-window models: also snapshot every TOKENS prompt tokens while prefilling (a "
                         "multiple of 128), so another question after a shared document resumes exactly at most "
                         "TOKENS back; each snapshot is a window of every windowed layer (gemma3-270m: 7.6 MiB) "
