@@ -92,7 +92,7 @@ async def prepare(state: ServerState, tenant: Tenant, body: SamplingFields, endp
         ends = await asyncio.to_thread(message_ends, state, body, tokens) if chat else ()
         shared = shared_prefix_positions(lookup, state.spec, ends)
     most = cap_blocks(len(tokens), state.spec)
-    absent = most - min(blocks_spanned(decision.block_hit_tokens, state.spec), most)
+    absent = most - min(blocks_spanned(lookup.l1, state.spec), most)   # a window missing is not a block absent
     prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
     req = EngineRequest(f"{prefix}-{uuid.uuid4().hex}", tokens, keys, decision, sampling, namespace,
                         tenant.ttl_class, public_blocks=public, snapshot_at=shared,

@@ -26,7 +26,7 @@ def chat(server: ServeProcess, question: str) -> dict:
 
 def complete(server: ServeProcess, model: str, prompt: list[int]) -> dict:
     status, out = server.post("/v1/completions", {"model": model, "prompt": prompt, "max_tokens": 6,
-                                                  "temperature": 0})
+                                                  "temperature": 0, "explain_cache_miss": True})
     assert status == 200, out
     return out
 
@@ -62,9 +62,15 @@ def test_the_third_prompt_that_shares_a_prefix_resumes_at_the_branch_point(tmp_p
         cached.wait_ready(), reference.wait_ready()
         got = [complete(cached, "tiny-v4", p) for p in prompts]
         want = [complete(reference, "tiny-v4", p) for p in prompts]
+        metrics = cached.get("/metrics")[1].decode()
     finally:
         cached.stop(), reference.stop()
     assert [g["usage"]["prompt_cache_hit_tokens"] for g in got] == [0, 0, 3 * B]
+    # the second found 3 blocks and no window: a miss of its own cause, and no block counted absent for it
+    assert got[1]["usage"]["kvledger"]["miss"]["causes"]["snapshot_missing"] == 3 * B
+    # blocks under the cap (512) absent: the first's 4, then the block each other one diverges in; the second's 3
+    # present blocks are not among them
+    assert 'kvledger_cache_miss_blocks_total{cause="absent"} 6.0' in metrics
     assert [g["choices"][0]["token_ids"] for g in got] == [w["choices"][0]["token_ids"] for w in want]
 
 
