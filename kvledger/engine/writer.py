@@ -150,18 +150,19 @@ class LedgerWriter:
                 self._put_window(seq, position)
 
     def store_checkpoint(self, seq: Sequence, position: int) -> None:
-        """Rule 4′ (periodic): the window at `position`, where a prefill chunk just ended (`Sequence.keeps` only)."""
+        """Rules 4′ and 4″: the window at `position`, where a prefill chunk just ended (`Sequence.keeps` only)."""
         if self.state_ledger is None or not seq.keeps:
             return
         assert seq.computed == position
-        self._put_window(seq, position)
+        self._put_window(seq, position, extra=True)
 
-    def _put_window(self, seq: Sequence, position: int) -> None:
-        """The slot's window ending at `position` (a multiple of B its ring still holds) to the state ledger."""
+    def _put_window(self, seq: Sequence, position: int, *, extra: bool = False) -> None:
+        """The slot's window ending at `position` (a multiple of B its ring still holds) to the state ledger;
+        `extra`: a checkpoint (rules 4′, 4″), first to be evicted."""
         assert self.state_ledger is not None and position % self.spec.block_size == 0
         self.model.export_window(seq.slot, position, self.slots.staging)
         block = position // self.spec.block_size - 1
-        self.state_ledger.put(seq.keys[block], position, self.slots.staging.numpy(), seq.owner(block))
+        self.state_ledger.put(seq.keys[block], position, self.slots.staging.numpy(), seq.owner(block), extra=extra)
 
     def store_replica(self, seq: Sequence) -> None:
         """Rule 4 at request end: the latest decode replica, attached at its boundary (`Sequence.keeps` only)."""

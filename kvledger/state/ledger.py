@@ -126,9 +126,11 @@ class StateLedger:
 
     # --- writes ------------------------------------------------------------------
 
-    def put(self, key: bytes, position: int, data: bytes | bytearray | memoryview, tenant: str = "") -> bool:
+    def put(self, key: bytes, position: int, data: bytes | bytearray | memoryview, tenant: str = "", *,
+            extra: bool = False) -> bool:
         """Keep the snapshot taken at `position` (tokens) under `key`, the chain key of the block
-        ending there, as `tenant`'s (`forget`). True when it went somewhere (pool or disk) per the strategy."""
+        ending there, as `tenant`'s (`forget`). True when it went somewhere (pool or disk) per the strategy.
+        `extra`: not where a prompt ends (rules 4′, 4″), first to be evicted from the pool (`SlotPool.put`)."""
         assert len(key) == KEY_BYTES and position > 0 and position % self.spec.block_size == 0
         kept = False
         if self.files is not None and self.strategy.persists(position):
@@ -139,7 +141,7 @@ class StateLedger:
                 self._fault("disk")
         if self.pool is not None and self.holder is not None:
             with deadline(self.directory_timeout_s):  # the evictions' withdraw and the publish share it
-                result = self.pool.put(key, position, data, tenant)
+                result = self.pool.put(key, position, data, tenant, extra=extra)
                 if result.stored:
                     kept = True
                     self._publish(SnapshotEntry(key, self.holder, position, memoryview(data).nbytes, time.time()))

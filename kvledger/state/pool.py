@@ -137,8 +137,12 @@ class SlotPool:
                 return idx, [key]
         return None, []
 
-    def put(self, key: bytes, position: int, data: bytes | bytearray | memoryview, tenant: str = "") -> SnapshotPut:
-        """Store a snapshot of `tenant` (copied into a slot); evicts the LRU unpinned slot when full."""
+    def put(self, key: bytes, position: int, data: bytes | bytearray | memoryview, tenant: str = "", *,
+            extra: bool = False) -> SnapshotPut:
+        """Store a snapshot of `tenant` (copied into a slot); evicts the LRU unpinned slot when full. An `extra`
+        snapshot (rules 4′ and 4″: a checkpoint, a branch point, a message end, where a prompt does not end) enters
+        as the least recently used: it is the first to go unless a read promotes it before, so the extras never
+        push out a chain's own (rule 4) windows by being newer, and a hot one (a system prompt's) stays."""
         assert len(key) == KEY_BYTES and position >= 0
         data = memoryview(data).cast("B")
         if data.nbytes > self.slot_bytes:
@@ -168,6 +172,8 @@ class SlotPool:
                 else:
                     self._slots[idx] = slot
                     self._index[key] = idx
+                    if extra:
+                        self._index.move_to_end(key, last=False)
         if evicted and self.on_evict is not None:
             self.on_evict(evicted)
         return SnapshotPut(idx is not None, evicted)

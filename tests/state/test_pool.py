@@ -127,3 +127,18 @@ def test_another_process_maps_the_pool_by_name_and_its_exit_leaves_the_segment()
             assert bytes.fromhex(out.stdout.strip()) == data[:64]
             assert "leaked" not in out.stderr and Path("/dev/shm", pool.name.lstrip("/")).exists()
         assert pool.get(_key(1)) == data
+
+
+def test_an_extra_snapshot_goes_first_unless_a_read_promotes_it():
+    """Rules 4′/4″: a checkpoint enters as the least recently used, so it never pushes out a chain's own window by
+    being newer; once read (a conversation hit its system prompt's window) it is kept like any other."""
+    evicted: list[bytes] = []
+    with SlotPool(100, 2) as pool:
+        pool.on_evict = evicted.extend
+        pool.put(_key(0), 128, b"a" * 100)               # a prompt's own window
+        pool.put(_key(1), 256, b"x" * 100, extra=True)   # a branch point's, newer
+        assert pool.put(_key(2), 384, b"b" * 100) == (True, [_key(1)])   # the extra goes, not the older own one
+        assert pool.get(_key(0)) is not None              # order, oldest first: 2, 0
+        assert pool.put(_key(3), 512, b"y" * 100, extra=True) == (True, [_key(2)])   # enters oldest: 3, 0
+        assert pool.get(_key(3)) is not None             # read: now the most recent (0, 3)
+        assert pool.put(_key(4), 640, b"c" * 100) == (True, [_key(0)]) and evicted == [_key(1), _key(2), _key(0)]
