@@ -37,7 +37,7 @@ earlier one q, and the hit is q). Its ranges, W the window:
 | [local, hit)                | full group: ledger blocks, loaded whole                          |
 | [hit − W, hit) ∩ [local, …) | sliding-window groups: the snapshot at `hit` (their blocks before |
 |                             | it are vLLM's null blocks: outside every later query's window)   |
-| x in rule 4′'s positions    | saved after the step whose tokens start before x and end at or   |
+| x in rules 4′/4″ positions  | saved after the step whose tokens start before x and end at or   |
 |                             | past it: vLLM still holds the blocks of [x − W, x) then (that    |
 |                             | step's first query attends back to x − W; vLLM frees a sliding   |
 |                             | block only once the processed tokens leave it behind)            |
@@ -130,6 +130,7 @@ class SchedulerSide:
         self.tracks: dict[str, RequestTrack] = {}
         self.n_groups = 1 + len(groups.windows)        # every group is the full one or a window one
         self.checked: dict[str, tuple[int, int]] = {}  # req_id → (vLLM's local hit, the hit) of its last CHECK
+        self.branches: dict[str, int] = {}             # req_id → its last CHECK's branch point (rule 4″; 0: none)
 
     @property
     def loads_async(self) -> bool:
@@ -210,9 +211,11 @@ class SchedulerSide:
         self.sources[request.request_id] = sources
         state = self.state
         snapshots = None if state is None else lambda at: state.positions(keys, at=at)   # metadata only
-        hit = lookup_hit(len(prompt), cached, snapshots, self.spec).decision.hit_tokens
+        lookup = lookup_hit(len(prompt), cached, snapshots, self.spec)
+        hit = lookup.decision.hit_tokens
         if state is not None:
             self.checked[request.request_id] = (num_computed_tokens, hit)
+            self.branches[request.request_id] = lookup.branch_point(self.spec)
         return max(hit - num_computed_tokens, 0)
 
     # --- allocation and steps ------------------------------------------------------
@@ -309,13 +312,14 @@ class SchedulerSide:
 
     def _plan_windows(self, track: RequestTrack, computed: int, scheduled: dict[str, int],
                       window_saves: list[WindowRun]) -> None:
-        """Rule 4′: the windows at the prompt's store positions that this step's tokens complete."""
+        """Rules 4′ and 4″: the windows at the prompt's store positions (a published prefix's end, the branch point
+        its CHECK found) that this step's tokens complete."""
         if self.state is None:
             return
         end = computed + scheduled.get(track.request.request_id, 0)
         n = len(track.request.prompt_token_ids)
-        public_end = checkpoint_positions(n, self.spec, 0, also=(track.public_blocks * self.block,))   # rule 12
-        for x in sorted({*prefill_store_positions(n, self.spec), *public_end}):
+        also = (track.public_blocks * self.block, self.branches.get(track.request.request_id, 0))   # rules 12, 4″
+        for x in sorted({*prefill_store_positions(n, self.spec), *checkpoint_positions(n, self.spec, 0, also=also)}):
             if computed < x <= end:
                 window = self._window(track, x)
                 if window is None:
@@ -418,6 +422,7 @@ class SchedulerSide:
         """Forget a request; what the connector did for it (vLLM returns it as kv_transfer_params):
         a hybrid model's also says at which position its window came from a snapshot (`window_at`, 0: none)."""
         self.checked.pop(req_id, None)
+        self.branches.pop(req_id, None)
         self.sources.pop(req_id, None)
         track = self.tracks.pop(req_id, None)
         if track is None:
