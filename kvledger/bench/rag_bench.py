@@ -9,6 +9,8 @@ Each strategy runs the same prompts on a fresh embedded ledger, the device cache
     | strategy        | snapshots a prefill takes                 | the next question resumes            |
     |-----------------|-------------------------------------------|--------------------------------------|
     | prefill         | rule 4′'s c and p only                    | nowhere (a miss): no snapshot in doc |
+    | shared          | also rule 4″'s branch point (the serving  | the second question keeps the window |
+    |                 | default: `core.shared_prefix_positions`)  | at L1; from the third, exactly there |
     | periodic:P      | also every P tokens (`checkpoint_positions`)| exactly at the latest k·P ≤ L1     |
     | zero            | none (the state ledger keeps nothing)     | nowhere (a miss)                     |
 
@@ -29,7 +31,7 @@ from typing import Any
 
 HELP = "a shared document and many questions: hit and recomputed tokens, TTFT and bytes kept, per strategy"
 EXAMPLES = ("kvledger bench rag --model gemma3-270m --record docs/results",)
-STRATEGIES = ("prefill", "periodic:512", "periodic:1024", "periodic:2048", "zero")
+STRATEGIES = ("prefill", "shared", "periodic:512", "periodic:1024", "periodic:2048", "zero")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -50,7 +52,8 @@ def _one_strategy(entry: Any, strategy: str, doc: list[int], questions: list[lis
                   ) -> dict[str, Any]:
     from kvledger.engine.engine import Engine
     from kvledger.engine.api import EngineRequest, SamplingParams
-    from kvledger.entrypoint.check import check_prompt
+    from kvledger.core import shared_prefix_positions
+    from kvledger.entrypoint.check import check_prompt_explained
     from kvledger.state.ledger import StateLedger
     from kvledger.store.ledger import BlockLedger
 
@@ -68,9 +71,11 @@ def _one_strategy(entry: Any, strategy: str, doc: list[int], questions: list[lis
                 engine.clear_device_cache()
                 tokens = doc + question
                 t0 = time.perf_counter()
-                keys, decision = check_prompt(tokens, spec, block_ledger=ledger, state_ledger=states)
+                keys, lookup, _ = check_prompt_explained(tokens, spec, block_ledger=ledger, state_ledger=states)
+                decision = lookup.decision
+                shared = shared_prefix_positions(lookup, spec) if strategy == "shared" else ()
                 engine.add_request(EngineRequest(f"q{i}", tokens, keys, decision,
-                                                 SamplingParams(max_tokens=1, ignore_eos=True)))
+                                                 SamplingParams(max_tokens=1, ignore_eos=True), snapshot_at=shared))
                 usage = None
                 while engine.has_unfinished():
                     for event in engine.step():
@@ -132,9 +137,11 @@ def _parse(text: str, block: int) -> list[str]:
     names = [s.strip() for s in text.split(",") if s.strip()]
     for s in names:
         name, _, n = s.partition(":")
-        ok = s in ("prefill", "zero") or (name == "periodic" and n.isdigit() and int(n) > 0 and int(n) % block == 0)
+        periodic = name == "periodic" and n.isdigit() and int(n) > 0 and int(n) % block == 0
+        ok = s in ("prefill", "shared", "zero") or periodic
         if not ok:
-            raise CliError(f"--strategies: {s!r} is not prefill, zero or periodic:N (N a multiple of {block})")
+            raise CliError(f"--strategies: {s!r} is not prefill, shared, zero or periodic:N (N a multiple of "
+                           f"{block})")
     if not names:
         raise CliError("--strategies: name at least one")
     return names

@@ -25,3 +25,12 @@ def test_only_checkpoints_in_the_document_serve_the_next_question():
     assert periodic["snapshot_bytes"] == 4 * spec.state_size_to_disk()
     assert periodic["vs_all_layers"] == pytest.approx(
         (periodic["block_disk_bytes"] + periodic["snapshot_bytes"]) / (periodic["stored_tokens"] * 18 * 1024))
+
+
+def test_from_the_third_question_on_the_documents_last_boundary_hits():
+    """Rule 4″ (the serving default): the second question finds the document's 4 blocks and no window, computes
+    them and keeps the window at 512 (the branch point); the third and fourth resume exactly there."""
+    r = measure("gemma3-270m", 600, 4, 60, ["shared"])
+    runs = r["strategies"][0]["runs"]
+    assert [run["cached"] for run in runs] == [0, 0, 512, 512]
+    assert [run["hit_kind"] for run in runs[2:]] == ["snapshot", "snapshot"]
