@@ -140,6 +140,24 @@ def summarize(turns: list[Turn], wall_s: float, warm: set[tuple[int, int]]) -> d
     return out
 
 
+def first_turns(sessions: list[Session], runs: dict[str, tuple[list[Turn], float]]) -> list[dict[str, Any]]:
+    """Each session's first turn, with the system prompt it starts with (numbered in session order) and how many
+    sessions before it started with the same one: on a hybrid model, rule 4″ has the second such session keep the
+    window at the system prompt's last whole block, and every later one read at least that far."""
+    systems: dict[bytes, int] = {}
+    seen: dict[int, int] = defaultdict(int)
+    first = {mode: {t.session: t for t in turns if t.turn == 0} for mode, (turns, _) in runs.items()}
+    out = []
+    for i, s in enumerate(sessions):
+        system = systems.setdefault(s.system.tobytes(), len(systems))
+        cache, base = first["cache"][i], first["no_cache"][i]
+        out.append({"session": i, "system": system, "system_tokens": len(s.system), "sessions_before": seen[system],
+                    "cached_tokens": cache.cached_tokens, "ttft_s": round(cache.ttft_s, 4),
+                    "no_cache_ttft_s": round(base.ttft_s, 4)})
+        seen[system] += 1
+    return out
+
+
 def run(args: argparse.Namespace) -> int | None:
     from kvledger.util.output import CliError, emit_json
 
@@ -156,6 +174,7 @@ def run(args: argparse.Namespace) -> int | None:
     warm = {(t.session, t.turn) for t in runs["cache"][0] if t.cached_tokens > 0}
     result = {"bench": "serve", "model": args.model, "workload": _workload(args, sessions),
               **{mode: summarize(turns, wall, warm) for mode, (turns, wall) in runs.items()}}
+    result["first_turns"] = first_turns(sessions, runs)
     replies = [{(t.session, t.turn): t.reply for t in turns} for turns, _ in runs.values()]
     result["same_replies"] = replies[0] == replies[1]
     result["ratios"] = _ratios(result["cache"], result["no_cache"])
