@@ -192,9 +192,8 @@ def token_ids(ids: list[int], vocab_size: int, param: str) -> np.ndarray:
 def chat_tokens(state: ServerState, body: ChatCompletionRequest) -> np.ndarray:
     if state.chat_template is None or state.tokenizer is None:
         raise bad_request(f"{state.model} has no chat template: use /v1/completions with token ids", "messages")
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
     try:
-        ids = state.chat_template.tokenize(messages)
+        ids = state.chat_template.tokenize(template_messages(body))
     except ChatTemplateError as e:
         raise bad_request(str(e), "messages") from None
     return _nonempty(np.asarray(ids, dtype=np.uint32), "messages")
@@ -207,8 +206,12 @@ def message_ends(state: ServerState, body: ChatCompletionRequest, tokens: np.nda
     assert state.chat_template is not None
     n = len(body.messages) - 1   # the last message ends where the prompt does: rule 4's own positions
     which = sorted({0, *range(max(n - MESSAGE_SNAPSHOTS + 1, 1), n)})
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-    return state.chat_template.message_ends(messages, tokens.tolist(), which)
+    return state.chat_template.message_ends(template_messages(body), tokens.tolist(), which)
+
+
+def template_messages(body: ChatCompletionRequest) -> list[dict[str, str]]:
+    """The messages as the chat template reads them: role and plain text."""
+    return [{"role": m.role, "content": m.text()} for m in body.messages]
 
 
 def _nonempty(tokens: np.ndarray, param: str) -> np.ndarray:
