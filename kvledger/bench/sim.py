@@ -61,9 +61,9 @@ def parse_ttl(text: str) -> dict[str, float] | None:
 
 
 def parse_swa(text: str) -> tuple[str, int]:
-    m = re.fullmatch(r"(memory|full|zero|periodic)(?::([0-9]+))?", text.strip())
+    m = re.fullmatch(r"(memory|shared|full|zero|periodic)(?::([0-9]+))?", text.strip())
     if not m or (m.group(2) and m.group(1) != "periodic") or (m.group(2) is not None and int(m.group(2)) < 1):
-        raise CliError(f"--swa: expected memory, full, zero or periodic:N (N >= 1 blocks), got {text!r}")
+        raise CliError(f"--swa: expected memory, shared, full, zero or periodic:N (N >= 1 blocks), got {text!r}")
     return m.group(1), int(m.group(2) or 4)
 
 
@@ -123,7 +123,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--span-days", type=float, default=7.0, help="days the trace's span stands for (TTLs scale by it)")
     p.add_argument("--routing", choices=ROUTINGS, default="match",
                    help="match: shared store, hit computed before routing; affinity / random: per-engine caches")
-    p.add_argument("--swa", default="memory", help="memory | full | periodic:N | zero")
+    p.add_argument("--swa", default="memory",
+                   help="memory | shared (memory and rule 4″'s branch points and message ends) | full | periodic:N | "
+                        "zero (default %(default)s)")
     p.add_argument("--state-slots", type=int, default=4096, help="snapshots one engine's host pool holds (memory)")
     p.add_argument("--replay", action="store_true", help="a missing snapshot: bounded replay instead of fallback")
     p.add_argument("--affinity-balance-s", type=float, default=5.0, help="affinity: queue gap that overrides affinity")

@@ -11,7 +11,10 @@ Model (units: seconds, tokens, bytes):
 - The cache is kept at the request's id granularity (512 tokens in Mooncake traces): an id holds
   as many 128-token blocks as the writer had whole (a partial last 512-token block holds fewer).
   Every hit decision goes through `kvledger.core.lookup_hit`; snapshot positions come from
-  `prefill_store_positions` / `decode_store_position` (or every N blocks for `periodic:N`).
+  `prefill_store_positions` / `decode_store_position` (or every N blocks for `periodic:N`); `shared` adds
+  rule 4″'s (`core.shared_prefix_positions`: the branch point its CHECK found, and the ends of the first and the
+  latest earlier message, a request's segments standing for its messages), which enter the pool as its least
+  recently used, as the live pool's extras do.
 - Blocks are written at the end of prefill (in-flight prompts are not yet hits), tail first, so
   LRU eviction takes chain tails before heads; a hit renews the TTL of the blocks it reuses.
 - `ideal`: one unbounded set of ids, no TTL, no cap, written at the writer's arrival: the hit of
@@ -32,15 +35,16 @@ import numpy as np
 
 from kvledger.bench.sim_store import DevicePool, SimBlockStore, StatePool
 from kvledger.bench.trace import TraceRequest
-from kvledger.core import HitKind, ModelSpec, decode_replica_positions, decode_store_position, lookup_hit
-from kvledger.core import prefill_store_positions
+from kvledger.core import (HitKind, HitLookup, ModelSpec, checkpoint_positions, decode_replica_positions,
+                           decode_store_position, lookup_hit, message_snapshot_indices, prefill_store_positions,
+                           shared_prefix_positions)
 from kvledger.core.plan import PUBLISHED_PREFILL_TOKENS_PER_S
 from kvledger.store.lmdb_store import REFRESH_GRAIN_S
 
 ROUTINGS = ("match", "affinity", "random")
 # under `match`, how the entrypoint picks among the engines (the live router's policies, entrypoint/router.py)
 ENGINE_POLICIES = ("cache-aware", "round-robin", "least-loaded", "prefix-affinity")
-SWA_STRATEGIES = ("memory", "full", "periodic", "zero")
+SWA_STRATEGIES = ("memory", "shared", "full", "periodic", "zero")
 _PREFILL_DONE, _DECODE_DONE, _ARRIVAL, _START = 0, 1, 2, 3  # at equal times, writes land before arrivals
 
 
@@ -67,7 +71,9 @@ class SimConfig:
     engine_policy: str = "cache-aware"   # `match` only: which engine computes (the live router's policy)
     device_blocks: int = 0         # per prefill engine: its device KV pool, a prefix cache in front of the store
                                    # (sim_store.DevicePool; a hit is raised to what it holds); 0: not modelled
-    swa: str = "memory"
+    swa: str = "memory"            # SWA_STRATEGIES: memory = rule 4's snapshots in host pools, shared = those and
+                                   # rule 4″'s, full = the window's KV with every block, periodic = every N blocks
+                                   # on storage, zero = none
     swa_period: int = 4            # periodic:N — blocks between stored snapshots
     state_slots: int = 4096        # memory — snapshots one engine's host pool holds
     replay: bool = False           # a missing snapshot: bounded replay instead of fallback
@@ -153,7 +159,8 @@ def _ids_hit(r: TraceRequest, hit_tokens: int) -> float:
 class _Decision:
     """A hit decision plus where its snapshot is (`snap_key` in the pool of `holder`, or on storage)."""
 
-    __slots__ = ("hit_tokens", "recompute_from", "kind", "l1", "swa_bytes", "holder", "snap_key", "on_device", "cached")
+    __slots__ = ("hit_tokens", "recompute_from", "kind", "l1", "swa_bytes", "holder", "snap_key", "on_device", "cached",
+                 "shared")
 
     def __init__(self, hit_tokens: int, recompute_from: int, kind: str, l1: int, swa_bytes: int = 0,
                  holder: int | None = None, snap_key: tuple | None = None) -> None:
@@ -161,6 +168,7 @@ class _Decision:
         self.swa_bytes, self.holder, self.snap_key = swa_bytes, holder, snap_key
         self.on_device = 0   # of the reused blocks, those the serving engine's device pool holds (not fetched)
         self.cached = 0      # leading blocks the store held at the CHECK (what it refreshed, with `segments`)
+        self.shared: tuple[int, ...] = ()   # `shared`: rule 4″'s positions, where this prefill also snapshots
 
 
 class Simulator:
@@ -249,7 +257,23 @@ class Simulator:
         out = (_Decision(d.hit_tokens, d.recompute_from, d.kind.value, hit.l1, *found[d.hit_tokens]) if d.swa_hit
                else _Decision(d.hit_tokens, d.recompute_from, d.kind.value, hit.l1))
         out.cached = cached
+        if cfg.swa == "shared":
+            out.shared = self._shared_positions(r, hit)
         return out
+
+    def _shared_positions(self, r: TraceRequest, hit: HitLookup) -> tuple[int, ...]:
+        """Rule 4″'s positions for r's prefill, below its own rule-4 ones (`core.checkpoint_positions`): the branch
+        point and the ends of the messages `core.message_snapshot_indices` names, r's prompt segments standing for
+        its messages (none when the request names no segments, as in Mooncake traces)."""
+        ends, at = [], 0
+        for seg in r.segments:
+            at += seg.length
+            if at > r.input_length:
+                break
+            ends.append(at)
+        chosen = [ends[k] for k in message_snapshot_indices(len(ends))]
+        also = shared_prefix_positions(hit, self.spec, chosen)
+        return checkpoint_positions(r.input_length, self.spec, 0, also=also)
 
     def _snapshot(self, r: TraceRequest, pos: int, engine: int, store: SimBlockStore, now: float
                   ) -> tuple[int, int | None, tuple | None] | None:
@@ -347,7 +371,7 @@ class Simulator:
         if d.holder is None or d.holder == engine or d.snap_key not in self.pools[engine]:
             return d
         out = _Decision(d.hit_tokens, d.recompute_from, d.kind, d.l1, d.swa_bytes, engine, d.snap_key)
-        out.cached = d.cached
+        out.cached, out.shared = d.cached, d.shared
         return out
 
     def _touch_reused(self, r: TraceRequest, store: SimBlockStore, d: _Decision, now: float) -> None:
@@ -369,9 +393,11 @@ class Simulator:
             else:
                 store.touch(d.snap_key, now, ttl)
 
-    def _write_prompt(self, r: TraceRequest, engine: int, now: float) -> None:
+    def _write_prompt(self, r: TraceRequest, engine: int, now: float, d: _Decision) -> None:
         store, ttl, B = self.stores[engine if self.cfg.local else 0], self._ttl(r), self.B
-        # snapshots first (useless without their blocks, they go before them), then blocks tail first
+        # snapshots first (useless without their blocks, they go before them), then blocks tail first; rule 4″'s
+        # enter as the least recently used, so they go before rule 4's unless a hit reads them
+        self._store_snapshots(r, engine, now, list(d.shared), store, extra=True)
         self._store_snapshots(r, engine, now, self._prefill_positions(r), store)
         for i in range(len(r.hash_ids) - 1, -1, -1):
             units = r.block_len(i) // B
@@ -389,10 +415,10 @@ class Simulator:
         if self.cfg.swa == "periodic":
             step = self.cfg.swa_period * self.B
             return list(range(step, positions[-1] + 1, step))
-        return list(positions) if self.cfg.swa == "memory" else []
+        return list(positions) if self.cfg.swa in ("memory", "shared") else []
 
     def _store_snapshots(self, r: TraceRequest, engine: int, now: float, positions: list[int],
-                         store: SimBlockStore) -> None:
+                         store: SimBlockStore, *, extra: bool = False) -> None:
         for p in positions:
             h = self._id_at(r, p)
             if h is None:
@@ -400,7 +426,7 @@ class Simulator:
             if self.cfg.swa == "periodic":
                 store.put(("s", h, p), 1, self.snapshot_bytes, now, self._ttl(r))
             else:
-                self.pools[engine].put((h, p))
+                self.pools[engine].put((h, p), extra=extra)
 
     def _write_decode(self, r: TraceRequest, prefill_engine: int, decode_engine: int, now: float) -> None:
         cfg = self.cfg
@@ -409,7 +435,7 @@ class Simulator:
             store.put(h, per, per * self.unit_bytes, now, ttl, self._segment(r, "decode"))
         self.res.decode_blocks_written += len(r.output_hash_ids) * per
         total = r.input_length + r.output_length
-        if cfg.swa == "memory":
+        if cfg.swa in ("memory", "shared"):
             q = decode_store_position(r.input_length, total, self.spec)
             holder = prefill_engine if cfg.local else cfg.prefill_engines + decode_engine
             self._store_snapshots(r, holder, now, [q] if q else [], store)
@@ -450,6 +476,7 @@ class Simulator:
             events.append((r.arrival_s * cfg.time_scale, _ARRIVAL, i, 0, 0))
         heapq.heapify(events)
         engine_of = [0] * len(self.reqs)
+        decided: list[_Decision | None] = [None] * len(self.reqs)   # each request's final decision, for its writes
         ttft = [0.0] * len(self.reqs)
         waiting: list[list[tuple[int, _Decision, float]]] = [[] for _ in range(cfg.prefill_engines)]
         running = [False] * cfg.prefill_engines
@@ -480,6 +507,7 @@ class Simulator:
                         heapq.heappush(events, (now, _START, waiting[e][0][0], e, 0))
                     continue
                 self._account(r, d, fetch, compute, nbytes)
+                decided[i] = d
                 ttft[i] = done - now
                 heapq.heappush(events, (done, _PREFILL_DONE, i, e, 0))
             elif kind == _START:
@@ -490,12 +518,13 @@ class Simulator:
                 self.reused_on_device[i] = d.on_device
                 fetch, compute, nbytes = self._service(r, d, a)
                 self._account(r, d, fetch, compute, nbytes)
+                decided[i] = d
                 done = now + fetch + compute
                 ttft[i] = done - arrived
                 heapq.heappush(events, (done, _PREFILL_DONE, i, a, 0))
             elif kind == _PREFILL_DONE:
                 if not cfg.ideal:
-                    self._write_prompt(r, a, now)
+                    self._write_prompt(r, a, now, decided[i])
                 if self.devices:   # its new full blocks stop being merely taken: they are kept, findable
                     moved = min(self.taken[i], max(r.input_length // self.B - self.reused_on_device.pop(i), 0))
                     self.taken[i] -= moved

@@ -149,13 +149,19 @@ class StatePool:
         if key in self._keys:
             self._keys.move_to_end(key)
 
-    def put(self, key: Hashable) -> None:
+    def put(self, key: Hashable, *, extra: bool = False) -> None:
+        """Keep `key`, evicting the least recently used past `slots`. An `extra` (rule 4″) enters as the least
+        recently used, as `state.pool.SlotPool.put(extra=True)` does; a key already held becomes the most recent."""
         if self.slots == 0:
             return
-        self._keys[key] = None
-        self._keys.move_to_end(key)
-        while len(self._keys) > self.slots:
+        if key in self._keys:
+            self._keys.move_to_end(key)
+            return
+        while len(self._keys) >= self.slots:   # room first, so an extra is not its own victim
             self._keys.popitem(last=False)
+        self._keys[key] = None
+        if extra:
+            self._keys.move_to_end(key, last=False)
 
 
 class DevicePool:

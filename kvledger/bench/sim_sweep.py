@@ -16,7 +16,8 @@ from kvledger.bench.trace import TTL_CLASSES, TraceRequest
 SWEEPS = ("ttl", "capacity", "routing", "swa")
 TTL_DAYS = (None, 7.0, 3.0, 1.0, 0.25)
 CAPACITY_GB = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, math.inf)
-SWA_ROWS = (("memory", "memory", 4, False), ("memory+replay", "memory", 4, True), ("zero", "zero", 4, True),
+SWA_ROWS = (("memory", "memory", 4, False), ("memory+replay", "memory", 4, True), ("shared", "shared", 4, False),
+            ("zero", "zero", 4, True),
             ("periodic:4", "periodic", 4, False), ("periodic:16", "periodic", 16, False), ("full", "full", 4, False))
 
 
@@ -27,6 +28,7 @@ def _row(requests: Sequence[TraceRequest], cfg: SimConfig, **labels: Any) -> dic
     return {**labels, "block_hit_rate": res.block_hit_rate, "token_hit_rate": res.token_hit_rate,
             "ttft_p50_s": percentile(res.ttft_s, 50), "ttft_p99_s": percentile(res.ttft_s, 99),
             "snapshot_share_of_hits": res.kinds.get("snapshot", 0) / hits if hits else 0.0,
+            "computed_share": res.computed_tokens / res.prompt_tokens if res.prompt_tokens else 0.0,
             "store_gb_max": peak / 1e9, "evicted_gb": res.evicted_bytes / 1e9,
             "state_pool_gb": res.state_pool_bytes / 1e9, "store_size_over_time": downsample(res.store_series, 100)}
 

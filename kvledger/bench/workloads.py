@@ -1,4 +1,4 @@
-"""Seeded workload generators: multi-turn chat and tool-using agents.
+"""Seeded workload generators: multi-turn chat, tool-using agents, and questions about shared documents.
 
 A conversation is a list of segments (system prompt, user turns, replies, tool calls, tool
 outputs); a segment's token ids are a pure function of its seed (`segment_tokens`), so a
@@ -7,7 +7,7 @@ content ids. Block ids are chained like kvledger's chain keys (an id depends on 
 to the end of its block), at `block_tokens` granularity (128 = kvledger's block by default):
 two requests share block k's id iff their first (k + 1) · block_tokens tokens are equal.
 
-Both generators are deterministic for a given config (seed included) and return a `Trace`
+The generators are deterministic for a given config (seed included) and return a `Trace`
 whose requests carry `segments`, `hash_ids` (the last may name a partial block) and
 `output_hash_ids` (the full blocks a reply completes, which the next turn reuses).
 """
@@ -24,7 +24,7 @@ import numpy as np
 from kvledger.bench.trace import TraceRequest, TraceSegment, Trace
 
 VOCAB = 49_152  # SmolLM2's vocabulary: token ids are drawn from [0, VOCAB)
-WORKLOADS = ("chat", "agent")
+WORKLOADS = ("chat", "agent", "document")
 
 
 def segment_tokens(seg: TraceSegment, vocab: int = VOCAB) -> np.ndarray:
@@ -141,6 +141,23 @@ class AgentConfig:
     block_tokens: int = 128
 
 
+@dataclass(frozen=True, slots=True)
+class DocumentConfig:
+    """Questions about shared documents (retrieval, a long file read in a chat): requests arrive as a Poisson
+    process over `duration_s`, each one question, after one of a few documents (Zipf-like popularity), with no
+    system prompt before it. Each prompt is the document, then its question; the documents' ends are the prefixes
+    many prompts share and none ends at (rule 4″). Lengths in tokens, times in seconds."""
+
+    seed: int = 0
+    sessions: int = 2000          # questions (each its own one-turn session)
+    duration_s: float = 1200.0
+    documents: int = 20
+    document_tokens: tuple[int, int] = (2000, 8000)
+    question_tokens_median: float = 100.0
+    reply_tokens_median: float = 250.0
+    block_tokens: int = 128
+
+
 class _Gen:
     """Shared machinery: seeded draws, unique segment seeds, request assembly."""
 
@@ -209,17 +226,33 @@ def agent(cfg: AgentConfig = AgentConfig()) -> Trace:
     return Trace(tuple(requests), f"workload:agent seed={cfg.seed} sessions={cfg.sessions}")
 
 
+def document(cfg: DocumentConfig = DocumentConfig()) -> Trace:
+    g = _Gen(cfg.seed)
+    docs = [g.seg(g.rng.integers(*cfg.document_tokens)) for _ in range(cfg.documents)]
+    popularity = 1.0 / np.arange(1, cfg.documents + 1)
+    popularity /= popularity.sum()
+    requests: list[TraceRequest] = []
+    for s, t in enumerate(np.sort(g.rng.uniform(0, cfg.duration_s, cfg.sessions))):
+        chain = BlockChain(cfg.block_tokens)
+        chain.append(docs[g.rng.choice(cfg.documents, p=popularity)])
+        chain.append(g.seg(g.lognormal(cfg.question_tokens_median)))
+        requests.append(g.request(float(t), chain, g.seg(g.lognormal(cfg.reply_tokens_median, cap=4000)),
+                                  "chatbot", s))
+    return Trace(tuple(requests), f"workload:document seed={cfg.seed} sessions={cfg.sessions}")
+
+
 MAX_SESSIONS = 100_000  # 100× the chat default; a simulation of more would not fit in memory
 
 
 def generate(name: str, seed: int = 0, sessions: int | None = None, block_tokens: int = 128) -> Trace:
-    """`chat` or `agent` with its defaults, a seed, and optionally a number of sessions."""
+    """`chat`, `agent` or `document` with its defaults, a seed, and optionally a number of sessions."""
     if name not in WORKLOADS:
         raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}")
     if sessions is not None and not 1 <= sessions <= MAX_SESSIONS:
         raise ValueError(f"sessions must lie in [1, {MAX_SESSIONS:,}], got {sessions:,}")
     if not 0 <= seed < 2**63:
         raise ValueError(f"seed must lie in [0, 2**63), got {seed}")
-    cfg = ChatConfig() if name == "chat" else AgentConfig()
-    cfg = replace(cfg, seed=seed, block_tokens=block_tokens, **({} if sessions is None else {"sessions": sessions}))
-    return chat(cfg) if name == "chat" else agent(cfg)
+    make, cfg = {"chat": (chat, ChatConfig()), "agent": (agent, AgentConfig()),
+                 "document": (document, DocumentConfig())}[name]
+    more = {} if sessions is None else {"sessions": sessions}
+    return make(replace(cfg, seed=seed, block_tokens=block_tokens, **more))

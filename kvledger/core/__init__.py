@@ -20,6 +20,7 @@ from kvledger.core.hit import (
     hit_cap,
     is_handed,
     lookup_hit,
+    message_snapshot_indices,
     prefill_store_positions,
     resumes_exactly,
     shared_prefix_positions,
@@ -40,7 +41,7 @@ __all__ = [
     "Traffic", "block_reach", "blocks_spanned", "break_even_tokens", "cap_blocks", "chain_keys", "chain_parent",
     "check_decision", "checkpoint_positions", "continue_chain", "decide_hit", "decided_length",
     "decode_replica_positions", "decode_store_position", "diff_prompts", "exact_replay", "extend_chain", "hit_cap",
-    "is_handed", "lookup_hit", "plan", "prefill_store_positions", "public_root", "resumes_exactly",
-    "shared_prefix_positions", "root_key", "salted_namespace", "snapshot_candidates", "tail_key", "tail_parts",
-    "takes_tail", "tenant_of", "token_bytes", "with_tail",
+    "is_handed", "lookup_hit", "message_snapshot_indices", "plan", "prefill_store_positions", "public_root",
+    "resumes_exactly", "shared_prefix_positions", "root_key", "salted_namespace", "snapshot_candidates", "tail_key",
+    "tail_parts", "takes_tail", "tenant_of", "token_bytes", "with_tail",
 ]

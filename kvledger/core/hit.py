@@ -344,6 +344,15 @@ MESSAGE_SNAPSHOTS = 2   # rule 4″ (b): the chat message ends a request snapsho
                         # a system prompt, and the latest earlier one's)
 
 
+def message_snapshot_indices(messages: int) -> tuple[int, ...]:
+    """Rule 4″ (b): which of a chat's `messages` (the prompt's, the last one included) end where its prefill also
+    snapshots, ascending: the first (a system prompt) and the latest earlier ones, `MESSAGE_SNAPSHOTS` at most.
+    Never the last message, which ends where the prompt does (rule 4's own positions). 4 messages → (0, 2)."""
+    _check_count("messages", messages)
+    n = messages - 1
+    return tuple(sorted({0, *range(max(n - MESSAGE_SNAPSHOTS + 1, 1), n)})) if n > 0 else ()
+
+
 def shared_prefix_positions(lookup: HitLookup, spec: ModelSpec, message_ends: Sequence[int] = ()) -> tuple[int, ...]:
     """Rule 4″: the block boundaries where a prefill also snapshots because other prompts likely share the prefix
     up to there: the branch point (`HitLookup.branch_point`), and the last boundary at or before each of

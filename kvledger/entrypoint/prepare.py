@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvledger.core import (MESSAGE_SNAPSHOTS, HitDecision, HitLookup, blocks_spanned, cap_blocks, decide_hit,
+from kvledger.core import (HitDecision, HitLookup, blocks_spanned, cap_blocks, decide_hit, message_snapshot_indices,
                            salted_namespace, shared_prefix_positions)
 from kvledger.engine.api import EngineRequest, SamplingParams
 from kvledger.entrypoint.auth import Tenant
@@ -204,8 +204,7 @@ def message_ends(state: ServerState, body: ChatCompletionRequest, tokens: np.nda
     (its prompt), at most `core.MESSAGE_SNAPSHOTS` of them (a re-encoding of those messages: call it off the event
     loop)."""
     assert state.chat_template is not None
-    n = len(body.messages) - 1   # the last message ends where the prompt does: rule 4's own positions
-    which = sorted({0, *range(max(n - MESSAGE_SNAPSHOTS + 1, 1), n)})
+    which = message_snapshot_indices(len(body.messages))
     return state.chat_template.message_ends(template_messages(body), tokens.tolist(), which)
 
 

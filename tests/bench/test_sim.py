@@ -82,6 +82,66 @@ def test_a_model_that_resumes_exactly_hits_at_the_latest_snapshot():
     assert simulate(reqs, SimConfig(spec=TINY, replay=True)).kinds["replay"] == 1
 
 
+GEMMA = ModelSpec.preset("gemma3-270m")   # W = 512, R = 1: a snapshot at L1 restores every window
+
+
+def _three_on_one_prefix(tail_tokens: int = 137) -> list[TraceRequest]:
+    """Three prompts of 8 shared blocks (1,024 tokens, ids 1–8) and a tail of their own, none ending at 1,024."""
+    n = 1024 + tail_tokens
+    tails = ((21, 22), (31, 32), (41, 42))
+    return [TraceRequest(100.0 * k, n, 0, (*range(1, 9), *tail)[: -(-n // 128)], 128)
+            for k, tail in enumerate(tails)]
+
+
+def test_rule_4pp_a_branch_point_serves_the_third_prompt():
+    """Rule 4″ (a): the second prompt finds the blocks to 1,024 but no window there (the first snapshotted at its
+    own end, 1,152), so it misses and, under `shared`, snapshots at 1,024; the third hits there. Rule 4 alone: every
+    one after the first misses."""
+    reqs = _three_on_one_prefix()
+    assert simulate(reqs, SimConfig(spec=GEMMA)).hit_tokens == 0
+    shared = simulate(reqs, SimConfig(spec=GEMMA, swa="shared"))
+    assert (shared.hit_tokens, shared.kinds["snapshot"], shared.kinds["miss"]) == (1024, 1, 2)
+    assert shared.computed_tokens == 3 * 1161 - 1024
+    assert simulate(reqs, SimConfig(spec=SMOL, swa="shared")).hit_tokens == 2 * 1024   # full attention: no window
+
+
+def test_rule_4pp_b_a_message_end_serves_the_second_prompt():
+    """Rule 4″ (b): a request's segments stand for its messages; the first's system message ends at 1,061, so its
+    prefill also snapshots at 1,024, and the second conversation hits there."""
+    from kvledger.bench.trace import TraceSegment
+
+    system = TraceSegment(1, 1061)
+    reqs = [TraceRequest(100.0 * k, 1061 + 100, 0, (*range(1, 9), 10 * k + 9, 10 * k + 10)[:10], 128,
+                         segments=(system, TraceSegment(10 + k, 100))) for k in range(2)]
+    assert simulate(reqs, SimConfig(spec=GEMMA)).hit_tokens == 0
+    shared = simulate(reqs, SimConfig(spec=GEMMA, swa="shared"))
+    assert (shared.hit_tokens, shared.kinds["snapshot"]) == (1024, 1)
+
+
+def test_rule_4pp_snapshots_go_first_from_a_full_pool():
+    """Extras enter the pool as its least recently used: with two slots on one engine, the second prompt's branch
+    point (1,024, stored first, as the engine stores checkpoints before the prompt's end) is pushed out by its own
+    rule-4 snapshot (1,152) ahead of the first prompt's older one, so the third misses; with three it is kept."""
+    reqs = _three_on_one_prefix()
+    two = SimConfig(spec=GEMMA, swa="shared", prefill_engines=1, decode_engines=1, state_slots=2)
+    assert simulate(reqs, two).hit_tokens == 0
+    assert simulate(reqs, replace(two, state_slots=3)).hit_tokens == 1024
+
+
+def test_the_state_pool_puts_an_extra_last_in_line():
+    from kvledger.bench.sim_store import StatePool
+
+    pool = StatePool(2)
+    pool.put("a")
+    pool.put("b", extra=True)   # the least recently used now: a newer snapshot evicts it first
+    pool.put("c")
+    assert "b" not in pool and "a" in pool and "c" in pool
+    single = StatePool(1)
+    single.put("a")
+    single.put("x", extra=True)   # room is made before it enters: an extra is never its own victim
+    assert "x" in single and "a" not in single
+
+
 def test_cap_and_full_attention_model():
     same = [TraceRequest(0.0, 2048, 0, (1, 2, 3, 4)), TraceRequest(100.0, 2048, 0, (1, 2, 3, 4))]
     cap = decide_hit(2048, 16, set(), V4).cap  # 1792: the last 134 tokens (and the block around them) are computed

@@ -77,7 +77,7 @@ def test_sweep_table_and_chart(run_cli, tmp_path):
     assert p.returncode == 0, p.stderr
     assert "| SWA strategy | capacity (GB) | block hit rate |" in p.stdout
     report = json.loads((tmp_path / "sim_sweep_swa.json").read_text())
-    assert [r["swa"] for r in report["rows"]][:6] == ["memory", "memory+replay", "zero", "periodic:4",
+    assert [r["swa"] for r in report["rows"]][:7] == ["memory", "memory+replay", "shared", "zero", "periodic:4",
                                                        "periodic:16", "full"]
     full = [r for r in report["rows"] if r["swa"] == "full"]
     assert all(r["snapshot_share_of_hits"] == 1.0 for r in full)

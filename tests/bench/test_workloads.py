@@ -1,13 +1,14 @@
 import numpy as np
 import pytest
 
-from kvledger.bench.workloads import AgentConfig, ChatConfig, agent, chat, generate, prompt_tokens, sequence_tokens
+from kvledger.bench.workloads import (AgentConfig, ChatConfig, DocumentConfig, agent, chat, document, generate,
+                                     prompt_tokens, sequence_tokens)
 from kvledger.core import ModelSpec, chain_keys
 
 SPEC = ModelSpec.preset("deepseek-v4.1-flash")
 
 
-@pytest.mark.parametrize("name", ["chat", "agent"])
+@pytest.mark.parametrize("name", ["chat", "agent", "document"])
 def test_seeded_and_reproducible(name):
     a, b = generate(name, seed=3, sessions=20), generate(name, seed=3, sessions=20)
     c = generate(name, seed=4, sessions=20)
@@ -26,8 +27,9 @@ def _common(a, b) -> int:
     return n
 
 
-@pytest.mark.parametrize("trace", [chat(ChatConfig(sessions=6, seed=1)), agent(AgentConfig(sessions=3, seed=1))],
-                         ids=["chat", "agent"])
+@pytest.mark.parametrize("trace", [chat(ChatConfig(sessions=6, seed=1)), agent(AgentConfig(sessions=3, seed=1)),
+                                   document(DocumentConfig(sessions=12, documents=3, seed=1))],
+                         ids=["chat", "agent", "document"])
 def test_block_ids_agree_with_chain_keys(trace):
     """Two requests share their first k block ids iff they share their first k chain keys (real tokens)."""
     reqs = trace.requests[:40]
@@ -72,3 +74,20 @@ def test_trace_requests_get_tokens_from_their_block_ids():
     assert len(ta) == a.input_length and len(tb) == b.input_length
     shared = _common(a.hash_ids, b.hash_ids)
     assert _common(chain_keys(ta.tolist(), SPEC), chain_keys(tb.tolist(), SPEC)) == shared * 512 // 128
+
+
+def test_document_questions_share_their_document_and_part_after_it():
+    """Each prompt is one of the documents, then a question of its own: two prompts on one document share its
+    whole blocks and part inside the block where the document ends (the prefix none of them ends at)."""
+    cfg = DocumentConfig(sessions=40, documents=2, seed=7)
+    reqs = document(cfg).requests
+    assert len(reqs) == 40 and all(len(r.segments) == 3 for r in reqs)   # document, question, reply
+    by_doc: dict[int, list] = {}
+    for r in reqs:
+        by_doc.setdefault(r.segments[0].seed, []).append(r)
+    assert len(by_doc) == 2
+    for group in by_doc.values():
+        doc = group[0].segments[0].length
+        assert cfg.document_tokens[0] <= doc < cfg.document_tokens[1]
+        for a, b in zip(group, group[1:]):
+            assert _common(a.hash_ids, b.hash_ids) == doc // 128

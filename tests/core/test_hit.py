@@ -557,3 +557,16 @@ def test_rule_4pp_positions_are_checkpoints_below_the_prompts_own():
     assert shared == (1024, 1152)
     assert checkpoint_positions(1500, GEMMA, 0, also=shared) == (1024, 1152)
     assert checkpoint_positions(1160, GEMMA, 0, also=shared) == (1024,)   # 1152 is p, the prompt's own
+
+
+def test_message_snapshots_are_the_first_message_and_the_latest_earlier_ones():
+    """Rule 4″ (b): never the last message (the prompt's own end), at most MESSAGE_SNAPSHOTS of them."""
+    from kvledger.core import MESSAGE_SNAPSHOTS, message_snapshot_indices
+
+    assert MESSAGE_SNAPSHOTS == 2
+    assert message_snapshot_indices(1) == ()            # one message ends where the prompt does
+    assert message_snapshot_indices(2) == (0,)          # system + user: the system prompt's end
+    assert message_snapshot_indices(3) == (0, 1)
+    assert message_snapshot_indices(9) == (0, 7)        # the first and the latest earlier one
+    with pytest.raises(ValueError):
+        message_snapshot_indices(-1)
