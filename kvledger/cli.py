@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
+from kvledger.engine.threads import limit_spinning
 from kvledger.util.output import (EXIT_INTERRUPTED, CliError, HelpFormatter, emit_json, examples, finite_float,
                                    loads_strict, to_devnull)
 
@@ -277,6 +278,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Every way out is one of: 0, a one-line error and 2 (bad input) or 1 (a bug), 130 (Ctrl-C, at any
     moment after this module's few imports), or the status a server's own stop chose (SystemExit)."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    limit_spinning()   # before any command imports torch: its OpenMP runtime reads the setting once, as it loads
     try:
         args = build_parser(_tool_to_run(argv)).parse_args(argv)
         if args.command in PRIVATE_COMMANDS:

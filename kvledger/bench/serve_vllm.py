@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from kvledger.engine.threads import peer_environment
 from kvledger.util.output import CliError, emit_json
 from kvledger.util.serve_process import free_port, spawn, terminate
 
@@ -139,7 +140,7 @@ class _Server:
                    "--block-size", "128", "--enable-prefix-caching", "--dtype", self.args.vllm_dtype,
                    "--max-model-len",
                    str(self.args.prefix + self.args.suffix + self.args.output_tokens + 64)]
-            env = {**os.environ, **VLLM_ENV}
+            env = {**peer_environment(), **VLLM_ENV}
         with open(self.work / f"{self.side}.log", "ab") as log:
             self.proc = spawn(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -168,7 +169,7 @@ def _client(args: Any, name: str, folder: Path, url: str, result: Path, *, prefi
            str(n), "--max-concurrency", "1", "--ignore-eos", "--ready-check-timeout-sec", "0", "--seed", str(seed),
            "--save-result", "--save-detailed", "--result-dir", str(result.parent), "--result-filename",
            result.name, "--disable-tqdm"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, env={**os.environ, **VLLM_ENV})
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, env={**peer_environment(), **VLLM_ENV})
     if r.returncode != 0 or not result.exists():
         tail = (r.stdout + r.stderr).strip().splitlines()[-5:]
         raise CliError(f"vllm bench serve failed ({r.returncode}): {' | '.join(tail)}")

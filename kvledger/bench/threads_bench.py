@@ -12,6 +12,7 @@ their range (min–max).
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -53,7 +54,7 @@ def _counts(text: str | None, flag: str, minimum: int) -> list[int]:
 
 def run(args: argparse.Namespace) -> int:
     from kvledger.engine.models.registry import resolve
-    from kvledger.engine.threads import default_threads, usable_cpus
+    from kvledger.engine.threads import WAIT_SETTINGS, default_threads, usable_cpus
 
     try:
         resolve(args.model)
@@ -73,7 +74,9 @@ def run(args: argparse.Namespace) -> int:
                 rows.append({"burners": burners, "threads": n,
                              **_measure(Path(tmp) / f"b{burners}-t{n}", args, n, burners, prompts)})
     result = {"model": args.model, "tokens": args.tokens, "output_tokens": args.output_tokens,
-              "repeat": args.repeat, "usable_cpus": cpus, "rows": rows, "fastest": _fastest(rows)}
+              "repeat": args.repeat, "usable_cpus": cpus, "rows": rows, "fastest": _fastest(rows),
+              # how the servers' idle OpenMP workers waited (engine/threads.py `limit_spinning`; None: unset)
+              "openmp_wait": {name: os.environ.get(name) for name in WAIT_SETTINGS}}
     if args.json:
         emit_json(result)
     else:

@@ -4,11 +4,14 @@ $OMP_NUM_THREADS, else the CPUs this process may run on less one left free; and 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
-from kvledger.engine.threads import (OPENMP_LIB, colocated_stream_hits, default_threads, resolve_threads,
-                                     stream_hits, threads_per_process, usable_cpus)
+from kvledger.engine.threads import (OPENMP_LIB, colocated_stream_hits, default_threads, peer_environment,
+                                     resolve_threads, stream_hits, threads_per_process, usable_cpus)
 from tests.engine.helpers import run_python
 
 NO_QUOTA = "max 100000\n"
@@ -119,3 +122,36 @@ def test_release_team_ends_the_calling_threads_openmp_workers_and_computing_brin
         print("ok")
     """)
     assert out.strip() == "ok"
+
+
+def test_idle_workers_spin_briefly_unless_the_user_chose_how_they_wait():
+    """`limit_spinning`: GOMP_SPINCOUNT=2000, marked as kvledger's, where the user set none of the standard's, GNU's
+    or Intel's settings; the user's own choice untouched; a program that is not kvledger's gets the user's
+    environment back."""
+    from kvledger.engine.threads import SPIN_COUNT_MARK, limit_spinning
+
+    env = {"PATH": "/bin"}
+    assert limit_spinning(env) and env["GOMP_SPINCOUNT"] == "2000" and env[SPIN_COUNT_MARK] == "1"
+    assert limit_spinning(env)                       # a child of a kvledger process: already kvledger's
+    assert peer_environment(env) == {"PATH": "/bin"}
+    for name, value in (("OMP_WAIT_POLICY", "ACTIVE"), ("GOMP_SPINCOUNT", "300000"), ("KMP_BLOCKTIME", "200")):
+        mine = {name: value}
+        assert not limit_spinning(mine) and mine == {name: value}
+        assert peer_environment(mine) == mine
+
+
+def test_the_cli_sets_the_spin_count_before_torch_loads_its_openmp_runtime():
+    """The runtime itself says how long its idle workers spin (OMP_DISPLAY_ENV=VERBOSE, printed as it initialises;
+    torch's GNU OpenMP spins 300,000 times by default): 2,000 after `kvledger.cli.main` ran a command, in a process
+    that imports torch only afterwards, as every command does."""
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent("""
+        import sys
+        from kvledger.cli import main
+        assert "torch" not in sys.modules
+        main(["plan", "--model", "tiny-v4", "--tokens", "1000", "--json"])
+        import torch
+        torch.ones(64, 64) @ torch.ones(64, 64)
+    """)], capture_output=True, text=True, timeout=120,
+        env={**peer_environment(), "OMP_DISPLAY_ENV": "VERBOSE"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "GOMP_SPINCOUNT = '2000'" in done.stderr, done.stderr[-2000:]   # torch's Linux x86-64 wheels: GNU OpenMP

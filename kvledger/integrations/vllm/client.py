@@ -18,6 +18,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
+from kvledger.engine.threads import peer_environment
 from kvledger.integrations.vllm.driver import DEFAULT_ENV, MARK
 
 REPO = Path(__file__).resolve().parents[3]
@@ -36,7 +37,7 @@ class VllmProcess:
         self.opts = opts
         self.python = python
         self.start_timeout_s = start_timeout_s
-        self.env = {**os.environ, **DEFAULT_ENV, **(env or {})}
+        self.env = {**peer_environment(), **DEFAULT_ENV, **(env or {})}
         self.proc: subprocess.Popen[str] | None = None
         self.lines: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self.log: deque[str] = deque(maxlen=60)
