@@ -221,6 +221,7 @@ def summary(res: SimResult, cfg: SimConfig) -> dict[str, Any]:
         "evicted_bytes": res.evicted_bytes, "expired_bytes": res.expired_bytes, "fetch_bytes": res.fetch_bytes,
         "computed_tokens": res.computed_tokens, "decode_blocks_written": res.decode_blocks_written,
         "state_pool_bytes": res.state_pool_bytes,
+        "first_turns": res.first_turns, "first_turn_hit_share": res.first_turn_hit_share,
         "prefill_utilization": res.busy_s / (cfg.prefill_engines * res.makespan_s) if res.makespan_s else 0.0,
     }
 

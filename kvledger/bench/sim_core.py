@@ -115,6 +115,8 @@ class SimResult:
     expired_bytes: int = 0
     decode_blocks_written: int = 0
     state_pool_bytes: int = 0        # snapshots held in host memory at the end (pools only grow: the peak)
+    first_turns: int = 0             # requests that are their session's first (workloads; traces name no session)
+    first_turn_hits: int = 0         # of those, the ones with a hit (what rule 4″ is for on a hybrid model)
     busy_s: float = 0.0
     makespan_s: float = 0.0
 
@@ -125,6 +127,10 @@ class SimResult:
     @property
     def token_hit_rate(self) -> float:
         return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def first_turn_hit_share(self) -> float:
+        return self.first_turn_hits / self.first_turns if self.first_turns else 0.0
 
 
 def reuse_ceiling(requests: Sequence[TraceRequest]) -> float:
@@ -200,6 +206,7 @@ class Simulator:
         window_blocks = -(-spec.inference_ring() // self.B)
         self.full_window_bytes = window_blocks * self.swa_block_bytes
         self.ideal_seen: set[int] = set()
+        self.sessions_begun: set[int] = set()                       # sessions whose first request was decided
         self.res = SimResult(kinds={k.value: 0 for k in HitKind})
 
     # --- helpers ------------------------------------------------------------------
@@ -563,6 +570,10 @@ class Simulator:
         res.computed_tokens += r.input_length - d.recompute_from
         res.fetch_bytes += nbytes
         res.kinds[d.kind] += 1
+        if r.session >= 0 and r.session not in self.sessions_begun:
+            self.sessions_begun.add(r.session)
+            res.first_turns += 1
+            res.first_turn_hits += d.hit_tokens > 0
 
 
 def simulate(requests: Sequence[TraceRequest], cfg: SimConfig) -> SimResult:

@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 _METRICS = ("block_hit_rate", "token_hit_rate", "ttft_p50_s", "ttft_p99_s", "snapshot_share_of_hits",
-            "computed_share", "store_gb_max", "evicted_gb", "state_pool_gb")
+            "computed_share", "first_turn_hit_share", "store_gb_max", "evicted_gb", "state_pool_gb")
 
 
 def _fmt(value: Any) -> str:
@@ -23,6 +23,7 @@ _HEADERS = {"ttl_days": "TTL (days)", "ttl_s": "TTL (simulated s)", "capacity_gb
             "routing": "routing", "swa": "SWA strategy", "block_hit_rate": "block hit rate",
             "token_hit_rate": "token hit rate", "ttft_p50_s": "TTFT p50 (s)", "ttft_p99_s": "TTFT p99 (s)",
             "snapshot_share_of_hits": "snapshot share of hits", "computed_share": "prompt tokens computed",
+            "first_turn_hit_share": "first turns that hit",
             "store_gb_max": "store peak (GB)",
             "evicted_gb": "evicted (GB)", "state_pool_gb": "host snapshots (GB)"}
 

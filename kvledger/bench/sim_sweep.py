@@ -29,6 +29,7 @@ def _row(requests: Sequence[TraceRequest], cfg: SimConfig, **labels: Any) -> dic
             "ttft_p50_s": percentile(res.ttft_s, 50), "ttft_p99_s": percentile(res.ttft_s, 99),
             "snapshot_share_of_hits": res.kinds.get("snapshot", 0) / hits if hits else 0.0,
             "computed_share": res.computed_tokens / res.prompt_tokens if res.prompt_tokens else 0.0,
+            "first_turn_hit_share": res.first_turn_hit_share,
             "store_gb_max": peak / 1e9, "evicted_gb": res.evicted_bytes / 1e9,
             "state_pool_gb": res.state_pool_bytes / 1e9, "store_size_over_time": downsample(res.store_series, 100)}
 

@@ -112,10 +112,12 @@ def test_rule_4pp_b_a_message_end_serves_the_second_prompt():
 
     system = TraceSegment(1, 1061)
     reqs = [TraceRequest(100.0 * k, 1061 + 100, 0, (*range(1, 9), 10 * k + 9, 10 * k + 10)[:10], 128,
-                         segments=(system, TraceSegment(10 + k, 100))) for k in range(2)]
-    assert simulate(reqs, SimConfig(spec=GEMMA)).hit_tokens == 0
+                         session=k, segments=(system, TraceSegment(10 + k, 100))) for k in range(2)]
+    memory = simulate(reqs, SimConfig(spec=GEMMA))
+    assert memory.hit_tokens == 0 and (memory.first_turns, memory.first_turn_hits) == (2, 0)
     shared = simulate(reqs, SimConfig(spec=GEMMA, swa="shared"))
     assert (shared.hit_tokens, shared.kinds["snapshot"]) == (1024, 1)
+    assert (shared.first_turns, shared.first_turn_hits, shared.first_turn_hit_share) == (2, 1, 0.5)
 
 
 def test_rule_4pp_snapshots_go_first_from_a_full_pool():
