@@ -158,6 +158,12 @@ class DocumentConfig:
     block_tokens: int = 128
 
 
+def zipf_weights(n: int) -> np.ndarray:
+    """Zipf-like popularity of `n` shared prefixes, the k-th (from 1) drawn with weight 1/k: a few dominate."""
+    weights = 1.0 / np.arange(1, n + 1)
+    return weights / weights.sum()
+
+
 class _Gen:
     """Shared machinery: seeded draws, unique segment seeds, request assembly."""
 
@@ -190,8 +196,7 @@ class _Gen:
 def chat(cfg: ChatConfig = ChatConfig()) -> Trace:
     g = _Gen(cfg.seed)
     systems = [g.seg(g.rng.integers(*cfg.system_tokens)) for _ in range(cfg.system_prompts)]
-    popularity = 1.0 / np.arange(1, cfg.system_prompts + 1)  # Zipf-like: a few prompts dominate
-    popularity /= popularity.sum()
+    popularity = zipf_weights(cfg.system_prompts)
     starts = np.sort(g.rng.uniform(0, cfg.duration_s, cfg.sessions))
     requests: list[TraceRequest] = []
     for s, t in enumerate(starts):
@@ -229,8 +234,7 @@ def agent(cfg: AgentConfig = AgentConfig()) -> Trace:
 def document(cfg: DocumentConfig = DocumentConfig()) -> Trace:
     g = _Gen(cfg.seed)
     docs = [g.seg(g.rng.integers(*cfg.document_tokens)) for _ in range(cfg.documents)]
-    popularity = 1.0 / np.arange(1, cfg.documents + 1)
-    popularity /= popularity.sum()
+    popularity = zipf_weights(cfg.documents)
     requests: list[TraceRequest] = []
     for s, t in enumerate(np.sort(g.rng.uniform(0, cfg.duration_s, cfg.sessions))):
         chain = BlockChain(cfg.block_tokens)
