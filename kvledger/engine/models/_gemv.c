@@ -1,64 +1,87 @@
-/* y = x · wᵀ for a few rows of x: the decode step's matmuls, at the speed of reading w once.
+/* y = x · wᵀ in a fixed order of summation: the decode step's matmuls at the speed of reading w once, and every
+ * product of a model whose floats must not depend on the batch (Gemma 3's).
  *
  * x is [m × k], w is [n × k], y is [m × n], all float32, row-major and contiguous. A decode step multiplies one
- * row (m = 1) by every weight of the model: 540 MB for SmolLM2 in float32, read from memory once a token, so
+ * row a sequence by every weight of the model: 540 MB for SmolLM2 in float32, read from memory once a token, so
  * the product is bound by memory bandwidth, not arithmetic. oneDNN's inner product and MKL's sgemv reach 2/3 of
  * that bandwidth on two cores (docs/engine.md); this loop reads each row of w once with AVX2 loads, for every row
- * of x while the row is in L1, and splits w's rows between the threads of the OpenMP runtime torch loaded
- * (libgomp.so.1 by soname: one thread pool, no second one spinning against it).
+ * of x, and splits w's rows between the threads of the OpenMP runtime torch loaded (libgomp.so.1 by soname: one
+ * thread pool, no second one spinning against it). For many rows of x (a prefill chunk) it works in blocks of
+ * BLOCK rows of w, which stay in L2 while every row of x passes over them, in micro-tiles of 4 rows of w × 3 rows
+ * of x (12 accumulators): about AVX2's peak of fused multiply-adds (80 GFLOP/s a core on the 2-core Xeon).
  *
  * Each y[i][j] is the sum over k in eight lanes (k mod 8), then the lanes added pairwise, then the tail k mod 8
- * in order: a fixed order for a given k, the same for every m, thread count and call. It differs from oneDNN's
- * order, so the results agree with oneDNN's to float32 rounding (about 1e-7 relative), not bit for bit.
+ * in order: a fixed order for a given k, the same for every m, tile, block, thread count and call, and on every
+ * CPU with AVX2 and FMA. So y[i][j] depends on row i of x and row j of w only: a row computes the same floats
+ * alone, in a batch of decode steps, or in a prefill chunk. It differs from oneDNN's order, so the results agree
+ * with oneDNN's to float32 rounding (about 1e-7 relative), not bit for bit.
  *
  * Built only on x86-64 with a compiler that has the AVX2 intrinsics; `available()` is false where the CPU lacks
- * AVX2 or FMA, and the caller keeps oneDNN there.
+ * AVX2 or FMA, and the caller keeps its own path there.
  */
 #include "_avx2.h"
 #include <omp.h>
 #include <stdint.h>
 
-#define ROWS 4   /* rows of w per step of the inner loop: four 8-lane accumulators, x's lanes loaded once */
+#define ROWS 4   /* rows of w in a micro-tile: each w load feeds up to XROWS accumulators */
+#define XROWS 3  /* rows of x in a micro-tile: 4 × 3 accumulators, 3 x lanes and 1 w lane fill the 16 ymm registers */
+#define BLOCK 32 /* rows of w per cache block: every row of x passes over them while they are in L2 */
 
-/* y[i][r] for r in [r0, r1) and every row i of x. */
-__attribute__((target("avx2,fma"))) static void rows(const float *x, const float *w, float *y, Py_ssize_t m,
-                                                     Py_ssize_t n, Py_ssize_t k, Py_ssize_t r0, Py_ssize_t r1) {
+/* y[i][r + p] for p < NW (4 or 1) and i in [i0, i0 + NX), NX ≤ XROWS: one 8-lane accumulator per output, k in
+ * steps of 8, the lanes added by `sum_lanes`, then the tail k mod 8 in order with fused multiply-adds. That is
+ * the order of summation of every output, whatever tile computes it. */
+__attribute__((target("avx2,fma"), always_inline)) static inline void tile(const float *x, const float *w, float *y,
+                                                                           Py_ssize_t n, Py_ssize_t k, Py_ssize_t r,
+                                                                           Py_ssize_t i0, const int NW, const int NX) {
     const Py_ssize_t k8 = k - k % 8;
-    Py_ssize_t r = r0;
-    for (; r + ROWS <= r1; r += ROWS) {
-        const float *w0 = w + r * k, *w1 = w0 + k, *w2 = w1 + k, *w3 = w2 + k;
-        for (Py_ssize_t i = 0; i < m; i++) {
-            const float *xi = x + i * k;
-            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-            for (Py_ssize_t j = 0; j < k8; j += 8) {
-                const __m256 xv = _mm256_loadu_ps(xi + j);
-                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + j), xv, a0);
-                a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w1 + j), xv, a1);
-                a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w2 + j), xv, a2);
-                a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w3 + j), xv, a3);
-            }
-            float s0 = sum_lanes(a0), s1 = sum_lanes(a1), s2 = sum_lanes(a2), s3 = sum_lanes(a3);
-            for (Py_ssize_t j = k8; j < k; j++) {
-                s0 += w0[j] * xi[j];
-                s1 += w1[j] * xi[j];
-                s2 += w2[j] * xi[j];
-                s3 += w3[j] * xi[j];
-            }
-            float *yi = y + i * n + r;
-            yi[0] = s0, yi[1] = s1, yi[2] = s2, yi[3] = s3;
+    const float *wr = w + r * k, *xi = x + i0 * k;
+    __m256 acc[ROWS][XROWS];
+    for (int p = 0; p < NW; p++)
+        for (int q = 0; q < NX; q++)
+            acc[p][q] = _mm256_setzero_ps();
+    for (Py_ssize_t j = 0; j < k8; j += 8) {
+        __m256 xv[XROWS];
+        for (int q = 0; q < NX; q++)
+            xv[q] = _mm256_loadu_ps(xi + q * k + j);
+        for (int p = 0; p < NW; p++) {
+            const __m256 wv = _mm256_loadu_ps(wr + p * k + j);
+            for (int q = 0; q < NX; q++)
+                acc[p][q] = _mm256_fmadd_ps(wv, xv[q], acc[p][q]);
         }
     }
-    for (; r < r1; r++) {   /* the last n mod ROWS rows of the last thread's share */
-        const float *wr = w + r * k;
-        for (Py_ssize_t i = 0; i < m; i++) {
-            const float *xi = x + i * k;
-            __m256 a = _mm256_setzero_ps();
-            for (Py_ssize_t j = 0; j < k8; j += 8)
-                a = _mm256_fmadd_ps(_mm256_loadu_ps(wr + j), _mm256_loadu_ps(xi + j), a);
-            float s = sum_lanes(a);
+    for (int p = 0; p < NW; p++)
+        for (int q = 0; q < NX; q++) {
+            float s = sum_lanes(acc[p][q]);
             for (Py_ssize_t j = k8; j < k; j++)
-                s += wr[j] * xi[j];
-            y[i * n + r] = s;
+                s = fmaf(wr[p * k + j], xi[q * k + j], s);
+            y[(i0 + q) * n + r + p] = s;
+        }
+}
+
+/* y[i][r] for r in [r0, r1) and every row i of x: BLOCK rows of w at a time, every row of x over them. */
+__attribute__((target("avx2,fma"))) static void rows(const float *x, const float *w, float *y, Py_ssize_t m,
+                                                     Py_ssize_t n, Py_ssize_t k, Py_ssize_t r0, Py_ssize_t r1) {
+    for (Py_ssize_t b0 = r0; b0 < r1; b0 += BLOCK) {
+        const Py_ssize_t b1 = b0 + BLOCK < r1 ? b0 + BLOCK : r1;
+        for (Py_ssize_t i = 0; i < m; i += XROWS) {
+            const Py_ssize_t left = m - i;
+            Py_ssize_t r = b0;
+            for (; r + ROWS <= b1; r += ROWS) {
+                if (left >= 3)
+                    tile(x, w, y, n, k, r, i, ROWS, 3);
+                else if (left == 2)
+                    tile(x, w, y, n, k, r, i, ROWS, 2);
+                else
+                    tile(x, w, y, n, k, r, i, ROWS, 1);
+            }
+            for (; r < b1; r++) {   /* the last n mod ROWS rows of the last thread's share */
+                if (left >= 3)
+                    tile(x, w, y, n, k, r, i, 1, 3);
+                else if (left == 2)
+                    tile(x, w, y, n, k, r, i, 1, 2);
+                else
+                    tile(x, w, y, n, k, r, i, 1, 1);
+            }
         }
     }
 }

@@ -9,11 +9,13 @@ names, norm weights w with scale 1 + w): the one `gemma3_gguf` converts from the
     SWA  (the other 15)       RingKV    2 × 256 × bf16 = 1,024 B   snapshots: 15 × 518 × 1,024 B
 
 Every attention reads K and V back from its cache in bf16, cold or hit alike, so a hit sees exactly the
-values a cold prefill saw. Every product has a row count fixed by absolute positions (`fixed_rows`): the
-projections and the MLP in ROW_TILE-row GEMMs, attention in TILE-query tiles whose key span is fixed by the
-tile. So a snapshot hit, an exact resume at a checkpoint, a chunked prefill and a cold one compute every
-position with the same floats on one machine (`torch.equal` logits and greedy tokens), and K and V round
-to the same bf16 values. What one layer computes (transformers' `Gemma3DecoderLayer`):
+values a cold prefill saw. Every product computes a row's floats from that row alone: the projections, the MLP
+and the logits head in kvledger's fixed-order kernel (`gemv.product`), every row of a step in one call, so a
+step reads the weights once whatever its batch (where the kernel is not available, in ROW_TILE-row GEMMs whose
+rows are fixed by absolute positions, `fixed_rows`, one chunk at a time); attention in TILE-query tiles whose key
+span is fixed by the tile. So a snapshot hit, an exact resume at a checkpoint, a chunked prefill, a cold one and
+a step shared with other sequences compute every position with the same floats on one machine (`torch.equal`
+logits and greedy tokens), and K and V round to the same bf16 values. What one layer computes (transformers' `Gemma3DecoderLayer`):
 
     h = x + post_attention_norm(attn(input_norm(x)))      attn: q_norm, k_norm per head, then RoPE;
     y = h + post_feedforward_norm(mlp(pre_feedforward_norm(h)))        scores · query_pre_attn_scalar^-½
@@ -42,7 +44,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kvledger.core import LayerKind, ModelSpec
-from kvledger.engine.models import rowwise
+from kvledger.engine.models import gemv, rowwise
 from kvledger.engine.models.base import BeforeLayer, Chunk, Model, PagedKV, window_start
 from kvledger.engine.models.fixed_rows import mm, place_rows
 from kvledger.engine.models.ring_kv import RingKV
@@ -120,8 +122,12 @@ class RMSNorm(nn.Module):
         return into if into is not None else y.view(shape)
 
 
-def linear(x: Tensor, layer: nn.Linear, chunks: Sequence[Chunk]) -> Tensor:
-    """layer(x) for the rows of `chunks` (concatenated, in order): each chunk's rows in fixed-row GEMMs."""
+def linear(x: Tensor, layer: nn.Linear, chunks: Sequence[Chunk], kernel: bool) -> Tensor:
+    """layer(x) for the rows of `chunks` (concatenated, in order). With `kernel`, every row in one call of
+    kvledger's fixed-order product (`gemv.product`: the weights read once for the whole batch); without, each
+    chunk's rows in fixed-row GEMMs (`fixed_rows.mm`). Either way a row's floats depend on that row only."""
+    if kernel:
+        return gemv.product(x, layer.weight)
     w, outs, off = layer.weight.t(), [], 0
     for c in chunks:
         n = c.end - c.start
@@ -168,8 +174,9 @@ def attend(q: Tensor, k: Tensor, v: Tensor, q_start: int, k_start: int, scale: f
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: Gemma3Config) -> None:
+    def __init__(self, cfg: Gemma3Config, kernel: bool) -> None:
         super().__init__()
+        self.kernel = kernel
         self.heads, self.kv_heads, self.head_dim = cfg.heads, cfg.kv_heads, cfg.head_dim
         self.scale = cfg.query_pre_attn_scalar ** -0.5
         self.q_proj = nn.Linear(cfg.hidden, cfg.heads * cfg.head_dim, bias=False)
@@ -182,10 +189,10 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, chunks: Sequence[Chunk], cache: PagedKV | RingKV
                 ) -> Tensor:
         t = x.shape[0]
-        q = rowwise.rotate_(self.q_norm(linear(x, self.q_proj, chunks).view(t, self.heads, self.head_dim)), cos, sin)
-        k = rowwise.rotate_(self.k_norm(linear(x, self.k_proj, chunks).view(t, self.kv_heads, self.head_dim)), cos,
-                            sin)
-        v = linear(x, self.v_proj, chunks).view(t, self.kv_heads, self.head_dim)
+        q = linear(x, self.q_proj, chunks, self.kernel).view(t, self.heads, self.head_dim)
+        k = linear(x, self.k_proj, chunks, self.kernel).view(t, self.kv_heads, self.head_dim)
+        v = linear(x, self.v_proj, chunks, self.kernel).view(t, self.kv_heads, self.head_dim)
+        q, k = rowwise.rotate_(self.q_norm(q), cos, sin), rowwise.rotate_(self.k_norm(k), cos, sin)
         outs, off = [], 0
         for c in chunks:
             n = c.end - c.start
@@ -193,7 +200,7 @@ class Attention(nn.Module):
             attend_one = self._full if isinstance(cache, PagedKV) else self._sliding
             outs.append(attend_one(q[sl], k[sl], v[sl], c, cache))
             off += n
-        return linear(torch.cat(outs).reshape(t, -1), self.o_proj, chunks)
+        return linear(torch.cat(outs).reshape(t, -1), self.o_proj, chunks, self.kernel)
 
     def _full(self, q: Tensor, k: Tensor, v: Tensor, c: Chunk, cache: PagedKV) -> Tensor:
         """Keys [0, end) read back from the blocks; those of positions < keep_blocks_until are reused as they are."""
@@ -217,25 +224,27 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: Gemma3Config) -> None:
+    def __init__(self, cfg: Gemma3Config, kernel: bool) -> None:
         super().__init__()
+        self.kernel = kernel
         self.gate_proj = nn.Linear(cfg.hidden, cfg.intermediate, bias=False)
         self.up_proj = nn.Linear(cfg.hidden, cfg.intermediate, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate, cfg.hidden, bias=False)
 
     def forward(self, x: Tensor, chunks: Sequence[Chunk]) -> Tensor:
-        hidden = rowwise.gelu_tanh_mul(linear(x, self.gate_proj, chunks), linear(x, self.up_proj, chunks))
-        return linear(hidden, self.down_proj, chunks)
+        hidden = rowwise.gelu_tanh_mul(linear(x, self.gate_proj, chunks, self.kernel),
+                                       linear(x, self.up_proj, chunks, self.kernel))
+        return linear(hidden, self.down_proj, chunks, self.kernel)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: Gemma3Config) -> None:
+    def __init__(self, cfg: Gemma3Config, kernel: bool) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden, cfg.rms_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, kernel)
         self.post_attention_layernorm = RMSNorm(cfg.hidden, cfg.rms_eps)
         self.pre_feedforward_layernorm = RMSNorm(cfg.hidden, cfg.rms_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, kernel)
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden, cfg.rms_eps)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, chunks: Sequence[Chunk], cache: PagedKV | RingKV
@@ -247,17 +256,20 @@ class DecoderLayer(nn.Module):
 
 class Gemma3(Model):
     """A Gemma 3 decoder over paged (full layers) and ringed (sliding layers) bf16 KV; `spec` says what the
-    ledgers see of it."""
+    ledgers see of it. `kernel`: every product in kvledger's fixed-order kernel (`gemv.product`, where it is
+    available), else in fixed-row GEMMs (module docstring); chosen once, with the weights' layout (`load_gemma3`)."""
 
-    def __init__(self, cfg: Gemma3Config, spec: ModelSpec, kv_dtype: torch.dtype = torch.bfloat16) -> None:
+    def __init__(self, cfg: Gemma3Config, spec: ModelSpec, kv_dtype: torch.dtype = torch.bfloat16,
+                 kernel: bool = gemv.AVAILABLE) -> None:
         super().__init__()
+        self.kernel = kernel
         kinds = tuple(LayerKind.FULL if t == "full_attention" else LayerKind.SWA for t in cfg.layer_types)
         assert kinds == spec.layers and spec.window == cfg.sliding_window, "the spec must describe this Gemma 3"
         self.cfg, self.spec = cfg, spec
         self.vocab_size, self.eos_token_ids, self.max_model_len = cfg.vocab, cfg.eos_token_ids, cfg.max_positions
         # an empty weight, not a random one: normal_ on the meta device imports torch._dynamo (~2 s a start)
         self.embed_tokens = nn.Embedding(cfg.vocab, cfg.hidden, _weight=torch.empty(cfg.vocab, cfg.hidden))
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, kernel) for _ in range(cfg.layers))
         self.norm = RMSNorm(cfg.hidden, cfg.rms_eps)
         self.caches = [PagedKV(spec.block_size, cfg.kv_heads, cfg.head_dim, kv_dtype) if kind is LayerKind.FULL
                        else RingKV(spec, cfg.kv_heads, cfg.head_dim, kv_dtype) for kind in kinds]
@@ -287,22 +299,27 @@ class Gemma3(Model):
                 before_layer(i)
             x = layer(x, *rope[self.spec.layers[i]], chunks, self.caches[i])
         last = torch.tensor([c.end - c.start for c in chunks]).cumsum(0) - 1
-        head = self.embed_tokens.weight   # tied lm_head; one row per GEMM: the same shape whatever the batch
-        logits = torch.cat([F.linear(self.norm(x[i:i + 1]), head) for i in last.tolist()])
+        head = self.embed_tokens.weight   # tied lm_head: 262,144 × 640 floats (671 MB), read once a step
+        if self.kernel:
+            logits = gemv.product(self.norm(x[last]), head)
+        else:   # one row per GEMM: the same shape whatever the batch
+            logits = torch.cat([F.linear(self.norm(x[i:i + 1]), head) for i in last.tolist()])
         cap = self.cfg.final_logit_softcapping
         return (torch.tanh(logits / cap) * cap if cap else logits).float()
 
 
-def load_gemma3(folder: Path, spec: ModelSpec, device: torch.device, kv_dtype: torch.dtype = torch.bfloat16
-                ) -> Gemma3:
+def load_gemma3(folder: Path, spec: ModelSpec, device: torch.device, kv_dtype: torch.dtype = torch.bfloat16,
+                kernel: bool | None = None) -> Gemma3:
     """Gemma 3 from an HF folder (safetensors, HF names, tied embeddings). The engine's loader
     (`registry.ModelEntry.load`). `kv_dtype` other than bf16 (tests: float32 K and V, to tell the forward's
-    arithmetic from bf16's rounding) needs a spec of that many bytes per token."""
+    arithmetic from bf16's rounding) needs a spec of that many bytes per token. `kernel` (default: where it is
+    available, on the CPU) as `Gemma3` takes it."""
+    kernel = gemv.AVAILABLE and device.type == "cpu" if kernel is None else kernel
     from safetensors.torch import load_file
 
     cfg = Gemma3Config.from_folder(folder)
     with torch.device("meta"):
-        model = Gemma3(cfg, spec, kv_dtype)
+        model = Gemma3(cfg, spec, kv_dtype, kernel)
     state = {}
     for file in sorted(folder.glob("*.safetensors")):
         for name, tensor in load_file(str(file)).items():
@@ -310,7 +327,7 @@ def load_gemma3(folder: Path, spec: ModelSpec, device: torch.device, kv_dtype: t
     state.pop("lm_head.weight", None)   # tied: the embeddings are the head
     model.load_state_dict(state, strict=True, assign=True)
     model = model.to(device).eval()
-    for module in model.modules():   # `linear` multiplies by weightᵀ: keep that contiguous (measured ~1.5× on 16 rows)
-        if isinstance(module, nn.Linear):
+    for module in model.modules():   # the kernel reads rows of w; `mm` multiplies by wᵀ (measured ~1.5× on 16 rows)
+        if isinstance(module, nn.Linear) and not kernel:
             module.weight.data = module.weight.data.t().contiguous().t()
     return model

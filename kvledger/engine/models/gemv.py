@@ -1,4 +1,4 @@
-"""y = x · wᵀ for a decode step's few rows of x, in kvledger's own kernel (`_gemv.c`).
+"""y = x · wᵀ in kvledger's own kernel (`_gemv.c`): a decode step's few rows, and any rows in a fixed order.
 
 A decode step multiplies one row per sequence by every weight of the model, so its matmuls read all the
 weights once a token and are bound by memory bandwidth. Measured on the 2-core AMD EPYC (AVX2), SmolLM2's 121
@@ -11,12 +11,17 @@ whole step):
     | this kernel                            | 15.6–17.7   |
     | reading the same 540 MB (`Tensor.sum`) | 13.2–16.3   |
 
-It stays ahead of oneDNN up to 16 rows (16 rows: 55 against 66 ms; 32 rows: 95 against 93), hence
-`MAX_ROWS`. Its results are within float32 rounding of oneDNN's (2e-7 to 4e-7 of the largest |y| against a
-float64 product, oneDNN's 2e-7 to 1e-6), in a fixed order of summation (`_gemv.c`).
+`gemv` is the engine's `Linear` (SmolLM2) for at most `MAX_ROWS` rows, where it is ahead of oneDNN. `product`
+takes any number of rows: each output depends on its own row of x and row of w only, in an order of summation
+fixed by k, so a model can put a whole batch (several decode steps and a prefill chunk) in one call, read the
+weights once a step, and still compute each row as it would alone (Gemma 3). With many rows it runs at AVX2's
+peak (measured on the 2-core Xeon, one thread, Gemma 3's 2048 × 640 projection: 81 GFLOP/s at 64 and 256 rows,
+against MKL's 140–165 with AVX-512); see models/gemma3.py for what that costs a prefill and gains a batch.
+Its results are within float32 rounding of oneDNN's (2e-7 to 4e-7 of the largest |y| against a float64 product,
+oneDNN's 2e-7 to 1e-6).
 
 `AVAILABLE` is false where the extension was not built (it is optional), where the CPU lacks AVX2 or FMA, and
-where the environment says `KVLEDGER_GEMV=0`; the caller keeps oneDNN then.
+where the environment says `KVLEDGER_GEMV=0`; the caller keeps its own path then.
 """
 
 from __future__ import annotations
@@ -41,6 +46,22 @@ def fits(x: Tensor, w: Tensor) -> bool:
     return (AVAILABLE and x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.dtype == w.dtype == torch.float32
             and x.device.type == "cpu" and w.device.type == "cpu" and w.is_contiguous()
             and x.shape[1] == w.shape[1] and not torch.is_grad_enabled())
+
+
+def product(x: Tensor, w: Tensor) -> Tensor:
+    """x · wᵀ for any number of rows, x [m × k] and w [n × k] float32 (w contiguous) → [m × n]: each y[i][j]
+    depends on row i of x and row j of w only, never on m, the other rows or the thread count (`_gemv.c`), so a
+    model can put every row of a batch (decode steps and prefill chunks alike) in one call and read w once. The
+    kernel must be available (`AVAILABLE`); ValueError where the shapes or dtypes do not apply."""
+    if not (AVAILABLE and x.dim() == 2 and x.dtype == w.dtype == torch.float32 and x.device.type == "cpu"
+            and w.device.type == "cpu" and w.is_contiguous() and x.shape[1] == w.shape[1]):
+        raise ValueError(f"the kernel does not apply to x {tuple(x.shape)} {x.dtype}, w {tuple(w.shape)} {w.dtype}")
+    x = x.contiguous()
+    y = torch.empty(x.shape[0], w.shape[0])
+    if x.shape[0]:
+        _gemv.gemv(x.data_ptr(), w.data_ptr(), y.data_ptr(), x.shape[0], w.shape[0], w.shape[1],
+                   torch.get_num_threads())
+    return y
 
 
 def gemv(x: Tensor, w: Tensor) -> Tensor:

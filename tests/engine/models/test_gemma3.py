@@ -133,6 +133,38 @@ def test_with_float32_kv_the_forward_is_transformers_within_float_rounding(gemma
             assert _rel_to_reference(logits, ref) <= 1e-5, (ref["name"], sizes)
 
 
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "fixed-row-gemms"])
+def test_a_batch_computes_each_sequence_as_it_would_alone(kernel):
+    """One step of a decoding sequence and another's prefill chunk: each sequence's logits and K, V are the floats
+    it gets in a step of its own (`torch.equal`), with every product in one call of the fixed-order kernel (the
+    weights read once a step) and with the fixed-row GEMMs per chunk (where the kernel is not available)."""
+    from kvledger.engine.models import gemv
+    from kvledger.engine.models.base import Chunk
+    from kvledger.engine.models.gemma3 import load_gemma3
+    from kvledger.engine.models.registry import resolve
+
+    if kernel and not gemv.AVAILABLE:
+        pytest.skip("kvledger's kernel is not built here, or this CPU lacks AVX2/FMA")
+    model = load_gemma3(resolve("gemma3-270m").weights.folder(), SPEC, torch.device("cpu"), kernel=kernel)
+    ids = torch.tensor(PROMPTS["long"]["ids"])
+    a, b = ids[:600], ids.flip(0)[:300]
+    tables = torch.arange(1, 8), torch.arange(8, 15)
+
+    def prefilled():
+        model.allocate(num_blocks=16, num_slots=2)
+        model([Chunk(a, 0, tables[0], slot=0)])
+        model([Chunk(b[:200], 0, tables[1], slot=1)])
+        return Chunk(ids[600:601], 600, tables[0], slot=0), Chunk(b[200:], 200, tables[1], slot=1)
+
+    decode, chunk = prefilled()
+    alone = torch.cat([model([decode]), model([chunk])])
+    alone_kv = model.caches[5].blocks_u8().clone()   # a full layer's blocks: both sequences' K and V
+    decode, chunk = prefilled()
+    together = model([decode, chunk])
+    assert torch.equal(together, alone)
+    assert torch.equal(model.caches[5].blocks_u8(), alone_kv)
+
+
 def test_snapshot_hit_is_the_cold_answer(gemma, ledger, holder, cold_long):
     ref = PROMPTS["long"]
     gemma.clear_device_cache()
