@@ -1,6 +1,8 @@
 """`kvledger bench serve --against vllm`: `kvledger serve` and `vllm serve` (prefix caching on) on the same
 model, one after the other, each driven by vLLM's own client, `vllm bench serve`, with the same shapes.
 
+`--workload chat` runs many multi-turn conversations at once instead (serve_chat_vllm.py).
+
 The shapes, run in this order on each server, `max_concurrency` 1 (one request after the other), greedy,
 `ignore_eos`, `--output-tokens` tokens each:
 - `unshared`: `--requests` prompts of `--prefix + --suffix` random tokens: every one cold;
@@ -36,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from kvledger.bench.serve_chat_vllm import add_chat_arguments, print_chat, run_chat
 from kvledger.engine.threads import peer_environment
 from kvledger.util.output import CliError, emit_json
 from kvledger.util.serve_process import free_port, spawn, terminate
@@ -62,6 +65,7 @@ def add_against_arguments(p: Any) -> None:
                    "the reference engine's weights; bf16 runs emulated on a CPU without AVX-512 BF16)")
     p.add_argument("--vllm-python", default=str(VLLM_PYTHON), help="with --against: the Python of a virtualenv with "
                    "vLLM and kvledger (default %(default)s)")
+    add_chat_arguments(p)
 
 
 def run_against_vllm(args: Any) -> int:
@@ -78,6 +82,15 @@ def run_against_vllm(args: Any) -> int:
         folder = entry.weights.folder()
     except (ValueError, AttributeError) as e:
         raise CliError(f"--model {args.model}: {e}") from None
+    if args.workload == "chat":
+        vocab = int(json.loads((folder / "config.json").read_text())["vocab_size"])
+        with tempfile.TemporaryDirectory() as tmp:
+            chat = run_chat(args, entry.name, folder, vocab, Path(tmp))
+        if args.json:
+            emit_json(chat)
+        else:
+            print_chat(chat)
+        return 0
     sides = {}
     with tempfile.TemporaryDirectory() as tmp:
         for side in ("kvledger", "vllm"):
