@@ -16,17 +16,29 @@ from __future__ import annotations
 
 import argparse
 import json
+import platform
+from pathlib import Path
 import statistics
 import time
 
 import torch
 
 from kvledger.core import ModelSpec
+from kvledger.engine.models import gemv
 from kvledger.engine.models.base import Chunk
 from kvledger.engine.models.gemma3 import load_gemma3
 from kvledger.engine.models.registry import resolve
 
 SHAPES = ("decode-1", "decode-2", "decode-2+prefill-128", "prefill-256")
+
+
+def cpu_name() -> str:
+    """/proc/cpuinfo's model name (the machine's architecture where there is none)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), platform.machine())
 
 
 def main() -> None:
@@ -73,7 +85,8 @@ def main() -> None:
              "min_ms": round(min(ts), 1), "max_ms": round(max(ts), 1)} for (name, shape), ts in times.items()]
     if args.json:
         print(json.dumps({"script": "gemma3_step_ab", "threads": args.threads, "context": args.context,
-                          "rounds": args.rounds, "rows": rows}, indent=2))
+                          "rounds": args.rounds, "cpu": cpu_name(),
+                          "kernel_lanes": 16 if gemv.WIDE else 8, "rows": rows}, indent=2))
         return
     for r in rows:
         print(f"{r['side']:<11} {r['shape']:<22} {r['median_ms']:>7.1f} ms  ({r['min_ms']:.1f}–{r['max_ms']:.1f})")

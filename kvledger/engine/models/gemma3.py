@@ -15,7 +15,21 @@ step reads the weights once whatever its batch (where the kernel is not availabl
 rows are fixed by absolute positions, `fixed_rows`, one chunk at a time); attention in TILE-query tiles whose key
 span is fixed by the tile. So a snapshot hit, an exact resume at a checkpoint, a chunked prefill, a cold one and
 a step shared with other sequences compute every position with the same floats on one machine (`torch.equal`
-logits and greedy tokens), and K and V round to the same bf16 values. What one layer computes (transformers' `Gemma3DecoderLayer`):
+logits and greedy tokens), and K and V round to the same bf16 values. The step shapes of the engine, one
+thread of the 2-core Xeon, two sequences at 1,100 tokens (`scripts/gemma3_step_ab.py`, median ms of 5 rounds,
+docs/results/gemma3-step-threads1-20261207T205152Z.json; 8 lanes: -8lanes-20261207T205246Z, as on a CPU
+without AVX-512):
+
+    step                                       fixed-row GEMMs (MKL)   kernel, 16 lanes   kernel, 8 lanes
+    one decoding sequence                      163                     107                119
+    two decoding sequences                     293                     144                167
+    two decoding + a 128-token prefill chunk   627                     417                577
+    a 256-token prefill chunk                  695                     620                929
+
+So a step of many sequences costs little more than one (the weights and the 671 MB head are read once), and a
+prefill chunk in sixteen lanes is no slower than MKL's GEMMs; in eight lanes, on an AVX-512 CPU, it is 1.3×.
+
+What one layer computes (transformers' `Gemma3DecoderLayer`):
 
     h = x + post_attention_norm(attn(input_norm(x)))      attn: q_norm, k_norm per head, then RoPE;
     y = h + post_feedforward_norm(mlp(pre_feedforward_norm(h)))        scores · query_pre_attn_scalar^-½

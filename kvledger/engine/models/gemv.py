@@ -11,17 +11,22 @@ whole step):
     | this kernel                            | 15.6–17.7   |
     | reading the same 540 MB (`Tensor.sum`) | 13.2–16.3   |
 
-`gemv` is the engine's `Linear` (SmolLM2) for at most `MAX_ROWS` rows, where it is ahead of oneDNN. `product`
+`gemv` is the engine's `Linear` (SmolLM2) for at most `MAX_ROWS` rows, where it is ahead of oneDNN, always in
+eight lanes (few rows are bound by memory, not by lanes; SmolLM2's hit bound was measured with them). `product`
 takes any number of rows: each output depends on its own row of x and row of w only, in an order of summation
 fixed by k, so a model can put a whole batch (several decode steps and a prefill chunk) in one call, read the
-weights once a step, and still compute each row as it would alone (Gemma 3). With many rows it runs at AVX2's
-peak (measured on the 2-core Xeon, one thread, Gemma 3's 2048 × 640 projection: 81 GFLOP/s at 64 and 256 rows,
-against MKL's 140–165 with AVX-512); see models/gemma3.py for what that costs a prefill and gains a batch.
+weights once a step, and still compute each row as it would alone (Gemma 3). With many rows it runs in tiles
+near the FMA units' peak: in eight lanes (AVX2) 80 GFLOP/s a core on the 2-core Xeon, in sixteen (AVX-512, where
+the CPU has it: `WIDE`) 110–128 against MKL's 140–165 (Gemma 3's projections, 64 and 256 rows, one thread); see
+models/gemma3.py for what that costs a prefill and gains a batch. The two widths sum in different fixed orders:
+a machine's choice is made once a process, so its cold and hit computations agree; two CPU kinds round
+differently, as their MKL kernels do.
 Its results are within float32 rounding of oneDNN's (2e-7 to 4e-7 of the largest |y| against a float64 product,
 oneDNN's 2e-7 to 1e-6).
 
 `AVAILABLE` is false where the extension was not built (it is optional), where the CPU lacks AVX2 or FMA, and
-where the environment says `KVLEDGER_GEMV=0`; the caller keeps its own path then.
+where the environment says `KVLEDGER_GEMV=0`; the caller keeps its own path then. `KVLEDGER_GEMV_WIDE=0` keeps
+eight lanes on an AVX-512 CPU (the tests' AVX2 path).
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ except ImportError:
 
 MAX_ROWS = 16
 AVAILABLE: bool = _gemv is not None and _gemv.available() and os.environ.get("KVLEDGER_GEMV", "1") != "0"
+# sixteen lanes where the CPU has AVX-512F (another fixed order: other bits than eight lanes), chosen once a process
+WIDE: bool = AVAILABLE and _gemv.wide_available() and os.environ.get("KVLEDGER_GEMV_WIDE", "1") != "0"
 
 
 def fits(x: Tensor, w: Tensor) -> bool:
@@ -60,7 +67,7 @@ def product(x: Tensor, w: Tensor) -> Tensor:
     y = torch.empty(x.shape[0], w.shape[0])
     if x.shape[0]:
         _gemv.gemv(x.data_ptr(), w.data_ptr(), y.data_ptr(), x.shape[0], w.shape[0], w.shape[1],
-                   torch.get_num_threads())
+                   torch.get_num_threads(), WIDE)
     return y
 
 
@@ -72,5 +79,5 @@ def gemv(x: Tensor, w: Tensor) -> Tensor:
     x = x.contiguous()
     y = torch.empty(x.shape[0], w.shape[0])
     _gemv.gemv(x.data_ptr(), w.data_ptr(), y.data_ptr(), x.shape[0], w.shape[0], w.shape[1],
-               torch.get_num_threads())
+               torch.get_num_threads(), False)
     return y

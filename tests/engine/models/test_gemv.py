@@ -91,3 +91,23 @@ def test_the_environment_turns_it_off():
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "KVLEDGER_GEMV": "0"},
                          capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "False"
+
+
+WIDTHS = [False, *([True] if gemv.WIDE or (gemv._gemv is not None and gemv._gemv.wide_available()) else [])]
+
+
+@pytest.mark.parametrize("wide", WIDTHS, ids=lambda w: "16-lanes" if w else "8-lanes")
+@pytest.mark.parametrize("n,k", [(2048, 640), (640, 2048), (49157, 64), (13, 37)])
+def test_a_products_row_is_the_same_alone_and_in_any_batch(monkeypatch, wide, n, k):
+    """`product`: each output row has the floats it has alone, in a batch of any size (the tiles of 4 × 3 and
+    4 × 6, their remainders, the cache blocks), and on any thread count; within float32 rounding of float64."""
+    monkeypatch.setattr(gemv, "WIDE", wide)
+    x, w = _case(23, n, k, seed=2)
+    with torch.inference_mode():
+        alone = torch.cat([gemv.product(x[i:i + 1], w) for i in range(len(x))])
+        for m in (2, 3, 5, 7, 16, 23):
+            assert torch.equal(gemv.product(x[:m], w), alone[:m]), m
+        ys = under_thread_counts(lambda: gemv.product(x, w), (1, 2, 3))
+    assert all(torch.equal(y, alone) for y in ys)
+    bound = k * 2.0 ** -24 * (x.double().abs() @ w.double().abs().T)
+    assert bool(((alone.double() - x.double() @ w.double().T).abs() <= bound).all())

@@ -12,7 +12,8 @@ same machine:
   checked under every path.
 - Gemma 3 270M is bit-exact the same way: a chunked prefill, a snapshot hit, a checkpoint resume and a next
   turn give `torch.equal` logits to the cold prefill; checked under the AVX2 and AVX-512 paths (its products in
-  kvledger's fixed-order kernel, `gemv.product`; its attention in MKL). Under the one that differs everywhere,
+  kvledger's fixed-order kernel, `gemv.product`, in eight lanes on the AVX2 path, `KVLEDGER_GEMV_WIDE=0`; its
+  attention in MKL). Under the one that differs everywhere,
   with that kernel off too (`KVLEDGER_GEMV=0`: every product in fixed-row GEMMs, `fixed_rows`, as on a CPU
   without AVX2), whose SSE2 kernels run Gemma about 2.5 times slower, the chunked prefill and the snapshot hit
   are checked (30 s): the checkpoint resume and the next turn are the
@@ -54,7 +55,7 @@ WITHIN_ROUNDING = ["tests/engine/test_smollm2.py", "-k", "full_hit_matches_cold 
 GEMMA_BIT_EXACT = ["tests/engine/models/test_gemma3.py", "-k", "chunked or snapshot_hit or checkpoint or decode_window"]
 GEMMA_BIT_EXACT_SLOW_KERNELS = ["tests/engine/models/test_gemma3.py", "-k", "chunked or snapshot_hit"]
 KERNEL_PATHS = {
-    "mkl-avx2": {"MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+    "mkl-avx2": {"MKL_ENABLE_INSTRUCTIONS": "AVX2", "KVLEDGER_GEMV_WIDE": "0"},   # kvledger's kernel too
     "mkl-avx512": {"MKL_ENABLE_INSTRUCTIONS": "AVX512"},
     "mkl-compatible": {"MKL_CBWR": "COMPATIBLE"},
     # and Gemma 3's products in fixed-row GEMMs (what a CPU without AVX2 computes), in MKL's reference kernels
