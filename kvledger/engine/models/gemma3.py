@@ -151,13 +151,15 @@ def linear(x: Tensor, layer: nn.Linear, chunks: Sequence[Chunk], kernel: bool) -
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, q_start: int, k_start: int, scale: float, window: int | None,
-           truncate_from: int | None) -> Tensor:
+           truncate_from: int | None, kernel: bool = False) -> Tensor:
     """Causal attention of queries at [q_start, q_start + n) over keys at [k_start, k_start + m), `window` None
     for full attention; q [n, heads, d], k/v [m, kv_heads, d]; k_start ≤ the first key any query attends.
 
-    Tile by tile of TILE queries aligned to absolute positions, each over its fixed key span (module
-    docstring): one GEMM of fixed shape for the scores, one for the values, so a query's floats depend only
-    on its own row and keys, never on the split."""
+    Tile by tile of TILE queries aligned to absolute positions, each over its fixed key span (module docstring),
+    so a query's floats depend only on its own row and keys, never on the split. Without `kernel`: one GEMM of
+    fixed shape (TILE rows, the padding included) for the scores, one for the values. With it: the scores and the
+    values of the tile's own queries only, in the fixed-order kernel (`gemv.product`: a row's floats never depend
+    on the other rows), so a decode step's one query costs one row, not TILE."""
     n, heads, d = q.shape
     kv = k.shape[1]
     group = heads // kv
@@ -168,7 +170,6 @@ def attend(q: Tensor, k: Tensor, v: Tensor, q_start: int, k_start: int, scale: f
         hi = t + TILE
         a, b = max(t, q_start), min(hi, q_end)                 # the tile's rows that are queries here
         ka, kb = max(lo, k_start), min(hi, k_end)              # the span's keys that are held
-        rows = place_rows(q[a - q_start:b - q_start], 0, a - t, TILE)
         keys = place_rows(k[ka - k_start:kb - k_start], 0, ka - lo, hi - lo)
         values = place_rows(v[ka - k_start:kb - k_start], 0, ka - lo, hi - lo)
         qpos = torch.arange(t, hi, device=q.device).unsqueeze(1)
@@ -177,6 +178,11 @@ def attend(q: Tensor, k: Tensor, v: Tensor, q_start: int, k_start: int, scale: f
         if window is not None:
             mask &= kpos >= torch.clamp(qpos - window + 1, min=truncate_from or 0)
         mask |= ~mask.any(-1, keepdim=True)                      # a row with no key is padding: any finite value
+        if kernel:
+            out[a - q_start:b - q_start] = _tile_in_kernel(q[a - q_start:b - q_start], keys, values,
+                                                           mask[a - t:b - t], scale)
+            continue
+        rows = place_rows(q[a - q_start:b - q_start], 0, a - t, TILE)
         qg = rows.view(TILE, kv, group, d).permute(1, 2, 0, 3).reshape(kv, group * TILE, d)
         scores = torch.bmm(qg, keys.permute(1, 2, 0)) * scale   # [kv, group · TILE, keys]
         scores = scores.view(kv, group, TILE, hi - lo).masked_fill(~mask, float("-inf"))
@@ -185,6 +191,23 @@ def attend(q: Tensor, k: Tensor, v: Tensor, q_start: int, k_start: int, scale: f
         o = o.view(kv, group, TILE, d).permute(2, 0, 1, 3).reshape(TILE, heads, d)
         out[a - q_start:b - q_start] = o[a - t:b - t]
     return out
+
+
+def _tile_in_kernel(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """One tile's attention for its queries q [r, heads, d] over the span's keys and values [span, kv, d] (zeros
+    where not held), mask [r, span]: per KV head, scores = q · keysᵀ and out = softmax · values, both products
+    in `gemv.product` (a row of scores and of the output over the span in a fixed order)."""
+    r, heads, d = q.shape
+    span, kv = keys.shape[0], keys.shape[1]
+    group = heads // kv
+    out = q.new_empty(r, kv, group, d)
+    rows_mask = mask.unsqueeze(1).expand(r, group, span).reshape(r * group, span)
+    for g in range(kv):
+        qg = q[:, g * group:(g + 1) * group].reshape(r * group, d)
+        scores = gemv.product(qg, keys[:, g].contiguous()) * scale          # [r · group, span]
+        probs = torch.softmax(scores.masked_fill_(~rows_mask, float("-inf")), dim=-1)
+        out[:, g] = gemv.product(probs, values[:, g].t().contiguous()).view(r, group, d)
+    return out.view(r, heads, d)
 
 
 class Attention(nn.Module):
@@ -222,7 +245,7 @@ class Attention(nn.Module):
         if first < c.end:
             cache.write(c.block_table, first, k[first - c.start:], v[first - c.start:])
         keys, values = cache.gather(c.block_table, c.end, q.dtype)
-        return attend(q, keys, values, c.start, 0, self.scale, None, None)
+        return attend(q, keys, values, c.start, 0, self.scale, None, None, self.kernel)
 
     def _sliding(self, q: Tensor, k: Tensor, v: Tensor, c: Chunk, cache: RingKV) -> Tensor:
         """Keys from max(s, start − W + 1): the ring's rows before start, then this chunk's own (bf16-rounded)."""
@@ -234,7 +257,7 @@ class Attention(nn.Module):
         cache.write(c.slot, c.start, k, v)
         keys = torch.cat((old_k, k.to(cache.dtype))).to(q.dtype)
         values = torch.cat((old_v, v.to(cache.dtype))).to(q.dtype)
-        return attend(q, keys, values, c.start, first, self.scale, cache.window, c.truncate_from)
+        return attend(q, keys, values, c.start, first, self.scale, cache.window, c.truncate_from, self.kernel)
 
 
 class MLP(nn.Module):

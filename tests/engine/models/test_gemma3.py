@@ -133,6 +133,28 @@ def test_with_float32_kv_the_forward_is_transformers_within_float_rounding(gemma
             assert _rel_to_reference(logits, ref) <= 1e-5, (ref["name"], sizes)
 
 
+@pytest.mark.parametrize("window", [None, 40])
+def test_attention_in_the_kernel_gives_a_query_the_same_floats_in_any_chunk(window):
+    """`attend` with the fixed-order kernel: a chunk of queries and each query alone (its keys up to itself, as a
+    decode step has them) give equal floats; within float32 rounding of the fixed-row GEMMs' attention."""
+    from kvledger.engine.models import gemv
+    from kvledger.engine.models.gemma3 import attend
+
+    if not gemv.AVAILABLE:
+        pytest.skip("kvledger's kernel is not built here, or this CPU lacks AVX2/FMA")
+    g = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(70, 4, 64, generator=g), torch.randn(100, 1, 64, generator=g), torch.randn(100, 1, 64,
+                                                                                                    generator=g)
+    start = 30                                   # queries at [30, 100), keys at [0, 100)
+    chunk = attend(q, k, v, start, 0, 0.125, window, None, kernel=True)
+    for i in (0, 1, 17, 33, 69):
+        p = start + i
+        alone = attend(q[i:i + 1], k[:p + 1], v[:p + 1], p, 0, 0.125, window, None, kernel=True)
+        assert torch.equal(alone[0], chunk[i]), i
+    gemms = attend(q, k, v, start, 0, 0.125, window, None, kernel=False)
+    assert torch.allclose(chunk, gemms, rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "fixed-row-gemms"])
 def test_a_batch_computes_each_sequence_as_it_would_alone(kernel):
     """One step of a decoding sequence and another's prefill chunk: each sequence's logits and K, V are the floats
