@@ -1,7 +1,7 @@
 /* y = x · wᵀ in a fixed order of summation: the decode step's matmuls at the speed of reading w once, and every
  * product of a model whose floats must not depend on the batch (Gemma 3's).
  *
- * x is [m × k], w is [n × k], y is [m × n], all float32, row-major and contiguous. A decode step multiplies one
+ * x is [m × k], w is [n × k], y is [m × n], all float32 and row-major; x and y contiguous, w's rows ldw ≥ k floats apart. A decode step multiplies one
  * row a sequence by every weight of the model: 540 MB for SmolLM2 in float32, read from memory once a token, so
  * the product is bound by memory bandwidth, not arithmetic. oneDNN's inner product and MKL's sgemv reach 2/3 of
  * that bandwidth on two cores (docs/engine.md); this loop reads each row of w once with AVX2 loads, for every row
@@ -32,10 +32,11 @@
  * steps of 8, the lanes added by `sum_lanes`, then the tail k mod 8 in order with fused multiply-adds. That is
  * the order of summation of every output, whatever tile computes it. */
 __attribute__((target("avx2,fma"), always_inline)) static inline void tile(const float *x, const float *w, float *y,
-                                                                           Py_ssize_t n, Py_ssize_t k, Py_ssize_t r,
-                                                                           Py_ssize_t i0, const int NW, const int NX) {
+                                                                           Py_ssize_t n, Py_ssize_t k, Py_ssize_t ldw,
+                                                                           Py_ssize_t r, Py_ssize_t i0, const int NW,
+                                                                           const int NX) {
     const Py_ssize_t k8 = k - k % 8;
-    const float *wr = w + r * k, *xi = x + i0 * k;
+    const float *wr = w + r * ldw, *xi = x + i0 * k;
     __m256 acc[ROWS][XROWS];
     for (int p = 0; p < NW; p++)
         for (int q = 0; q < NX; q++)
@@ -45,7 +46,7 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void tile(const
         for (int q = 0; q < NX; q++)
             xv[q] = _mm256_loadu_ps(xi + q * k + j);
         for (int p = 0; p < NW; p++) {
-            const __m256 wv = _mm256_loadu_ps(wr + p * k + j);
+            const __m256 wv = _mm256_loadu_ps(wr + p * ldw + j);
             for (int q = 0; q < NX; q++)
                 acc[p][q] = _mm256_fmadd_ps(wv, xv[q], acc[p][q]);
         }
@@ -54,14 +55,15 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void tile(const
         for (int q = 0; q < NX; q++) {
             float s = sum_lanes(acc[p][q]);
             for (Py_ssize_t j = k8; j < k; j++)
-                s = fmaf(wr[p * k + j], xi[q * k + j], s);
+                s = fmaf(wr[p * ldw + j], xi[q * k + j], s);
             y[(i0 + q) * n + r + p] = s;
         }
 }
 
 /* y[i][r] for r in [r0, r1) and every row i of x: BLOCK rows of w at a time, every row of x over them. */
 __attribute__((target("avx2,fma"))) static void rows(const float *x, const float *w, float *y, Py_ssize_t m,
-                                                     Py_ssize_t n, Py_ssize_t k, Py_ssize_t r0, Py_ssize_t r1) {
+                                                     Py_ssize_t n, Py_ssize_t k, Py_ssize_t ldw, Py_ssize_t r0,
+                                                     Py_ssize_t r1) {
     for (Py_ssize_t b0 = r0; b0 < r1; b0 += BLOCK) {
         const Py_ssize_t b1 = b0 + BLOCK < r1 ? b0 + BLOCK : r1;
         for (Py_ssize_t i = 0; i < m; i += XROWS) {
@@ -69,19 +71,19 @@ __attribute__((target("avx2,fma"))) static void rows(const float *x, const float
             Py_ssize_t r = b0;
             for (; r + ROWS <= b1; r += ROWS) {
                 if (left >= 3)
-                    tile(x, w, y, n, k, r, i, ROWS, 3);
+                    tile(x, w, y, n, k, ldw, r, i, ROWS, 3);
                 else if (left == 2)
-                    tile(x, w, y, n, k, r, i, ROWS, 2);
+                    tile(x, w, y, n, k, ldw, r, i, ROWS, 2);
                 else
-                    tile(x, w, y, n, k, r, i, ROWS, 1);
+                    tile(x, w, y, n, k, ldw, r, i, ROWS, 1);
             }
             for (; r < b1; r++) {   /* the last n mod ROWS rows of the last thread's share */
                 if (left >= 3)
-                    tile(x, w, y, n, k, r, i, 1, 3);
+                    tile(x, w, y, n, k, ldw, r, i, 1, 3);
                 else if (left == 2)
-                    tile(x, w, y, n, k, r, i, 1, 2);
+                    tile(x, w, y, n, k, ldw, r, i, 1, 2);
                 else
-                    tile(x, w, y, n, k, r, i, 1, 1);
+                    tile(x, w, y, n, k, ldw, r, i, 1, 1);
             }
         }
     }
@@ -93,10 +95,10 @@ __attribute__((target("avx2,fma"))) static void rows(const float *x, const float
 #define XROWS16 6   /* 4 × 6 accumulators, 6 x lanes and 1 w lane: 31 of the 32 zmm registers */
 
 __attribute__((target("avx512f,avx2,fma"), always_inline)) static inline void tile16(
-    const float *x, const float *w, float *y, Py_ssize_t n, Py_ssize_t k, Py_ssize_t r, Py_ssize_t i0, const int NW,
-    const int NX) {
+    const float *x, const float *w, float *y, Py_ssize_t n, Py_ssize_t k, Py_ssize_t ldw, Py_ssize_t r, Py_ssize_t i0,
+    const int NW, const int NX) {
     const Py_ssize_t k16 = k - k % 16;
-    const float *wr = w + r * k, *xi = x + i0 * k;
+    const float *wr = w + r * ldw, *xi = x + i0 * k;
     __m512 acc[ROWS][XROWS16];
     for (int p = 0; p < NW; p++)
         for (int q = 0; q < NX; q++)
@@ -106,7 +108,7 @@ __attribute__((target("avx512f,avx2,fma"), always_inline)) static inline void ti
         for (int q = 0; q < NX; q++)
             xv[q] = _mm512_loadu_ps(xi + q * k + j);
         for (int p = 0; p < NW; p++) {
-            const __m512 wv = _mm512_loadu_ps(wr + p * k + j);
+            const __m512 wv = _mm512_loadu_ps(wr + p * ldw + j);
             for (int q = 0; q < NX; q++)
                 acc[p][q] = _mm512_fmadd_ps(wv, xv[q], acc[p][q]);
         }
@@ -117,14 +119,14 @@ __attribute__((target("avx512f,avx2,fma"), always_inline)) static inline void ti
             const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[p][q]), 1));
             float s = sum_lanes(_mm256_add_ps(lo, hi));
             for (Py_ssize_t j = k16; j < k; j++)
-                s = fmaf(wr[p * k + j], xi[q * k + j], s);
+                s = fmaf(wr[p * ldw + j], xi[q * k + j], s);
             y[(i0 + q) * n + r + p] = s;
         }
 }
 
 __attribute__((target("avx512f,avx2,fma"))) static void rows16(const float *x, const float *w, float *y, Py_ssize_t m,
-                                                               Py_ssize_t n, Py_ssize_t k, Py_ssize_t r0,
-                                                               Py_ssize_t r1) {
+                                                               Py_ssize_t n, Py_ssize_t k, Py_ssize_t ldw,
+                                                               Py_ssize_t r0, Py_ssize_t r1) {
     for (Py_ssize_t b0 = r0; b0 < r1; b0 += BLOCK) {
         const Py_ssize_t b1 = b0 + BLOCK < r1 ? b0 + BLOCK : r1;
         for (Py_ssize_t i = 0; i < m; i += XROWS16) {
@@ -133,21 +135,21 @@ __attribute__((target("avx512f,avx2,fma"))) static void rows16(const float *x, c
             const int nx = left >= XROWS16 ? XROWS16 : (int)left;
             for (; r + ROWS <= b1; r += ROWS)
                 switch (nx) {   /* a constant per case: the tile's loops unroll and its accumulators stay in zmm */
-                case 6: tile16(x, w, y, n, k, r, i, ROWS, 6); break;
-                case 5: tile16(x, w, y, n, k, r, i, ROWS, 5); break;
-                case 4: tile16(x, w, y, n, k, r, i, ROWS, 4); break;
-                case 3: tile16(x, w, y, n, k, r, i, ROWS, 3); break;
-                case 2: tile16(x, w, y, n, k, r, i, ROWS, 2); break;
-                default: tile16(x, w, y, n, k, r, i, ROWS, 1);
+                case 6: tile16(x, w, y, n, k, ldw, r, i, ROWS, 6); break;
+                case 5: tile16(x, w, y, n, k, ldw, r, i, ROWS, 5); break;
+                case 4: tile16(x, w, y, n, k, ldw, r, i, ROWS, 4); break;
+                case 3: tile16(x, w, y, n, k, ldw, r, i, ROWS, 3); break;
+                case 2: tile16(x, w, y, n, k, ldw, r, i, ROWS, 2); break;
+                default: tile16(x, w, y, n, k, ldw, r, i, ROWS, 1);
                 }
             for (; r < b1; r++)
                 switch (nx) {
-                case 6: tile16(x, w, y, n, k, r, i, 1, 6); break;
-                case 5: tile16(x, w, y, n, k, r, i, 1, 5); break;
-                case 4: tile16(x, w, y, n, k, r, i, 1, 4); break;
-                case 3: tile16(x, w, y, n, k, r, i, 1, 3); break;
-                case 2: tile16(x, w, y, n, k, r, i, 1, 2); break;
-                default: tile16(x, w, y, n, k, r, i, 1, 1);
+                case 6: tile16(x, w, y, n, k, ldw, r, i, 1, 6); break;
+                case 5: tile16(x, w, y, n, k, ldw, r, i, 1, 5); break;
+                case 4: tile16(x, w, y, n, k, ldw, r, i, 1, 4); break;
+                case 3: tile16(x, w, y, n, k, ldw, r, i, 1, 3); break;
+                case 2: tile16(x, w, y, n, k, ldw, r, i, 1, 2); break;
+                default: tile16(x, w, y, n, k, ldw, r, i, 1, 1);
                 }
         }
     }
@@ -159,16 +161,16 @@ static PyObject *wide_available(PyObject *self, PyObject *unused) {
     return PyBool_FromLong(__builtin_cpu_supports("avx512f"));
 }
 
-/* gemv(x_ptr, w_ptr, y_ptr, m, n, k, threads, wide): the caller (gemv.py) checks shapes, dtypes and contiguity and
+/* gemv(x_ptr, w_ptr, y_ptr, m, n, k, threads, wide, ldw): w's rows ldw floats apart; the caller (gemv.py) checks shapes, dtypes and contiguity and
  * keeps the three tensors alive for the call; the GIL is released while it runs. */
 static PyObject *gemv(PyObject *self, PyObject *args) {
     uintptr_t xp, wp, yp;
-    Py_ssize_t m, n, k;
+    Py_ssize_t m, n, k, ldw;
     int threads, wide;
-    if (!PyArg_ParseTuple(args, "kkknnnip", &xp, &wp, &yp, &m, &n, &k, &threads, &wide))
+    if (!PyArg_ParseTuple(args, "kkknnnipn", &xp, &wp, &yp, &m, &n, &k, &threads, &wide, &ldw))
         return NULL;
-    if (m < 1 || n < 1 || k < 1 || threads < 1) {
-        PyErr_SetString(PyExc_ValueError, "gemv: m, n, k and threads must be positive");
+    if (m < 1 || n < 1 || k < 1 || threads < 1 || ldw < k) {
+        PyErr_SetString(PyExc_ValueError, "gemv: m, n, k and threads must be positive, and ldw at least k");
         return NULL;
     }
     const float *x = (const float *)xp, *w = (const float *)wp;
@@ -184,9 +186,9 @@ static PyObject *gemv(PyObject *self, PyObject *args) {
         const Py_ssize_t r0 = blocks * t / nt * ROWS;
         const Py_ssize_t r1 = t == nt - 1 ? n : blocks * (t + 1) / nt * ROWS;
         if (wide)
-            rows16(x, w, y, m, n, k, r0, r1);
+            rows16(x, w, y, m, n, k, ldw, r0, r1);
         else
-            rows(x, w, y, m, n, k, r0, r1);
+            rows(x, w, y, m, n, k, ldw, r0, r1);
     }
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
@@ -194,7 +196,7 @@ static PyObject *gemv(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"gemv", gemv, METH_VARARGS,
-     "gemv(x_ptr, w_ptr, y_ptr, m, n, k, threads, wide): y = x · wᵀ, float32, sixteen lanes if wide (see gemv.py)"},
+     "gemv(x_ptr, w_ptr, y_ptr, m, n, k, threads, wide, ldw): y = x · wᵀ, float32, w's rows ldw apart (gemv.py)"},
     {"wide_available", wide_available, METH_NOARGS, "Whether this CPU has AVX-512F (the sixteen-lane kernel)."},
     AVAILABLE_METHOD,
     {NULL, NULL, 0, NULL},

@@ -160,29 +160,21 @@ def attend(q: Tensor, k: Tensor, v: Tensor, q_start: int, k_start: int, scale: f
     fixed shape (TILE rows, the padding included) for the scores, one for the values. With it: the scores and the
     values of the tile's own queries only, in the fixed-order kernel (`gemv.product`: a row's floats never depend
     on the other rows), so a decode step's one query costs one row, not TILE."""
+    if kernel:
+        return _attend_in_kernel(q, k, v, q_start, k_start, scale, window, truncate_from)
     n, heads, d = q.shape
     kv = k.shape[1]
     group = heads // kv
     q_end, k_end = q_start + n, k_start + k.shape[0]
     out = q.new_empty(n, heads, d)
     for t in range(q_start // TILE * TILE, q_end, TILE):
-        lo = 0 if window is None else max(0, t - window + 1)
-        hi = t + TILE
+        lo, hi = _span(t, window)
         a, b = max(t, q_start), min(hi, q_end)                 # the tile's rows that are queries here
         ka, kb = max(lo, k_start), min(hi, k_end)              # the span's keys that are held
+        rows = place_rows(q[a - q_start:b - q_start], 0, a - t, TILE)
         keys = place_rows(k[ka - k_start:kb - k_start], 0, ka - lo, hi - lo)
         values = place_rows(v[ka - k_start:kb - k_start], 0, ka - lo, hi - lo)
-        qpos = torch.arange(t, hi, device=q.device).unsqueeze(1)
-        kpos = torch.arange(lo, hi, device=q.device).unsqueeze(0)
-        mask = kpos <= qpos
-        if window is not None:
-            mask &= kpos >= torch.clamp(qpos - window + 1, min=truncate_from or 0)
-        mask |= ~mask.any(-1, keepdim=True)                      # a row with no key is padding: any finite value
-        if kernel:
-            out[a - q_start:b - q_start] = _tile_in_kernel(q[a - q_start:b - q_start], keys, values,
-                                                           mask[a - t:b - t], scale)
-            continue
-        rows = place_rows(q[a - q_start:b - q_start], 0, a - t, TILE)
+        mask = _tile_mask(t, lo, window, truncate_from, q.device)
         qg = rows.view(TILE, kv, group, d).permute(1, 2, 0, 3).reshape(kv, group * TILE, d)
         scores = torch.bmm(qg, keys.permute(1, 2, 0)) * scale   # [kv, group · TILE, keys]
         scores = scores.view(kv, group, TILE, hi - lo).masked_fill(~mask, float("-inf"))
@@ -193,21 +185,50 @@ def attend(q: Tensor, k: Tensor, v: Tensor, q_start: int, k_start: int, scale: f
     return out
 
 
-def _tile_in_kernel(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float) -> Tensor:
-    """One tile's attention for its queries q [r, heads, d] over the span's keys and values [span, kv, d] (zeros
-    where not held), mask [r, span]: per KV head, scores = q · keysᵀ and out = softmax · values, both products
-    in `gemv.product` (a row of scores and of the output over the span in a fixed order)."""
-    r, heads, d = q.shape
-    span, kv = keys.shape[0], keys.shape[1]
+def _span(t: int, window: int | None) -> tuple[int, int]:
+    """The key span [lo, hi) of the tile of queries [t, t + TILE)."""
+    return (0 if window is None else max(0, t - window + 1)), t + TILE
+
+
+def _tile_mask(t: int, lo: int, window: int | None, truncate_from: int | None, device: torch.device) -> Tensor:
+    """[TILE, hi − lo] bool: which keys of the span each query of the tile attends (a row with none, padding: all)."""
+    qpos = torch.arange(t, t + TILE, device=device).unsqueeze(1)
+    kpos = torch.arange(lo, t + TILE, device=device).unsqueeze(0)
+    mask = kpos <= qpos
+    if window is not None:
+        mask &= kpos >= torch.clamp(qpos - window + 1, min=truncate_from or 0)
+    return mask | ~mask.any(-1, keepdim=True)
+
+
+def _attend_in_kernel(q: Tensor, k: Tensor, v: Tensor, q_start: int, k_start: int, scale: float,
+                      window: int | None, truncate_from: int | None) -> Tensor:
+    """`attend` with the fixed-order kernel: per tile and KV head, scores = q · keysᵀ over the tile's span and
+    out = softmax · values, both in `gemv.product` (a row's floats over the span in a fixed order, whatever the
+    other rows), for the tile's own queries only. The keys of every tile's span, and the values transposed, are
+    laid out once (zeros where not held); a tile reads its span's rows and columns in place."""
+    n, heads, d = q.shape
+    kv = k.shape[1]
     group = heads // kv
-    out = q.new_empty(r, kv, group, d)
-    rows_mask = mask.unsqueeze(1).expand(r, group, span).reshape(r * group, span)
-    for g in range(kv):
-        qg = q[:, g * group:(g + 1) * group].reshape(r * group, d)
-        scores = gemv.product(qg, keys[:, g].contiguous()) * scale          # [r · group, span]
-        probs = torch.softmax(scores.masked_fill_(~rows_mask, float("-inf")), dim=-1)
-        out[:, g] = gemv.product(probs, values[:, g].t().contiguous()).view(r, group, d)
-    return out.view(r, heads, d)
+    q_end, k_end = q_start + n, k_start + k.shape[0]
+    first = q_start // TILE * TILE
+    lo0, hi1 = _span(first, window)[0], _span((q_end - 1) // TILE * TILE, window)[1]
+    ka, kb = max(lo0, k_start), min(hi1, k_end)
+    keys = place_rows(k[ka - k_start:kb - k_start], 0, ka - lo0, hi1 - lo0).transpose(0, 1)   # [kv, keys, d]
+    values_t = k.new_zeros(kv, d, hi1 - lo0)
+    values_t[:, :, ka - lo0:kb - lo0] = v[ka - k_start:kb - k_start].permute(1, 2, 0)
+    out = q.new_empty(n, kv, group, d)
+    for t in range(first, q_end, TILE):
+        lo, hi = _span(t, window)
+        a, b = max(t, q_start), min(hi, q_end)
+        r = b - a
+        mask = _tile_mask(t, lo, window, truncate_from, q.device)[a - t:b - t]
+        rows_mask = mask.unsqueeze(1).expand(r, group, hi - lo).reshape(r * group, hi - lo)
+        for g in range(kv):
+            qg = q[a - q_start:b - q_start, g * group:(g + 1) * group].reshape(r * group, d)
+            scores = gemv.product(qg, keys[g, lo - lo0:hi - lo0]) * scale        # [r · group, span]
+            probs = torch.softmax(scores.masked_fill_(~rows_mask, float("-inf")), dim=-1)
+            out[a - q_start:b - q_start, g] = gemv.product(probs, values_t[g, :, lo - lo0:hi - lo0]).view(r, group, d)
+    return out.view(n, heads, d)
 
 
 class Attention(nn.Module):

@@ -56,18 +56,21 @@ def fits(x: Tensor, w: Tensor) -> bool:
 
 
 def product(x: Tensor, w: Tensor) -> Tensor:
-    """x · wᵀ for any number of rows, x [m × k] and w [n × k] float32 (w contiguous) → [m × n]: each y[i][j]
-    depends on row i of x and row j of w only, never on m, the other rows or the thread count (`_gemv.c`), so a
-    model can put every row of a batch (decode steps and prefill chunks alike) in one call and read w once. The
-    kernel must be available (`AVAILABLE`); ValueError where the shapes or dtypes do not apply."""
-    if not (AVAILABLE and x.dim() == 2 and x.dtype == w.dtype == torch.float32 and x.device.type == "cpu"
-            and w.device.type == "cpu" and w.is_contiguous() and x.shape[1] == w.shape[1]):
-        raise ValueError(f"the kernel does not apply to x {tuple(x.shape)} {x.dtype}, w {tuple(w.shape)} {w.dtype}")
+    """x · wᵀ for any number of rows, x [m × k] and w [n × k] float32 (w's rows contiguous, any distance apart)
+    → [m × n]: each y[i][j] depends on row i of x and row j of w only, never on m, the other rows or the thread
+    count (`_gemv.c`), so a model can put every row of a batch (decode steps and prefill chunks alike) in one call
+    and read w once. The kernel must be available (`AVAILABLE`); ValueError where the shapes or dtypes do not
+    apply."""
+    if not (AVAILABLE and x.dim() == 2 and w.dim() == 2 and x.dtype == w.dtype == torch.float32
+            and x.device.type == "cpu" and w.device.type == "cpu" and x.shape[1] == w.shape[1] and w.stride(1) == 1
+            and w.stride(0) >= w.shape[1] and w.shape[0] and w.shape[1]):
+        raise ValueError(f"the kernel does not apply to x {tuple(x.shape)} {x.dtype}, w {tuple(w.shape)} "
+                         f"{w.dtype} (strides {w.stride()})")
     x = x.contiguous()
     y = torch.empty(x.shape[0], w.shape[0])
     if x.shape[0]:
         _gemv.gemv(x.data_ptr(), w.data_ptr(), y.data_ptr(), x.shape[0], w.shape[0], w.shape[1],
-                   torch.get_num_threads(), WIDE)
+                   torch.get_num_threads(), WIDE, w.stride(0))
     return y
 
 
@@ -79,5 +82,5 @@ def gemv(x: Tensor, w: Tensor) -> Tensor:
     x = x.contiguous()
     y = torch.empty(x.shape[0], w.shape[0])
     _gemv.gemv(x.data_ptr(), w.data_ptr(), y.data_ptr(), x.shape[0], w.shape[0], w.shape[1],
-               torch.get_num_threads(), False)
+               torch.get_num_threads(), False, w.shape[1])
     return y
