@@ -15,7 +15,10 @@ Per setup, on each concurrency and burner setting:
 - `kvledger-default`: `kvledger serve` at its defaults.
 `--burner` `on` keeps one core busy (a process spinning in a loop) while a server is measured: a load
 generator, a build, another service on the box. The figures (client side): TTFT p50 and p90, the gaps between
-streamed chunks that carry tokens (inter-token) p50 and p99, requests per second; the ratios are kvledger's
+streamed chunks that carry tokens (inter-token) p50 and p99, requests per second, and of the first turns of the
+conversations after the first two (each a new conversation on the shared system prompt, which the first two
+stored) the TTFT p50 and the fewest cached tokens the server reported (vLLM: `--enable-prompt-tokens-details`);
+the ratios are kvledger's
 over vLLM's in the same concurrency and burner setting (under 1, kvledger is faster; requests per second: over
 1). The first conversation's first turn is sent once before the load (a server's first call is not measured).
 """
@@ -159,17 +162,21 @@ def drive(url: str, model: str, shape: ChatShape, concurrency: int, vocab: int) 
     stream(url, model, system + users[0][0], shape.output_tokens)   # warm-up: the first call is not measured
     t0 = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
-        turns = [t for conv in pool.map(lambda u: converse(url, model, shape, system, u), users) for t in conv]
+        convs = list(pool.map(lambda u: converse(url, model, shape, system, u), users))
     wall = time.perf_counter() - t0
+    turns = [t for conv in convs for t in conv]
     ttft = [t.ttft_s for t in turns]
     gaps = [g for t in turns for g in t.gaps_s]
+    later_firsts = [conv[0] for conv in convs[2:]]   # new conversations after the first two: the shared prefix's hits
 
-    def q(xs: list[float], p: float) -> float:
-        return round(float(np.percentile(xs, p)) * 1000, 1) if xs else float("nan")
+    def q(xs: list[float], p: float) -> float | None:
+        return round(float(np.percentile(xs, p)) * 1000, 1) if xs else None
 
     return {"requests": len(turns), "wall_s": round(wall, 2), "requests_per_s": round(len(turns) / wall, 3),
             "ttft_p50_ms": q(ttft, 50), "ttft_p90_ms": q(ttft, 90), "inter_token_p50_ms": q(gaps, 50),
-            "inter_token_p99_ms": q(gaps, 99), "cached_tokens": sum(t.cached_tokens for t in turns)}
+            "inter_token_p99_ms": q(gaps, 99), "cached_tokens": sum(t.cached_tokens for t in turns),
+            "first_turn_ttft_p50_ms": q([t.ttft_s for t in later_firsts], 50),
+            "first_turn_cached_min": min((t.cached_tokens for t in later_firsts), default=None)}
 
 
 @contextlib.contextmanager
@@ -264,8 +271,9 @@ def ratios(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if r["side"] == "vllm" or v is None:
             continue
         row = {"side": r["side"], "burner": r["burner"], "concurrency": r["concurrency"]}
-        for key in ("ttft_p50_ms", "ttft_p90_ms", "inter_token_p50_ms", "inter_token_p99_ms", "requests_per_s"):
-            row[key] = round(r[key] / v[key], 3) if v[key] else None
+        for key in ("ttft_p50_ms", "ttft_p90_ms", "inter_token_p50_ms", "inter_token_p99_ms", "requests_per_s",
+                    "first_turn_ttft_p50_ms"):
+            row[key] = round(r[key] / v[key], 3) if r.get(key) and v.get(key) else None
         out.append(row)
     return out
 

@@ -41,14 +41,15 @@ def test_the_ratios_are_kvledger_over_vllm_in_the_same_setting():
 
 
 def test_the_workload_runs_against_kvledger_serve_at_both_settings():
-    r = subprocess.run([*CHAT, "--model", "smollm2-135m", "--chat-sessions", "2", "--chat-turns", "2",
+    r = subprocess.run([*CHAT, "--model", "smollm2-135m", "--chat-sessions", "3", "--chat-turns", "2",
                         "--system-tokens", "200", "--user-tokens", "20", "--output-tokens", "3",
                         "--chat-concurrency", "2", "--burner", "off", "--sides", "kvledger-equal,kvledger-default",
                         "--json"], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout)
-    assert [(x["side"], x["requests"]) for x in out["runs"]] == [("kvledger-equal", 4), ("kvledger-default", 4)]
+    assert [(x["side"], x["requests"]) for x in out["runs"]] == [("kvledger-equal", 6), ("kvledger-default", 6)]
     for x in out["runs"]:
         assert 0 < x["ttft_p50_ms"] <= x["ttft_p90_ms"] and 0 < x["inter_token_p50_ms"] <= x["inter_token_p99_ms"]
         assert x["cached_tokens"] >= 2 * 128   # later turns hit their conversation's earlier ones (and the system)
+        assert x["first_turn_ttft_p50_ms"] > 0 and x["first_turn_cached_min"] == 128   # the third: the system prompt
     assert out["ratios"] == []
