@@ -15,19 +15,21 @@ step reads the weights once whatever its batch (where the kernel is not availabl
 rows are fixed by absolute positions, `fixed_rows`, one chunk at a time); attention in TILE-query tiles whose key
 span is fixed by the tile. So a snapshot hit, an exact resume at a checkpoint, a chunked prefill, a cold one and
 a step shared with other sequences compute every position with the same floats on one machine (`torch.equal`
-logits and greedy tokens), and K and V round to the same bf16 values. The step shapes of the engine, one
-thread of the 2-core Xeon, two sequences at 1,100 tokens (`scripts/gemma3_step_ab.py`, median ms of 5 rounds,
-docs/results/gemma3-step-threads1-20261207T205152Z.json; 8 lanes: -8lanes-20261207T205246Z, as on a CPU
-without AVX-512):
+logits and greedy tokens), and K and V round to the same bf16 values. With the kernel, attention takes it too
+(`_attend_in_kernel`): a tile's own queries only, so a decode step computes one row, not TILE.
 
-    step                                       fixed-row GEMMs (MKL)   kernel, 16 lanes   kernel, 8 lanes
-    one decoding sequence                      163                     107                119
-    two decoding sequences                     293                     144                167
-    two decoding + a 128-token prefill chunk   627                     417                577
-    a 256-token prefill chunk                  695                     620                929
+The engine's step shapes, one thread of the 2-core Xeon, two sequences at 1,100 tokens (`scripts/gemma3_step_ab.py`,
+median ms of 5 rounds; docs/results/gemma3-step-threads1-20261207T212954Z.json):
 
-So a step of many sequences costs little more than one (the weights and the 671 MB head are read once), and a
-prefill chunk in sixteen lanes is no slower than MKL's GEMMs; in eight lanes, on an AVX-512 CPU, it is 1.3×.
+    step                                       fixed-row GEMMs (MKL), one chunk at a time   kernel (16 lanes)
+    one decoding sequence                      161                                          103
+    two decoding sequences                     293                                          137
+    two decoding + a 128-token prefill chunk   619                                          424
+    a 256-token prefill chunk                  680                                          642
+
+A step of many sequences costs little more than one: the weights and the 671 MB head are read once. In eight
+lanes (an AVX2 CPU; here `KVLEDGER_GEMV_WIDE=0`, before the kernel attention: -8lanes-20261207T205246Z) the
+prefill chunk is 1.2× MKL's AVX-512 GEMMs on this Xeon (929 against 752 ms); on an AVX2 CPU MKL has 8 lanes too.
 
 What one layer computes (transformers' `Gemma3DecoderLayer`):
 
